@@ -1,0 +1,1 @@
+"""Build time: a PyTorch transformer encoder, its ONNX export and variants, the parity gate."""

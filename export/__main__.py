@@ -1,0 +1,102 @@
+"""Command line: export an encoder into a model repository.
+
+python -m export --repository DIR                   # the default model, all-MiniLM-L6-v2
+python -m export --repository DIR --source FOLDER   # any local BERT-family checkpoint
+python -m export --repository DIR --random          # a small random encoder (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from export.checkpoint import CheckpointError, default_model_folder, load_checkpoint, random_checkpoint
+from export.config import ConfigError, EncoderConfig
+from export.pipeline import VARIANTS, ExportOptions, GateRefused, export_model
+from export.publish import ServingDefaults
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+RANDOM_CONFIG = {
+    "vocab_size": 1000,
+    "d_model": 64,
+    "num_heads": 4,
+    "num_layers": 2,
+    "ffn_dim": 128,
+    "max_positions": 128,
+}
+
+
+def _variants(text: str) -> tuple[str, ...]:
+    chosen = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown or "fp32" not in chosen:
+        raise argparse.ArgumentTypeError(f"variants must include fp32 and come from {', '.join(VARIANTS)}")
+    return chosen
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """Parse and check the command line."""
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
+    parser.add_argument("--repository", type=Path, required=True, help="model repository to write into")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--source", type=Path, help="a Hugging Face / sentence-transformers BERT folder")
+    source.add_argument("--random", action="store_true", help="a small randomly initialised encoder")
+    parser.add_argument("--random-config", type=json.loads, default={}, help="JSON overrides for --random")
+    parser.add_argument("--name", help="model name in the repository (default: the source's)")
+    parser.add_argument("--variants", type=_variants, default=VARIANTS, help="comma-separated, fp32 always")
+    parser.add_argument("--threads", type=_positive, default=2, help="threads for the measurements")
+    parser.add_argument("--int8-min-speedup", type=float, default=1.6, help="int8 speed bar over fp32")
+    parser.add_argument("--max-batch-size", type=_positive, default=ServingDefaults.max_batch_size)
+    parser.add_argument("--max-queue-delay-us", type=int, default=ServingDefaults.max_queue_delay_us)
+    parser.add_argument("--max-queue-size", type=_positive, default=ServingDefaults.max_queue_size)
+    parser.add_argument("--seed", type=int, default=0, help="seed for --random")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the export; a bad source or a refused gate is one line on stderr and a non-zero exit."""
+    arguments = parse_arguments(argv)
+    logging.basicConfig(level=arguments.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if arguments.random:
+            config = EncoderConfig(**{**RANDOM_CONFIG, **arguments.random_config})
+            checkpoint = random_checkpoint(config, arguments.name or "random-encoder", seed=arguments.seed)
+        elif arguments.source is not None:
+            checkpoint = load_checkpoint(arguments.source, arguments.name)
+        else:
+            checkpoint = load_checkpoint(default_model_folder(), arguments.name or DEFAULT_MODEL_NAME)
+        options = ExportOptions(
+            variants=arguments.variants,
+            threads=arguments.threads,
+            int8_min_speedup=arguments.int8_min_speedup,
+            serving=ServingDefaults(
+                max_batch_size=arguments.max_batch_size,
+                max_queue_delay_us=arguments.max_queue_delay_us,
+                max_queue_size=arguments.max_queue_size,
+            ),
+        )
+        report = export_model(checkpoint, arguments.repository, options)
+    except (CheckpointError, ConfigError, TypeError) as error:
+        print(f"export: error: {error}", file=sys.stderr)
+        return 2
+    except GateRefused as error:
+        print(f"export: {error}", file=sys.stderr)
+        return 1
+    published = ", ".join(report["variants"])
+    print(f"published {checkpoint.name} ({published}) to {arguments.repository / checkpoint.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

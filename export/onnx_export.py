@@ -1,0 +1,69 @@
+"""PyTorch encoder -> ONNX graph with dynamic batch and sequence axes."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+
+from export.model import Encoder
+
+OPSET = 17
+OUTPUT_NAMES = ("last_hidden_state", "embedding")
+# Protobuf's 2 GiB message limit: larger models keep their weights beside the graph.
+EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
+
+log = logging.getLogger(__name__)
+
+
+def input_names(model: Encoder) -> list[str]:
+    """The graph's inputs, in order: token_type_ids only where the model has segments."""
+    names = ["input_ids", "attention_mask"]
+    if model.config.uses_segments:
+        names.append("token_type_ids")
+    return names
+
+
+def save_onnx(model_proto: onnx.ModelProto, path: Path) -> None:
+    """Write a graph, moving weights to an external data file when the graph would be too large."""
+    large = model_proto.ByteSize() > EXTERNAL_DATA_THRESHOLD_BYTES
+    onnx.save_model(
+        model_proto,
+        str(path),
+        save_as_external_data=large,
+        all_tensors_to_one_file=True,
+        location=f"{path.name}.data" if large else None,
+    )
+
+
+def export_onnx(model: Encoder, path: Path) -> None:
+    """Trace the encoder with the TorchScript exporter and write a checked opset-17 graph.
+
+    The TorchScript exporter is used on purpose: its plain MatMul/Softmax attention is the form
+    ONNX Runtime's transformer optimiser can fuse (the dynamo exporter's graph is not).
+    """
+    names = input_names(model)
+    example = (torch.ones(2, 8, dtype=torch.int64),) * len(names)
+    dynamic_axes = {name: {0: "batch", 1: "sequence"} for name in names}
+    dynamic_axes["last_hidden_state"] = {0: "batch", 1: "sequence"}
+    dynamic_axes["embedding"] = {0: "batch"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model,
+            example,
+            str(path),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=names,
+            output_names=list(OUTPUT_NAMES),
+            dynamic_axes=dynamic_axes,
+            do_constant_folding=True,
+        )
+    graph = onnx.load(str(path))
+    save_onnx(graph, path)
+    onnx.checker.check_model(str(path), full_check=True)
+    log.info("exported %s (%d nodes)", path, len(graph.graph.node))

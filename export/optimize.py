@@ -1,0 +1,109 @@
+"""Graph forms for each execution provider, chosen by measurement rather than assumed.
+
+CPU: the exported graph is rewritten into a few candidate forms by ONNX Runtime's transformer
+optimiser and the fastest one, measured side by side on this machine, is published. (On some
+CPUs the fused SkipLayerNormalization is slower than Add + LayerNormalization, so "fully fused"
+is a candidate, not a given.)
+CUDA: the fully fused graph (fused attention is the fast path there) converted to fp16.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from onnxruntime.transformers.fusion_options import FusionOptions
+from onnxruntime.transformers.onnx_model import OnnxModel
+from onnxruntime.transformers.optimizer import optimize_model
+
+from export.config import EncoderConfig
+from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
+from export.timing import compare_throughput, cpu_session, token_feed
+
+log = logging.getLogger(__name__)
+
+CPU_FORMS = ("unfused", "attention_fused", "fully_fused")
+# Shapes (batch, tokens) the CPU forms are compared on: a lone short request, a batch of
+# short sentences, and the 8 x 128 reference shape.
+CPU_MEASURE_SHAPES = ((1, 16), (32, 32), (8, 128))
+
+
+@dataclass(frozen=True)
+class FormChoice:
+    """The CPU form picked and the throughput figures it was picked on."""
+
+    form: str
+    path: Path
+    sequences_per_second: dict[str, dict[str, float]]
+    """form -> "batch x tokens" -> seq/s."""
+
+
+def _fusion_options(form: str) -> FusionOptions:
+    options = FusionOptions("bert")
+    if form == "attention_fused":
+        options.enable_skip_layer_norm = False
+        options.enable_bias_skip_layer_norm = False
+    return options
+
+
+def _optimise(raw: Path, config: EncoderConfig, form: str, use_gpu: bool) -> OnnxModel:
+    return optimize_model(
+        str(raw),
+        model_type="bert",
+        num_heads=config.num_heads,
+        hidden_size=config.d_model,
+        optimization_options=_fusion_options(form),
+        opt_level=0,
+        use_gpu=use_gpu,
+    )
+
+
+def _save(model: OnnxModel, output: Path) -> None:
+    """Save through the optimiser (topological sort, com.microsoft opset import) and check."""
+    large = model.model.ByteSize() > EXTERNAL_DATA_THRESHOLD_BYTES
+    model.save_model_to_file(str(output), use_external_data_format=large)
+    onnx.checker.check_model(str(output), full_check=True)
+
+
+def write_cpu_form(raw: Path, output: Path, config: EncoderConfig, form: str) -> None:
+    """Write one CPU candidate form of the exported graph."""
+    if form == "unfused":
+        save_onnx(onnx.load(str(raw)), output)
+    else:
+        _save(_optimise(raw, config, form, use_gpu=False), output)
+
+
+def write_cuda_fp16(raw: Path, output: Path, config: EncoderConfig) -> None:
+    """Write the fully fused graph in fp16 with fp32/int64 inputs and outputs kept."""
+    model = _optimise(raw, config, "fully_fused", use_gpu=True)
+    model.convert_float_to_float16(keep_io_types=True)
+    _save(model, output)
+
+
+def geometric_mean(values: list[float]) -> float:
+    """The geometric mean: no one shape dominates the comparison."""
+    product = 1.0
+    for value in values:
+        product *= value
+    return product ** (1.0 / len(values))
+
+
+def choose_cpu_form(
+    raw: Path, workdir: Path, config: EncoderConfig, input_names: list[str], threads: int
+) -> FormChoice:
+    """Write every CPU form, measure them side by side, and return the fastest."""
+    paths = {form: workdir / f"cpu-{form}.onnx" for form in CPU_FORMS}
+    for form, path in paths.items():
+        write_cpu_form(raw, path, config, form)
+    sessions = {form: cpu_session(str(path), threads) for form, path in paths.items()}
+    figures: dict[str, dict[str, float]] = {form: {} for form in CPU_FORMS}
+    for batch, wanted_tokens in CPU_MEASURE_SHAPES:
+        tokens = min(wanted_tokens, config.max_positions)
+        feed = token_feed(input_names, batch, tokens, config.vocab_size)
+        for form, rate in compare_throughput(sessions, feed).items():
+            figures[form][f"{batch}x{tokens}"] = round(rate, 1)
+    best = max(CPU_FORMS, key=lambda form: geometric_mean(list(figures[form].values())))
+    log.info("CPU graph forms (seq/s): %s; chose %s", figures, best)
+    return FormChoice(form=best, path=paths[best], sequences_per_second=figures)

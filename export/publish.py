@@ -1,0 +1,124 @@
+"""Writing a model into a repository: config.pbtxt, variant files, tokenizer, parity.json.
+
+Everything is written to a staging folder inside the repository and moved into place at the
+end, so a failed export leaves the repository as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from export.checkpoint import Checkpoint
+from export.onnx_export import save_onnx
+from service.proto import model_config_pb2 as mc
+from service.repository import (
+    CONFIG_FILE,
+    P_MAX_SEQUENCE_LENGTH,
+    P_NORMALIZE,
+    P_PAD_TOKEN_ID,
+    P_POOLING,
+    P_PREFERRED_PREFIX,
+    P_TOKENIZER,
+    P_TYPE_VOCAB_SIZE,
+    P_VARIANT_PREFIX,
+    P_VOCAB_SIZE,
+    PARITY_FILE,
+    PLATFORM,
+    VARIANT_FILES,
+    config_text,
+)
+
+VERSION = "1"
+
+
+@dataclass(frozen=True)
+class ServingDefaults:
+    """Batching facts written into config.pbtxt (the server's flags can override them)."""
+
+    max_batch_size: int = 64
+    max_queue_delay_us: int = 500
+    max_queue_size: int = 1024
+
+
+def build_config(
+    checkpoint: Checkpoint,
+    input_names: list[str],
+    variants: list[str],
+    preferred: dict[str, str],
+    defaults: ServingDefaults,
+) -> mc.ModelConfig:
+    """The model's Triton ModelConfig, with our serving facts as parameters."""
+    config = mc.ModelConfig(
+        name=checkpoint.name,
+        platform=PLATFORM,
+        max_batch_size=defaults.max_batch_size,
+        default_model_filename=VARIANT_FILES["fp32"],
+    )
+    for name in input_names:
+        config.input.add(name=name, data_type=mc.TYPE_INT64, dims=[-1])
+    d_model = checkpoint.config.d_model
+    config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
+    config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
+    config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+    batching = config.dynamic_batching
+    batching.max_queue_delay_microseconds = defaults.max_queue_delay_us
+    batching.default_queue_policy.max_queue_size = defaults.max_queue_size
+    parameters = {
+        P_MAX_SEQUENCE_LENGTH: str(checkpoint.max_seq_length),
+        P_VOCAB_SIZE: str(checkpoint.config.vocab_size),
+        P_TYPE_VOCAB_SIZE: str(checkpoint.config.type_vocab_size),
+        P_PAD_TOKEN_ID: str(checkpoint.config.pad_token_id),
+        P_POOLING: checkpoint.config.pooling,
+        P_NORMALIZE: str(checkpoint.config.normalize).lower(),
+    }
+    if checkpoint.tokenizer_files:
+        parameters[P_TOKENIZER] = "tokenizer.json"
+    for variant in variants:
+        parameters[P_VARIANT_PREFIX + variant] = VARIANT_FILES[variant]
+    for device, variant in preferred.items():
+        parameters[P_PREFERRED_PREFIX + device] = variant
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def _replace_folder(staging: Path, target: Path) -> None:
+    """Move staging to target; an existing target is swapped out and removed afterwards."""
+    if not target.exists():
+        staging.rename(target)
+        return
+    retired = target.with_name(f".retired-{target.name}-{staging.name}")
+    target.rename(retired)
+    staging.rename(target)
+    shutil.rmtree(retired)
+
+
+def publish(
+    repository: Path,
+    checkpoint: Checkpoint,
+    config: mc.ModelConfig,
+    variant_files: dict[str, Path],
+    parity: dict[str, object],
+) -> Path:
+    """Write the model folder atomically into the repository and return its path."""
+    repository.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".staging-{checkpoint.name}-", dir=repository) as scratch:
+        staging = Path(scratch) / checkpoint.name
+        version_dir = staging / VERSION
+        version_dir.mkdir(parents=True)
+        for variant, source in variant_files.items():
+            # Re-saved rather than copied: external weights are renamed with the graph.
+            save_onnx(onnx.load(str(source)), version_dir / VARIANT_FILES[variant])
+        for tokenizer_file in checkpoint.tokenizer_files:
+            shutil.copyfile(tokenizer_file, staging / tokenizer_file.name)
+        (staging / PARITY_FILE).write_text(json.dumps(parity, indent=2) + "\n")
+        (staging / CONFIG_FILE).write_text(config_text(config))
+        target = repository / checkpoint.name
+        _replace_folder(staging, target)
+    return target

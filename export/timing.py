@@ -1,0 +1,69 @@
+"""Throughput measurement shared by the exporter's choices, its gate and the bench command.
+
+The machine is shared and noisy, so callers compare candidates measured in one run, and each
+figure is the best of a few rounds (the least disturbed one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import onnxruntime as ort
+
+Feed = dict[str, np.ndarray]
+
+
+def cpu_session(path: str, threads: int) -> ort.InferenceSession:
+    """A CPU session configured as the server configures one: fixed threads, no spinning."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def token_feed(input_names: list[str], batch: int, length: int, vocab_size: int, seed: int = 0) -> Feed:
+    """A full (unpadded) batch of random token ids for the named graph inputs."""
+    rng = np.random.default_rng(seed)
+    feed = {
+        "input_ids": rng.integers(1, vocab_size, size=(batch, length), dtype=np.int64),
+        "attention_mask": np.ones((batch, length), dtype=np.int64),
+        "token_type_ids": np.zeros((batch, length), dtype=np.int64),
+    }
+    return {name: feed[name] for name in input_names}
+
+
+def _seconds_per_call(run: Callable[[], object], min_seconds: float) -> float:
+    calls = 0
+    start = time.perf_counter()
+    while True:
+        run()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed / calls
+
+
+def compare_seconds(
+    runs: dict[str, Callable[[], object]], rounds: int = 3, min_seconds: float = 0.3
+) -> dict[str, float]:
+    """Seconds per call of each callable, rounds interleaved across them; the best round is kept."""
+    for run in runs.values():
+        run()  # warm-up: first-call allocations and kernel selection
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            best[name] = min(best[name], _seconds_per_call(run, min_seconds))
+    return best
+
+
+def compare_throughput(
+    sessions: dict[str, ort.InferenceSession], feed: Feed, rounds: int = 3, min_seconds: float = 0.3
+) -> dict[str, float]:
+    """Sequences/s of each ONNX Runtime session on one feed, measured side by side."""
+    batch = next(iter(feed.values())).shape[0]
+    runs = {name: (lambda s=session: s.run(None, feed)) for name, session in sessions.items()}
+    return {name: batch / seconds for name, seconds in compare_seconds(runs, rounds, min_seconds).items()}

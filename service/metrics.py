@@ -1,0 +1,126 @@
+"""Prometheus metrics, declared once here; served on the metrics port at /metrics.
+
+Names follow Prometheus conventions: base units (seconds), `_total` for counters, labelled by
+model and version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from service.errors import status_of
+
+PREFIX = "encoder"
+MODEL_LABELS = ("model", "version")
+# Latency buckets from sub-millisecond (a lone short request on a GPU) to many seconds (queues
+# behind long batches on a CPU).
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.025,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.4,
+    0.6,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+REQUESTS = Counter(f"{PREFIX}_requests", "Inference requests answered, by gRPC status code.", (*MODEL_LABELS, "code"))
+REQUEST_DURATION = Histogram(
+    f"{PREFIX}_request_duration_seconds",
+    "Time from receiving an inference request to answering it.",
+    MODEL_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+TOKENIZE_DURATION = Histogram(
+    f"{PREFIX}_tokenize_duration_seconds",
+    "Time spent tokenising the texts of one request.",
+    MODEL_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+QUEUE_DURATION = Histogram(
+    f"{PREFIX}_queue_duration_seconds",
+    "Time a request waited in the batching queue.",
+    MODEL_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+COMPUTE_DURATION = Histogram(
+    f"{PREFIX}_compute_duration_seconds",
+    "Time the model took to run one batch.",
+    MODEL_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+BATCH_SIZE = Histogram(
+    f"{PREFIX}_batch_size", "Sequences per batch run by the model.", MODEL_LABELS, buckets=BATCH_SIZE_BUCKETS
+)
+PADDING_RATIO = Histogram(
+    f"{PREFIX}_padding_ratio", "Share of a batch's token slots that are padding.", MODEL_LABELS, buckets=RATIO_BUCKETS
+)
+SEQUENCES = Counter(f"{PREFIX}_sequences", "Sequences run through the model.", MODEL_LABELS)
+TOKENS = Counter(f"{PREFIX}_tokens", "Real (unpadded) tokens run through the model.", MODEL_LABELS)
+DROPPED = Counter(
+    f"{PREFIX}_requests_dropped",
+    "Queued requests dropped before running, by reason (cancelled, expired).",
+    (*MODEL_LABELS, "reason"),
+)
+QUEUE_DEPTH = Gauge(f"{PREFIX}_queue_depth", "Requests waiting in the batching queue.", MODEL_LABELS)
+QUEUE_CAPACITY = Gauge(f"{PREFIX}_queue_capacity", "Requests the batching queue holds before rejecting.", MODEL_LABELS)
+INFLIGHT = Gauge(f"{PREFIX}_inflight_requests", "Inference requests received and not yet answered.", MODEL_LABELS)
+MODEL_READY = Gauge(f"{PREFIX}_model_ready", "1 when the model is loaded and warmed up, else 0.", MODEL_LABELS)
+PROVIDER = Gauge(
+    f"{PREFIX}_execution_provider_info",
+    "The ONNX Runtime execution provider and variant a model runs on (value 1).",
+    (*MODEL_LABELS, "provider", "variant"),
+)
+
+
+@dataclass(frozen=True)
+class ModelLabels:
+    """The (model, version) label values of one served model."""
+
+    model: str
+    version: str
+
+    def values(self) -> tuple[str, str]:
+        """As positional label values."""
+        return (self.model, self.version)
+
+
+UNKNOWN_MODEL = ModelLabels("", "")
+"""Labels for requests naming a model that is not served (client-chosen names would explode cardinality)."""
+
+
+@contextmanager
+def track_request(labels: ModelLabels) -> Iterator[None]:
+    """Count one inference request: in flight while inside, then its status code and duration."""
+    started = time.perf_counter()
+    INFLIGHT.labels(*labels.values()).inc()
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as raised:
+        error = raised
+        raise
+    finally:
+        INFLIGHT.labels(*labels.values()).dec()
+        REQUESTS.labels(*labels.values(), status_of(error).name).inc()
+        REQUEST_DURATION.labels(*labels.values()).observe(time.perf_counter() - started)

@@ -1,0 +1,194 @@
+"""Served models: loading from the repository, tokenisation, batching; the engine the servicer calls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from service import metrics
+from service.batcher import Batcher, BatchingPolicy, WorkResult
+from service.codec import InferenceRequest, ModelSignature
+from service.errors import NotFound, Unavailable
+from service.metrics import ModelLabels
+from service.repository import OUTPUTS, ModelSpec, RepositoryError, model_directories, read_model
+from service.runtime import ExecutionError, ExecutionSettings, ModelRuntime
+from service.settings import Settings
+from service.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+CUDA_LENGTH_BUCKET = 32
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A model's place in the repository index."""
+
+    name: str
+    version: str
+    state: str
+    """READY, LOADING or UNAVAILABLE (as Triton reports it)."""
+    reason: str = ""
+
+
+class ServedModel:
+    """One loaded model: its runtimes behind a batcher, and a tokenizer when it takes text."""
+
+    def __init__(
+        self, spec: ModelSpec, runtimes: list[ModelRuntime], settings: Settings, tokenizer_pool: ThreadPoolExecutor
+    ) -> None:
+        self.spec = spec
+        self.runtimes = runtimes
+        self.labels = ModelLabels(spec.name, spec.version)
+        self.tokenizer = (
+            TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+            if spec.tokenizer_file is not None
+            else None
+        )
+        self._tokenizer_pool = tokenizer_pool
+        batching = spec.config.dynamic_batching
+        primary = runtimes[0]
+        self.policy = BatchingPolicy(
+            max_batch_size=settings.max_batch_size or spec.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_queue_delay_s=(
+                settings.max_queue_delay_us
+                if settings.max_queue_delay_us >= 0
+                else batching.max_queue_delay_microseconds
+            )
+            / 1e6,
+            max_queue_size=settings.max_queue_size or batching.default_queue_policy.max_queue_size or 1024,
+            length_bucket=settings.length_bucket or (CUDA_LENGTH_BUCKET if primary.device == "cuda" else 1),
+            pad_token_id=spec.pad_token_id,
+        )
+        self.signature = ModelSignature(spec, self.tokenizer is not None, self.policy.max_batch_size)
+        self.batcher = Batcher(runtimes, self.policy, self.labels, OUTPUTS)
+        self.provider = primary.provider
+        self.variant = primary.variant
+
+    def warm_up(self) -> None:
+        """Run a short batch and the largest batch the policy allows on every instance (blocking)."""
+        longest = self.spec.max_sequence_length
+        largest_rows = max(1, min(self.policy.max_batch_size, self.policy.max_batch_tokens // longest))
+        for runtime in self.runtimes:
+            runtime.warm_up([(1, min(8, longest)), (largest_rows, longest)])
+
+    async def infer(self, request: InferenceRequest, deadline: float | None) -> WorkResult:
+        """Tokenise (off the event loop) if needed, queue, and wait for this request's rows."""
+        if request.texts is not None:
+            started = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            batch = await loop.run_in_executor(self._tokenizer_pool, self.tokenizer.encode, request.texts)
+            metrics.TOKENIZE_DURATION.labels(*self.labels.values()).observe(time.perf_counter() - started)
+            tokens: dict[str, np.ndarray] = {
+                "input_ids": batch.input_ids,
+                "attention_mask": batch.attention_mask,
+                "token_type_ids": batch.token_type_ids,
+            }
+        else:
+            tokens = request.tokens
+        if request.timeout_s is not None:
+            own_deadline = time.monotonic() + request.timeout_s
+            deadline = own_deadline if deadline is None else min(deadline, own_deadline)
+        return await self.batcher.submit(tokens, request.outputs, deadline)
+
+
+def _execution_settings(settings: Settings) -> ExecutionSettings:
+    return ExecutionSettings(
+        device=settings.device,
+        require_gpu=settings.require_gpu,
+        variant=settings.variant,
+        intra_op_threads=settings.resolved_intra_op_threads(),
+        allow_spinning=settings.allow_spinning,
+        cuda_device_id=settings.cuda_device_id,
+        gpu_mem_limit_bytes=settings.gpu_mem_limit_bytes,
+        arena_extend_strategy=settings.arena_extend_strategy,
+        cudnn_conv_algo_search=settings.cudnn_conv_algo_search,
+    )
+
+
+class ModelRegistry:
+    """The models of one repository: loading, lookup, readiness, draining."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.models: dict[str, ServedModel] = {}
+        self.states: dict[str, ModelState] = {}
+        self.draining = False
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=settings.tokenizer_threads, thread_name_prefix="tokenizer")
+
+    def discover(self) -> list[str]:
+        """Model folders in the repository; each starts LOADING."""
+        names = [directory.name for directory in model_directories(self.settings.model_repository)]
+        for name in names:
+            self.states[name] = ModelState(name, "", "LOADING")
+        return names
+
+    def _load_blocking(self, name: str) -> ServedModel:
+        spec = read_model(self.settings.model_repository / name)
+        execution = _execution_settings(self.settings)
+        runtimes = [ModelRuntime(spec, execution) for _ in range(self.settings.instances)]
+        model = ServedModel(spec, runtimes, self.settings, self.tokenizer_pool)
+        if self.settings.warmup:
+            model.warm_up()
+        return model
+
+    async def load(self, name: str) -> ServedModel:
+        """Load and warm one model off the event loop; a failure marks it UNAVAILABLE and re-raises."""
+        try:
+            model = await asyncio.get_running_loop().run_in_executor(None, self._load_blocking, name)
+        except (RepositoryError, ExecutionError) as error:
+            self.states[name] = ModelState(name, "", "UNAVAILABLE", str(error))
+            raise
+        model.batcher.start()
+        self.models[name] = model
+        self.states[name] = ModelState(name, model.spec.version, "READY")
+        metrics.MODEL_READY.labels(*model.labels.values()).set(1)
+        metrics.PROVIDER.labels(*model.labels.values(), model.provider, model.variant).set(1)
+        return model
+
+    def labels_for(self, name: str, version: str) -> ModelLabels:
+        """Metric labels for a request: the model's own, or UNKNOWN_MODEL for names not served."""
+        model = self.models.get(name)
+        if model is None or version not in ("", model.spec.version):
+            return metrics.UNKNOWN_MODEL
+        return model.labels
+
+    def get(self, name: str, version: str = "") -> ServedModel:
+        """The served model for a request; NOT_FOUND or UNAVAILABLE otherwise."""
+        model = self.models.get(name)
+        if model is None:
+            state = self.states.get(name)
+            if state is not None and state.state == "LOADING":
+                raise Unavailable(f"model {name} is loading")
+            if state is not None:
+                raise Unavailable(f"model {name} failed to load: {state.reason}")
+            raise NotFound(f"unknown model {name!r}")
+        if version not in ("", model.spec.version):
+            raise NotFound(f"model {name} has no version {version!r} (served: {model.spec.version})")
+        return model
+
+    def get_for_inference(self, name: str, version: str) -> ServedModel:
+        """As get(), refusing new work while draining."""
+        model = self.get(name, version)
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        return model
+
+    @property
+    def ready(self) -> bool:
+        """Every discovered model is loaded."""
+        return bool(self.states) and all(state.state == "READY" for state in self.states.values())
+
+    async def close(self, timeout_s: float) -> None:
+        """Drain every model's queue (bounded by timeout_s) and release the workers."""
+        self.draining = True
+        await asyncio.gather(*(model.batcher.close(timeout_s) for model in self.models.values()))
+        for model in self.models.values():
+            metrics.MODEL_READY.labels(*model.labels.values()).set(0)
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)

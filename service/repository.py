@@ -1,0 +1,195 @@
+"""The model repository format, shared by the exporter (writes) and the server (reads).
+
+    REPO/<model>/config.pbtxt          Triton ModelConfig, text format
+    REPO/<model>/<version>/model.onnx  fp32 graph (Triton's default_model_filename)
+    REPO/<model>/<version>/model.int8.onnx, model.fp16.onnx   other variants, when published
+    REPO/<model>/tokenizer.json ...    tokenizer files, when the model takes text
+    REPO/<model>/parity.json           the parity gate's figures
+
+Serving facts that Triton has no field for live in `parameters` (string values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from service.proto import model_config_pb2 as mc
+
+CONFIG_FILE = "config.pbtxt"
+PARITY_FILE = "parity.json"
+PLATFORM = "onnxruntime_onnx"
+VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+OUTPUTS = ("last_hidden_state", "embedding")
+
+# Parameter keys (config.pbtxt `parameters`).
+P_MAX_SEQUENCE_LENGTH = "max_sequence_length"
+P_VOCAB_SIZE = "vocab_size"
+P_TYPE_VOCAB_SIZE = "type_vocab_size"
+P_POOLING = "pooling"
+P_NORMALIZE = "normalize"
+P_TOKENIZER = "tokenizer"
+P_PAD_TOKEN_ID = "pad_token_id"
+P_VARIANT_PREFIX = "variant."
+P_PREFERRED_PREFIX = "preferred_variant."
+
+
+class RepositoryError(ValueError):
+    """A model folder that cannot be served; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the server needs to know about one model, read from its folder."""
+
+    name: str
+    version: str
+    directory: Path
+    config: mc.ModelConfig
+    variants: dict[str, Path]
+    """Published variants (fp32/int8/fp16) -> ONNX file."""
+    preferred_variants: dict[str, str]
+    """Execution device (cpu/cuda) -> the variant measured best there."""
+    input_names: tuple[str, ...]
+    """Token inputs of the graph, in config order."""
+    max_sequence_length: int
+    vocab_size: int
+    type_vocab_size: int
+    """Segment ids accepted in token_type_ids (0 when the graph has no such input)."""
+    hidden_size: int
+    pad_token_id: int
+    tokenizer_file: Path | None
+    """tokenizer.json, when the model accepts text."""
+
+    @property
+    def max_batch_size(self) -> int:
+        """Largest number of sequences one request or batch may hold."""
+        return self.config.max_batch_size
+
+    @property
+    def uses_segments(self) -> bool:
+        """Whether the graph takes token_type_ids."""
+        return "token_type_ids" in self.input_names
+
+
+def config_text(config: mc.ModelConfig) -> str:
+    """Serialise a ModelConfig as config.pbtxt text."""
+    return text_format.MessageToString(config)
+
+
+def parse_config(text: str, source: Path) -> mc.ModelConfig:
+    """Parse config.pbtxt text; fields this project does not model are ignored."""
+    config = mc.ModelConfig()
+    try:
+        text_format.Parse(text, config, allow_unknown_field=True)
+    except text_format.ParseError as error:
+        raise RepositoryError(f"{source}: {error}") from error
+    return config
+
+
+def _parameter(config: mc.ModelConfig, key: str, source: Path, default: str | None = None) -> str:
+    if key in config.parameters:
+        return config.parameters[key].string_value
+    if default is None:
+        raise RepositoryError(f"{source}: parameter {key!r} is missing")
+    return default
+
+
+def _int_parameter(config: mc.ModelConfig, key: str, source: Path, default: str | None = None) -> int:
+    value = _parameter(config, key, source, default)
+    try:
+        number = int(value)
+    except ValueError as error:
+        raise RepositoryError(f"{source}: parameter {key!r} is not an integer: {value!r}") from error
+    if number < 0:
+        raise RepositoryError(f"{source}: parameter {key!r} is negative")
+    return number
+
+
+def latest_version(directory: Path) -> str:
+    """The highest numeric version folder (Triton's default version policy)."""
+    versions = [p.name for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
+    if not versions:
+        raise RepositoryError(f"{directory}: no numeric version folder")
+    return max(versions, key=int)
+
+
+def _check_signature(config: mc.ModelConfig, source: Path) -> tuple[tuple[str, ...], int]:
+    """Validate inputs/outputs; return the token input names and the hidden size."""
+    names = tuple(i.name for i in config.input)
+    if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= set(TOKEN_INPUTS):
+        raise RepositoryError(f"{source}: inputs must be input_ids, attention_mask[, token_type_ids]; got {names}")
+    for tensor in config.input:
+        if tensor.data_type != mc.TYPE_INT64 or list(tensor.dims) != [-1]:
+            raise RepositoryError(f"{source}: input {tensor.name} must be TYPE_INT64 with dims [-1]")
+    outputs = {o.name: o for o in config.output}
+    if set(outputs) != set(OUTPUTS):
+        raise RepositoryError(f"{source}: outputs must be {', '.join(OUTPUTS)}; got {sorted(outputs)}")
+    embedding_dims = list(outputs["embedding"].dims)
+    if len(embedding_dims) != 1 or embedding_dims[0] <= 0:
+        raise RepositoryError(f"{source}: output embedding must have dims [hidden_size]")
+    return names, embedding_dims[0]
+
+
+def read_model(directory: Path) -> ModelSpec:
+    """Read and validate one model folder of a repository."""
+    source = directory / CONFIG_FILE
+    if not source.is_file():
+        raise RepositoryError(f"{directory}: no {CONFIG_FILE}")
+    config = parse_config(source.read_text(), source)
+    if config.name and config.name != directory.name:
+        raise RepositoryError(f"{source}: name {config.name!r} differs from its folder {directory.name!r}")
+    config.name = directory.name
+    if config.platform not in ("", PLATFORM) or config.backend not in ("", "onnxruntime"):
+        raise RepositoryError(f"{source}: platform must be {PLATFORM}")
+    if config.max_batch_size <= 0:
+        raise RepositoryError(f"{source}: max_batch_size must be positive")
+    input_names, hidden_size = _check_signature(config, source)
+    version = latest_version(directory)
+    variants = {
+        key[len(P_VARIANT_PREFIX) :]: directory / version / value.string_value
+        for key, value in config.parameters.items()
+        if key.startswith(P_VARIANT_PREFIX)
+    } or {"fp32": directory / version / (config.default_model_filename or VARIANT_FILES["fp32"])}
+    for variant, path in variants.items():
+        if not path.is_file():
+            raise RepositoryError(f"{source}: variant {variant} file {path} does not exist")
+    preferred = {
+        key[len(P_PREFERRED_PREFIX) :]: value.string_value
+        for key, value in config.parameters.items()
+        if key.startswith(P_PREFERRED_PREFIX)
+    }
+    for device, variant in preferred.items():
+        if variant not in variants:
+            raise RepositoryError(f"{source}: preferred variant {variant!r} for {device} is not published")
+    tokenizer_name = _parameter(config, P_TOKENIZER, source, "")
+    tokenizer_file = directory / tokenizer_name if tokenizer_name else None
+    if tokenizer_file is not None and not tokenizer_file.is_file():
+        raise RepositoryError(f"{source}: tokenizer file {tokenizer_file} does not exist")
+    return ModelSpec(
+        name=directory.name,
+        version=version,
+        directory=directory,
+        config=config,
+        variants=variants,
+        preferred_variants=preferred,
+        input_names=input_names,
+        max_sequence_length=_int_parameter(config, P_MAX_SEQUENCE_LENGTH, source),
+        vocab_size=_int_parameter(config, P_VOCAB_SIZE, source),
+        type_vocab_size=_int_parameter(
+            config, P_TYPE_VOCAB_SIZE, source, "2" if "token_type_ids" in input_names else "0"
+        ),
+        hidden_size=hidden_size,
+        pad_token_id=_int_parameter(config, P_PAD_TOKEN_ID, source, "0"),
+        tokenizer_file=tokenizer_file,
+    )
+
+
+def model_directories(root: Path) -> list[Path]:
+    """Model folders of a repository: the sub-folders holding a config.pbtxt, by name."""
+    if not root.is_dir():
+        raise RepositoryError(f"model repository {root} is not a directory")
+    return sorted(p for p in root.iterdir() if (p / CONFIG_FILE).is_file())

@@ -1,0 +1,195 @@
+"""Server settings: one typed object from flags and ENCODER_* environment variables, checked once.
+
+Every field is a flag (`--grpc-port`) and an environment variable (`ENCODER_GRPC_PORT`); a flag
+beats the environment, which beats the default. Built in main(), never at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "ENCODER_"
+TRUE_WORDS = {"1", "true", "yes", "on"}
+FALSE_WORDS = {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A setting out of range or of the wrong form; the message names it."""
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the server can be told; see each field's help."""
+
+    model_repository: Path = field(default=Path("model_repository"), metadata=_doc("model repository to serve"))
+    host: str = field(default="0.0.0.0", metadata=_doc("address the gRPC and metrics ports bind to"))
+    grpc_port: int = field(default=8001, metadata=_doc("gRPC port (KServe v2, health, reflection)"))
+    metrics_port: int = field(default=8002, metadata=_doc("Prometheus /metrics HTTP port"))
+    device: str = field(
+        default="auto",
+        metadata=_doc(
+            "auto: the CUDA execution provider when usable, else the CPU; cpu: the CPU only", choices=("auto", "cpu")
+        ),
+    )
+    require_gpu: bool = field(default=False, metadata=_doc("fail at start instead of falling back to the CPU"))
+    variant: str = field(
+        default="auto",
+        metadata=_doc(
+            "model variant; auto picks the one measured best for the device", choices=("auto", "fp32", "int8", "fp16")
+        ),
+    )
+    instances: int = field(
+        default=1, metadata=_doc("model instances (sessions) per model, each on its own worker thread")
+    )
+    intra_op_threads: int = field(
+        default=0, metadata=_doc("ONNX Runtime threads per instance; 0 = CPUs available to this process / instances")
+    )
+    allow_spinning: bool = field(
+        default=False, metadata=_doc("let ONNX Runtime threads busy-wait (burns CPU on shared nodes)")
+    )
+    cuda_device_id: int = field(default=0, metadata=_doc("CUDA device ordinal"))
+    gpu_mem_limit_bytes: int = field(default=0, metadata=_doc("cap on the CUDA memory arena; 0 = no cap"))
+    arena_extend_strategy: str = field(
+        default="kSameAsRequested",
+        metadata=_doc("CUDA arena growth", choices=("kSameAsRequested", "kNextPowerOfTwo")),
+    )
+    cudnn_conv_algo_search: str = field(
+        default="HEURISTIC", metadata=_doc("cuDNN algorithm search", choices=("EXHAUSTIVE", "HEURISTIC", "DEFAULT"))
+    )
+    max_batch_size: int = field(default=0, metadata=_doc("sequences per batch; 0 = the model's config.pbtxt"))
+    max_batch_tokens: int = field(default=8192, metadata=_doc("padded tokens (rows x longest) per batch"))
+    max_queue_delay_us: int = field(
+        default=-1, metadata=_doc("longest wait for a fuller batch, microseconds; -1 = the model's config.pbtxt")
+    )
+    max_queue_size: int = field(
+        default=0, metadata=_doc("queued requests per model before RESOURCE_EXHAUSTED; 0 = config.pbtxt")
+    )
+    length_bucket: int = field(
+        default=0,
+        metadata=_doc("pad batch length to a multiple of this (bounds distinct shapes); 0 = 32 on CUDA, 1 on CPU"),
+    )
+    tokenizer_threads: int = field(default=1, metadata=_doc("worker threads that tokenise text"))
+    warmup: bool = field(default=True, metadata=_doc("run the model before reporting ready"))
+    drain_timeout_s: float = field(
+        default=30.0, metadata=_doc("on SIGTERM, how long accepted requests may take to finish")
+    )
+    max_connection_age_s: float = field(
+        default=300.0, metadata=_doc("close client connections after this long so they rebalance; 0 = never")
+    )
+    max_message_bytes: int = field(default=64 * 1024 * 1024, metadata=_doc("largest gRPC message accepted or sent"))
+    log_level: str = field(
+        default="INFO", metadata=_doc("logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise SettingsError(f"{name} must be 0-65535, got {port}")
+        for name in ("instances", "max_batch_tokens", "tokenizer_threads", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in (
+            "intra_op_threads",
+            "cuda_device_id",
+            "gpu_mem_limit_bytes",
+            "max_batch_size",
+            "max_queue_size",
+            "length_bucket",
+        ):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("drain_timeout_s", "max_connection_age_s"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_queue_delay_us < -1:
+            raise SettingsError(
+                f"max_queue_delay_us must be >= 0 (or -1 for the model's), got {self.max_queue_delay_us}"
+            )
+        for item in dataclasses.fields(self):
+            choices = item.metadata.get("choices")
+            if choices and getattr(self, item.name) not in choices:
+                raise SettingsError(
+                    f"{item.name} must be one of {', '.join(choices)}, got {getattr(self, item.name)!r}"
+                )
+
+    def resolved_intra_op_threads(self) -> int:
+        """Threads per instance: the setting, or the CPUs this process may use split across instances."""
+        if self.intra_op_threads:
+            return self.intra_op_threads
+        return max(1, available_cpus() // self.instances)
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota if one is set."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max":
+        return cpus
+    return max(1, min(cpus, int(int(quota) / int(period))))
+
+
+def _env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _convert(kind: type, name: str, text: str) -> Any:
+    if kind is bool:
+        word = text.strip().lower()
+        if word in TRUE_WORDS | FALSE_WORDS:
+            return word in TRUE_WORDS
+        raise SettingsError(f"{_env_name(name)} must be a boolean (1/0, true/false), got {text!r}")
+    try:
+        return kind(text)
+    except ValueError as error:
+        raise SettingsError(f"{name} must be {kind.__name__}, got {text!r}") from error
+
+
+def _field_types() -> dict[str, type]:
+    kinds = {"Path": Path, "str": str, "int": int, "float": float, "bool": bool}
+    return {f.name: kinds[str(f.type)] for f in dataclasses.fields(Settings)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with one flag per Settings field (defaults unset: the environment fills gaps)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m service",
+        description="Serve a model repository over gRPC (KServe v2 / Triton protocol).",
+        argument_default=argparse.SUPPRESS,
+    )
+    kinds = _field_types()
+    for item in dataclasses.fields(Settings):
+        flag = "--" + item.name.replace("_", "-")
+        help_text = f"{item.metadata['help']} [env {_env_name(item.name)}, default {item.default}]"
+        if kinds[item.name] is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, type=str, help=help_text, metavar=item.name.upper())
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from flags, then ENCODER_* variables, then defaults; SettingsError names a bad one."""
+    environ = os.environ if environ is None else environ
+    flags = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    for name, kind in _field_types().items():
+        if name in flags:
+            raw = flags[name]
+            values[name] = raw if isinstance(raw, bool) else _convert(kind, name, raw)
+        elif _env_name(name) in environ:
+            values[name] = _convert(kind, name, environ[_env_name(name)])
+    return Settings(**values)
