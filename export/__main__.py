@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from export.checkpoint import CheckpointError, default_model_folder, load_checkpoint, random_checkpoint
+from export.checkpoint import Checkpoint, CheckpointError, default_model_folder, load_checkpoint, random_checkpoint
 from export.config import ConfigError, EncoderConfig
 from export.pipeline import VARIANTS, ExportOptions, GateRefused, export_model
 from export.publish import ServingDefaults
@@ -52,6 +52,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--source", type=Path, help="a Hugging Face / sentence-transformers BERT folder")
     source.add_argument("--random", action="store_true", help="a small randomly initialised encoder")
     parser.add_argument("--random-config", type=json.loads, default={}, help="JSON overrides for --random")
+    parser.add_argument("--tokenizer", type=Path, help="with --random: a folder whose tokenizer.json to ship")
     parser.add_argument("--name", help="model name in the repository (default: the source's)")
     parser.add_argument("--variants", type=_variants, default=VARIANTS, help="comma-separated, fp32 always")
     parser.add_argument("--threads", type=_positive, default=2, help="threads for the measurements")
@@ -64,30 +65,39 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _checkpoint(arguments: argparse.Namespace) -> Checkpoint:
+    """The source model the arguments name."""
+    if arguments.random:
+        try:
+            config = EncoderConfig(**{**RANDOM_CONFIG, **arguments.random_config})
+        except TypeError as error:
+            raise ConfigError(f"--random-config: {error}") from error
+        return random_checkpoint(
+            config, arguments.name or "random-encoder", seed=arguments.seed, tokenizer_folder=arguments.tokenizer
+        )
+    if arguments.source is not None:
+        return load_checkpoint(arguments.source, arguments.name)
+    return load_checkpoint(default_model_folder(), arguments.name or DEFAULT_MODEL_NAME)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the export; a bad source or a refused gate is one line on stderr and a non-zero exit."""
     arguments = parse_arguments(argv)
     logging.basicConfig(level=arguments.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = ExportOptions(
+        variants=arguments.variants,
+        threads=arguments.threads,
+        int8_min_speedup=arguments.int8_min_speedup,
+        serving=ServingDefaults(
+            max_batch_size=arguments.max_batch_size,
+            max_queue_delay_us=arguments.max_queue_delay_us,
+            max_queue_size=arguments.max_queue_size,
+        ),
+    )
     try:
-        if arguments.random:
-            config = EncoderConfig(**{**RANDOM_CONFIG, **arguments.random_config})
-            checkpoint = random_checkpoint(config, arguments.name or "random-encoder", seed=arguments.seed)
-        elif arguments.source is not None:
-            checkpoint = load_checkpoint(arguments.source, arguments.name)
-        else:
-            checkpoint = load_checkpoint(default_model_folder(), arguments.name or DEFAULT_MODEL_NAME)
-        options = ExportOptions(
-            variants=arguments.variants,
-            threads=arguments.threads,
-            int8_min_speedup=arguments.int8_min_speedup,
-            serving=ServingDefaults(
-                max_batch_size=arguments.max_batch_size,
-                max_queue_delay_us=arguments.max_queue_delay_us,
-                max_queue_size=arguments.max_queue_size,
-            ),
-        )
+        checkpoint = _checkpoint(arguments)
         report = export_model(checkpoint, arguments.repository, options)
-    except (CheckpointError, ConfigError, TypeError) as error:
+    except (CheckpointError, ConfigError) as error:
         print(f"export: error: {error}", file=sys.stderr)
         return 2
     except GateRefused as error:

@@ -59,13 +59,16 @@ class Checkpoint:
     """Longest sequence the model is served with (tokens, special tokens included)."""
     folder: Path | None = None
     """Source folder; None for a randomly initialised model."""
+    tokenizer_folder: Path | None = None
+    """Folder holding tokenizer.json (the source folder for real checkpoints); None: token input only."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
-        """Tokenizer files present in the source folder (empty when it has no tokenizer.json)."""
-        if self.folder is None or not (self.folder / "tokenizer.json").is_file():
+        """Tokenizer files to ship with the model (empty when there is no tokenizer.json)."""
+        folder = self.tokenizer_folder
+        if folder is None or not (folder / "tokenizer.json").is_file():
             return []
-        return [self.folder / name for name in TOKENIZER_FILES if (self.folder / name).is_file()]
+        return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
     def build_model(self) -> Encoder:
         """An eval-mode encoder holding these weights."""
@@ -223,11 +226,18 @@ def load_checkpoint(folder: Path, name: str | None = None) -> Checkpoint:
         state_dict=state_dict,
         max_seq_length=_max_seq_length(folder, config.max_positions),
         folder=folder,
+        tokenizer_folder=folder,
     )
 
 
-def random_checkpoint(config: EncoderConfig, name: str, seed: int = 0, max_seq_length: int | None = None) -> Checkpoint:
-    """A randomly initialised encoder (tests, benchmarks of shape alone)."""
+def random_checkpoint(
+    config: EncoderConfig,
+    name: str,
+    seed: int = 0,
+    max_seq_length: int | None = None,
+    tokenizer_folder: Path | None = None,
+) -> Checkpoint:
+    """A randomly initialised encoder (tests, benchmarks of shape alone), optionally with a tokenizer."""
     torch.manual_seed(seed)
     model = Encoder(config)
     for parameter_name, parameter in model.named_parameters():
@@ -240,4 +250,5 @@ def random_checkpoint(config: EncoderConfig, name: str, seed: int = 0, max_seq_l
         config=config,
         state_dict={k: v.detach().clone() for k, v in model.state_dict().items()},
         max_seq_length=max_seq_length or config.max_positions,
+        tokenizer_folder=tokenizer_folder,
     )

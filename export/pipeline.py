@@ -101,7 +101,7 @@ def export_model(checkpoint: Checkpoint, repository: Path, options: ExportOption
     tokenizer = None
     if checkpoint.tokenizer_files:
         tokenizer = TextTokenizer(
-            checkpoint.folder / "tokenizer.json", checkpoint.max_seq_length, checkpoint.config.pad_token_id
+            checkpoint.tokenizer_folder / "tokenizer.json", checkpoint.max_seq_length, checkpoint.config.pad_token_id
         )
     with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
         workdir = Path(scratch)

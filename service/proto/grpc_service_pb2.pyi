@@ -1,12 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from service.proto import model_config_pb2 as _model_config_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-
-from service.proto import model_config_pb2 as _model_config_pb2
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -18,7 +15,7 @@ class ServerLiveResponse(_message.Message):
     __slots__ = ("live",)
     LIVE_FIELD_NUMBER: _ClassVar[int]
     live: bool
-    def __init__(self, live: bool | None = ...) -> None: ...
+    def __init__(self, live: _Optional[bool] = ...) -> None: ...
 
 class ServerReadyRequest(_message.Message):
     __slots__ = ()
@@ -28,7 +25,7 @@ class ServerReadyResponse(_message.Message):
     __slots__ = ("ready",)
     READY_FIELD_NUMBER: _ClassVar[int]
     ready: bool
-    def __init__(self, ready: bool | None = ...) -> None: ...
+    def __init__(self, ready: _Optional[bool] = ...) -> None: ...
 
 class ModelReadyRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -36,27 +33,27 @@ class ModelReadyRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
-    def __init__(self, name: str | None = ..., version: str | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ModelReadyResponse(_message.Message):
     __slots__ = ("ready",)
     READY_FIELD_NUMBER: _ClassVar[int]
     ready: bool
-    def __init__(self, ready: bool | None = ...) -> None: ...
+    def __init__(self, ready: _Optional[bool] = ...) -> None: ...
 
 class ServerMetadataRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerMetadataResponse(_message.Message):
-    __slots__ = ("extensions", "name", "version")
+    __slots__ = ("name", "version", "extensions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXTENSIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     extensions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: str | None = ..., version: str | None = ..., extensions: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., extensions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelMetadataRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -64,19 +61,19 @@ class ModelMetadataRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
-    def __init__(self, name: str | None = ..., version: str | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ModelMetadataResponse(_message.Message):
-    __slots__ = ("inputs", "name", "outputs", "platform", "versions")
+    __slots__ = ("name", "versions", "platform", "inputs", "outputs")
     class TensorMetadata(_message.Message):
-        __slots__ = ("datatype", "name", "shape")
+        __slots__ = ("name", "datatype", "shape")
         NAME_FIELD_NUMBER: _ClassVar[int]
         DATATYPE_FIELD_NUMBER: _ClassVar[int]
         SHAPE_FIELD_NUMBER: _ClassVar[int]
         name: str
         datatype: str
         shape: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, name: str | None = ..., datatype: str | None = ..., shape: _Iterable[int] | None = ...) -> None: ...
+        def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
@@ -87,10 +84,10 @@ class ModelMetadataResponse(_message.Message):
     platform: str
     inputs: _containers.RepeatedCompositeFieldContainer[ModelMetadataResponse.TensorMetadata]
     outputs: _containers.RepeatedCompositeFieldContainer[ModelMetadataResponse.TensorMetadata]
-    def __init__(self, name: str | None = ..., versions: _Iterable[str] | None = ..., platform: str | None = ..., inputs: _Iterable[ModelMetadataResponse.TensorMetadata | _Mapping] | None = ..., outputs: _Iterable[ModelMetadataResponse.TensorMetadata | _Mapping] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., platform: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[ModelMetadataResponse.TensorMetadata, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ModelMetadataResponse.TensorMetadata, _Mapping]]] = ...) -> None: ...
 
 class InferParameter(_message.Message):
-    __slots__ = ("bool_param", "double_param", "int64_param", "string_param", "uint64_param")
+    __slots__ = ("bool_param", "int64_param", "string_param", "double_param", "uint64_param")
     BOOL_PARAM_FIELD_NUMBER: _ClassVar[int]
     INT64_PARAM_FIELD_NUMBER: _ClassVar[int]
     STRING_PARAM_FIELD_NUMBER: _ClassVar[int]
@@ -101,10 +98,10 @@ class InferParameter(_message.Message):
     string_param: str
     double_param: float
     uint64_param: int
-    def __init__(self, bool_param: bool | None = ..., int64_param: int | None = ..., string_param: str | None = ..., double_param: float | None = ..., uint64_param: int | None = ...) -> None: ...
+    def __init__(self, bool_param: _Optional[bool] = ..., int64_param: _Optional[int] = ..., string_param: _Optional[str] = ..., double_param: _Optional[float] = ..., uint64_param: _Optional[int] = ...) -> None: ...
 
 class InferTensorContents(_message.Message):
-    __slots__ = ("bool_contents", "bytes_contents", "fp32_contents", "fp64_contents", "int64_contents", "int_contents", "uint64_contents", "uint_contents")
+    __slots__ = ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents", "fp32_contents", "fp64_contents", "bytes_contents")
     BOOL_CONTENTS_FIELD_NUMBER: _ClassVar[int]
     INT_CONTENTS_FIELD_NUMBER: _ClassVar[int]
     INT64_CONTENTS_FIELD_NUMBER: _ClassVar[int]
@@ -121,19 +118,19 @@ class InferTensorContents(_message.Message):
     fp32_contents: _containers.RepeatedScalarFieldContainer[float]
     fp64_contents: _containers.RepeatedScalarFieldContainer[float]
     bytes_contents: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, bool_contents: _Iterable[bool] | None = ..., int_contents: _Iterable[int] | None = ..., int64_contents: _Iterable[int] | None = ..., uint_contents: _Iterable[int] | None = ..., uint64_contents: _Iterable[int] | None = ..., fp32_contents: _Iterable[float] | None = ..., fp64_contents: _Iterable[float] | None = ..., bytes_contents: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, bool_contents: _Optional[_Iterable[bool]] = ..., int_contents: _Optional[_Iterable[int]] = ..., int64_contents: _Optional[_Iterable[int]] = ..., uint_contents: _Optional[_Iterable[int]] = ..., uint64_contents: _Optional[_Iterable[int]] = ..., fp32_contents: _Optional[_Iterable[float]] = ..., fp64_contents: _Optional[_Iterable[float]] = ..., bytes_contents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ModelInferRequest(_message.Message):
-    __slots__ = ("id", "inputs", "model_name", "model_version", "outputs", "parameters", "raw_input_contents")
+    __slots__ = ("model_name", "model_version", "id", "parameters", "inputs", "outputs", "raw_input_contents")
     class InferInputTensor(_message.Message):
-        __slots__ = ("contents", "datatype", "name", "parameters", "shape")
+        __slots__ = ("name", "datatype", "shape", "parameters", "contents")
         class ParametersEntry(_message.Message):
             __slots__ = ("key", "value")
             KEY_FIELD_NUMBER: _ClassVar[int]
             VALUE_FIELD_NUMBER: _ClassVar[int]
             key: str
             value: InferParameter
-            def __init__(self, key: str | None = ..., value: InferParameter | _Mapping | None = ...) -> None: ...
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[InferParameter, _Mapping]] = ...) -> None: ...
         NAME_FIELD_NUMBER: _ClassVar[int]
         DATATYPE_FIELD_NUMBER: _ClassVar[int]
         SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -144,7 +141,7 @@ class ModelInferRequest(_message.Message):
         shape: _containers.RepeatedScalarFieldContainer[int]
         parameters: _containers.MessageMap[str, InferParameter]
         contents: InferTensorContents
-        def __init__(self, name: str | None = ..., datatype: str | None = ..., shape: _Iterable[int] | None = ..., parameters: _Mapping[str, InferParameter] | None = ..., contents: InferTensorContents | _Mapping | None = ...) -> None: ...
+        def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Mapping[str, InferParameter]] = ..., contents: _Optional[_Union[InferTensorContents, _Mapping]] = ...) -> None: ...
     class InferRequestedOutputTensor(_message.Message):
         __slots__ = ("name", "parameters")
         class ParametersEntry(_message.Message):
@@ -153,19 +150,19 @@ class ModelInferRequest(_message.Message):
             VALUE_FIELD_NUMBER: _ClassVar[int]
             key: str
             value: InferParameter
-            def __init__(self, key: str | None = ..., value: InferParameter | _Mapping | None = ...) -> None: ...
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[InferParameter, _Mapping]] = ...) -> None: ...
         NAME_FIELD_NUMBER: _ClassVar[int]
         PARAMETERS_FIELD_NUMBER: _ClassVar[int]
         name: str
         parameters: _containers.MessageMap[str, InferParameter]
-        def __init__(self, name: str | None = ..., parameters: _Mapping[str, InferParameter] | None = ...) -> None: ...
+        def __init__(self, name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, InferParameter]] = ...) -> None: ...
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: InferParameter
-        def __init__(self, key: str | None = ..., value: InferParameter | _Mapping | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[InferParameter, _Mapping]] = ...) -> None: ...
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -180,19 +177,19 @@ class ModelInferRequest(_message.Message):
     inputs: _containers.RepeatedCompositeFieldContainer[ModelInferRequest.InferInputTensor]
     outputs: _containers.RepeatedCompositeFieldContainer[ModelInferRequest.InferRequestedOutputTensor]
     raw_input_contents: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, model_name: str | None = ..., model_version: str | None = ..., id: str | None = ..., parameters: _Mapping[str, InferParameter] | None = ..., inputs: _Iterable[ModelInferRequest.InferInputTensor | _Mapping] | None = ..., outputs: _Iterable[ModelInferRequest.InferRequestedOutputTensor | _Mapping] | None = ..., raw_input_contents: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., id: _Optional[str] = ..., parameters: _Optional[_Mapping[str, InferParameter]] = ..., inputs: _Optional[_Iterable[_Union[ModelInferRequest.InferInputTensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[ModelInferRequest.InferRequestedOutputTensor, _Mapping]]] = ..., raw_input_contents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ModelInferResponse(_message.Message):
-    __slots__ = ("id", "model_name", "model_version", "outputs", "parameters", "raw_output_contents")
+    __slots__ = ("model_name", "model_version", "id", "parameters", "outputs", "raw_output_contents")
     class InferOutputTensor(_message.Message):
-        __slots__ = ("contents", "datatype", "name", "parameters", "shape")
+        __slots__ = ("name", "datatype", "shape", "parameters", "contents")
         class ParametersEntry(_message.Message):
             __slots__ = ("key", "value")
             KEY_FIELD_NUMBER: _ClassVar[int]
             VALUE_FIELD_NUMBER: _ClassVar[int]
             key: str
             value: InferParameter
-            def __init__(self, key: str | None = ..., value: InferParameter | _Mapping | None = ...) -> None: ...
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[InferParameter, _Mapping]] = ...) -> None: ...
         NAME_FIELD_NUMBER: _ClassVar[int]
         DATATYPE_FIELD_NUMBER: _ClassVar[int]
         SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -203,14 +200,14 @@ class ModelInferResponse(_message.Message):
         shape: _containers.RepeatedScalarFieldContainer[int]
         parameters: _containers.MessageMap[str, InferParameter]
         contents: InferTensorContents
-        def __init__(self, name: str | None = ..., datatype: str | None = ..., shape: _Iterable[int] | None = ..., parameters: _Mapping[str, InferParameter] | None = ..., contents: InferTensorContents | _Mapping | None = ...) -> None: ...
+        def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Mapping[str, InferParameter]] = ..., contents: _Optional[_Union[InferTensorContents, _Mapping]] = ...) -> None: ...
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: InferParameter
-        def __init__(self, key: str | None = ..., value: InferParameter | _Mapping | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[InferParameter, _Mapping]] = ...) -> None: ...
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -223,7 +220,7 @@ class ModelInferResponse(_message.Message):
     parameters: _containers.MessageMap[str, InferParameter]
     outputs: _containers.RepeatedCompositeFieldContainer[ModelInferResponse.InferOutputTensor]
     raw_output_contents: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, model_name: str | None = ..., model_version: str | None = ..., id: str | None = ..., parameters: _Mapping[str, InferParameter] | None = ..., outputs: _Iterable[ModelInferResponse.InferOutputTensor | _Mapping] | None = ..., raw_output_contents: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., id: _Optional[str] = ..., parameters: _Optional[_Mapping[str, InferParameter]] = ..., outputs: _Optional[_Iterable[_Union[ModelInferResponse.InferOutputTensor, _Mapping]]] = ..., raw_output_contents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ModelConfigRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -231,26 +228,26 @@ class ModelConfigRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
-    def __init__(self, name: str | None = ..., version: str | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ModelConfigResponse(_message.Message):
     __slots__ = ("config",)
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     config: _model_config_pb2.ModelConfig
-    def __init__(self, config: _model_config_pb2.ModelConfig | _Mapping | None = ...) -> None: ...
+    def __init__(self, config: _Optional[_Union[_model_config_pb2.ModelConfig, _Mapping]] = ...) -> None: ...
 
 class RepositoryIndexRequest(_message.Message):
-    __slots__ = ("ready", "repository_name")
+    __slots__ = ("repository_name", "ready")
     REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     repository_name: str
     ready: bool
-    def __init__(self, repository_name: str | None = ..., ready: bool | None = ...) -> None: ...
+    def __init__(self, repository_name: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class RepositoryIndexResponse(_message.Message):
     __slots__ = ("models",)
     class ModelIndex(_message.Message):
-        __slots__ = ("name", "reason", "state", "version")
+        __slots__ = ("name", "version", "state", "reason")
         NAME_FIELD_NUMBER: _ClassVar[int]
         VERSION_FIELD_NUMBER: _ClassVar[int]
         STATE_FIELD_NUMBER: _ClassVar[int]
@@ -259,7 +256,7 @@ class RepositoryIndexResponse(_message.Message):
         version: str
         state: str
         reason: str
-        def __init__(self, name: str | None = ..., version: str | None = ..., state: str | None = ..., reason: str | None = ...) -> None: ...
+        def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[RepositoryIndexResponse.ModelIndex]
-    def __init__(self, models: _Iterable[RepositoryIndexResponse.ModelIndex | _Mapping] | None = ...) -> None: ...
+    def __init__(self, models: _Optional[_Iterable[_Union[RepositoryIndexResponse.ModelIndex, _Mapping]]] = ...) -> None: ...

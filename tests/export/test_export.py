@@ -1,0 +1,211 @@
+"""The exporter end to end: ONNX graph, repository layout, Triton config, parity gate, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as triton_config
+
+from export import model as model_module
+from export.checkpoint import random_checkpoint
+from export.pipeline import ExportOptions, GateRefused, export_model
+from service.repository import read_model
+from tests.conftest import DEFAULT_MODEL, TINY_CONFIG, TINY_MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_export(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "export", *arguments], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_default_repository_layout(default_repository: Path) -> None:
+    folder = default_repository / DEFAULT_MODEL
+    names = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    assert {"config.pbtxt", "parity.json", "tokenizer.json", "1/model.onnx"} <= names
+    assert [p.name for p in default_repository.iterdir()] == [DEFAULT_MODEL]  # no staging left behind
+
+
+def test_onnx_graph_has_dynamic_axes_and_passes_the_checker(default_repository: Path) -> None:
+    path = default_repository / DEFAULT_MODEL / "1" / "model.onnx"
+    onnx.checker.check_model(str(path), full_check=True)
+    graph = onnx.load(str(path), load_external_data=False)
+    opsets = {o.domain: o.version for o in graph.opset_import}
+    assert opsets[""] >= 17
+    inputs = {i.name: i for i in graph.graph.input}
+    assert list(inputs) == ["input_ids", "attention_mask", "token_type_ids"]
+    for tensor in inputs.values():
+        assert tensor.type.tensor_type.elem_type == onnx.TensorProto.INT64
+        dims = tensor.type.tensor_type.shape.dim
+        assert [d.dim_param for d in dims] == ["batch", "sequence"]
+    outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in graph.graph.output}
+    assert outputs == {"last_hidden_state": ["batch", "sequence", 384], "embedding": ["batch", 384]}
+
+
+def test_config_pbtxt_is_a_triton_model_config(default_repository: Path) -> None:
+    text = (default_repository / DEFAULT_MODEL / "config.pbtxt").read_text()
+    config = text_format.Parse(text, triton_config.ModelConfig())  # Triton's own message: strict parse
+    assert config.platform == "onnxruntime_onnx"
+    assert config.max_batch_size > 0
+    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
+        (name, triton_config.TYPE_INT64, [-1]) for name in ("input_ids", "attention_mask", "token_type_ids")
+    ]
+    outputs = {o.name: (o.data_type, list(o.dims)) for o in config.output}
+    assert outputs == {
+        "last_hidden_state": (triton_config.TYPE_FP32, [-1, 384]),
+        "embedding": (triton_config.TYPE_FP32, [384]),
+    }
+    assert config.dynamic_batching.max_queue_delay_microseconds > 0
+    assert len(config.instance_group) == 1
+    assert config.parameters["max_sequence_length"].string_value == "256"
+    assert config.parameters["pooling"].string_value == "mean"
+    assert config.parameters["tokenizer"].string_value == "tokenizer.json"
+
+
+def test_parity_report_meets_every_tolerance(default_repository: Path) -> None:
+    report = json.loads((default_repository / DEFAULT_MODEL / "parity.json").read_text())
+    fp32 = report["variants"]["fp32"]
+    assert fp32["passed"]
+    for kind in ("tokens", "sentences"):
+        assert fp32["cases"][kind]["max_abs_diff_last_hidden_state"] <= 1e-4
+        assert fp32["cases"][kind]["min_cosine"] >= 0.99999
+    assert fp32["cases"]["tokens"]["rows"] == sum(b * 4 for b in (1, 2, 7, 32))
+    if "int8" in report["variants"]:
+        assert report["variants"]["int8"]["cases"]["sentences"]["min_cosine"] >= 0.99
+        assert report["int8_speed"]["speedup"] >= 1.6
+    assert report["variants"]["fp16"]["cases"]["sentences"]["min_cosine"] >= 0.999
+    assert report["cpu_graph_forms"]["chosen"] in report["cpu_graph_forms"]["sequences_per_second"]
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    assert set(spec.variants) == set(report["variants"])
+    assert spec.preferred_variants == report["preferred_variants"]
+
+
+def test_every_published_variant_runs_with_dynamic_shapes(default_repository: Path) -> None:
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    for variant, path in spec.variants.items():
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        for rows, length in ((1, 3), (5, 17)):
+            feed = {
+                "input_ids": np.full((rows, length), 2023, dtype=np.int64),
+                "attention_mask": np.ones((rows, length), dtype=np.int64),
+                "token_type_ids": np.zeros((rows, length), dtype=np.int64),
+            }
+            hidden, embedding = session.run(["last_hidden_state", "embedding"], feed)
+            assert hidden.shape == (rows, length, 384), variant
+            assert embedding.shape == (rows, 384), variant
+            np.testing.assert_allclose(np.linalg.norm(embedding, axis=1), 1.0, atol=1e-3)
+
+
+def test_broken_model_is_refused_and_repository_left_as_it_was(
+    repository_copy: Path, default_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exporter that disagrees with eager PyTorch: the graph drops the attention scaling."""
+    before = tree(repository_copy)
+    original = model_module.MultiHeadAttention.forward
+
+    def unscaled_when_exporting(self, hidden, attention_bias):
+        if torch.onnx.is_in_onnx_export():
+            self.head_dim, saved = 1, self.head_dim
+            try:
+                return original(self, hidden, attention_bias)
+            finally:
+                self.head_dim = saved
+        return original(self, hidden, attention_bias)
+
+    monkeypatch.setattr(model_module.MultiHeadAttention, "forward", unscaled_when_exporting)
+    checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_folder)
+    with pytest.raises(GateRefused, match=r"fp32: .* at (tokens \d+x\d+|sentence \d+)"):
+        export_model(checkpoint, repository_copy, ExportOptions(variants=("fp32",), threads=1))
+    assert tree(repository_copy) == before
+
+
+def test_re_export_replaces_the_model_atomically(repository_copy: Path, default_folder: Path) -> None:
+    checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=2, tokenizer_folder=default_folder)
+    old_model = (repository_copy / TINY_MODEL / "1" / "model.onnx").read_bytes()
+    export_model(checkpoint, repository_copy, ExportOptions(variants=("fp32",), threads=1))
+    assert (repository_copy / TINY_MODEL / "1" / "model.onnx").read_bytes() != old_model
+    assert sorted(p.name for p in repository_copy.iterdir()) == [TINY_MODEL]
+
+
+def test_cli_exports_a_random_model_without_tokenizer(tmp_path: Path) -> None:
+    result = run_export(
+        "--repository",
+        str(tmp_path),
+        "--random",
+        "--name",
+        "random-encoder",
+        "--random-config",
+        '{"num_layers": 1}',
+        "--variants",
+        "fp32",
+        "--threads",
+        "1",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "published random-encoder (fp32)" in result.stdout
+    spec = read_model(tmp_path / "random-encoder")
+    assert spec.tokenizer_file is None and spec.vocab_size == 1000
+
+
+def _broken_folder(tmp_path: Path, default_folder: Path, change: str) -> Path:
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(default_folder, folder, ignore=shutil.ignore_patterns("model.safetensors"))
+    (folder / "model.safetensors").symlink_to(default_folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    if change == "malformed":
+        (folder / "config.json").write_text("{not json")
+        return folder
+    if change == "no_config":
+        (folder / "config.json").unlink()
+        return folder
+    if change == "no_weights":
+        (folder / "model.safetensors").unlink()
+        return folder
+    if change == "roberta":
+        config["model_type"] = "roberta"
+    if change == "heads":
+        config["num_attention_heads"] = 7
+    if change == "layers":
+        config["num_hidden_layers"] = 7
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("missing", "not a directory"),
+        ("no_config", "no config.json"),
+        ("malformed", "malformed JSON"),
+        ("no_weights", "no model.safetensors or pytorch_model.bin"),
+        ("roberta", "unsupported architecture 'roberta'"),
+        ("heads", "d_model 384 is not divisible by num_heads 7"),
+        ("layers", "weights missing for layers.6"),
+    ],
+)
+def test_bad_checkpoint_is_one_line_and_writes_nothing(
+    tmp_path: Path, default_folder: Path, change: str, message: str
+) -> None:
+    source = tmp_path / "nowhere" if change == "missing" else _broken_folder(tmp_path, default_folder, change)
+    repository = tmp_path / "repository"
+    result = run_export("--repository", str(repository), "--source", str(source))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("export: error:") and message in lines[0], result.stderr
+    assert not repository.exists()

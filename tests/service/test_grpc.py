@@ -1,0 +1,337 @@
+"""The server over real gRPC on loopback, driven by clients we did not write (tritonclient, grpc health
+and reflection clients) and by raw protocol messages for the error cases."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import struct
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc as triton
+import tritonclient.grpc.aio as triton_aio
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from onnx import TensorProto, helper
+from sentence_transformers import SentenceTransformer
+from tritonclient.grpc import service_pb2 as triton_pb
+from tritonclient.grpc import service_pb2_grpc as triton_grpc
+from tritonclient.utils import InferenceServerException
+
+from export.parity import read_sentences
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from tests.conftest import DEFAULT_MODEL, TINY_MODEL
+from tests.servers import RunningServer, start_server
+
+SENTENCES = ["A man is eating food.", "The new movie is awesome.", "Ein Hund läuft über die Wiese 🐕."]
+
+
+def text_input(texts: list[str]) -> triton.InferInput:
+    tensor = triton.InferInput("text", [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+    return tensor
+
+
+def embed(client: triton.InferenceServerClient, model: str, texts: list[str]) -> np.ndarray:
+    result = client.infer(model, [text_input(texts)], outputs=[triton.InferRequestedOutput("embedding")])
+    return result.as_numpy("embedding")
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: RunningServer) -> triton.InferenceServerClient:
+    return triton.InferenceServerClient(tiny_server.target)
+
+
+@pytest.fixture(scope="module")
+def stub(tiny_server: RunningServer) -> pb_grpc.GRPCInferenceServiceStub:
+    channel = grpc.insecure_channel(tiny_server.target)
+    yield pb_grpc.GRPCInferenceServiceStub(channel)
+    channel.close()
+
+
+def test_live_ready_metadata_and_config_through_tritonclient(client: triton.InferenceServerClient) -> None:
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready(TINY_MODEL) and client.is_model_ready(TINY_MODEL, "1")
+    assert not client.is_model_ready(TINY_MODEL, "7") and not client.is_model_ready("nope")
+    server = client.get_server_metadata()
+    assert server.name == "encoder-serve" and "model_configuration" in server.extensions
+    metadata = client.get_model_metadata(TINY_MODEL)
+    assert metadata.versions == ["1"] and metadata.platform == "onnxruntime_onnx"
+    assert [(i.name, i.datatype, list(i.shape)) for i in metadata.inputs] == [
+        ("text", "BYTES", [-1]),
+        ("input_ids", "INT64", [-1, -1]),
+        ("attention_mask", "INT64", [-1, -1]),
+        ("token_type_ids", "INT64", [-1, -1]),
+    ]
+    assert [(o.name, list(o.shape)) for o in metadata.outputs] == [
+        ("embedding", [-1, 32]),
+        ("last_hidden_state", [-1, -1, 32]),
+    ]
+    config = client.get_model_config(TINY_MODEL).config
+    assert config.name == TINY_MODEL and config.max_batch_size == 64
+    assert config.parameters["execution_provider"].string_value == "CPUExecutionProvider"
+    assert config.instance_group[0].kind == config.instance_group[0].KIND_CPU
+    index = client.get_model_repository_index()
+    assert [(m.name, m.version, m.state) for m in index.models] == [(TINY_MODEL, "1", "READY")]
+
+
+def test_text_and_token_inputs_give_the_same_embedding(
+    client: triton.InferenceServerClient, default_folder: Path
+) -> None:
+    from service.tokenizer import TextTokenizer
+
+    tokens = TextTokenizer(default_folder / "tokenizer.json", 128, 0).encode(SENTENCES)
+    inputs = []
+    for name, array in (("input_ids", tokens.input_ids), ("attention_mask", tokens.attention_mask)):
+        tensor = triton.InferInput(name, list(array.shape), "INT64")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    result = client.infer(TINY_MODEL, inputs, request_id="tokens-1")
+    assert result.get_response().id == "tokens-1"
+    assert [o.name for o in result.get_response().outputs] == ["last_hidden_state", "embedding"]
+    by_tokens = result.as_numpy("embedding")
+    by_text = embed(client, TINY_MODEL, SENTENCES)
+    np.testing.assert_allclose(by_text, by_tokens, atol=1e-6)
+    assert result.as_numpy("last_hidden_state").shape == (3, tokens.input_ids.shape[1], 32)
+
+
+def test_typed_contents_through_tritonclient_stubs(tiny_server: RunningServer, client) -> None:
+    """Typed (non-raw) contents, sent with tritonclient's own generated protocol stubs."""
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        request = triton_pb.ModelInferRequest(model_name=TINY_MODEL, id="typed")
+        tensor = request.inputs.add(name="text", datatype="BYTES", shape=[2])
+        tensor.contents.bytes_contents.extend([s.encode() for s in SENTENCES[:2]])
+        request.outputs.add(name="embedding")
+        response = triton_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=10)
+    assert response.id == "typed" and [o.name for o in response.outputs] == ["embedding"]
+    typed = np.frombuffer(response.raw_output_contents[0], dtype="<f4").reshape(2, 32)
+    np.testing.assert_allclose(typed, embed(client, TINY_MODEL, SENTENCES[:2]), atol=1e-6)
+
+
+def test_concurrent_requests_each_get_their_own_answer(client: triton.InferenceServerClient) -> None:
+    texts = [f"sentence number {i} " + "word " * (i % 7) for i in range(24)]
+    expected = np.concatenate([embed(client, TINY_MODEL, [t]) for t in texts])
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: embed(client, TINY_MODEL, [t])[0], texts))
+    np.testing.assert_allclose(np.stack(got), expected, atol=1e-5)
+
+
+async def test_async_tritonclient(tiny_server: RunningServer) -> None:
+    client = triton_aio.InferenceServerClient(tiny_server.target)
+    try:
+        assert await client.is_server_ready()
+        results = await asyncio.gather(
+            *(client.infer(TINY_MODEL, [text_input([s])], request_id=str(i)) for i, s in enumerate(SENTENCES))
+        )
+        assert [r.get_response().id for r in results] == ["0", "1", "2"]
+        assert all(r.as_numpy("embedding").shape == (1, 32) for r in results)
+    finally:
+        await client.close()
+
+
+def test_served_embeddings_match_sentence_transformers(default_server: RunningServer, default_folder: Path) -> None:
+    sentences = read_sentences()
+    client = triton.InferenceServerClient(default_server.target)
+    served = np.concatenate([embed(client, DEFAULT_MODEL, sentences[i : i + 8]) for i in range(0, len(sentences), 8)])
+    reference = SentenceTransformer(str(default_folder), device="cpu").encode(sentences, convert_to_numpy=True)
+    cosines = (served * reference).sum(axis=1) / np.linalg.norm(served, axis=1) / np.linalg.norm(reference, axis=1)
+    assert cosines.min() >= 0.9999, (cosines.min(), sentences[int(cosines.argmin())][:60])
+
+
+def test_health_and_reflection(tiny_server: RunningServer) -> None:
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", TINY_MODEL):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= services
+        pool = descriptor_pool.DescriptorPool(database)
+        method = pool.FindServiceByName("inference.GRPCInferenceService").FindMethodByName("ModelInfer")
+        assert method.input_type.full_name == "inference.ModelInferRequest"
+        assert [f.number for f in method.input_type.fields] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def raw_text_request(texts: list[bytes], model: str = TINY_MODEL) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="text", datatype="BYTES", shape=[len(texts)])
+    request.raw_input_contents.append(b"".join(struct.pack("<I", len(t)) + t for t in texts))
+    return request
+
+
+def raw_token_request(ids: np.ndarray) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=TINY_MODEL)
+    for name, array in (("input_ids", ids), ("attention_mask", np.ones_like(ids))):
+        request.inputs.add(name=name, datatype="INT64", shape=list(array.shape))
+        request.raw_input_contents.append(array.astype("<i8").tobytes())
+    return request
+
+
+def _edit(request: pb.ModelInferRequest, change) -> pb.ModelInferRequest:
+    change(request)
+    return request
+
+
+ERROR_CASES = {
+    "unknown model": (lambda: raw_text_request([b"x"], "nope"), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'"),
+    "unknown version": (
+        lambda: _edit(raw_text_request([b"x"]), lambda r: setattr(r, "model_version", "9")),
+        grpc.StatusCode.NOT_FOUND,
+        "no version '9'",
+    ),
+    "missing input": (
+        lambda: _edit(
+            raw_token_request(np.array([[101, 102]])), lambda r: (r.inputs.pop(), r.raw_input_contents.pop())
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "missing input attention_mask",
+    ),
+    "unknown input": (
+        lambda: _edit(raw_text_request([b"x"]), lambda r: setattr(r.inputs[0], "name", "txt")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown input 'txt'",
+    ),
+    "wrong datatype": (
+        lambda: _edit(raw_token_request(np.array([[101, 102]])), lambda r: setattr(r.inputs[0], "datatype", "INT32")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "datatype INT32, expected INT64",
+    ),
+    "shape vs contents": (
+        lambda: _edit(raw_text_request([b"a", b"b"]), lambda r: r.inputs[0].shape.__setitem__(0, 3)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shape needs 3",
+    ),
+    "raw byte length": (
+        lambda: _edit(raw_token_request(np.array([[101, 102]])), lambda r: r.raw_input_contents.__setitem__(1, b"1")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "raw contents are 1 bytes",
+    ),
+    "out of vocabulary": (
+        lambda: raw_token_request(np.array([[101, 99999]])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "outside the vocabulary",
+    ),
+    "too long": (
+        lambda: raw_token_request(np.ones((1, 300), dtype=np.int64)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "sequence length 300 exceeds the model's maximum 128",
+    ),
+    "batch too large": (
+        lambda: raw_text_request([b"x"] * 65),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "exceeds the model's max_batch_size 64",
+    ),
+    "empty text": (lambda: raw_text_request([b""]), grpc.StatusCode.INVALID_ARGUMENT, r"text[0] is empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_bad_requests_get_a_precise_status_and_the_server_keeps_serving(
+    stub: pb_grpc.GRPCInferenceServiceStub, case: str
+) -> None:
+    build, code, message = ERROR_CASES[case]
+    with pytest.raises(grpc.RpcError) as failure:
+        stub.ModelInfer(build(), timeout=10)
+    assert failure.value.code() == code
+    assert message in failure.value.details()
+    assert stub.ModelInfer(raw_text_request([b"still serving"]), timeout=10).outputs
+
+
+def test_tritonclient_sees_the_status_too(client: triton.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException) as failure:
+        client.infer("nope", [text_input(["x"])])
+    assert failure.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_full_queue_and_oversized_message_are_resource_exhausted(tiny_repository: Path, tmp_path: Path) -> None:
+    # A long batching delay keeps requests queued; a queue of 2 then rejects the third at once.
+    server = start_server(
+        tiny_repository,
+        tmp_path / "server.log",
+        "--max-queue-delay-us",
+        "1500000",
+        "--max-queue-size",
+        "2",
+        "--max-message-bytes",
+        "4096",
+    )
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            queued = [stub.ModelInfer.future(raw_text_request([b"queued %d" % i]), timeout=20) for i in range(2)]
+            with pytest.raises(grpc.RpcError) as rejected:
+                for _ in range(50):  # until both queued requests have reached the queue
+                    stub.ModelInfer(raw_text_request([b"one too many"]), timeout=20)
+            assert rejected.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue full" in rejected.value.details()
+            assert all(f.result().outputs for f in queued)
+            with pytest.raises(grpc.RpcError) as oversized:
+                stub.ModelInfer(raw_text_request([b"x" * 5000]), timeout=20)
+            assert oversized.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert stub.ModelInfer(raw_text_request([b"after"]), timeout=20).outputs
+    finally:
+        assert server.stop() == 0
+
+
+def _constant(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+    )
+
+
+def _odd_length_fails_model(path: Path) -> None:
+    """A model that runs for even sequence lengths and fails at run time for odd ones.
+
+    embedding[b] = sum of row b's ids (repeated 32 times); the Reshape into pairs is what fails.
+    """
+    inputs = [
+        helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"])
+        for name in ("input_ids", "attention_mask", "token_type_ids")
+    ]
+    nodes = [
+        helper.make_node("Cast", ["input_ids"], ["ids"], to=TensorProto.FLOAT),
+        _constant("pairs", [0, -1, 2]),
+        helper.make_node("Reshape", ["ids", "pairs"], ["paired"]),
+        _constant("row_axes", [1, 2]),
+        helper.make_node("ReduceSum", ["paired", "row_axes"], ["row_sums"], keepdims=0),
+        _constant("column", [-1, 1]),
+        helper.make_node("Reshape", ["row_sums", "column"], ["row_sums_2d"]),
+        _constant("widths", [1, 32]),
+        helper.make_node("Tile", ["row_sums_2d", "widths"], ["embedding"]),
+        _constant("last_axis", [-1]),
+        helper.make_node("Unsqueeze", ["ids", "last_axis"], ["ids_3d"]),
+        _constant("hidden_tiles", [1, 1, 32]),
+        helper.make_node("Tile", ["ids_3d", "hidden_tiles"], ["last_hidden_state"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", 32]),
+        helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", 32]),
+    ]
+    graph = helper.make_graph(nodes, "odd_fails", inputs, outputs)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+
+
+def test_an_execution_failure_is_internal_for_that_request_only(repository_copy: Path, tmp_path: Path) -> None:
+    _odd_length_fails_model(repository_copy / TINY_MODEL / "1" / "model.onnx")
+    server = start_server(repository_copy, tmp_path / "server.log", "--no-warmup")
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as failure:
+                stub.ModelInfer(raw_token_request(np.array([[101, 5, 102]])), timeout=20)
+            assert failure.value.code() == grpc.StatusCode.INTERNAL
+            assert "model execution failed" in failure.value.details()
+            ok = stub.ModelInfer(raw_token_request(np.array([[101, 5, 6, 102]])), timeout=20)
+            assert np.frombuffer(ok.raw_output_contents[1], "<f4")[0] == 101 + 5 + 6 + 102
+    finally:
+        assert server.stop() == 0

@@ -1,0 +1,80 @@
+"""/metrics scraped and parsed with prometheus_client's parser while requests are served."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import numpy as np
+import tritonclient.grpc as triton
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from tests.conftest import TINY_MODEL
+from tests.servers import RunningServer
+
+LABELS = {"model": TINY_MODEL, "version": "1"}
+
+
+def scrape(server: RunningServer) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted({**LABELS, **labels}.items()))), 0.0)
+
+
+def test_counters_move_as_requests_are_served(tiny_server: RunningServer) -> None:
+    client = triton.InferenceServerClient(tiny_server.target)
+    before = scrape(tiny_server)
+    texts = [b"one two three", b"four five"]
+    for _ in range(3):
+        tensor = triton.InferInput("text", [2], "BYTES")
+        tensor.set_data_from_numpy(np.array(texts, dtype=object))
+        client.infer(TINY_MODEL, [tensor])
+    bad = triton.InferInput("input_ids", [1, 1], "INT64")
+    bad.set_data_from_numpy(np.array([[10**6]], dtype=np.int64))
+    try:
+        client.infer(TINY_MODEL, [bad])
+    except InferenceServerException as error:
+        assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    after = scrape(tiny_server)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("encoder_requests_total", code="OK") == 3
+    assert moved("encoder_requests_total", code="INVALID_ARGUMENT") == 1
+    assert moved("encoder_request_duration_seconds_count") == 4
+    assert moved("encoder_tokenize_duration_seconds_count") == 3
+    assert moved("encoder_sequences_total") == 6
+    assert moved("encoder_tokens_total") == 3 * (5 + 4)  # [CLS] ... [SEP] per text
+    assert moved("encoder_queue_duration_seconds_count") == 3
+    assert 1 <= moved("encoder_compute_duration_seconds_count") <= 3
+    assert moved("encoder_batch_size_sum") == 6
+    assert moved("encoder_padding_ratio_count") == moved("encoder_batch_size_count")
+    assert value(after, "encoder_model_ready") == 1
+    assert value(after, "encoder_queue_depth") == 0
+    assert value(after, "encoder_queue_capacity") == 1024
+    assert value(after, "encoder_inflight_requests") == 0
+    assert value(after, "encoder_execution_provider_info", provider="CPUExecutionProvider", variant="fp32") == 1
+
+
+def test_unknown_model_names_do_not_create_label_values(tiny_server: RunningServer) -> None:
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for name in ("random-name-1", "random-name-2"):
+            try:
+                stub.ModelInfer(pb.ModelInferRequest(model_name=name), timeout=5)
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.NOT_FOUND
+    samples = scrape(tiny_server)
+    assert not [key for key in samples if "random-name" in str(key)]
+    assert samples[("encoder_requests_total", (("code", "NOT_FOUND"), ("model", ""), ("version", "")))] >= 2

@@ -1,0 +1,47 @@
+"""Settings from flags and ENCODER_* variables, validated once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.settings import Settings, SettingsError, load_settings
+
+
+def test_defaults_match_the_external_contract() -> None:
+    settings = load_settings([], environ={})
+    assert (settings.grpc_port, settings.metrics_port) == (8001, 8002)
+    assert settings.model_repository == Path("model_repository")
+    assert settings.device == "auto" and not settings.require_gpu
+
+
+def test_flags_beat_environment_which_beats_defaults() -> None:
+    environ = {"ENCODER_GRPC_PORT": "9001", "ENCODER_METRICS_PORT": "9002", "ENCODER_REQUIRE_GPU": "true"}
+    settings = load_settings(["--grpc-port", "7001", "--no-require-gpu"], environ=environ)
+    assert settings.grpc_port == 7001
+    assert settings.metrics_port == 9002
+    assert settings.require_gpu is False
+    assert load_settings([], environ=environ).require_gpu is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["--grpc-port", "70000"], {}, "grpc_port must be 0-65535"),
+        (["--grpc-port", "eighty"], {}, "grpc_port must be int"),
+        (["--device", "tpu"], {}, "device must be one of auto, cpu"),
+        ([], {"ENCODER_INSTANCES": "0"}, "instances must be at least 1"),
+        ([], {"ENCODER_WARMUP": "maybe"}, "ENCODER_WARMUP must be a boolean"),
+        (["--max-queue-delay-us", "-5"], {}, "max_queue_delay_us must be >= 0"),
+        (["--drain-timeout-s", "-1"], {}, "drain_timeout_s must be >= 0"),
+    ],
+)
+def test_bad_settings_name_the_setting(argv: list[str], environ: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        load_settings(argv, environ=environ)
+
+
+def test_threads_split_available_cpus_across_instances() -> None:
+    assert Settings(intra_op_threads=3).resolved_intra_op_threads() == 3
+    assert Settings(instances=64).resolved_intra_op_threads() == 1
