@@ -46,5 +46,9 @@ protos: $(VENV)/.installed
 bench: $(VENV)/.installed $(MODEL_FILE)
 	$(PY) -m export.bench --repository $(REPOSITORY) --output bench-results/export.json
 
+# Drive a running server (make serve in another shell): closed-loop sweep, report in loadtest-results/.
+loadtest: $(VENV)/.installed
+	$(PY) -m client.loadtest --target 127.0.0.1:8001 --concurrency 1,8,32,64 --duration-s 20
+
 clean:
 	rm -rf $(VENV) $(REPOSITORY) bench-results loadtest-results .pytest_cache .ruff_cache

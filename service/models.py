@@ -80,11 +80,13 @@ class ServedModel:
 
     async def infer(self, request: InferenceRequest, deadline: float | None) -> WorkResult:
         """Tokenise (off the event loop) if needed, queue, and wait for this request's rows."""
+        tokenize_s = 0.0
         if request.texts is not None:
             started = time.perf_counter()
             loop = asyncio.get_running_loop()
             batch = await loop.run_in_executor(self._tokenizer_pool, self.tokenizer.encode, request.texts)
-            metrics.TOKENIZE_DURATION.labels(*self.labels.values()).observe(time.perf_counter() - started)
+            tokenize_s = time.perf_counter() - started
+            metrics.TOKENIZE_DURATION.labels(*self.labels.values()).observe(tokenize_s)
             tokens: dict[str, np.ndarray] = {
                 "input_ids": batch.input_ids,
                 "attention_mask": batch.attention_mask,
@@ -95,7 +97,20 @@ class ServedModel:
         if request.timeout_s is not None:
             own_deadline = time.monotonic() + request.timeout_s
             deadline = own_deadline if deadline is None else min(deadline, own_deadline)
-        return await self.batcher.submit(tokens, request.outputs, deadline)
+        result = await self.batcher.submit(tokens, request.outputs, deadline)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request id=%r model=%s rows=%d length=%d tokenize=%.2fms queue=%.2fms compute=%.2fms batch_rows=%d",
+                request.id,
+                self.spec.name,
+                request.rows,
+                tokens["input_ids"].shape[1],
+                tokenize_s * 1e3,
+                result.queue_s * 1e3,
+                result.compute_s * 1e3,
+                result.batch_rows,
+            )
+        return result
 
 
 def _execution_settings(settings: Settings) -> ExecutionSettings:

@@ -125,7 +125,10 @@ class ModelRuntime:
 
     def _create(self, settings: ExecutionSettings, providers: list) -> ort.InferenceSession:
         path = self.spec.variants[self.variant]
-        return ort.InferenceSession(str(path), session_options(settings), providers=providers)
+        try:
+            return ort.InferenceSession(str(path), session_options(settings), providers=providers)
+        except Exception as error:  # ONNX Runtime raises its own untyped failures for bad graphs
+            raise ExecutionError(f"model {self.spec.name}: cannot load {path}: {error}") from error
 
     def _finish_init(self) -> None:
         self.provider = self.session.get_providers()[0]

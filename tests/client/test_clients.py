@@ -1,0 +1,80 @@
+"""EmbeddingClient and AsyncEmbeddingClient against real servers on loopback."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from client import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError
+from client.loadtest.corpus import load_corpus
+from tests.conftest import TINY_MODEL
+from tests.servers import RunningServer
+
+TEXTS = list(load_corpus("short")[:5]) + list(load_corpus("long")[:2])
+DIMENSION = 32
+
+
+def one_by_one(server: RunningServer) -> np.ndarray:
+    """Each text's embedding from a request of its own: the reference for order checks."""
+    with EmbeddingClient(server.target, model=TINY_MODEL, batch_size=1) as client:
+        return np.concatenate([client.embed([text]) for text in TEXTS])
+
+
+def assert_same_rows_in_order(embeddings: np.ndarray, reference: np.ndarray) -> None:
+    assert embeddings.shape == (len(TEXTS), DIMENSION) and embeddings.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-4)
+    np.testing.assert_allclose(embeddings, reference, atol=1e-4)
+    # The texts differ, so each row must be nearest to its own reference row.
+    assert (np.argmax(embeddings @ reference.T, axis=1) == np.arange(len(TEXTS))).all()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_server: RunningServer) -> np.ndarray:
+    return one_by_one(tiny_server)
+
+
+def test_blocking_client_shapes_norms_and_order_across_requests(
+    tiny_server: RunningServer, reference: np.ndarray
+) -> None:
+    with EmbeddingClient(tiny_server.target, model=TINY_MODEL, batch_size=3) as client:
+        embeddings = client.embed(TEXTS)  # 3 requests: 3 + 3 + 1 texts
+    assert_same_rows_in_order(embeddings, reference)
+
+
+async def test_async_client_shapes_norms_and_order_across_concurrent_requests(
+    tiny_server: RunningServer, reference: np.ndarray
+) -> None:
+    async with AsyncEmbeddingClient(tiny_server.target, model=TINY_MODEL, batch_size=2) as client:
+        embeddings = await client.embed(TEXTS)  # 4 requests in flight at once
+    assert_same_rows_in_order(embeddings, reference)
+
+
+async def test_dns_target_reaches_the_server(tiny_server: RunningServer, reference: np.ndarray) -> None:
+    target = f"dns:///127.0.0.1:{tiny_server.grpc_port}"
+    with EmbeddingClient(target, model=TINY_MODEL) as client:
+        assert_same_rows_in_order(client.embed(TEXTS), reference)
+    async with AsyncEmbeddingClient(target, model=TINY_MODEL) as client:
+        assert_same_rows_in_order(await client.embed(TEXTS), reference)
+
+
+async def test_unknown_model_is_not_found(tiny_server: RunningServer) -> None:
+    with EmbeddingClient(tiny_server.target, model="no-such-model") as client, pytest.raises(EmbeddingError) as caught:
+        client.embed(["hello"])
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    async with AsyncEmbeddingClient(tiny_server.target, model="no-such-model") as client:
+        with pytest.raises(EmbeddingError) as caught:
+            await client.embed(["hello"])
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_deadline_shorter_than_the_batching_delay_is_exceeded(slow_server: RunningServer) -> None:
+    client = EmbeddingClient(slow_server.target, model=TINY_MODEL, timeout_s=0.2)
+    with client, pytest.raises(EmbeddingError) as caught:
+        client.embed(["a request that waits in the batcher"])
+    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_empty_input_is_refused_before_sending(tiny_server: RunningServer) -> None:
+    with EmbeddingClient(tiny_server.target, model=TINY_MODEL) as client, pytest.raises(ValueError):
+        client.embed([])

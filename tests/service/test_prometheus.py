@@ -1,0 +1,88 @@
+"""A real Prometheus scrapes a running server; promtool lints our exposition."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+
+from tests.conftest import TINY_MODEL
+from tests.servers import RunningServer, free_port, start_server
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None or shutil.which("promtool") is None,
+    reason="Debian's prometheus package is not installed (make setup installs it)",
+)
+
+
+def query(port: int, expression: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expression})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        body = json.load(response)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def test_promtool_accepts_our_metrics(tiny_server: RunningServer) -> None:
+    exposition = urllib.request.urlopen(tiny_server.metrics_url, timeout=5).read()
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=exposition, capture_output=True, check=False, timeout=30
+    )
+    problems = [line for line in result.stdout.decode().splitlines() + result.stderr.decode().splitlines() if line]
+    assert result.returncode == 0 and not problems, problems
+
+
+def test_prometheus_scrapes_the_request_counter(tiny_repository: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_repository, tmp_path / "server.log")
+    prometheus_port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n"
+        "scrape_configs:\n"
+        "  - job_name: encoder\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{server.metrics_port}']\n"
+    )
+    prometheus = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prometheus_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
+    )
+    try:
+        client = triton.InferenceServerClient(server.target)
+        for index in range(7):
+            tensor = triton.InferInput("text", [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([f"scraped request {index}".encode()], dtype=object))
+            client.infer(TINY_MODEL, [tensor])
+        expression = f'encoder_requests_total{{job="encoder",model="{TINY_MODEL}",code="OK"}}'
+        deadline = time.monotonic() + 30
+        seen = None
+        while time.monotonic() < deadline:
+            try:
+                result = query(prometheus_port, expression)
+            except OSError:
+                result = []  # Prometheus still starting
+            if result:
+                seen = float(result[0]["value"][1])
+                if seen == 7:
+                    break
+            time.sleep(0.5)
+        assert seen == 7, (seen, (tmp_path / "prometheus.log").read_text()[-2000:])
+        up = query(prometheus_port, 'up{job="encoder"}')
+        assert up and up[0]["value"][1] == "1"
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
+        server.stop()
