@@ -39,6 +39,18 @@ def save_onnx(model_proto: onnx.ModelProto, path: Path) -> None:
     )
 
 
+def _declare_output_shapes(graph: onnx.ModelProto, d_model: int) -> None:
+    """Name the dynamic axes of the outputs and fix their width (tracing leaves e.g. "Divembedding_dim_1")."""
+    shapes = {"last_hidden_state": ("batch", "sequence", d_model), "embedding": ("batch", d_model)}
+    for output in graph.graph.output:
+        dims = output.type.tensor_type.shape.dim
+        for dim, wanted in zip(dims, shapes[output.name], strict=True):
+            if isinstance(wanted, int):
+                dim.dim_value = wanted
+            else:
+                dim.dim_param = wanted
+
+
 def export_onnx(model: Encoder, path: Path) -> None:
     """Trace the encoder with the TorchScript exporter and write a checked opset-17 graph.
 
@@ -64,6 +76,7 @@ def export_onnx(model: Encoder, path: Path) -> None:
             do_constant_folding=True,
         )
     graph = onnx.load(str(path))
+    _declare_output_shapes(graph, model.config.d_model)
     save_onnx(graph, path)
     onnx.checker.check_model(str(path), full_check=True)
     log.info("exported %s (%d nodes)", path, len(graph.graph.node))

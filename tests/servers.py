@@ -1,32 +1,25 @@
-"""Real servers for the tests: `python -m service` in a subprocess on free loopback ports."""
+"""Real servers for the tests (see client.local_server), and whether a GPU is usable here."""
 
 from __future__ import annotations
 
 import functools
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 import onnxruntime as ort
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper
 
+from client.local_server import RunningServer, free_port, health_status
+from client.local_server import start_server as start_local_server
+
+__all__ = ["ROOT", "RunningServer", "cuda_usable", "free_port", "health_status", "start_server"]
+
 ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 120
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def start_server(repository: Path, log_path: Path, *arguments: str, env: dict[str, str] | None = None) -> RunningServer:
+    """A server for tests: one ONNX Runtime thread, so several can share this machine's cores."""
+    return start_local_server(repository, log_path, "--intra-op-threads", "1", *arguments, env=env)
 
 
 @functools.cache
@@ -45,93 +38,7 @@ def cuda_usable() -> bool:
     options = ort.SessionOptions()
     options.log_severity_level = 4
     session = ort.InferenceSession(
-        model.SerializeToString(),
-        options,
-        providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+        model.SerializeToString(), options, providers=["CUDAExecutionProvider", "CPUExecutionProvider"]
     )
     session.run(None, {"x": np.zeros(1, dtype=np.float32)})
     return session.get_providers()[0] == "CUDAExecutionProvider"
-
-
-@dataclass
-class RunningServer:
-    """A server process and where to reach it."""
-
-    process: subprocess.Popen
-    grpc_port: int
-    metrics_port: int
-    log_path: Path
-
-    @property
-    def target(self) -> str:
-        """host:port of the gRPC service."""
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        """The /metrics endpoint."""
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-    def log(self) -> str:
-        """Everything the server wrote so far."""
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self) -> None:
-        """Send SIGTERM (the server drains)."""
-        self.process.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout_s: float = 30) -> int:
-        """SIGTERM and wait; kill if it does not exit in time. Returns the exit status."""
-        if self.process.poll() is None:
-            self.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
-def health_status(target: str, service: str = "", timeout_s: float = 2.0) -> int | None:
-    """The health service's status for a service, or None when unreachable."""
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s).status
-        except grpc.RpcError:
-            return None
-
-
-def start_server(repository: Path, log_path: Path, *arguments: str, env: dict[str, str] | None = None) -> RunningServer:
-    """Start `python -m service` and wait until its health service reports SERVING."""
-    grpc_port, metrics_port = free_port(), free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "service",
-        "--model-repository",
-        str(repository),
-        "--host",
-        "127.0.0.1",
-        "--grpc-port",
-        str(grpc_port),
-        "--metrics-port",
-        str(metrics_port),
-        "--intra-op-threads",
-        "1",
-        *arguments,
-    ]
-    log_file = log_path.open("w")
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-    )
-    server = RunningServer(process, grpc_port, metrics_port, log_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        if health_status(server.target, timeout_s=1.0) == health_pb2.HealthCheckResponse.SERVING:
-            return server
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"server not SERVING after {START_TIMEOUT_S} s:\n{server.log()}")

@@ -135,13 +135,33 @@ async def test_async_tritonclient(tiny_server: RunningServer) -> None:
         await client.close()
 
 
-def test_served_embeddings_match_sentence_transformers(default_server: RunningServer, default_folder: Path) -> None:
+def served_cosines(server: RunningServer, folder: Path) -> tuple[np.ndarray, list[str]]:
+    """Cosine of each served embedding of sentences.txt to sentence-transformers' own."""
     sentences = read_sentences()
-    client = triton.InferenceServerClient(default_server.target)
+    client = triton.InferenceServerClient(server.target)
     served = np.concatenate([embed(client, DEFAULT_MODEL, sentences[i : i + 8]) for i in range(0, len(sentences), 8)])
-    reference = SentenceTransformer(str(default_folder), device="cpu").encode(sentences, convert_to_numpy=True)
-    cosines = (served * reference).sum(axis=1) / np.linalg.norm(served, axis=1) / np.linalg.norm(reference, axis=1)
+    reference = SentenceTransformer(str(folder), device="cpu").encode(sentences, convert_to_numpy=True)
+    norms = np.linalg.norm(served, axis=1) * np.linalg.norm(reference, axis=1)
+    return (served * reference).sum(axis=1) / norms, sentences
+
+
+def test_served_fp32_embeddings_match_sentence_transformers(
+    default_repository: Path, default_folder: Path, tmp_path: Path
+) -> None:
+    server = start_server(default_repository, tmp_path / "server.log", "--variant", "fp32")
+    try:
+        cosines, sentences = served_cosines(server, default_folder)
+    finally:
+        server.stop()
     assert cosines.min() >= 0.9999, (cosines.min(), sentences[int(cosines.argmin())][:60])
+
+
+def test_default_cpu_variant_is_int8_within_its_gate(default_server: RunningServer, default_folder: Path) -> None:
+    config = triton.InferenceServerClient(default_server.target).get_model_config(DEFAULT_MODEL).config
+    assert config.parameters["variant"].string_value == "int8"
+    cosines, sentences = served_cosines(default_server, default_folder)
+    assert cosines.min() >= 0.99, (cosines.min(), sentences[int(cosines.argmin())][:60])
+    assert cosines.mean() >= 0.995
 
 
 def test_health_and_reflection(tiny_server: RunningServer) -> None:

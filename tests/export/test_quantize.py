@@ -1,0 +1,101 @@
+"""The int8 recipe on a tiny random encoder: loads, runs integer kernels, stays close to fp32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from export.checkpoint import random_checkpoint
+from export.config import EncoderConfig
+from export.onnx_export import export_onnx, input_names
+from export.quantize import INTEGER_OPERATORS, quantize_int8, smooth_activations
+
+TINY = EncoderConfig(vocab_size=1000, d_model=64, num_heads=4, num_layers=2, ffn_dim=128, max_positions=64)
+
+
+def _feed(rng: np.random.Generator, names: list[str], batch: int, seq: int) -> dict[str, np.ndarray]:
+    """Random ids with ragged lengths, padded the way the server pads a batch."""
+    ids = rng.integers(1, TINY.vocab_size, size=(batch, seq), dtype=np.int64)
+    mask = np.ones_like(ids)
+    for row, length in enumerate(rng.integers(2, seq + 1, size=batch)):
+        ids[row, length:] = TINY.pad_token_id
+        mask[row, length:] = 0
+    feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+    return {name: feed[name] for name in names}
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_graphs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The tiny encoder exported unfused and fused, with calibration and evaluation feeds."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    folder = tmp_path_factory.mktemp("quantize")
+    model = random_checkpoint(TINY, name="tiny").build_model()
+    unfused = folder / "fp32.onnx"
+    export_onnx(model, unfused)
+    optimized = optimize_model(
+        str(unfused), model_type="bert", num_heads=TINY.num_heads, hidden_size=TINY.d_model, opt_level=0
+    )
+    fused = folder / "fp32_fused.onnx"
+    optimized.save_model_to_file(str(fused))
+    names = input_names(model)
+    rng = np.random.default_rng(0)
+    return {
+        "folder": folder,
+        "graphs": {"unfused": unfused, "fused": fused},
+        "calibration": [_feed(rng, names, batch=4, seq=24) for _ in range(4)],
+        "evaluation": [_feed(rng, names, batch=8, seq=32) for _ in range(2)],
+    }
+
+
+@pytest.mark.parametrize("form", ["unfused", "fused"])
+def test_quantized_graph_runs_int8_and_stays_close(tiny_graphs: dict, form: str) -> None:
+    fp32 = tiny_graphs["graphs"][form]
+    int8 = tiny_graphs["folder"] / f"int8_{form}.onnx"
+    recipe = quantize_int8(fp32, int8, tiny_graphs["calibration"])
+
+    json.dumps(recipe)
+    operators = {node.op_type for node in onnx.load(str(int8)).graph.node}
+    assert operators & set(INTEGER_OPERATORS), operators
+    assert recipe["int8_operators"]
+    assert recipe["smoothed_groups"] > 0
+
+    reference, quantized = _session(fp32), _session(int8)
+    for feed in tiny_graphs["evaluation"]:
+        expected_hidden, expected = reference.run(None, feed)
+        hidden, embedding = quantized.run(None, feed)
+        assert embedding.shape == expected.shape
+        assert hidden.shape == expected_hidden.shape
+        assert _cosine(embedding, expected).min() > 0.99
+
+
+@pytest.mark.parametrize("form", ["unfused", "fused"])
+def test_smoothing_alone_preserves_the_fp32_function(tiny_graphs: dict, form: str) -> None:
+    model = onnx.load(str(tiny_graphs["graphs"][form]))
+    groups = smooth_activations(model, tiny_graphs["calibration"], alpha=0.7)
+    smoothed = tiny_graphs["folder"] / f"smoothed_{form}.onnx"
+    onnx.save(model, str(smoothed))
+    onnx.checker.check_model(str(smoothed))
+
+    assert groups == 4 * TINY.num_layers  # QKV (or fused Attention), output, FFN in, FFN out
+    reference, rescaled = _session(tiny_graphs["graphs"][form]), _session(smoothed)
+    for feed in tiny_graphs["evaluation"]:
+        np.testing.assert_allclose(rescaled.run(None, feed)[1], reference.run(None, feed)[1], atol=1e-5)
+
+
+def test_empty_calibration_is_refused(tiny_graphs: dict) -> None:
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_int8(tiny_graphs["graphs"]["unfused"], tiny_graphs["folder"] / "never.onnx", [])
