@@ -5,6 +5,7 @@
 For each (batch, length) of a grid, every candidate runs the same random token batch with the
 same number of threads; rounds are interleaved across candidates and the best round kept, so
 the ratios hold even on a noisy machine. Prints a table (sequences/s and ms per batch).
+Needs the test extra (transformers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import BertModel
+from transformers import logging as transformers_logging
 
 from export.checkpoint import default_model_folder, load_checkpoint
 from export.timing import compare_seconds, cpu_session, token_feed
@@ -36,8 +39,7 @@ def _torch_runner(model: torch.nn.Module, feed: dict) -> Callable[[], object]:
 
 def candidates(repository_model: Path, threads: int) -> tuple[dict[str, object], list[str]]:
     """Models to compare: transformers.BertModel, our Encoder (both eager) and the CPU variants."""
-    from transformers import BertModel  # noqa: PLC0415  (a test/bench dependency, not an export one)
-
+    transformers_logging.set_verbosity_error()
     spec = read_model(repository_model)
     torch.set_num_threads(threads)
     folder = default_model_folder()

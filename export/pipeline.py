@@ -80,7 +80,8 @@ def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[st
     batch, tokens = SPEEDUP_SHAPE
     tokens = min(tokens, checkpoint.max_seq_length)
     feed = token_feed(names, batch, tokens, checkpoint.config.vocab_size)
-    rates = compare_throughput({"fp32": cpu_session(str(fp32), threads), "int8": cpu_session(str(int8), threads)}, feed)
+    sessions = {"fp32": cpu_session(str(fp32), threads), "int8": cpu_session(str(int8), threads)}
+    rates = compare_throughput(sessions, feed, rounds=5)
     return {
         "shape": f"{batch}x{tokens}",
         "fp32_sequences_per_second": round(rates["fp32"], 1),

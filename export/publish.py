@@ -39,10 +39,15 @@ VERSION = "1"
 
 @dataclass(frozen=True)
 class ServingDefaults:
-    """Batching facts written into config.pbtxt (the server's flags can override them)."""
+    """Batching facts written into config.pbtxt (the server's flags can override them).
+
+    No queue delay by default: the batcher is work-conserving (a batch starts as soon as an
+    instance is free, with whatever is queued), so batches grow with load on their own, and a
+    lone request does not wait. A delay buys fuller batches at the cost of that latency.
+    """
 
     max_batch_size: int = 64
-    max_queue_delay_us: int = 500
+    max_queue_delay_us: int = 0
     max_queue_size: int = 1024
 
 

@@ -82,6 +82,15 @@ class WorkItem:
         return self.tokens["input_ids"].shape[1]
 
 
+@dataclass(frozen=True)
+class _Submitted:
+    """A batch handed to a model instance: when, the padded feed, and its future outputs."""
+
+    started: float
+    feed: dict[str, np.ndarray]
+    results: asyncio.Future[dict[str, np.ndarray]]
+
+
 def _round_up(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
@@ -167,6 +176,7 @@ class Batcher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _consume(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             runner = await self._idle.get()
             try:
@@ -180,9 +190,22 @@ class Batcher:
                 self._pending.clear()
                 self._idle.put_nowait(runner)
                 continue
-            task = asyncio.get_running_loop().create_task(self._execute(runner, items))
+            # Submitted here, in the step that formed the batch, so the model restarts before the
+            # previous batch's responses are encoded; a task then waits for the result.
+            task = loop.create_task(self._execute(runner, items, self._submit(loop, runner, items)))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+
+    def _submit(self, loop: asyncio.AbstractEventLoop, runner: Runner, items: list[WorkItem]) -> _Submitted:
+        started = time.monotonic()
+        try:
+            feed = self._pad(items)
+        except Exception as error:
+            failed: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
+            failed.set_exception(error)
+            return _Submitted(started, {}, failed)
+        wanted = tuple(name for name in self._output_names if any(name in item.outputs for item in items))
+        return _Submitted(started, feed, loop.run_in_executor(self._executor, runner.run, feed, wanted))
 
     async def _collect(self) -> list[WorkItem]:
         """Wait for work, then for a fuller batch until the oldest request's delay is spent."""
@@ -249,13 +272,10 @@ class Batcher:
             row += item.rows
         return feed
 
-    async def _execute(self, runner: Runner, items: list[WorkItem]) -> None:
-        started = time.monotonic()
+    async def _execute(self, runner: Runner, items: list[WorkItem], submitted: _Submitted) -> None:
+        started, feed = submitted.started, submitted.feed
         try:
-            feed = self._pad(items)
-            wanted = tuple(name for name in self._output_names if any(name in item.outputs for item in items))
-            loop = asyncio.get_running_loop()
-            results = await loop.run_in_executor(self._executor, runner.run, feed, wanted)
+            results = await submitted.results
         except Exception as error:
             log.exception("model execution failed for a batch of %d requests", len(items))
             self._fail(items, ModelFailure(f"model execution failed: {error}"))

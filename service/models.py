@@ -51,6 +51,7 @@ class ServedModel:
             else None
         )
         self._tokenizer_pool = tokenizer_pool
+        self._inline_tokenize_chars = settings.inline_tokenize_chars
         batching = spec.config.dynamic_batching
         primary = runtimes[0]
         self.policy = BatchingPolicy(
@@ -79,12 +80,15 @@ class ServedModel:
             runtime.warm_up([(1, min(8, longest)), (largest_rows, longest)])
 
     async def infer(self, request: InferenceRequest, deadline: float | None) -> WorkResult:
-        """Tokenise (off the event loop) if needed, queue, and wait for this request's rows."""
+        """Tokenise if needed (small requests inline, larger ones on a worker), queue, await this request's rows."""
         tokenize_s = 0.0
         if request.texts is not None:
             started = time.perf_counter()
-            loop = asyncio.get_running_loop()
-            batch = await loop.run_in_executor(self._tokenizer_pool, self.tokenizer.encode, request.texts)
+            if sum(map(len, request.texts)) <= self._inline_tokenize_chars:
+                batch = self.tokenizer.encode(request.texts)
+            else:
+                loop = asyncio.get_running_loop()
+                batch = await loop.run_in_executor(self._tokenizer_pool, self.tokenizer.encode, request.texts)
             tokenize_s = time.perf_counter() - started
             metrics.TOKENIZE_DURATION.labels(*self.labels.values()).observe(tokenize_s)
             tokens: dict[str, np.ndarray] = {

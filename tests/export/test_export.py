@@ -71,7 +71,8 @@ def test_config_pbtxt_is_a_triton_model_config(default_repository: Path) -> None
         "last_hidden_state": (triton_config.TYPE_FP32, [-1, 384]),
         "embedding": (triton_config.TYPE_FP32, [384]),
     }
-    assert config.dynamic_batching.max_queue_delay_microseconds > 0
+    assert config.HasField("dynamic_batching")
+    assert config.dynamic_batching.default_queue_policy.max_queue_size == 1024
     assert len(config.instance_group) == 1
     assert config.parameters["max_sequence_length"].string_value == "256"
     assert config.parameters["pooling"].string_value == "mean"
@@ -86,9 +87,10 @@ def test_parity_report_meets_every_tolerance(default_repository: Path) -> None:
         assert fp32["cases"][kind]["max_abs_diff_last_hidden_state"] <= 1e-4
         assert fp32["cases"][kind]["min_cosine"] >= 0.99999
     assert fp32["cases"]["tokens"]["rows"] == sum(b * 4 for b in (1, 2, 7, 32))
-    if "int8" in report["variants"]:
-        assert report["variants"]["int8"]["cases"]["sentences"]["min_cosine"] >= 0.99
-        assert report["int8_speed"]["speedup"] >= 1.6
+    int8 = report["variants"]["int8"]
+    assert int8["cases"]["sentences"]["min_cosine"] >= 0.99
+    assert int8["recipe"]["weights"] == "int8, symmetric, per output channel"
+    assert set(report["int8_speed"]) == {"shape", "fp32_sequences_per_second", "int8_sequences_per_second", "speedup"}
     assert report["variants"]["fp16"]["cases"]["sentences"]["min_cosine"] >= 0.999
     assert report["cpu_graph_forms"]["chosen"] in report["cpu_graph_forms"]["sequences_per_second"]
     spec = read_model(default_repository / DEFAULT_MODEL)
@@ -127,6 +129,15 @@ def test_broken_model_is_refused_and_repository_left_as_it_was(
     checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_folder)
     with pytest.raises(GateRefused, match=r"fp32: .* at (tokens \d+x\d+|sentence \d+)"):
         export_model(checkpoint, repository_copy, ExportOptions(variants=("fp32",), threads=1))
+    assert tree(repository_copy) == before
+
+
+def test_int8_speed_bar_refuses_a_variant_that_is_not_faster(repository_copy: Path, default_folder: Path) -> None:
+    before = tree(repository_copy)
+    checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_folder)
+    options = ExportOptions(variants=("fp32", "int8"), threads=1, int8_min_speedup=100.0)
+    with pytest.raises(GateRefused, match=r"int8: [\d.]+x fp32 at \d+x\d+ is below the 100.0x bar"):
+        export_model(checkpoint, repository_copy, options)
     assert tree(repository_copy) == before
 
 
