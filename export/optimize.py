@@ -1,7 +1,8 @@
 """Graph forms for each execution provider, chosen by measurement rather than assumed.
 
 CPU: the exported graph is rewritten into a few candidate forms by ONNX Runtime's transformer
-optimiser and the fastest one, measured side by side on this machine, is published. (On some
+optimiser and the fastest one, measured side by side on this machine, is published (the int8
+variant is chosen the same way among the quantised forms). (On some
 CPUs the fused SkipLayerNormalization is slower than Add + LayerNormalization, so "fully fused"
 is a candidate, not a given.)
 CUDA: the fully fused graph (fused attention is the fast path there) converted to fp16.
@@ -90,20 +91,25 @@ def geometric_mean(values: list[float]) -> float:
     return product ** (1.0 / len(values))
 
 
-def choose_cpu_form(
-    raw: Path, workdir: Path, config: EncoderConfig, input_names: list[str], threads: int
-) -> FormChoice:
-    """Write every CPU form, measure them side by side, and return the fastest."""
+def write_cpu_forms(raw: Path, workdir: Path, config: EncoderConfig) -> dict[str, Path]:
+    """Every CPU candidate form of the exported graph, written into workdir."""
     paths = {form: workdir / f"cpu-{form}.onnx" for form in CPU_FORMS}
     for form, path in paths.items():
         write_cpu_form(raw, path, config, form)
-    sessions = {form: cpu_session(str(path), threads) for form, path in paths.items()}
-    figures: dict[str, dict[str, float]] = {form: {} for form in CPU_FORMS}
+    return paths
+
+
+def choose_fastest(
+    candidates: dict[str, Path], config: EncoderConfig, input_names: list[str], threads: int
+) -> FormChoice:
+    """Measure candidate graphs side by side on the CPU shapes and return the fastest (geometric mean)."""
+    sessions = {form: cpu_session(str(path), threads) for form, path in candidates.items()}
+    figures: dict[str, dict[str, float]] = {form: {} for form in candidates}
     for batch, wanted_tokens in CPU_MEASURE_SHAPES:
         tokens = min(wanted_tokens, config.max_positions)
         feed = token_feed(input_names, batch, tokens, config.vocab_size)
         for form, rate in compare_throughput(sessions, feed).items():
             figures[form][f"{batch}x{tokens}"] = round(rate, 1)
-    best = max(CPU_FORMS, key=lambda form: geometric_mean(list(figures[form].values())))
-    log.info("CPU graph forms (seq/s): %s; chose %s", figures, best)
-    return FormChoice(form=best, path=paths[best], sequences_per_second=figures)
+    best = max(candidates, key=lambda form: geometric_mean(list(figures[form].values())))
+    log.info("graph forms (seq/s): %s; chose %s", figures, best)
+    return FormChoice(form=best, path=candidates[best], sequences_per_second=figures)

@@ -108,13 +108,16 @@ def export_model(checkpoint: Checkpoint, repository: Path, options: ExportOption
         workdir = Path(scratch)
         raw = workdir / "exported.onnx"
         export_onnx(model, raw)
-        choice = optimize.choose_cpu_form(raw, workdir, checkpoint.config, names, options.threads)
-        files = {"fp32": choice.path}
-        recipes: dict[str, object] = {"fp32": {"graph_form": choice.form}}
+        forms = optimize.write_cpu_forms(raw, workdir, checkpoint.config)
+        choices = {"fp32": optimize.choose_fastest(forms, checkpoint.config, names, options.threads)}
+        recipes: dict[str, object] = {"fp32": {"graph_form": choices["fp32"].form}}
         if "int8" in options.variants:
-            files["int8"] = workdir / "int8.onnx"
             calibration = _calibration_feeds(checkpoint, tokenizer, options, names)
-            recipes["int8"] = quantize_int8(choice.path, files["int8"], calibration)
+            quantised = {form: workdir / f"int8-{form}.onnx" for form in forms}
+            int8_recipes = {form: quantize_int8(path, quantised[form], calibration) for form, path in forms.items()}
+            choices["int8"] = optimize.choose_fastest(quantised, checkpoint.config, names, options.threads)
+            recipes["int8"] = {"graph_form": choices["int8"].form, **int8_recipes[choices["int8"].form]}
+        files = {variant: choice.path for variant, choice in choices.items()}
         if "fp16" in options.variants:
             files["fp16"] = workdir / "fp16.onnx"
             optimize.write_cuda_fp16(raw, files["fp16"], checkpoint.config)
@@ -145,9 +148,12 @@ def export_model(checkpoint: Checkpoint, repository: Path, options: ExportOption
             "max_sequence_length": checkpoint.max_seq_length,
             "onnx": {"exporter": "torch.onnx (TorchScript)", "opset": OPSET},
             "cpu_graph_forms": {
-                "chosen": choice.form,
-                "threads": options.threads,
-                "sequences_per_second": choice.sequences_per_second,
+                variant: {
+                    "chosen": choice.form,
+                    "threads": options.threads,
+                    "sequences_per_second": choice.sequences_per_second,
+                }
+                for variant, choice in choices.items()
             },
             "int8_speed": speedup,
             "variants": {v: {**results[v].to_dict(), "recipe": recipes[v]} for v in files},

@@ -92,7 +92,10 @@ def test_parity_report_meets_every_tolerance(default_repository: Path) -> None:
     assert int8["recipe"]["weights"] == "int8, symmetric, per output channel"
     assert set(report["int8_speed"]) == {"shape", "fp32_sequences_per_second", "int8_sequences_per_second", "speedup"}
     assert report["variants"]["fp16"]["cases"]["sentences"]["min_cosine"] >= 0.999
-    assert report["cpu_graph_forms"]["chosen"] in report["cpu_graph_forms"]["sequences_per_second"]
+    assert set(report["cpu_graph_forms"]) == {"fp32", "int8"}
+    for variant, forms in report["cpu_graph_forms"].items():
+        assert forms["chosen"] in forms["sequences_per_second"]
+        assert report["variants"][variant]["recipe"]["graph_form"] == forms["chosen"]
     spec = read_model(default_repository / DEFAULT_MODEL)
     assert set(spec.variants) == set(report["variants"])
     assert spec.preferred_variants == report["preferred_variants"]
