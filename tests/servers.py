@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import functools
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
+from prometheus_client.parser import text_string_to_metric_families
 
 from client.local_server import RunningServer, free_port, health_status
 from client.local_server import start_server as start_local_server
 
-__all__ = ["ROOT", "RunningServer", "cuda_usable", "free_port", "health_status", "start_server"]
+__all__ = [
+    "ROOT",
+    "RunningServer",
+    "cuda_usable",
+    "free_port",
+    "health_status",
+    "start_server",
+    "wait_for_queue_depth",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,3 +53,15 @@ def cuda_usable() -> bool:
     )
     session.run(None, {"x": np.zeros(1, dtype=np.float32)})
     return session.get_providers()[0] == "CUDAExecutionProvider"
+
+
+def wait_for_queue_depth(server: RunningServer, depth: int, timeout_s: float = 10) -> None:
+    """Poll /metrics until a model's batching queue holds `depth` requests (so a test knows they arrived)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "encoder_queue_depth" and any(sample.value == depth for sample in family.samples):
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"queue never reached {depth} requests")

@@ -27,7 +27,7 @@ from export.parity import read_sentences
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL
-from tests.servers import RunningServer, start_server
+from tests.servers import RunningServer, start_server, wait_for_queue_depth
 
 SENTENCES = ["A man is eating food.", "The new movie is awesome.", "Ein Hund läuft über die Wiese 🐕."]
 
@@ -289,9 +289,9 @@ def test_full_queue_and_oversized_message_are_resource_exhausted(tiny_repository
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             queued = [stub.ModelInfer.future(raw_text_request([b"queued %d" % i]), timeout=20) for i in range(2)]
+            wait_for_queue_depth(server, 2)
             with pytest.raises(grpc.RpcError) as rejected:
-                for _ in range(50):  # until both queued requests have reached the queue
-                    stub.ModelInfer(raw_text_request([b"one too many"]), timeout=20)
+                stub.ModelInfer(raw_text_request([b"one too many"]), timeout=20)
             assert rejected.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "queue full" in rejected.value.details()
             assert all(f.result().outputs for f in queued)

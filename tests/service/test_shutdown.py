@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import TINY_MODEL
-from tests.servers import health_status, start_server
+from tests.servers import health_status, start_server, wait_for_queue_depth
 
 
 def text_request(text: bytes) -> pb.ModelInferRequest:
@@ -23,14 +23,14 @@ def text_request(text: bytes) -> pb.ModelInferRequest:
 
 
 def test_sigterm_drains_every_accepted_request(tiny_repository: Path, tmp_path: Path) -> None:
-    # A 1.5 s batching delay keeps the first requests queued while the signal arrives.
+    # A 3 s batching delay keeps the requests queued while the signal arrives.
     server = start_server(
-        tiny_repository, tmp_path / "server.log", "--max-queue-delay-us", "1500000", "--drain-timeout-s", "20"
+        tiny_repository, tmp_path / "server.log", "--max-queue-delay-us", "3000000", "--drain-timeout-s", "20"
     )
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         in_flight = [stub.ModelInfer.future(text_request(b"request %d" % i), timeout=30) for i in range(20)]
-        time.sleep(0.5)  # they reach the queue
+        wait_for_queue_depth(server, 20)
         server.terminate()
         deadline = time.monotonic() + 5
         while health_status(server.target) == health_pb2.HealthCheckResponse.SERVING:
