@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,34 +46,45 @@ class Ceiling:
     single_p50_ms: float
 
 
-def in_process(repository_model: Path, variant: str, threads: int, kind: str, seconds: float) -> Ceiling:
-    """Tokenise + run in this process: throughput per batch size, and single-request latency."""
-    spec = read_model(repository_model)
-    runtime = ModelRuntime(spec, ExecutionSettings(device="cpu", variant=variant, intra_op_threads=threads))
+def in_process(plan: Plan, kind: str, seconds: float) -> Ceiling:
+    """Tokenise + run in this process, with the server's instances and threads.
+
+    Throughput per batch size runs one Python thread per instance, each with its own session
+    (ONNX Runtime releases the GIL), as the server does; single-request latency uses one session.
+    """
+    spec = read_model(plan.repository / plan.model)
+    settings = ExecutionSettings(device="cpu", variant=plan.variant, intra_op_threads=plan.threads)
+    runtimes = [ModelRuntime(spec, settings) for _ in range(plan.instances)]
     tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
     texts = list(load_corpus(kind))
 
-    def run(batch: list[str]) -> None:
+    def run(runtime: ModelRuntime, batch: list[str]) -> None:
         tokens = tokenizer.encode(batch)
         feed = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask,
                 "token_type_ids": tokens.token_type_ids}  # fmt: skip
         runtime.run(feed, ("embedding",))
 
+    def sequences_in(runtime: ModelRuntime, batches: list[list[str]], until: float) -> int:
+        done = 0
+        while time.perf_counter() < until:
+            run(runtime, batches[done % len(batches)])
+            done += 1
+        return done * len(batches[0])
+
     by_batch = {}
-    for batch_size in BATCH_SIZES:
-        cycled = texts * batch_size
-        batches = [cycled[start : start + batch_size] for start in range(len(texts))]
-        run(batches[0])
-        done, index, start = 0, 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            run(batches[index % len(batches)])
-            done += batch_size
-            index += 1
-        by_batch[batch_size] = done / (time.perf_counter() - start)
+    with ThreadPoolExecutor(plan.instances) as pool:
+        for batch_size in BATCH_SIZES:
+            cycled = texts * batch_size
+            batches = [cycled[start : start + batch_size] for start in range(len(texts))]
+            for runtime in runtimes:
+                run(runtime, batches[0])
+            start = time.perf_counter()
+            counts = pool.map(lambda r, b=batches, u=start + seconds: sequences_in(r, b, u), runtimes)
+            by_batch[batch_size] = sum(counts) / (time.perf_counter() - start)
     latencies = []
     for index in range(min(200, len(texts) * 4)):
         started = time.perf_counter()
-        run([texts[index % len(texts)]])
+        run(runtimes[0], [texts[index % len(texts)]])
         latencies.append((time.perf_counter() - started) * 1e3)
     best = max(by_batch, key=by_batch.get)
     return Ceiling(best, by_batch[best], by_batch, statistics.median(latencies))
@@ -85,6 +97,7 @@ class Plan:
     repository: Path
     model: str
     variant: str
+    instances: int
     threads: int
     duration_s: float
     warmup_s: float
@@ -105,7 +118,8 @@ def served(plan: Plan, flags: list[str], levels_by_kind: dict[str, list[Level]])
         server = start_server(
             plan.repository,
             Path(scratch) / "server.log",
-            *("--variant", plan.variant, "--intra-op-threads", str(plan.threads), *flags),
+            *("--variant", plan.variant, "--instances", str(plan.instances), "--intra-op-threads", str(plan.threads)),
+            *flags,
         )
         try:
             return {
@@ -156,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--variant", default="auto", help="auto: the repository's preferred CPU variant")
-    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads, in-process and served")
+    parser.add_argument("--instances", type=int, default=1, help="model instances, in-process and served")
+    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads per instance")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--duration-s", type=float, default=10.0)
@@ -168,13 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     kinds = arguments.kinds.split(",")
     closed = [Level("closed", int(c)) for c in arguments.concurrency.split(",")]
     plan = Plan(
-        arguments.repository, arguments.model, variant, arguments.threads, arguments.duration_s, arguments.warmup_s
+        repository=arguments.repository,
+        model=arguments.model,
+        variant=variant,
+        instances=arguments.instances,
+        threads=arguments.threads,
+        duration_s=arguments.duration_s,
+        warmup_s=arguments.warmup_s,
     )
 
-    ceilings = {
-        kind: in_process(arguments.repository / arguments.model, variant, arguments.threads, kind, 3.0)
-        for kind in kinds
-    }
+    ceilings = {kind: in_process(plan, kind, 3.0) for kind in kinds}
     batched = served(plan, [], dict.fromkeys(kinds, closed))
     unbatched = served(plan, ["--max-batch-size", "1"], dict.fromkeys(kinds, closed))
     rates = {
@@ -184,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     open_loop = {kind: results[0] for kind, results in served(plan, [], rates).items()}
 
     rows = []
-    print(f"variant={variant} threads={arguments.threads}; closed loop {arguments.duration_s:g} s per level")
+    print(
+        f"variant={variant} instances={plan.instances} threads/instance={plan.threads}; "
+        f"closed loop {plan.duration_s:g} s per level"
+    )
     for kind, ceiling in ceilings.items():
         per_batch = ", ".join(f"{b}: {v:.0f}" for b, v in ceiling.by_batch.items())
         print(
@@ -208,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         arguments.output.parent.mkdir(parents=True, exist_ok=True)
         document = {
             "variant": variant,
-            "threads": arguments.threads,
+            "instances": plan.instances,
+            "threads": plan.threads,
             "ceilings": {kind: vars(ceiling) for kind, ceiling in ceilings.items()},
             "rows": rows,
         }

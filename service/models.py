@@ -22,7 +22,10 @@ from service.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
+# Defaults that depend on the device (settings of 0 mean "auto").
 CUDA_LENGTH_BUCKET = 32
+CPU_MAX_BATCH_TOKENS = 4096
+CUDA_MAX_BATCH_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ class ServedModel:
         primary = runtimes[0]
         self.policy = BatchingPolicy(
             max_batch_size=settings.max_batch_size or spec.max_batch_size,
-            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_tokens=settings.max_batch_tokens
+            or (CUDA_MAX_BATCH_TOKENS if primary.device == "cuda" else CPU_MAX_BATCH_TOKENS),
             max_queue_delay_s=(
                 settings.max_queue_delay_us
                 if settings.max_queue_delay_us >= 0
