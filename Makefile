@@ -29,8 +29,9 @@ $(MODEL_FILE): | $(VENV)/.installed
 export: $(VENV)/.installed
 	$(PY) -m export --repository $(REPOSITORY)
 
+SERVE_FLAGS ?=
 serve: $(VENV)/.installed $(MODEL_FILE)
-	$(PY) -m service --model-repository $(REPOSITORY)
+	$(PY) -m service --model-repository $(REPOSITORY) $(SERVE_FLAGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
