@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -87,15 +86,13 @@ def test_unknown_service_exits_one(health_server, capsys) -> None:
     assert "no-such-model" in capsys.readouterr().err
 
 
-def test_nothing_listening_exits_one_quickly(capsys) -> None:
+def test_nothing_listening_exits_one_as_unreachable(capsys) -> None:
     # A bound but non-listening socket: connections are refused and no other process can take the port.
+    # "unreachable" (not "timeout") shows the refusal ended the check rather than the 30 s deadline.
     with socket.socket() as reserved:
         reserved.bind(("127.0.0.1", 0))
         target = f"127.0.0.1:{reserved.getsockname()[1]}"
-        started = time.monotonic()
-        assert healthcheck.main(["--target", target, "--timeout-s", "3"]) == 1
-        elapsed_s = time.monotonic() - started
-    assert elapsed_s < 1.5
+        assert healthcheck.main(["--target", target, "--timeout-s", "30"]) == 1
     assert capsys.readouterr().err.startswith("unreachable:")
 
 
@@ -103,13 +100,10 @@ def test_hanging_server_times_out(capsys) -> None:
     servicer = _StallingHealth()
     server, target = _start(servicer)
     try:
-        started = time.monotonic()
         assert healthcheck.main(["--target", target, "--timeout-s", "0.3"]) == 1
-        elapsed_s = time.monotonic() - started
     finally:
         servicer.release.set()
         server.stop(grace=None)
-    assert 0.3 <= elapsed_s < 2
     assert capsys.readouterr().err.startswith("timeout:")
 
 
