@@ -59,10 +59,7 @@ def in_process(plan: Plan, kind: str, seconds: float) -> Ceiling:
     texts = list(load_corpus(kind))
 
     def run(runtime: ModelRuntime, batch: list[str]) -> None:
-        tokens = tokenizer.encode(batch)
-        feed = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask,
-                "token_type_ids": tokens.token_type_ids}  # fmt: skip
-        runtime.run(feed, ("embedding",))
+        runtime.run(tokenizer.encode(batch).feed(), ("embedding",))
 
     def sequences_in(runtime: ModelRuntime, batches: list[list[str]], until: float) -> int:
         done = 0

@@ -133,7 +133,7 @@ def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: 
             }
             name = f"tokens {batch}x{length}"
             labels = tuple(f"{name} row {row} (length {n})" for row, n in enumerate(row_lengths))
-            cases.append(Case("tokens", name, {k: feed[k] for k in input_names}, labels))
+            cases.append(Case("tokens", name, feed, labels))
     return cases
 
 
@@ -142,12 +142,7 @@ def sentence_cases(input_names: list[str], tokenizer: TextTokenizer, sentences: 
     cases = []
     for start in range(0, len(sentences), SENTENCE_BATCH):
         chunk = sentences[start : start + SENTENCE_BATCH]
-        tokens = tokenizer.encode(chunk)
-        feed = {
-            "input_ids": tokens.input_ids,
-            "attention_mask": tokens.attention_mask,
-            "token_type_ids": tokens.token_type_ids,
-        }
+        feed = tokenizer.encode(chunk).feed(input_names)
         labels = tuple(f"sentence {start + i + 1}: {text[:40]!r}" for i, text in enumerate(chunk))
         cases.append(
             Case("sentences", f"sentences {start + 1}-{start + len(chunk)}", {k: feed[k] for k in input_names}, labels)

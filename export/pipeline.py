@@ -64,16 +64,7 @@ def _calibration_feeds(
             for seed in range(4)
         ]
     sentences = parity.read_sentences(options.calibration)
-    feeds = []
-    for start in range(0, len(sentences), 16):
-        tokens = tokenizer.encode(sentences[start : start + 16])
-        feed = {
-            "input_ids": tokens.input_ids,
-            "attention_mask": tokens.attention_mask,
-            "token_type_ids": tokens.token_type_ids,
-        }
-        feeds.append({name: feed[name] for name in names})
-    return feeds
+    return [tokenizer.encode(sentences[start : start + 16]).feed(names) for start in range(0, len(sentences), 16)]
 
 
 def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[str], threads: int) -> dict[str, float]:

@@ -143,11 +143,6 @@ class Batcher:
         """Start the consumer loop on the running event loop."""
         self._consumer = asyncio.get_running_loop().create_task(self._consume(), name=f"batcher-{self._labels[0]}")
 
-    @property
-    def depth(self) -> int:
-        """Requests waiting."""
-        return len(self._pending)
-
     async def submit(
         self, tokens: dict[str, np.ndarray], outputs: tuple[str, ...], deadline: float | None
     ) -> WorkResult:

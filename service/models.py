@@ -8,8 +8,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
 from service import metrics
 from service.batcher import Batcher, BatchingPolicy, WorkResult
 from service.codec import InferenceRequest, ModelSignature
@@ -95,11 +93,7 @@ class ServedModel:
                 batch = await loop.run_in_executor(self._tokenizer_pool, self.tokenizer.encode, request.texts)
             tokenize_s = time.perf_counter() - started
             metrics.TOKENIZE_DURATION.labels(*self.labels.values()).observe(tokenize_s)
-            tokens: dict[str, np.ndarray] = {
-                "input_ids": batch.input_ids,
-                "attention_mask": batch.attention_mask,
-                "token_type_ids": batch.token_type_ids,
-            }
+            tokens = batch.feed()
         else:
             tokens = request.tokens
         if request.timeout_s is not None:

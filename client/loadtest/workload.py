@@ -7,13 +7,11 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from tokenizers import Tokenizer
-
 from client.loadtest.config import ConfigError, LoadConfig
 from client.loadtest.corpus import load_corpus
 from client.protocol import text_request, token_request
 from service.proto import grpc_service_pb2 as pb
+from service.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,28 +54,19 @@ class Workload:
             if tokenizer is None:
                 message = text_request(config.model, texts)
             else:
-                encodings = tokenizer.encode_batch(texts)
-                input_ids = np.array([encoding.ids for encoding in encodings], dtype=np.int64)
-                attention_mask = np.array([encoding.attention_mask for encoding in encodings], dtype=np.int64)
-                message = token_request(config.model, input_ids, attention_mask)
+                tokens = tokenizer.encode(texts)
+                message = token_request(config.model, tokens.input_ids, tokens.attention_mask)
             requests.append(PreparedRequest(message, kind, len(texts)))
         logger.debug("built %d requests of %d sequences", len(requests), config.batch_size)
         return cls(tuple(requests))
 
 
-def _load_tokenizer(path: Path | None, max_length: int) -> Tokenizer:
-    """The tokenizer truncating at max_length and padding to the longest text of a request.
+def _load_tokenizer(path: Path | None, max_length: int) -> TextTokenizer:
+    """The server's own tokenizer setup: truncation at max_length, padding to the longest text.
 
     The file's own truncation and padding (often fixed padding to 128) are replaced.
     """
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        return TextTokenizer(path, max_length)
     except Exception as error:  # the tokenizers library raises plain Exception on a bad file
         raise ConfigError(f"cannot read tokenizer {path}: {' '.join(str(error).split())}") from error
-    padding = tokenizer.padding or {}
-    pad_token = padding.get("pad_token", "[PAD]")
-    pad_id = padding.get("pad_id", tokenizer.token_to_id(pad_token) or 0)
-    tokenizer.no_padding()
-    tokenizer.enable_truncation(max_length=max_length)
-    tokenizer.enable_padding(pad_id=pad_id, pad_token=pad_token)
-    return tokenizer
