@@ -54,7 +54,7 @@ COPY service/ service/
 COPY export/ export/
 COPY client/ client/
 # A regular (non-editable) install: the runtime stage copies the venv, not the sources.
-RUN uv pip install --python /opt/venv/bin/python .
+RUN uv pip install --python /opt/venv/bin/python ".[server]"
 
 # ---------------------------------------------------------------------------------------------
 # Runtime.
@@ -75,7 +75,9 @@ RUN groupadd --system --gid 10001 encoder \
     && useradd --system --no-log-init --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin encoder
 USER 10001:10001
 
-EXPOSE 8001 8002
+# HTTP (OpenAI API, KServe v2 REST), gRPC, metrics, and the plaintext health listener that
+# --health-port 8003 opens (for probes that cannot speak TLS when --tls-cert is set).
+EXPOSE 8000 8001 8002 8003
 
 # Model loading and warm-up happen before the health service reports SERVING.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \

@@ -6,20 +6,25 @@ REPOSITORY  ?= model_repository
 MODEL       ?= all-MiniLM-L6-v2
 MODEL_FILE  := $(REPOSITORY)/$(MODEL)/config.pbtxt
 
-.PHONY: setup system-packages serve export test lint protos bench loadtest clean
+.PHONY: setup system-packages serve export test lint protos bench loadtest perf-analyzer stress gpu-check clean
 
 # torch is pinned to the CPU wheel (2.13.0) in the export extra: any other version pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[export,client,test]'
+	$(PY) -m pip install --quiet -e '.[server,export,client,test]'
 	touch $@
 
-# promtool and a Prometheus server, for the monitoring tests (Debian package; needs root).
+# Debian packages (need root): prometheus (promtool and a server) for the monitoring tests, and
+# libb64-0d, which perf_analyzer links.
 system-packages:
-	@command -v promtool >/dev/null 2>&1 || { \
-		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
-		else echo "install Debian's prometheus package (promtool) for the monitoring tests" >&2; fi; }
+	@missing=""; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	dpkg -s libb64-0d >/dev/null 2>&1 || missing="$$missing libb64-0d"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+		else echo "install Debian's$$missing packages: promtool for the monitoring tests, libb64 for perf_analyzer" >&2; fi; \
+	fi
 
 setup: $(VENV)/.installed system-packages
 
@@ -38,11 +43,24 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(PY) protos/generate.py --check
 
+# The venv's tools (kubectl, hadolint, perf_analyzer) come first on PATH.
 test: setup lint
-	$(PY) -m pytest
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest
 
 protos: $(VENV)/.installed
 	$(PY) protos/generate.py
+
+# The GPU test plan (tests marked gpu; skipped, and reported so, where CUDA is unusable): the
+# environment and every test's outcome go to gpu-report/ (report.txt, junit.xml, environment.txt).
+gpu-check: $(VENV)/.installed
+	@mkdir -p gpu-report
+	@{ nvidia-smi 2>&1 || echo "nvidia-smi: not available"; \
+	  $(PY) -c "import onnxruntime as o; from service.runtime import cuda_unavailable_reason as r; \
+	print('onnxruntime', o.__version__, o.get_available_providers()); print('CUDA:', r() or 'usable')"; \
+	} > gpu-report/environment.txt 2>&1
+	@cat gpu-report/environment.txt
+	$(PY) -m pytest -m gpu -v -rs --junitxml=gpu-report/junit.xml > gpu-report/report.txt 2>&1; \
+	status=$$?; cat gpu-report/report.txt; echo "GPU report: gpu-report/report.txt"; exit $$status
 
 bench: $(VENV)/.installed $(MODEL_FILE)
 	$(PY) -m export.bench --repository $(REPOSITORY) --output bench-results/export.json
@@ -51,5 +69,15 @@ bench: $(VENV)/.installed $(MODEL_FILE)
 loadtest: $(VENV)/.installed
 	$(PY) -m client.loadtest --target 127.0.0.1:8001 --concurrency 1,8,32,64 --duration-s 20
 
+# Triton's perf_analyzer against a running server (make serve in another shell): token ids, texts,
+# and texts over --streaming, at each concurrency; figures on stdout, CSVs in perf-results/.
+perf-analyzer: $(VENV)/.installed system-packages $(MODEL_FILE)
+	$(PY) -m client.perf_analyzer --target 127.0.0.1:8001 --model $(MODEL) --repository $(REPOSITORY) \
+		--concurrency 1,8,32 --output-dir perf-results
+
+# Hostile phases against a running server (make serve in another shell); report in bench-results/stress/.
+stress: $(VENV)/.installed
+	$(PY) -m client.stress --target 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics --output bench-results/stress
+
 clean:
-	rm -rf $(VENV) $(REPOSITORY) bench-results loadtest-results .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(REPOSITORY) bench-results loadtest-results perf-results gpu-report .pytest_cache .ruff_cache

@@ -8,10 +8,18 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from client.protocol import EmbeddingError, batches, channel_options, output_array, text_request
+from client.protocol import (
+    ClientSecurity,
+    EmbeddingError,
+    SecurityError,
+    batches,
+    channel_options,
+    output_array,
+    text_request,
+)
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
-__all__ = ["AsyncEmbeddingClient", "EmbeddingClient", "EmbeddingError"]
+__all__ = ["AsyncEmbeddingClient", "ClientSecurity", "EmbeddingClient", "EmbeddingError", "SecurityError"]
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -21,14 +29,24 @@ class EmbeddingClient:
     """Blocking client: `EmbeddingClient("localhost:8001").embed(["a text"])` -> float32 [n, d].
 
     `target` may be `host:port`, or `dns:///name:port` to balance round-robin over every address
-    the name resolves to (a headless Kubernetes Service).
+    the name resolves to (a headless Kubernetes Service). `security` turns on TLS, mutual TLS and
+    an API key (`ClientSecurity.from_files(ca_file=..., api_key_file=...)`); plaintext by default.
     """
 
-    def __init__(self, target: str, model: str = DEFAULT_MODEL, timeout_s: float = 30.0, batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        target: str,
+        model: str = DEFAULT_MODEL,
+        timeout_s: float = 30.0,
+        batch_size: int = 32,
+        security: ClientSecurity | None = None,
+    ) -> None:
         self.model = model
         self.timeout_s = timeout_s
         self.batch_size = batch_size
-        self._channel = grpc.insecure_channel(target, options=channel_options(target, MAX_MESSAGE_BYTES))
+        security = security or ClientSecurity()
+        self._metadata = security.metadata()
+        self._channel = security.channel(target, channel_options(target, MAX_MESSAGE_BYTES))
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -38,7 +56,9 @@ class EmbeddingClient:
         parts = []
         for chunk in batches(texts, self.batch_size):
             try:
-                response = self._stub.ModelInfer(text_request(self.model, chunk), timeout=self.timeout_s)
+                response = self._stub.ModelInfer(
+                    text_request(self.model, chunk), timeout=self.timeout_s, metadata=self._metadata
+                )
             except grpc.RpcError as error:
                 raise EmbeddingError(error.code(), error.details()) from error
             parts.append(output_array(response, "embedding"))
@@ -56,18 +76,32 @@ class EmbeddingClient:
 
 
 class AsyncEmbeddingClient:
-    """asyncio client: `await AsyncEmbeddingClient(target).embed(texts)`; batches are sent concurrently."""
+    """asyncio client: `await AsyncEmbeddingClient(target).embed(texts)`; batches are sent concurrently.
 
-    def __init__(self, target: str, model: str = DEFAULT_MODEL, timeout_s: float = 30.0, batch_size: int = 32) -> None:
+    Targets and `security` as for EmbeddingClient.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        model: str = DEFAULT_MODEL,
+        timeout_s: float = 30.0,
+        batch_size: int = 32,
+        security: ClientSecurity | None = None,
+    ) -> None:
         self.model = model
         self.timeout_s = timeout_s
         self.batch_size = batch_size
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options(target, MAX_MESSAGE_BYTES))
+        security = security or ClientSecurity()
+        self._metadata = security.metadata()
+        self._channel = security.aio_channel(target, channel_options(target, MAX_MESSAGE_BYTES))
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def _embed_one(self, chunk: Sequence[str]) -> np.ndarray:
         try:
-            response = await self._stub.ModelInfer(text_request(self.model, chunk), timeout=self.timeout_s)
+            response = await self._stub.ModelInfer(
+                text_request(self.model, chunk), timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as error:
             raise EmbeddingError(error.code(), error.details()) from error
         return output_array(response, "embedding")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -42,11 +43,23 @@ class RunningServer:
     grpc_port: int
     metrics_port: int
     log_path: Path
+    health_target: str = ""
+    """host:port answering grpc.health.v1 in plaintext: the gRPC port, or --health-port when TLS is on."""
+    http_port: int = 0
+    """The HTTP port (OpenAI API, KServe v2 REST)."""
+
+    def __post_init__(self) -> None:
+        self.health_target = self.health_target or self.target
 
     @property
     def target(self) -> str:
         """host:port of the gRPC service."""
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP port, as plaintext (a server with --tls-cert answers https:// there)."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -62,39 +75,91 @@ class RunningServer:
         self.process.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = 30) -> int:
-        """SIGTERM and wait; kill if it does not exit in time. Returns the exit status."""
-        if self.process.poll() is None:
-            self.terminate()
-            try:
+        """SIGTERM and wait; kill its whole process group if it does not exit in time. Returns the exit status.
+
+        The group is killed in any case once the server is gone, so nothing it started outlives it.
+        """
+        try:
+            if self.process.poll() is None:
+                self.terminate()
                 self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        except subprocess.TimeoutExpired:
+            self._kill_group()
+            self.process.wait()
+        finally:
+            self._kill_group()
         return self.process.returncode
 
+    def _kill_group(self) -> None:
+        # The server leads its own process group (see launch_server); its pgid is its pid.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
-def start_server(repository: Path, log_path: Path, *arguments: str, env: dict[str, str] | None = None) -> RunningServer:
-    """Start `python -m service` on free loopback ports and wait until health reports SERVING."""
-    grpc_port, metrics_port = free_port(), free_port()
+    def wait_until_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until health reports SERVING; RuntimeError (server stopped) if it exits or times out first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            if health_status(self.health_target, timeout_s=1.0) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not SERVING after {timeout_s} s:\n{self.log()}")
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def start_server(
+    repository: Path,
+    log_path: Path,
+    *arguments: str,
+    env: dict[str, str] | None = None,
+    health_target: str = "",
+) -> RunningServer:
+    """Start `python -m service` on free loopback ports and wait until health reports SERVING.
+
+    `health_target`: where to ask for health when the gRPC port speaks TLS (its --health-port).
+    Whatever interrupts the wait (a failed start, a timeout, Ctrl-C), the server is stopped.
+    """
+    server = launch_server(repository, log_path, *arguments, env=env, health_target=health_target)
+    try:
+        server.wait_until_serving()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def launch_server(
+    repository: Path,
+    log_path: Path,
+    *arguments: str,
+    env: dict[str, str] | None = None,
+    health_target: str = "",
+) -> RunningServer:
+    """Start `python -m service` on free loopback ports in its own process group, without waiting for it."""
+    grpc_port, metrics_port, http_port = free_port(), free_port(), free_port()
     command = [
         sys.executable, "-m", "service",
         "--model-repository", str(repository),
         "--host", "127.0.0.1",
         "--grpc-port", str(grpc_port),
         "--metrics-port", str(metrics_port),
+        "--http-port", str(http_port),
         *arguments,
     ]  # fmt: skip
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
         )
-    server = RunningServer(process, grpc_port, metrics_port, log_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        if health_status(server.target, timeout_s=1.0) == health_pb2.HealthCheckResponse.SERVING:
-            return server
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"server not SERVING after {START_TIMEOUT_S} s:\n{server.log()}")
+    return RunningServer(process, grpc_port, metrics_port, log_path, health_target, http_port)

@@ -3,6 +3,9 @@
 python -m export --repository DIR                   # the default model, all-MiniLM-L6-v2
 python -m export --repository DIR --source FOLDER   # any local BERT-family checkpoint
 python -m export --repository DIR --random          # a small random encoder (tests)
+
+Progress is one line per stage on stderr; warnings from this project show, library chatter (the
+ONNX Runtime optimiser and quantiser logs) only with --verbose.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from export.checkpoint import Checkpoint, CheckpointError, default_model_folder, load_checkpoint, random_checkpoint
@@ -61,8 +65,41 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-queue-delay-us", type=int, default=ServingDefaults.max_queue_delay_us)
     parser.add_argument("--max-queue-size", type=_positive, default=ServingDefaults.max_queue_size)
     parser.add_argument("--seed", type=int, default=0, help="seed for --random")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--verbose", action="store_true", help="show every log line, library chatter included")
+    parser.add_argument("--log-level", default="INFO", help="with --verbose: the logging level")
     return parser.parse_args(argv)
+
+
+class ProjectWarnings(logging.Filter):
+    """Without --verbose: this project's warnings and anyone's errors, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep a record or not."""
+        ours = record.name.split(".")[0] in ("export", "service")
+        return record.levelno >= (logging.WARNING if ours else logging.ERROR)
+
+
+def _configure_logging(arguments: argparse.Namespace) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if not arguments.verbose:
+        handler.addFilter(ProjectWarnings())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(arguments.log_level.upper() if arguments.verbose else logging.WARNING)
+
+
+class StageDisplay:
+    """Prints each export stage as it starts, with the time since the export began."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.count = 0
+
+    def __call__(self, name: str) -> None:
+        """Announce one stage."""
+        self.count += 1
+        print(f"export [{time.monotonic() - self.started:5.1f} s] {self.count:2d}. {name}", file=sys.stderr, flush=True)
 
 
 def _checkpoint(arguments: argparse.Namespace) -> Checkpoint:
@@ -83,7 +120,7 @@ def _checkpoint(arguments: argparse.Namespace) -> Checkpoint:
 def main(argv: list[str] | None = None) -> int:
     """Run the export; a bad source or a refused gate is one line on stderr and a non-zero exit."""
     arguments = parse_arguments(argv)
-    logging.basicConfig(level=arguments.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(arguments)
     options = ExportOptions(
         variants=arguments.variants,
         threads=arguments.threads,
@@ -96,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         checkpoint = _checkpoint(arguments)
-        report = export_model(checkpoint, arguments.repository, options)
+        report = export_model(checkpoint, arguments.repository, options, StageDisplay())
     except (CheckpointError, ConfigError) as error:
         print(f"export: error: {error}", file=sys.stderr)
         return 2
@@ -105,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     published = ", ".join(report["variants"])
     print(f"published {checkpoint.name} ({published}) to {arguments.repository / checkpoint.name}")
+    for device, choice in report["preferred_variants_basis"].items():
+        print(f"default on {device}: {choice['variant']} ({choice['basis']})")
     return 0
 
 

@@ -11,6 +11,7 @@ CUDA: the fully fused graph (fused attention is the fast path there) converted t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,10 @@ class FormChoice:
 
 def _fusion_options(form: str) -> FusionOptions:
     options = FusionOptions("bert")
+    # The optimiser's BERT default (MaskIndexEnd) turns the mask into a count of ones per row,
+    # which fused Attention reads as "the first N tokens are real": wrong for left-padded rows
+    # or rows with holes. The raw 0/1 mask is exact for every mask the codec accepts.
+    options.use_raw_attention_mask(True)
     if form == "attention_fused":
         options.enable_skip_layer_norm = False
         options.enable_bias_skip_layer_norm = False
@@ -91,10 +96,14 @@ def geometric_mean(values: list[float]) -> float:
     return product ** (1.0 / len(values))
 
 
-def write_cpu_forms(raw: Path, workdir: Path, config: EncoderConfig) -> dict[str, Path]:
-    """Every CPU candidate form of the exported graph, written into workdir."""
+def write_cpu_forms(
+    raw: Path, workdir: Path, config: EncoderConfig, stage: Callable[[str], None] | None = None
+) -> dict[str, Path]:
+    """Every CPU candidate form of the exported graph, written into workdir (stage is told each one)."""
     paths = {form: workdir / f"cpu-{form}.onnx" for form in CPU_FORMS}
     for form, path in paths.items():
+        if stage is not None:
+            stage(f"CPU graph form {form}")
         write_cpu_form(raw, path, config, form)
     return paths
 

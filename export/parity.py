@@ -1,8 +1,14 @@
 """The parity gate: every variant's ONNX Runtime outputs against the PyTorch model.
 
-Cases are random token batches (sizes x lengths, with random padding) and real sentences
-through the model's tokenizer. A variant whose figures miss its tolerances is refused, and the
-failure names the worst case.
+Cases are random token batches (sizes x lengths; each padded row right-padded, left-padded or
+with holes in its mask, in turn), real sentences through the model's tokenizer, and the same
+sentences left-padded and with a hole in the middle of each mask (kind "sentence_masks"): the
+codec accepts any 0/1 mask, so every graph must honour any of them. A variant whose figures
+miss its tolerances is refused, and the failure names the worst case.
+
+Separately, `served_fidelity` measures what a user of the server gets: each sentence through the
+server's tokenizer configuration, alone and in padded batches, `embedding` out, against the model
+run on that sentence alone.
 """
 
 from __future__ import annotations
@@ -15,11 +21,21 @@ import onnxruntime as ort
 import torch
 
 from export.model import Encoder
+from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, cosines
 from service.tokenizer import TextTokenizer
 
 BATCH_SIZES = (1, 2, 7, 32)
 SENTENCE_BATCH = 16
 SENTENCES_FILE = Path(__file__).resolve().parent / "data" / "sentences.txt"
+MASK_STYLES = ("right-padded", "left-padded", "holed")
+HOLE_TOKENS = 2
+"""Positions masked out in the middle of each sentence for the holed cases."""
+SERVED_LENGTH_BUCKET = 32
+"""Served batches are padded to a multiple of this (the server's CUDA length bucket)."""
+FIDELITY_ROWS = 6
+"""Gate sentences stored for the server's check at load (plus one left-padded and one holed copy)."""
+FIDELITY_MAX_TOKENS = 48
+"""Longest sentence stored for the check at load: it runs at every load, on the CPU too (tens of ms)."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +50,13 @@ class Tolerance:
 
 
 TOLERANCES = {
-    "fp32": Tolerance(min_cosine=0.99999, max_abs_diff=1e-4, gated_kinds=("tokens", "sentences")),
-    "int8": Tolerance(min_cosine=0.99, max_abs_diff=None, gated_kinds=("sentences",)),
-    "fp16": Tolerance(min_cosine=0.999, max_abs_diff=None, gated_kinds=("tokens", "sentences")),
+    "fp32": Tolerance(
+        min_cosine=VARIANT_MIN_COSINE["fp32"], max_abs_diff=1e-4, gated_kinds=("tokens", "sentences", "sentence_masks")
+    ),
+    "int8": Tolerance(min_cosine=VARIANT_MIN_COSINE["int8"], max_abs_diff=None, gated_kinds=("sentences",)),
+    "fp16": Tolerance(
+        min_cosine=VARIANT_MIN_COSINE["fp16"], max_abs_diff=None, gated_kinds=("tokens", "sentences", "sentence_masks")
+    ),
 }
 
 
@@ -111,11 +131,24 @@ class GateResult:
         }
 
 
-def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: int = 0) -> list[Case]:
-    """Random token batches of sizes {1, 2, 7, 32} and lengths {1, 5, 64, max}, randomly padded.
+def mask_row(length: int, real: int, style: str, rng: np.random.Generator) -> np.ndarray:
+    """A 0/1 mask of `length` with `real` ones: at the start, at the end, or scattered (first kept)."""
+    row = np.zeros(length, dtype=np.int64)
+    if style == "right-padded":
+        row[:real] = 1
+    elif style == "left-padded":
+        row[length - real :] = 1
+    else:
+        row[0] = 1
+        row[1 + rng.choice(length - 1, size=real - 1, replace=False)] = 1
+    return row
 
-    The first row of each batch is full length so the padded width is exercised; the others
-    get random lengths with padding after them.
+
+def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: int = 0) -> list[Case]:
+    """Random token batches of sizes {1, 2, 7, 32} and lengths {1, 5, 64, max}, with every mask shape.
+
+    The first row of each batch is full length so the padded width is exercised; the others get
+    random lengths, padded on the right, on the left or with holes in the mask, in turn.
     """
     rng = np.random.default_rng(seed)
     lengths = sorted({min(length, max_length) for length in (1, 5, 64, max_length)})
@@ -124,7 +157,8 @@ def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: 
         for length in lengths:
             row_lengths = rng.integers(1, length + 1, size=batch)
             row_lengths[0] = length
-            mask = (np.arange(length)[None, :] < row_lengths[:, None]).astype(np.int64)
+            styles = ["full"] + [MASK_STYLES[row % len(MASK_STYLES)] for row in range(batch - 1)]
+            mask = np.stack([mask_row(length, n, style, rng) for n, style in zip(row_lengths, styles, strict=True)])
             ids = rng.integers(1, vocab_size, size=(batch, length), dtype=np.int64) * mask
             feed = {
                 "input_ids": ids,
@@ -132,8 +166,11 @@ def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: 
                 "token_type_ids": rng.integers(0, 2, size=(batch, length), dtype=np.int64) * mask,
             }
             name = f"tokens {batch}x{length}"
-            labels = tuple(f"{name} row {row} (length {n})" for row, n in enumerate(row_lengths))
-            cases.append(Case("tokens", name, feed, labels))
+            labels = tuple(
+                f"{name} row {row} ({style}, {n} tokens)"
+                for row, (n, style) in enumerate(zip(row_lengths, styles, strict=True))
+            )
+            cases.append(Case("tokens", name, {k: feed[k] for k in input_names}, labels))
     return cases
 
 
@@ -147,6 +184,42 @@ def sentence_cases(input_names: list[str], tokenizer: TextTokenizer, sentences: 
         cases.append(
             Case("sentences", f"sentences {start + 1}-{start + len(chunk)}", {k: feed[k] for k in input_names}, labels)
         )
+    return cases
+
+
+def left_padded(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A right-padded batch with each row's tokens moved to the end (padding first)."""
+    length = feed["input_ids"].shape[1]
+    moved = {name: np.zeros_like(array) for name, array in feed.items()}
+    for row, real in enumerate(feed["attention_mask"].sum(axis=1)):
+        for name, array in feed.items():
+            moved[name][row, length - real :] = array[row, :real]
+    return moved
+
+
+def holed(feed: dict[str, np.ndarray], hole: int = HOLE_TOKENS) -> dict[str, np.ndarray]:
+    """A right-padded batch with up to `hole` positions masked out in the middle of each row (ids kept).
+
+    Rows keep their width (a row at the model's maximum length stays valid); the masked tokens
+    keep their ids, so a graph that let them leak into the result would show it.
+    """
+    spread = {name: array.copy() for name, array in feed.items()}
+    for row, real in enumerate(feed["attention_mask"].sum(axis=1)):
+        middle = max(1, int(real) // 2)
+        spread["attention_mask"][row, middle : min(middle + hole, int(real) - 1)] = 0
+    return spread
+
+
+def sentence_mask_cases(input_names: list[str], tokenizer: TextTokenizer, sentences: list[str]) -> list[Case]:
+    """The sentence batches again, left-padded and with a hole in each row's mask (rows of 3+ tokens)."""
+    cases = []
+    for start in range(0, len(sentences), SENTENCE_BATCH):
+        chunk = sentences[start : start + SENTENCE_BATCH]
+        feed = tokenizer.encode(chunk).feed(input_names)
+        for style, reshaped in (("left-padded", left_padded(feed)), ("holed", holed(feed))):
+            labels = tuple(f"sentence {start + i + 1} {style}: {text[:40]!r}" for i, text in enumerate(chunk))
+            name = f"sentences {start + 1}-{start + len(chunk)} {style}"
+            cases.append(Case("sentence_masks", name, reshaped, labels))
     return cases
 
 
@@ -166,12 +239,6 @@ def reference_outputs(model: Encoder, cases: list[Case]) -> list[Reference]:
     return references
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    norms = np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1)
-    return (a64 * b64).sum(axis=1) / np.maximum(norms, 1e-30)
-
-
 def check_variant(variant: str, session: ort.InferenceSession, references: list[Reference]) -> GateResult:
     """Compare one ONNX Runtime session against the references and apply the variant's tolerance."""
     tolerance = TOLERANCES[variant]
@@ -180,11 +247,11 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
         case = reference.case
         hidden, embedding = session.run(["last_hidden_state", "embedding"], case.feed)
         kind = figures.setdefault(case.kind, KindFigures())
-        cosines = _cosines(embedding, reference.embedding)
-        kind.cosines.extend(cosines.tolist())
-        worst_row = int(np.argmin(cosines))
-        if cosines[worst_row] < kind.min_cosine:
-            kind.min_cosine = float(cosines[worst_row])
+        row_cosines = cosines(embedding, reference.embedding)
+        kind.cosines.extend(row_cosines.tolist())
+        worst_row = int(np.argmin(row_cosines))
+        if row_cosines[worst_row] < kind.min_cosine:
+            kind.min_cosine = float(row_cosines[worst_row])
             kind.worst_cosine_case = case.row_labels[worst_row]
         valid = case.feed["attention_mask"].astype(bool)
         diff = float(np.abs(hidden - reference.hidden)[valid].max())
@@ -207,3 +274,131 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
                 f"at {kind.worst_diff_case}"
             )
     return GateResult(variant, session.get_providers()[0], figures, failures)
+
+
+def pad_to(feed: dict[str, np.ndarray], length: int, pad_token_id: int = 0) -> dict[str, np.ndarray]:
+    """A batch padded on the right to `length` (masked positions), as the server's batcher pads."""
+    rows, width = feed["input_ids"].shape
+    padded = {}
+    for name, array in feed.items():
+        fill = pad_token_id if name == "input_ids" else 0
+        padded[name] = np.concatenate([array, np.full((rows, length - width), fill, dtype=array.dtype)], axis=1)
+    return padded
+
+
+@torch.inference_mode()
+def embed_each(model: Encoder, feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
+    """The PyTorch model's embedding of each feed, concatenated."""
+    return np.concatenate(
+        [model(**{name: torch.from_numpy(array) for name, array in feed.items()})[1].numpy() for feed in feeds]
+    )
+
+
+@dataclass(frozen=True)
+class ServedFigures:
+    """What a user of the server gets from one variant: texts in, `embedding` out, against the model."""
+
+    provider: str
+    min_cosine: float
+    mean_cosine: float
+    worst_sentence: str
+    sentences: int
+
+    def to_dict(self) -> dict[str, object]:
+        """Figures for parity.json."""
+        return {
+            "provider": self.provider,
+            "min_cosine": round(self.min_cosine, 8),
+            "mean_cosine": round(self.mean_cosine, 8),
+            "worst_sentence": self.worst_sentence,
+            "sentences": self.sentences,
+            "fidelity_rule": FIDELITY_MIN_COSINE,
+            "meets_fidelity_rule": self.min_cosine >= FIDELITY_MIN_COSINE,
+            "path": "server tokenizer configuration; each sentence alone and in batches of "
+            f"{SENTENCE_BATCH} padded to a multiple of {SERVED_LENGTH_BUCKET}; embedding output",
+        }
+
+
+class ServedPath:
+    """The gate sentences as the server would see them, and the model's embedding of each one.
+
+    expected: the PyTorch model's embeddings of the sentences in order (the "sentences" cases'
+    references: right-padded batches, where the mask makes padding exactly inert).
+    """
+
+    def __init__(
+        self,
+        expected: np.ndarray,
+        input_names: list[str],
+        tokenizer: TextTokenizer,
+        sentences: list[str],
+        *,
+        max_length: int,
+        pad_token_id: int,
+    ) -> None:
+        self.sentences = sentences
+        self.expected = expected
+        self.alone = [tokenizer.encode([text]).feed(input_names) for text in sentences]
+        self.batches = []
+        for start in range(0, len(sentences), SENTENCE_BATCH):
+            feed = tokenizer.encode(sentences[start : start + SENTENCE_BATCH]).feed(input_names)
+            width = feed["input_ids"].shape[1]
+            bucketed = -(-width // SERVED_LENGTH_BUCKET) * SERVED_LENGTH_BUCKET
+            self.batches.append(pad_to(feed, max(width, min(bucketed, max_length)), pad_token_id))
+
+    def measure(self, session: ort.InferenceSession) -> ServedFigures:
+        """Run every sentence through a session both ways; the worst of the two counts for each sentence."""
+        alone = np.concatenate([session.run(["embedding"], feed)[0] for feed in self.alone])
+        batched = np.concatenate([session.run(["embedding"], feed)[0] for feed in self.batches])
+        row_cosines = np.minimum(cosines(alone, self.expected), cosines(batched, self.expected))
+        worst = int(np.argmin(row_cosines))
+        return ServedFigures(
+            provider=session.get_providers()[0],
+            min_cosine=float(row_cosines[worst]),
+            mean_cosine=float(row_cosines.mean()),
+            worst_sentence=f"sentence {worst + 1}: {self.sentences[worst][:40]!r}",
+            sentences=len(self.sentences),
+        )
+
+
+def fidelity_reference(
+    model: Encoder, input_names: list[str], tokenizer: TextTokenizer | None, sentences: list[str], max_length: int
+) -> FidelityReference:
+    """The few inputs the server checks each variant with at load, and the model's fp32 embeddings for them.
+
+    With a tokenizer: gate sentences of up to FIDELITY_MAX_TOKENS tokens spread from the shortest
+    to the longest (short inputs are where lower precisions are weakest), then a middle one again
+    left-padded and the longest with a hole in its mask. Without one: random token rows with each
+    mask shape.
+    """
+    if tokenizer is not None:
+        lengths = {text: tokenizer.encode([text]).input_ids.shape[1] for text in sentences}
+        short = [text for text in sentences if lengths[text] <= FIDELITY_MAX_TOKENS] or sentences
+        by_length = sorted(short, key=lambda text: (lengths[text], text))
+        step = (len(by_length) - 1) / max(1, FIDELITY_ROWS - 1)
+        picks = list(dict.fromkeys(by_length[round(i * step)] for i in range(FIDELITY_ROWS)))
+        feed = tokenizer.encode(picks).feed(input_names)
+        middle, last = len(picks) // 2, len(picks) - 1
+        extra = [
+            ({k: v[middle : middle + 1] for k, v in left_padded(feed).items()}, f"{picks[middle][:40]!r} left-padded"),
+            ({k: v[last:] for k, v in holed(feed).items()}, f"{picks[last][:40]!r} holed"),
+        ]
+        rows = [({k: v[i : i + 1] for k, v in feed.items()}, repr(text[:40])) for i, text in enumerate(picks)]
+        rows += extra
+    else:
+        rng = np.random.default_rng(0)
+        length = min(16, max_length)
+        rows = []
+        for index, style in enumerate(("full", *MASK_STYLES, *MASK_STYLES)):
+            real = length if style == "full" else int(rng.integers(1, length))
+            mask = mask_row(length, real, style, rng)
+            row = {
+                "input_ids": rng.integers(1, model.config.vocab_size, size=(1, length), dtype=np.int64) * mask,
+                "attention_mask": mask[None, :],
+                "token_type_ids": np.zeros((1, length), dtype=np.int64),
+            }
+            rows.append(({name: row[name] for name in input_names}, f"tokens row {index} ({style}, {real} tokens)"))
+    width = max(feed["input_ids"].shape[1] for feed, _ in rows)
+    padded = [pad_to(feed, width, model.config.pad_token_id) for feed, _ in rows]
+    batch = {name: np.concatenate([feed[name] for feed in padded]) for name in input_names}
+    return FidelityReference(batch, tuple(label for _, label in rows), embed_each(model, [batch]))

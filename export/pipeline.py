@@ -1,10 +1,17 @@
-"""Checkpoint -> ONNX -> per-provider variants -> parity gate -> model repository."""
+"""Checkpoint -> ONNX -> per-provider variants -> parity gate -> model repository.
+
+Every graph form that is measured is gated too: a CPU candidate that misses its variant's
+tolerance (on any mask shape) is never eligible, and a variant with no passing form refuses the
+whole export. What a user of the server gets (texts in, `embedding` out) is measured for every
+published variant and decides the default on CUDA (the fidelity rule, service.fidelity).
+"""
 
 from __future__ import annotations
 
 import datetime
 import logging
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +24,15 @@ from export.onnx_export import OPSET, export_onnx, input_names
 from export.publish import ServingDefaults, build_config, publish
 from export.quantize import quantize_int8
 from export.timing import compare_throughput, cpu_session, token_feed
-from service.runtime import CPU, CUDA, ExecutionSettings, cuda_provider_options, session_options
+from service.fidelity import FIDELITY_MIN_COSINE, FidelityCheck, FidelityReference, compare, required_cosine
+from service.runtime import (
+    CPU,
+    CUDA,
+    ExecutionSettings,
+    cuda_provider_options,
+    cuda_unavailable_reason,
+    session_options,
+)
 from service.tokenizer import TextTokenizer
 
 VARIANTS = ("fp32", "int8", "fp16")
@@ -25,6 +40,9 @@ CALIBRATION_FILE = Path(__file__).resolve().parent / "data" / "calibration.txt"
 SPEEDUP_SHAPE = (8, 128)
 
 log = logging.getLogger(__name__)
+
+Stage = Callable[[str], None]
+"""Called with the name of each export stage as it starts (a progress display)."""
 
 
 class GateRefused(RuntimeError):
@@ -45,13 +63,63 @@ class ExportOptions:
     calibration: Path = CALIBRATION_FILE
 
 
-def _gate_session(path: Path, variant: str, threads: int) -> ort.InferenceSession:
-    """fp16 is checked on CUDA where it can run, everything else (and fp16 without a GPU) on CPU."""
+@dataclass
+class _Gate:
+    """Everything the variants are compared with: references, the served path, and the verdicts so far."""
+
+    references: list[parity.Reference]
+    served: parity.ServedPath | None
+    fidelity: FidelityReference
+    """What the server checks each variant with at load: a published variant must pass it here too."""
+    threads: int
+    results: dict[str, parity.GateResult] = field(default_factory=dict)
+    served_figures: dict[str, parity.ServedFigures] = field(default_factory=dict)
+    load_checks: dict[str, FidelityCheck] = field(default_factory=dict)
+    forms: dict[str, dict[str, parity.GateResult]] = field(default_factory=dict)
+    """variant -> CPU graph form -> verdict, for every form measured."""
+
+    def check(self, variant: str, session: ort.InferenceSession) -> parity.GateResult:
+        return parity.check_variant(variant, session, self.references)
+
+    def publishable(self, variant: str, candidates: dict[str, Path]) -> dict[str, Path]:
+        """Gate every candidate form of a variant; the ones that pass."""
+        self.forms[variant] = {
+            form: self.check(variant, cpu_session(str(path), self.threads)) for form, path in candidates.items()
+        }
+        passing = {form: path for form, path in candidates.items() if self.forms[variant][form].passed}
+        for form, result in self.forms[variant].items():
+            if not result.passed:
+                log.warning(
+                    "%s graph form %s refused by the parity gate: %s", variant, form, "; ".join(result.failures)
+                )
+        return passing
+
+    def record(self, variant: str, form: str | None, session: ort.InferenceSession) -> None:
+        """The verdict, served figures and load check of the variant as published."""
+        self.results[variant] = self.forms[variant][form] if form is not None else self.check(variant, session)
+        if self.served is not None:
+            self.served_figures[variant] = self.served.measure(session)
+        (embedding,) = session.run(["embedding"], self.fidelity.feed)
+        provider = session.get_providers()[0]
+        self.load_checks[variant] = compare(
+            self.fidelity, embedding, variant, provider, required_cosine(variant, chosen_by_default=False)
+        )
+
+    def failures(self) -> list[str]:
+        failures = [failure for result in self.results.values() for failure in result.failures]
+        return failures + [
+            f"{variant}: would fail the server's check at load: {check.describe()}"
+            for variant, check in self.load_checks.items()
+            if not check.passed
+        ]
+
+
+def _fp16_session(path: Path, threads: int) -> tuple[ort.InferenceSession, str | None]:
+    """fp16 on CUDA where it can run here, else on the CPU; with the reason CUDA was not used."""
     settings = ExecutionSettings(intra_op_threads=threads)
-    providers: list = [CPU]
-    if variant == "fp16" and CUDA in ort.get_available_providers():
-        providers = [(CUDA, cuda_provider_options(settings)), CPU]
-    return ort.InferenceSession(str(path), session_options(settings), providers=providers)
+    reason = cuda_unavailable_reason(settings.cuda_device_id)
+    providers: list = [CPU] if reason else [(CUDA, cuda_provider_options(settings)), CPU]
+    return ort.InferenceSession(str(path), session_options(settings), providers=providers), reason
 
 
 def _calibration_feeds(
@@ -81,79 +149,208 @@ def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[st
     }
 
 
-def export_model(checkpoint: Checkpoint, repository: Path, options: ExportOptions) -> dict[str, object]:
+def _fidelity_basis(gate: _Gate, variant: str) -> float:
+    """The figure the fidelity rule is applied to: the served path, or (no tokenizer) every gated case."""
+    if variant in gate.served_figures:
+        return gate.served_figures[variant].min_cosine
+    return min(kind.min_cosine for kind in gate.results[variant].figures.values())
+
+
+def preferred_variants(gate: _Gate, published: list[str], cuda_problem: str | None) -> dict[str, dict[str, object]]:
+    """The default per device under the fidelity rule, with what it rests on.
+
+    CPU: fp32 (int8 is only ever an explicit choice). CUDA: fp16 where its served embeddings
+    measured >= the fidelity rule, else fp32. When fp16 could only be measured on the CPU, that is
+    said, and the server checks it again on CUDA at load.
+    """
+    choices: dict[str, dict[str, object]] = {
+        "cpu": {"variant": "fp32", "basis": "fidelity rule: fp32 on the CPU; int8 only by explicit choice"}
+    }
+    if "fp16" not in published:
+        choices["cuda"] = {"variant": "fp32", "basis": "fp16 not built"}
+        return choices
+    measured = _fidelity_basis(gate, "fp16")
+    provider = gate.results["fp16"].provider
+    meets = measured >= FIDELITY_MIN_COSINE
+    where = f"measured on {provider}"
+    if provider != CUDA:
+        where += f" only, not CUDA ({cuda_problem}); the server re-checks fp16 on CUDA at load"
+    choices["cuda"] = {
+        "variant": "fp16" if meets else "fp32",
+        "basis": f"fp16 min cosine to the model {measured:.6f} {'>=' if meets else '<'} {FIDELITY_MIN_COSINE}, {where}",
+        "fp16_checked_on_cuda": provider == CUDA,
+    }
+    return choices
+
+
+class _Build:
+    """One export in a scratch folder: candidates, gate verdicts and choices as they are made."""
+
+    def __init__(self, checkpoint: Checkpoint, options: ExportOptions, workdir: Path, stage: Stage) -> None:
+        self.checkpoint, self.options, self.workdir, self.stage = checkpoint, options, workdir, stage
+        self.model = checkpoint.build_model()
+        self.names = input_names(self.model)
+        self.tokenizer = None
+        if checkpoint.tokenizer_files:
+            self.tokenizer = TextTokenizer(
+                checkpoint.tokenizer_folder / "tokenizer.json",
+                checkpoint.max_seq_length,
+                checkpoint.config.pad_token_id,
+            )
+        self.raw = workdir / "exported.onnx"
+        self.choices: dict[str, optimize.FormChoice] = {}
+        self.files: dict[str, Path] = {}
+        self.recipes: dict[str, dict[str, object]] = {}
+        self.refusals: list[str] = []
+        self.cuda_problem: str | None = None
+
+    def references(self) -> _Gate:
+        """The gate: PyTorch references for every case kind, the served path, the server's fidelity reference."""
+        checkpoint, names, tokenizer = self.checkpoint, self.names, self.tokenizer
+        cases = parity.token_cases(names, checkpoint.config.vocab_size, checkpoint.max_seq_length)
+        sentences = parity.read_sentences(self.options.sentences) if tokenizer is not None else []
+        if tokenizer is not None:
+            cases += parity.sentence_cases(names, tokenizer, sentences)
+            cases += parity.sentence_mask_cases(names, tokenizer, sentences)
+        references = parity.reference_outputs(self.model, cases)
+        served = None
+        if tokenizer is not None:
+            expected = np.concatenate([r.embedding for r in references if r.case.kind == "sentences"])
+            served = parity.ServedPath(
+                expected,
+                names,
+                tokenizer,
+                sentences,
+                max_length=checkpoint.max_seq_length,
+                pad_token_id=checkpoint.config.pad_token_id,
+            )
+        fidelity = parity.fidelity_reference(self.model, names, tokenizer, sentences, checkpoint.max_seq_length)
+        return _Gate(references, served, fidelity, self.options.threads)
+
+    def cpu_variants(self, gate: _Gate, forms: dict[str, Path]) -> None:
+        """fp32 (and int8) in every CPU form; each variant's fastest form among those the gate passes."""
+        candidates = {"fp32": forms}
+        int8_recipes: dict[str, dict[str, object]] = {}
+        if "int8" in self.options.variants:
+            self.stage("int8 quantisation")
+            calibration = _calibration_feeds(self.checkpoint, self.tokenizer, self.options, self.names)
+            candidates["int8"] = {form: self.workdir / f"int8-{form}.onnx" for form in forms}
+            for form, path in forms.items():
+                int8_recipes[form] = quantize_int8(path, candidates["int8"][form], calibration)
+        threads = self.options.threads
+        for variant, paths in candidates.items():
+            self.stage(f"{variant}: parity gate on every graph form")
+            passing = gate.publishable(variant, paths)
+            if not passing:
+                self.refusals += [failure for result in gate.forms[variant].values() for failure in result.failures]
+                continue
+            self.stage(f"{variant}: measuring graph forms")
+            choice = optimize.choose_fastest(passing, self.checkpoint.config, self.names, threads)
+            gate.record(variant, choice.form, cpu_session(str(choice.path), threads))
+            self.choices[variant], self.files[variant] = choice, choice.path
+            self.recipes[variant] = {"graph_form": choice.form, **int8_recipes.get(choice.form, {})}
+
+    def fp16_variant(self, gate: _Gate) -> None:
+        """The fully fused fp16 graph for CUDA, gated on CUDA where usable here, else (said plainly) on the CPU."""
+        self.stage("fp16: build and parity gate")
+        path = self.workdir / "fp16.onnx"
+        optimize.write_cuda_fp16(self.raw, path, self.checkpoint.config)
+        session, self.cuda_problem = _fp16_session(path, self.options.threads)
+        gate.record("fp16", None, session)
+        self.files["fp16"] = path
+        self.recipes["fp16"] = {"graph_form": "fully_fused", "target": CUDA}
+        if self.cuda_problem:
+            log.warning(
+                "fp16 was checked on the CPU only (CUDA cannot be used here: %s); "
+                "the server checks it again on CUDA when it loads it",
+                self.cuda_problem,
+            )
+
+    def int8_speed(self) -> tuple[dict[str, float], list[str]]:
+        """int8 against fp32 at the reference shape, and the failure if it misses the bar."""
+        self.stage("int8: speed bar")
+        speedup = _int8_speedup(
+            self.files["fp32"], self.files["int8"], self.checkpoint, self.names, self.options.threads
+        )
+        if speedup["speedup"] >= self.options.int8_min_speedup:
+            return speedup, []
+        bar = self.options.int8_min_speedup
+        return speedup, [f"int8: {speedup['speedup']}x fp32 at {speedup['shape']} is below the {bar}x bar"]
+
+
+def export_model(
+    checkpoint: Checkpoint, repository: Path, options: ExportOptions, stage: Stage | None = None
+) -> dict[str, object]:
     """Build every requested variant, gate it, and publish the model; return the parity report.
 
+    stage is told each export stage as it starts (the command line shows progress with it).
     Raises GateRefused (repository untouched) when any variant misses its tolerance.
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
-    model = checkpoint.build_model()
-    names = input_names(model)
-    tokenizer = None
-    if checkpoint.tokenizer_files:
-        tokenizer = TextTokenizer(
-            checkpoint.tokenizer_folder / "tokenizer.json", checkpoint.max_seq_length, checkpoint.config.pad_token_id
-        )
+    stage = stage or (lambda name: log.info("export stage: %s", name))
     with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
-        workdir = Path(scratch)
-        raw = workdir / "exported.onnx"
-        export_onnx(model, raw)
-        forms = optimize.write_cpu_forms(raw, workdir, checkpoint.config)
-        choices = {"fp32": optimize.choose_fastest(forms, checkpoint.config, names, options.threads)}
-        recipes: dict[str, object] = {"fp32": {"graph_form": choices["fp32"].form}}
-        if "int8" in options.variants:
-            calibration = _calibration_feeds(checkpoint, tokenizer, options, names)
-            quantised = {form: workdir / f"int8-{form}.onnx" for form in forms}
-            int8_recipes = {form: quantize_int8(path, quantised[form], calibration) for form, path in forms.items()}
-            choices["int8"] = optimize.choose_fastest(quantised, checkpoint.config, names, options.threads)
-            recipes["int8"] = {"graph_form": choices["int8"].form, **int8_recipes[choices["int8"].form]}
-        files = {variant: choice.path for variant, choice in choices.items()}
+        stage("load checkpoint")
+        build = _Build(checkpoint, options, Path(scratch), stage)
+        stage("export to ONNX")
+        export_onnx(build.model, build.raw)
+        forms = optimize.write_cpu_forms(build.raw, build.workdir, checkpoint.config, stage)
+        stage("PyTorch references")
+        gate = build.references()
+        build.cpu_variants(gate, forms)
         if "fp16" in options.variants:
-            files["fp16"] = workdir / "fp16.onnx"
-            optimize.write_cuda_fp16(raw, files["fp16"], checkpoint.config)
-            recipes["fp16"] = {"graph_form": "fully_fused", "target": "CUDAExecutionProvider"}
-
-        cases = parity.token_cases(names, checkpoint.config.vocab_size, checkpoint.max_seq_length)
-        if tokenizer is not None:
-            cases += parity.sentence_cases(names, tokenizer, parity.read_sentences(options.sentences))
-        references = parity.reference_outputs(model, cases)
-        results = {
-            variant: parity.check_variant(variant, _gate_session(path, variant, options.threads), references)
-            for variant, path in files.items()
-        }
-        failures = [failure for result in results.values() for failure in result.failures]
+            build.fp16_variant(gate)
+        failures = build.refusals + gate.failures()
         speedup = None
-        if "int8" in files:
-            speedup = _int8_speedup(files["fp32"], files["int8"], checkpoint, names, options.threads)
-            if speedup["speedup"] < options.int8_min_speedup:
-                failures.append(
-                    f"int8: {speedup['speedup']}x fp32 at {speedup['shape']} "
-                    f"is below the {options.int8_min_speedup}x bar"
-                )
-        report = {
-            "model": checkpoint.name,
-            "source": str(checkpoint.folder) if checkpoint.folder else "random initialisation",
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "encoder": checkpoint.config.to_dict(),
-            "max_sequence_length": checkpoint.max_seq_length,
-            "onnx": {"exporter": "torch.onnx (TorchScript)", "opset": OPSET},
-            "cpu_graph_forms": {
-                variant: {
-                    "chosen": choice.form,
-                    "threads": options.threads,
-                    "sequences_per_second": choice.sequences_per_second,
-                }
-                for variant, choice in choices.items()
-            },
-            "int8_speed": speedup,
-            "variants": {v: {**results[v].to_dict(), "recipe": recipes[v]} for v in files},
-        }
+        if "int8" in build.files:
+            speedup, too_slow = build.int8_speed()
+            failures += too_slow
         if failures:
             raise GateRefused("parity gate refused: " + "; ".join(failures))
-        preferred = {"cpu": "int8" if "int8" in files else "fp32", "cuda": "fp16" if "fp16" in files else "fp32"}
-        report["preferred_variants"] = preferred
-        config = build_config(checkpoint, names, list(files), preferred, options.serving)
-        target = publish(repository, checkpoint, config, files, report)
+        report = _report(build, gate, speedup)
+        preferred = preferred_variants(gate, list(build.files), build.cuda_problem)
+        report["preferred_variants"] = {device: choice["variant"] for device, choice in preferred.items()}
+        report["preferred_variants_basis"] = preferred
+        stage("publish")
+        variants = list(build.files)
+        config = build_config(checkpoint, build.names, variants, report["preferred_variants"], options.serving)
+        target = publish(repository, checkpoint, config, build.files, parity=report, fidelity=gate.fidelity)
     log.info("published %s", target)
     return report
+
+
+def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dict[str, object]:
+    """parity.json: every figure, with the provider each one was measured on."""
+    checkpoint, choices = build.checkpoint, build.choices
+    return {
+        "model": checkpoint.name,
+        "source": str(checkpoint.folder) if checkpoint.folder else "random initialisation",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "encoder": checkpoint.config.to_dict(),
+        "max_sequence_length": checkpoint.max_seq_length,
+        "onnx": {"exporter": "torch.onnx (TorchScript)", "opset": OPSET, "attention_mask": "raw 0/1 mask"},
+        "cpu_graph_forms": {
+            variant: {
+                "chosen": choices[variant].form,
+                "threads": build.options.threads,
+                "sequences_per_second": choices[variant].sequences_per_second,
+                "gate": {form: result.to_dict() for form, result in gate.forms[variant].items()},
+            }
+            for variant in choices
+        },
+        "int8_speed": speedup,
+        "variants": {
+            variant: {
+                **gate.results[variant].to_dict(),
+                "served": gate.served_figures[variant].to_dict() if variant in gate.served_figures else None,
+                "load_check": {
+                    "provider": gate.load_checks[variant].provider,
+                    "min_cosine": round(gate.load_checks[variant].min_cosine, 8),
+                    "worst_row": gate.load_checks[variant].worst_row,
+                    "required": gate.load_checks[variant].required,
+                },
+                "recipe": build.recipes[variant],
+            }
+            for variant in build.files
+        },
+    }

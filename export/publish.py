@@ -1,4 +1,4 @@
-"""Writing a model into a repository: config.pbtxt, variant files, tokenizer, parity.json.
+"""Writing a model into a repository: config.pbtxt, variant files, tokenizer, parity.json, fidelity.npz.
 
 Everything is written to a staging folder inside the repository and moved into place at the
 end, so a failed export leaves the repository as it was.
@@ -16,9 +16,11 @@ import onnx
 
 from export.checkpoint import Checkpoint
 from export.onnx_export import save_onnx
+from service.fidelity import FidelityReference
 from service.proto import model_config_pb2 as mc
 from service.repository import (
     CONFIG_FILE,
+    FIDELITY_FILE,
     P_MAX_SEQUENCE_LENGTH,
     P_NORMALIZE,
     P_PAD_TOKEN_ID,
@@ -109,7 +111,9 @@ def publish(
     checkpoint: Checkpoint,
     config: mc.ModelConfig,
     variant_files: dict[str, Path],
+    *,
     parity: dict[str, object],
+    fidelity: FidelityReference,
 ) -> Path:
     """Write the model folder atomically into the repository and return its path."""
     repository.mkdir(parents=True, exist_ok=True)
@@ -123,6 +127,7 @@ def publish(
         for tokenizer_file in checkpoint.tokenizer_files:
             shutil.copyfile(tokenizer_file, staging / tokenizer_file.name)
         (staging / PARITY_FILE).write_text(json.dumps(parity, indent=2) + "\n")
+        fidelity.save(staging / FIDELITY_FILE)
         (staging / CONFIG_FILE).write_text(config_text(config))
         target = repository / checkpoint.name
         _replace_folder(staging, target)

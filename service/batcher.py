@@ -1,10 +1,13 @@
 """Dynamic batching: one bounded queue per model and one consumer loop.
 
-Callers `submit` token arrays and await their own rows back. The consumer waits for an idle
-model instance, then forms a batch: the oldest request plus the queued requests closest to its
-length, up to `max_batch_size` rows and `max_batch_tokens` padded tokens, waiting no longer than
-`max_queue_delay` after the oldest arrived. Cancelled and expired requests are dropped before
-running. Every batch resolves every one of its futures, with results or with an error.
+Callers `admit` a request (rejected at once when the queue is full), then `submit` its token
+arrays and await their own rows back. The consumer waits for an idle model instance, then forms
+a batch: the oldest request plus the queued requests closest to its length, up to
+`max_batch_size` rows and `max_batch_tokens` padded tokens, waiting no longer than
+`max_queue_delay` after the oldest arrived. Cancelled and expired requests leave the queue at
+once and never run. Every batch resolves every one of its futures, with results or with an
+error; a run that does not return within `max_batch_run_s` fails its requests and takes its
+instance out of service until it does.
 """
 
 from __future__ import annotations
@@ -12,18 +15,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from service import metrics
+from service import metrics, statistics
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable
 from service.metrics import ModelLabels
 
 log = logging.getLogger(__name__)
+
+DEADLINE_CLOCK_SLACK_S = 0.05
+"""gRPC cancels a call at its deadline by its own clock, which differs by milliseconds from the deadline
+the server derives from `time_remaining()` (measured here: gRPC cancelled up to ~8 ms before it). A
+caller that goes away this close to its deadline, or after it, is counted as expired, not cancelled."""
 
 
 class Runner(Protocol):
@@ -49,6 +57,15 @@ class BatchingPolicy:
     length_bucket: int = 1
     """Batch length is rounded up to a multiple of this (bounds the shapes a GPU sees)."""
     pad_token_id: int = 0
+    max_batch_run_s: float = 120.0
+    """A run taking longer fails its requests and retires its instance until it returns."""
+    max_length: int = 0
+    """Bucketed lengths never exceed this (the model's max_sequence_length); 0 = no cap."""
+
+    def padded_length(self, longest: int) -> int:
+        """The length a batch whose longest row is `longest` is padded to: bucketed, capped at max_length."""
+        bucketed = _round_up(longest, self.length_bucket)
+        return min(bucketed, max(self.max_length, longest)) if self.max_length else bucketed
 
 
 @dataclass(frozen=True)
@@ -82,13 +99,15 @@ class WorkItem:
         return self.tokens["input_ids"].shape[1]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Submitted:
     """A batch handed to a model instance: when, the padded feed, and its future outputs."""
 
     started: float
     feed: dict[str, np.ndarray]
     results: asyncio.Future[dict[str, np.ndarray]]
+    overran: bool = False
+    """Set when the run exceeded max_batch_run_s (its requests were failed, its instance retired)."""
 
 
 def _round_up(length: int, multiple: int) -> int:
@@ -106,7 +125,7 @@ def select_batch(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[Wo
             break
         item = pending[index]
         new_rows, new_longest = rows + item.rows, max(longest, item.length)
-        padded = new_rows * _round_up(new_longest, policy.length_bucket)
+        padded = new_rows * policy.padded_length(new_longest)
         if new_rows > policy.max_batch_size or padded > policy.max_batch_tokens:
             continue
         chosen.append(item)
@@ -135,27 +154,100 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=len(runners), thread_name_prefix=f"model-{labels.model}")
         self._running: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._stopped = False
         self._consumer: asyncio.Task[None] | None = None
+        self._admitted = 0
+        """Requests admitted and not yet queued (being tokenised): they hold a queue place."""
+        self._instances = len(runners)
+        self._stuck = 0
+        self.on_serving_change: Callable[[bool], None] | None = None
+        """Told False when every instance is stuck, True when one comes back."""
         metrics.QUEUE_CAPACITY.labels(*self._labels).set(policy.max_queue_size)
         metrics.QUEUE_DEPTH.labels(*self._labels).set(0)
+        metrics.STUCK_INSTANCES.labels(*self._labels).set(0)
 
     def start(self) -> None:
         """Start the consumer loop on the running event loop."""
         self._consumer = asyncio.get_running_loop().create_task(self._consume(), name=f"batcher-{self._labels[0]}")
 
-    async def submit(
-        self, tokens: dict[str, np.ndarray], outputs: tuple[str, ...], deadline: float | None
-    ) -> WorkResult:
-        """Queue a request and wait for its rows; rejects at once when the queue is full."""
+    @property
+    def serving(self) -> bool:
+        """Whether at least one instance is in service (not stuck in an overlong run)."""
+        return self._stuck < self._instances
+
+    def admit(self) -> None:
+        """Take a queue place for a request about to be prepared; refuses at once when there is none.
+
+        Every admitted request is then either submitted (`submit(..., admitted=True)`) or
+        `withdraw`n.
+        """
         if self._closing:
             raise Unavailable("the model is shutting down")
-        if len(self._pending) >= self.policy.max_queue_size:
-            raise Overloaded(f"queue full: {len(self._pending)} requests waiting; retry later")
-        item = WorkItem(tokens, outputs, asyncio.get_running_loop().create_future(), deadline)
+        if not self.serving:
+            raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
+        waiting = len(self._pending) + self._admitted
+        if waiting >= self.policy.max_queue_size:
+            raise Overloaded(
+                f"queue full: {waiting} requests waiting (--max-queue-size {self.policy.max_queue_size}); retry later",
+                "queue_full",
+            )
+        self._admitted += 1
+
+    def withdraw(self) -> None:
+        """Give back the place of an admitted request that will not be submitted."""
+        self._admitted -= 1
+
+    async def submit(
+        self, tokens: dict[str, np.ndarray], outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
+    ) -> WorkResult:
+        """Queue token arrays and wait for their rows.
+
+        `admitted`: the request's place was taken by `admit`; False for the later parts of a
+        request already admitted (they re-enter the queue without a capacity check). New requests
+        are refused from the start of a drain (by `admit`); parts of accepted ones are still run
+        until the batcher has stopped.
+        """
+        if admitted:
+            self._admitted -= 1
+        if self._stopped:
+            raise Unavailable("the model is shutting down")
+        if not self.serving:
+            raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
+        loop = asyncio.get_running_loop()
+        item = WorkItem(tokens, outputs, loop.create_future(), deadline)
         self._pending.append(item)
         metrics.QUEUE_DEPTH.labels(*self._labels).set(len(self._pending))
         self._arrived.set()
-        return await item.future
+        expiry = loop.call_at(deadline, self._expire, item) if deadline is not None else None
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            # The caller went away (client cancelled, or its gRPC deadline passed): leave the queue now.
+            expired = deadline is not None and deadline - DEADLINE_CLOCK_SLACK_S <= time.monotonic()
+            self._leave(item, "expired" if expired else "cancelled")
+            raise
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+
+    def _expire(self, item: WorkItem) -> None:
+        """A queued request's deadline passed: it leaves the queue with DEADLINE_EXCEEDED.
+
+        Its caller may have gone away in the same loop iteration (gRPC cancels at its own clock's
+        deadline): the future is then already cancelled, and `submit` counts the request.
+        """
+        if not item.future.done() and self._leave(item, "expired"):
+            item.future.set_exception(DeadlineExceeded("the request's timeout passed while it was queued"))
+
+    def _leave(self, item: WorkItem, reason: str) -> bool:
+        """Remove a still-queued request, counting why; False if it already left (running or answered)."""
+        try:
+            self._pending.remove(item)
+        except ValueError:
+            return False
+        metrics.DROPPED.labels(*self._labels, reason).inc()
+        metrics.QUEUE_DEPTH.labels(*self._labels).set(len(self._pending))
+        return True
 
     async def close(self, timeout_s: float) -> None:
         """Refuse new work, let queued and running batches finish (up to timeout_s), then stop."""
@@ -166,6 +258,7 @@ class Batcher:
         if self._consumer is not None:
             self._consumer.cancel()
             await asyncio.gather(self._consumer, return_exceptions=True)
+        self._stopped = True
         self._fail(self._pending, Unavailable("the server shut down before this request ran"))
         self._pending.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -254,7 +347,7 @@ class Batcher:
 
     def _pad(self, items: list[WorkItem]) -> dict[str, np.ndarray]:
         rows = sum(item.rows for item in items)
-        length = _round_up(max(item.length for item in items), self.policy.length_bucket)
+        length = self.policy.padded_length(max(item.length for item in items))
         feed = {
             "input_ids": np.full((rows, length), self.policy.pad_token_id, dtype=np.int64),
             "attention_mask": np.zeros((rows, length), dtype=np.int64),
@@ -269,6 +362,8 @@ class Batcher:
 
     async def _execute(self, runner: Runner, items: list[WorkItem], submitted: _Submitted) -> None:
         started, feed = submitted.started, submitted.feed
+        loop = asyncio.get_running_loop()
+        watchdog = loop.call_later(self.policy.max_batch_run_s, self._overran, runner, items, submitted)
         try:
             results = await submitted.results
         except Exception as error:
@@ -276,7 +371,9 @@ class Batcher:
             self._fail(items, ModelFailure(f"model execution failed: {error}"))
             return
         finally:
-            self._idle.put_nowait(runner)
+            watchdog.cancel()
+            if not submitted.overran:
+                self._idle.put_nowait(runner)
         compute_s = time.monotonic() - started
         self._record(items, feed, started, compute_s)
         row = 0
@@ -300,9 +397,36 @@ class Batcher:
         metrics.PADDING_RATIO.labels(*labels).observe(1.0 - real_tokens / (rows * length))
         metrics.SEQUENCES.labels(*labels).inc(rows)
         metrics.TOKENS.labels(*labels).inc(real_tokens)
+        statistics.of(*labels).record_execution(rows, compute_s)
         queue_histogram = metrics.QUEUE_DURATION.labels(*labels)
         for item in items:
             queue_histogram.observe(started - item.enqueued_at)
+
+    def _overran(self, runner: Runner, items: list[WorkItem], submitted: _Submitted) -> None:
+        """A run exceeded max_batch_run_s: fail its requests; the instance is out until the run returns."""
+        limit = self.policy.max_batch_run_s
+        log.error("model instance stuck: a batch of %d requests has run for over %.0f s", len(items), limit)
+        self._fail(items, Unavailable(f"the model did not finish this request's batch within {limit:g} s"))
+        submitted.overran = True
+        self._stuck += 1
+        metrics.STUCK_INSTANCES.labels(*self._labels).set(self._stuck)
+        if not self.serving:
+            self._fail(self._pending, Unavailable("no model instance is in service"))
+            self._pending.clear()
+            metrics.QUEUE_DEPTH.labels(*self._labels).set(0)
+            if self.on_serving_change is not None:
+                self.on_serving_change(False)
+        submitted.results.add_done_callback(lambda _: self._returned(runner))
+
+    def _returned(self, runner: Runner) -> None:
+        """A stuck run finally returned: its instance is back in service."""
+        was_serving = self.serving
+        self._stuck -= 1
+        metrics.STUCK_INSTANCES.labels(*self._labels).set(self._stuck)
+        log.warning("model instance back in service after an overlong run")
+        self._idle.put_nowait(runner)
+        if not was_serving and self.on_serving_change is not None:
+            self.on_serving_change(True)
 
     @staticmethod
     def _fail(items: list[WorkItem], error: Exception) -> None:

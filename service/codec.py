@@ -10,9 +10,12 @@ import numpy as np
 
 from service.errors import InvalidArgument
 from service.proto import grpc_service_pb2 as pb
+from service.proto import model_config_pb2 as mc
 from service.repository import OUTPUTS, PLATFORM, ModelSpec
 
 TEXT_INPUT = "text"
+REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
+"""Token inputs a token request must carry; token_type_ids defaults to zeros."""
 _LENGTH_PREFIX = struct.Struct("<I")
 _INT64 = np.dtype("<i8")
 _FP32 = np.dtype("<f4")
@@ -48,12 +51,23 @@ class InferenceRequest:
 
 
 @dataclass(frozen=True)
+class TextLimits:
+    """Bounds on the text one request may carry, checked before any tokenisation."""
+
+    max_text_bytes: int = 64 * 1024
+    """One text, UTF-8 bytes (--max-text-bytes)."""
+    max_request_text_bytes: int = 1024 * 1024
+    """All texts of a request together, UTF-8 bytes (--max-request-text-bytes)."""
+
+
+@dataclass(frozen=True)
 class ModelSignature:
     """What a model accepts, as the codec checks it."""
 
     spec: ModelSpec
     accepts_text: bool
     max_batch_size: int
+    text_limits: TextLimits = TextLimits()
 
     def input_datatypes(self) -> dict[str, str]:
         """Accepted input name -> KServe datatype."""
@@ -121,6 +135,24 @@ def _tensor_data(
     return np.array(values, dtype=np.int64).reshape(shape)
 
 
+def _check_text_sizes(elements: list[bytes], limits: TextLimits) -> None:
+    total = 0
+    for index, element in enumerate(elements):
+        if len(element) > limits.max_text_bytes:
+            raise InvalidArgument(
+                f"input text[{index}] is {len(element)} bytes, over the limit of {limits.max_text_bytes} bytes per"
+                " text (--max-text-bytes)",
+                "text_too_large",
+            )
+        total += len(element)
+    if total > limits.max_request_text_bytes:
+        raise InvalidArgument(
+            f"the texts of this request total {total} bytes, over the limit of {limits.max_request_text_bytes} bytes"
+            " per request (--max-request-text-bytes)",
+            "request_text_too_large",
+        )
+
+
 def _decode_texts(elements: list[bytes]) -> list[str]:
     texts = []
     for index, element in enumerate(elements):
@@ -136,9 +168,20 @@ def _decode_texts(elements: list[bytes]) -> list[str]:
     return texts
 
 
+def text_request(elements: list[bytes], signature: ModelSignature, outputs: tuple[str, ...]) -> InferenceRequest:
+    """A request of texts (UTF-8 bytes) from another front end, checked as ModelInfer's: sizes, encoding, emptiness.
+
+    The caller bounds how many texts one request may carry; the engine runs them in batches.
+    """
+    if not elements:
+        raise InvalidArgument("the batch is empty")
+    _check_text_sizes(elements, signature.text_limits)
+    return InferenceRequest(id="", texts=_decode_texts(elements), tokens=None, outputs=outputs, timeout_s=None)
+
+
 def _check_tokens(tokens: dict[str, np.ndarray], signature: ModelSignature) -> None:
     spec = signature.spec
-    missing = [n for n in ("input_ids", "attention_mask") if n not in tokens]
+    missing = [n for n in REQUIRED_TOKEN_INPUTS if n not in tokens]
     if missing:
         raise InvalidArgument(f"missing input {missing[0]} (token inputs are input_ids and attention_mask)")
     shape = tokens["input_ids"].shape
@@ -235,6 +278,7 @@ def decode_infer_request(request: pb.ModelInferRequest, signature: ModelSignatur
         if len(decoded) > 1:
             raise InvalidArgument("input text cannot be combined with token inputs")
         _text_shape_check(list(request.inputs[0].shape))
+        _check_text_sizes(decoded[TEXT_INPUT], signature.text_limits)
         texts = _decode_texts(decoded[TEXT_INPUT])
         rows = len(texts)
     else:
@@ -266,14 +310,34 @@ def encode_infer_response(
     return response
 
 
+_METADATA_DATATYPES = {mc.TYPE_STRING: "BYTES", mc.TYPE_INT64: "INT64", mc.TYPE_FP32: "FP32"}
+
+
+def served_inputs(signature: ModelSignature) -> list[mc.ModelInput]:
+    """The inputs as served, in Triton's terms; ModelConfig and ModelMetadata both list these.
+
+    `text` (TYPE_STRING, one string per row) comes first when the server tokenises for the model.
+    It is not an input of the ONNX graph, so config.pbtxt cannot hold it (Triton would refuse the
+    file): the server adds it here. A request sends either the text or the token inputs, so every
+    input is `optional` when text is accepted; otherwise only token_type_ids is.
+    """
+    inputs = []
+    if signature.accepts_text:
+        inputs.append(mc.ModelInput(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=[1], optional=True))
+    for tensor in signature.spec.config.input:
+        served = mc.ModelInput()
+        served.CopyFrom(tensor)
+        served.optional = signature.accepts_text or tensor.name not in REQUIRED_TOKEN_INPUTS
+        inputs.append(served)
+    return inputs
+
+
 def model_metadata(signature: ModelSignature) -> pb.ModelMetadataResponse:
-    """Inputs (text and token forms) and outputs, with -1 for variable dimensions."""
+    """The served inputs and the model's outputs, shapes with the batch dimension first (-1: variable)."""
     spec = signature.spec
     response = pb.ModelMetadataResponse(name=spec.name, versions=[spec.version], platform=PLATFORM)
-    if signature.accepts_text:
-        response.inputs.add(name=TEXT_INPUT, datatype="BYTES", shape=[-1])
-    for name in spec.input_names:
-        response.inputs.add(name=name, datatype="INT64", shape=[-1, -1])
-    response.outputs.add(name="embedding", datatype="FP32", shape=[-1, spec.hidden_size])
-    response.outputs.add(name="last_hidden_state", datatype="FP32", shape=[-1, -1, spec.hidden_size])
+    for tensor in served_inputs(signature):
+        response.inputs.add(name=tensor.name, datatype=_METADATA_DATATYPES[tensor.data_type], shape=[-1, *tensor.dims])
+    for tensor in spec.config.output:
+        response.outputs.add(name=tensor.name, datatype=_METADATA_DATATYPES[tensor.data_type], shape=[-1, *tensor.dims])
     return response

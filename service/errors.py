@@ -1,21 +1,23 @@
-"""Typed request errors and their gRPC status, mapped in exactly one place."""
+"""Typed request errors and the gRPC status of each (mapped to the wire in service.interceptor)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc
 
-log = logging.getLogger(__name__)
-
 
 class ServiceError(Exception):
-    """A request that cannot be answered; subclasses fix the gRPC status."""
+    """A request that cannot be answered; subclasses fix the gRPC status.
+
+    `reason` names the limit or check that refused it, for `encoder_requests_rejected_total`.
+    """
 
     code = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class InvalidArgument(ServiceError):
@@ -48,6 +50,18 @@ class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(ServiceError):
+    """No accepted API key in the request's `authorization: Bearer <key>` metadata."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unimplemented(ServiceError):
+    """A method of Triton's protocol that this server declares but does not offer."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class ModelFailure(ServiceError):
     """Running the model failed; only the requests of that batch get this."""
 
@@ -63,50 +77,3 @@ def status_of(error: BaseException | None) -> grpc.StatusCode:
     if isinstance(error, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.INTERNAL
-
-
-Behaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-
-
-def _abort_on_error(behaviour: Behaviour) -> Behaviour:
-    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await behaviour(request, context)
-        except ServiceError as error:
-            await context.abort(error.code, str(error))
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            log.exception("unhandled error in %s", getattr(behaviour, "__qualname__", behaviour))
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
-        return None  # unreachable: abort raises
-
-    return guarded
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns ServiceError (and anything unexpected) into a gRPC status, for every unary method."""
-
-    def __init__(self) -> None:
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        """Wrap the method's handler once and reuse the wrapper for later calls."""
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None:
-            return cached
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        wrapped = grpc.unary_unary_rpc_method_handler(
-            _abort_on_error(handler.unary_unary),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        self._wrapped[method] = wrapped
-        return wrapped

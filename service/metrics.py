@@ -50,9 +50,22 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 REQUESTS = Counter(f"{PREFIX}_requests", "Inference requests answered, by gRPC status code.", (*MODEL_LABELS, "code"))
 REQUEST_DURATION = Histogram(
     f"{PREFIX}_request_duration_seconds",
-    "Time from receiving an inference request to answering it.",
-    MODEL_LABELS,
+    "Time from receiving an inference request to answering it, by gRPC status code.",
+    (*MODEL_LABELS, "code"),
     buckets=LATENCY_BUCKETS,
+)
+REJECTED = Counter(
+    f"{PREFIX}_requests_rejected",
+    "Requests refused at a limit or check before any work, by reason (queue_full, text_too_large,"
+    " request_text_too_large, response_too_large, unauthenticated, no_instance; over HTTP also"
+    " message_too_large, too_many_inputs).",
+    ("reason",),
+)
+HTTP_REQUESTS = Counter(
+    f"{PREFIX}_http_requests",
+    "Requests answered on the HTTP port, by route (its template, e.g. /v2/models/{name}/infer, or unmatched) and"
+    " HTTP status. Inferences are also in encoder_requests_total with every protocol's.",
+    ("route", "status"),
 )
 TOKENIZE_DURATION = Histogram(
     f"{PREFIX}_tokenize_duration_seconds",
@@ -88,10 +101,15 @@ DROPPED = Counter(
 QUEUE_DEPTH = Gauge(f"{PREFIX}_queue_depth", "Requests waiting in the batching queue.", MODEL_LABELS)
 QUEUE_CAPACITY = Gauge(f"{PREFIX}_queue_capacity", "Requests the batching queue holds before rejecting.", MODEL_LABELS)
 INFLIGHT = Gauge(f"{PREFIX}_inflight_requests", "Inference requests received and not yet answered.", MODEL_LABELS)
+STUCK_INSTANCES = Gauge(
+    f"{PREFIX}_stuck_instances",
+    "Model instances whose run exceeded --max-batch-run-s and has not returned yet.",
+    MODEL_LABELS,
+)
 MODEL_READY = Gauge(f"{PREFIX}_model_ready", "1 when the model is loaded and warmed up, else 0.", MODEL_LABELS)
 PROVIDER = Gauge(
     f"{PREFIX}_execution_provider_info",
-    "The ONNX Runtime execution provider and variant a model runs on (value 1).",
+    "Model instances running on each ONNX Runtime execution provider and variant.",
     (*MODEL_LABELS, "provider", "variant"),
 )
 
@@ -122,8 +140,12 @@ def track_request(labels: ModelLabels) -> Iterator[None]:
         yield
     except BaseException as raised:
         error = raised
+        reason = getattr(raised, "reason", None)
+        if reason is not None:
+            REJECTED.labels(reason).inc()
         raise
     finally:
         INFLIGHT.labels(*labels.values()).dec()
-        REQUESTS.labels(*labels.values(), status_of(error).name).inc()
-        REQUEST_DURATION.labels(*labels.values()).observe(time.perf_counter() - started)
+        code = status_of(error).name
+        REQUESTS.labels(*labels.values(), code).inc()
+        REQUEST_DURATION.labels(*labels.values(), code).observe(time.perf_counter() - started)

@@ -5,18 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
+
 from service import metrics
 from service.batcher import Batcher, BatchingPolicy, WorkResult
-from service.codec import InferenceRequest, ModelSignature
-from service.errors import NotFound, Unavailable
+from service.codec import InferenceRequest, ModelSignature, TextLimits
+from service.errors import InvalidArgument, NotFound, Unavailable
 from service.metrics import ModelLabels
 from service.repository import OUTPUTS, ModelSpec, RepositoryError, model_directories, read_model
-from service.runtime import ExecutionError, ExecutionSettings, ModelRuntime
+from service.runtime import ExecutionError, ExecutionSettings, ModelRuntime, create_instances
 from service.settings import Settings
-from service.tokenizer import TextTokenizer
+from service.tokenizer import TextTokenizer, TokenizedBatch
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,14 @@ class ModelState:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class InferenceResult(WorkResult):
+    """The engine's answer to one request: the batcher's result, and what the request held."""
+
+    prompt_tokens: int = 0
+    """Real (unpadded) tokens of the request's sequences, special tokens included (OpenAI's `usage`)."""
+
+
 class ServedModel:
     """One loaded model: its runtimes behind a batcher, and a tokenizer when it takes text."""
 
@@ -53,6 +64,7 @@ class ServedModel:
         )
         self._tokenizer_pool = tokenizer_pool
         self._inline_tokenize_chars = settings.inline_tokenize_chars
+        self._max_response_bytes = settings.max_response_bytes
         batching = spec.config.dynamic_batching
         primary = runtimes[0]
         self.policy = BatchingPolicy(
@@ -68,38 +80,79 @@ class ServedModel:
             max_queue_size=settings.max_queue_size or batching.default_queue_policy.max_queue_size or 1024,
             length_bucket=settings.length_bucket or (CUDA_LENGTH_BUCKET if primary.device == "cuda" else 1),
             pad_token_id=spec.pad_token_id,
+            max_batch_run_s=settings.max_batch_run_s,
+            max_length=spec.max_sequence_length,
         )
-        self.signature = ModelSignature(spec, self.tokenizer is not None, self.policy.max_batch_size)
+        self.signature = ModelSignature(
+            spec,
+            self.tokenizer is not None,
+            self.policy.max_batch_size,
+            TextLimits(settings.max_text_bytes, settings.max_request_text_bytes),
+        )
         self.batcher = Batcher(runtimes, self.policy, self.labels, OUTPUTS)
         self.provider = primary.provider
         self.variant = primary.variant
 
-    def warm_up(self) -> None:
-        """Run a short batch and the largest batch the policy allows on every instance (blocking)."""
-        longest = self.spec.max_sequence_length
-        largest_rows = max(1, min(self.policy.max_batch_size, self.policy.max_batch_tokens // longest))
-        for runtime in self.runtimes:
-            runtime.warm_up([(1, min(8, longest)), (largest_rows, longest)])
+    def warm_up_shapes(self) -> list[tuple[int, int]]:
+        """(rows, length) shapes the batcher can form: every bucketed length, then the largest batch.
 
-    async def infer(self, request: InferenceRequest, deadline: float | None) -> WorkResult:
-        """Tokenise if needed (small requests inline, larger ones on a worker), queue, await this request's rows."""
-        tokenize_s = 0.0
-        if request.texts is not None:
-            started = time.perf_counter()
-            if sum(map(len, request.texts)) <= self._inline_tokenize_chars:
-                batch = self.tokenizer.encode(request.texts)
-            else:
-                loop = asyncio.get_running_loop()
-                batch = await loop.run_in_executor(self._tokenizer_pool, self.tokenizer.encode, request.texts)
-            tokenize_s = time.perf_counter() - started
-            metrics.TOKENIZE_DURATION.labels(*self.labels.values()).observe(tokenize_s)
-            tokens = batch.feed()
+        Without length buckets (CPU) a short batch stands for the lengths. The largest batch, by
+        memory, is the longest length with as many rows as the token budget allows there (a longer
+        request is queued in parts that fit the budget; a single row is always allowed).
+        """
+        policy, longest = self.policy, self.spec.max_sequence_length
+        if policy.length_bucket > 1:
+            lengths = sorted({policy.padded_length(n) for n in range(1, longest + 1, policy.length_bucket)})
         else:
-            tokens = request.tokens
+            lengths = [min(8, longest)]
+        widest = policy.padded_length(longest)
+        largest_rows = max(1, min(policy.max_batch_size, policy.max_batch_tokens // widest))
+        return [(1, length) for length in lengths] + [(largest_rows, widest)]
+
+    def warm_up(self) -> None:
+        """Run every served shape once on every instance (blocking); a failure is an ExecutionError."""
+        shapes = self.warm_up_shapes()
+        for runtime in self.runtimes:
+            runtime.warm_up(shapes)
+
+    async def infer(self, request: InferenceRequest, deadline: float | None) -> InferenceResult:
+        """Admit (or refuse at once), tokenise if needed, queue, await this request's rows.
+
+        Small texts are tokenised inline, larger ones on a worker. A request over the batch token
+        budget is queued in parts, each part re-entering the queue when the previous one is done,
+        so it cannot hold the model while shorter requests wait behind all of it.
+        """
         if request.timeout_s is not None:
             own_deadline = time.monotonic() + request.timeout_s
             deadline = own_deadline if deadline is None else min(deadline, own_deadline)
-        result = await self.batcher.submit(tokens, request.outputs, deadline)
+        self.batcher.admit()
+        admitted = True
+        try:
+            tokenize_s = 0.0
+            if request.texts is not None:
+                started = time.perf_counter()
+                tokens = (await self._tokenize(request.texts)).feed()
+                tokenize_s = time.perf_counter() - started
+                metrics.TOKENIZE_DURATION.labels(*self.labels.values()).observe(tokenize_s)
+            else:
+                tokens = request.tokens
+            self._check_response_size(tokens["input_ids"].shape, request.outputs)
+            parts = []
+            for part in self._parts(tokens):
+                # submit() takes over the admitted place at once, whatever happens next.
+                holds_place, admitted = admitted, False
+                parts.append(await self.batcher.submit(part, request.outputs, deadline, holds_place))
+        finally:
+            if admitted:
+                self.batcher.withdraw()
+        joined = parts[0] if len(parts) == 1 else _joined(parts)
+        result = InferenceResult(
+            joined.outputs,
+            joined.queue_s,
+            joined.compute_s,
+            joined.batch_rows,
+            prompt_tokens=int(tokens["attention_mask"].sum()),
+        )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request id=%r model=%s rows=%d length=%d tokenize=%.2fms queue=%.2fms compute=%.2fms batch_rows=%d",
@@ -113,6 +166,47 @@ class ServedModel:
                 result.batch_rows,
             )
         return result
+
+    def _check_response_size(self, shape: tuple[int, int], outputs: tuple[str, ...]) -> None:
+        """Refuse, before running it, a request whose answer would exceed --max-response-bytes."""
+        rows, length = shape
+        floats = {"embedding": rows * self.spec.hidden_size, "last_hidden_state": rows * length * self.spec.hidden_size}
+        size = 4 * sum(floats[name] for name in outputs)
+        if size > self._max_response_bytes:
+            raise InvalidArgument(
+                f"the requested outputs would take {size} bytes, over the limit of {self._max_response_bytes} bytes"
+                " per response (--max-response-bytes); request fewer rows or only the embedding",
+                "response_too_large",
+            )
+
+    async def _tokenize(self, texts: list[str]) -> TokenizedBatch:
+        if sum(map(len, texts)) <= self._inline_tokenize_chars:
+            return self.tokenizer.encode(texts)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.tokenizer.encode, texts)
+
+    def _parts(self, tokens: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """The request's rows in slices that each fit the batch token budget (at least one row each)."""
+        rows, length = tokens["input_ids"].shape
+        per_part = max(
+            1, min(self.policy.max_batch_size, self.policy.max_batch_tokens // self.policy.padded_length(length))
+        )
+        if rows <= per_part:
+            return [tokens]
+        return [
+            {name: array[start : start + per_part] for name, array in tokens.items()}
+            for start in range(0, rows, per_part)
+        ]
+
+
+def _joined(parts: list[WorkResult]) -> WorkResult:
+    """One request's result from the results of its parts, in order."""
+    outputs = {name: np.concatenate([part.outputs[name] for part in parts]) for name in parts[0].outputs}
+    return WorkResult(
+        outputs,
+        queue_s=sum(part.queue_s for part in parts),
+        compute_s=sum(part.compute_s for part in parts),
+        batch_rows=max(part.batch_rows for part in parts),
+    )
 
 
 def _execution_settings(settings: Settings) -> ExecutionSettings:
@@ -149,7 +243,7 @@ class ModelRegistry:
     def _load_blocking(self, name: str) -> ServedModel:
         spec = read_model(self.settings.model_repository / name)
         execution = _execution_settings(self.settings)
-        runtimes = [ModelRuntime(spec, execution) for _ in range(self.settings.instances)]
+        runtimes = create_instances(spec, execution, self.settings.instances)
         model = ServedModel(spec, runtimes, self.settings, self.tokenizer_pool)
         if self.settings.warmup:
             model.warm_up()
@@ -166,7 +260,8 @@ class ModelRegistry:
         self.models[name] = model
         self.states[name] = ModelState(name, model.spec.version, "READY")
         metrics.MODEL_READY.labels(*model.labels.values()).set(1)
-        metrics.PROVIDER.labels(*model.labels.values(), model.provider, model.variant).set(1)
+        for (provider, variant), count in Counter((r.provider, r.variant) for r in model.runtimes).items():
+            metrics.PROVIDER.labels(*model.labels.values(), provider, variant).set(count)
         return model
 
     def labels_for(self, name: str, version: str) -> ModelLabels:
@@ -199,8 +294,9 @@ class ModelRegistry:
 
     @property
     def ready(self) -> bool:
-        """Every discovered model is loaded."""
-        return bool(self.states) and all(state.state == "READY" for state in self.states.values())
+        """Every discovered model is loaded, and none has lost all its instances to overlong runs."""
+        loaded = bool(self.states) and all(state.state == "READY" for state in self.states.values())
+        return loaded and all(model.batcher.serving for model in self.models.values())
 
     async def close(self, timeout_s: float) -> None:
         """Drain every model's queue (bounded by timeout_s) and release the workers."""

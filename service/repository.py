@@ -5,6 +5,7 @@
     REPO/<model>/<version>/model.int8.onnx, model.fp16.onnx   other variants, when published
     REPO/<model>/tokenizer.json ...    tokenizer files, when the model takes text
     REPO/<model>/parity.json           the parity gate's figures
+    REPO/<model>/fidelity.npz          gate inputs and the model's fp32 embeddings (checked at load)
 
 Serving facts that Triton has no field for live in `parameters` (string values).
 """
@@ -20,6 +21,7 @@ from service.proto import model_config_pb2 as mc
 
 CONFIG_FILE = "config.pbtxt"
 PARITY_FILE = "parity.json"
+FIDELITY_FILE = "fidelity.npz"
 PLATFORM = "onnxruntime_onnx"
 VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -63,6 +65,8 @@ class ModelSpec:
     pad_token_id: int
     tokenizer_file: Path | None
     """tokenizer.json, when the model accepts text."""
+    fidelity_file: Path | None = None
+    """fidelity.npz (reference inputs and embeddings for the check at load); None in older repositories."""
 
     @property
     def max_batch_size(self) -> int:
@@ -185,6 +189,7 @@ def read_model(directory: Path) -> ModelSpec:
         hidden_size=hidden_size,
         pad_token_id=_int_parameter(config, P_PAD_TOKEN_ID, source, "0"),
         tokenizer_file=tokenizer_file,
+        fidelity_file=directory / FIDELITY_FILE if (directory / FIDELITY_FILE).is_file() else None,
     )
 
 

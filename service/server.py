@@ -14,11 +14,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import start_http_server
 
-from service.errors import ErrorInterceptor
+from service.http.app import HttpApp
+from service.http.listener import HttpListener
+from service.interceptor import ErrorInterceptor
 from service.models import ModelRegistry
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.proto import model_config_pb2 as mc
+from service.security import ApiKeys, ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
 from service.servicer import InferenceServicer
 from service.settings import Settings
 
@@ -27,6 +30,10 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 OVERALL = ""
 CONNECTION_AGE_GRACE_S = 30
+RESPONSE_FRAMING_BYTES = 64 * 1024
+"""Room for a response's protobuf fields around its output tensors (--max-response-bytes counts the tensors)."""
+UNREQUESTED_CALL_TIMEOUT_S = 30
+"""gRPC cancels a call its handlers have not picked up within this long (its own default, made explicit)."""
 
 
 def reflection_pool() -> descriptor_pool.DescriptorPool:
@@ -44,10 +51,21 @@ def reflection_pool() -> descriptor_pool.DescriptorPool:
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
-    """Channel arguments: message size limits, and a maximum connection age so clients rebalance."""
+    """Channel arguments: every limit gRPC itself enforces, set on purpose.
+
+    gRPC core keeps calls that arrived before a handler could take them in its own queue, and
+    past `grpc.server.max_pending_requests` (default 1000, hard limit 3000) it cancels them at
+    random: a burst then gets CANCELLED, which clients do not retry. That queue is sized far above
+    the model queue, so `--max-queue-size` is the bound that answers (RESOURCE_EXHAUSTED); streams
+    per connection are capped so one client cannot fill it.
+    """
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_response_bytes + RESPONSE_FRAMING_BYTES),
+        ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+        ("grpc.server.max_pending_requests", settings.max_pending_rpcs),
+        ("grpc.server.max_pending_requests_hard_limit", settings.max_pending_rpcs),
+        ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_TIMEOUT_S),
         ("grpc.so_reuseport", 0),
     ]
     if settings.max_connection_age_s > 0:
@@ -56,6 +74,10 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
             ("grpc.max_connection_age_grace_ms", CONNECTION_AGE_GRACE_S * 1000),
         ]
     return options
+
+
+def _status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class InferenceServer:
@@ -67,15 +89,26 @@ class InferenceServer:
         self.health = HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
+        self.health_port = 0
+        self.http_port = 0
+        self.tls = None
         self._server: grpc.aio.Server | None = None
+        self._servicer = InferenceServicer(self.registry, settings.max_stream_inflight)
+        self._health_server: grpc.aio.Server | None = None
+        self._http: HttpListener | None = None
         self._metrics_server = None
+        self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Bind the ports (health NOT_SERVING), load and warm every model, then report SERVING."""
         settings = self.settings
         names = self.registry.discover()
-        self._server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=grpc_options(settings))
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.registry), self._server)
+        files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        self.tls = ReloadingTls(files) if files is not None else None
+        keys = api_keys(settings.api_key_file)
+        interceptor = ErrorInterceptor(keys)
+        self._server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -84,18 +117,35 @@ class InferenceServer:
         )
         for service in (OVERALL, *names):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.grpc_port = self._server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+        address = f"{settings.host}:{settings.grpc_port}"
+        if self.tls is not None:
+            self.grpc_port = self._server.add_secure_port(address, self.tls.credentials())
+        else:
+            self.grpc_port = self._server.add_insecure_port(address)
         if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC port {settings.host}:{settings.grpc_port}")
+            raise OSError(f"cannot bind gRPC port {address}")
         await self._server.start()
+        if settings.health_port:
+            await self._start_health_listener()
+        if settings.http_port:
+            await self._start_http_listener(files, keys)
         self._metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host)
         self.metrics_port = self._metrics_server.server_port
-        log.info("gRPC on %s:%d, metrics on :%d/metrics", settings.host, self.grpc_port, self.metrics_port)
+        log.info(
+            "gRPC on %s:%d (%s)%s, metrics on :%d/metrics%s",
+            settings.host,
+            self.grpc_port,
+            self._security_summary(),
+            f", HTTP on :{self.http_port}" if self.http_port else "",
+            self.metrics_port,
+            f", health on :{self.health_port}" if self.health_port else "",
+        )
         if not names:
             log.warning("model repository %s holds no models", settings.model_repository)
         for name in names:
             started = time.perf_counter()
             model = await self.registry.load(name)
+            model.batcher.on_serving_change = lambda serving, name=name: self._serving_changed(name, serving)
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info(
                 "model %s version %s ready in %.1f s (%s, %s, batch <= %d rows / %d tokens, delay %d us)",
@@ -110,15 +160,57 @@ class InferenceServer:
             )
         await self.health.set(OVERALL, health_pb2.HealthCheckResponse.SERVING)
 
+    def _security_summary(self) -> str:
+        transport = "plaintext" if self.tls is None else "mutual TLS" if self.tls.files.client_ca else "TLS"
+        return transport + (", API keys" if self.settings.api_key_file else "")
+
+    async def _start_health_listener(self) -> None:
+        """A plaintext port with only grpc.health.v1, for probes that cannot speak TLS (kubelet's)."""
+        settings = self.settings
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = self._health_server.add_insecure_port(f"{settings.host}:{settings.health_port}")
+        if self.health_port == 0:
+            raise OSError(f"cannot bind health port {settings.host}:{settings.health_port}")
+        await self._health_server.start()
+
+    async def _start_http_listener(self, tls: TlsFiles | None, keys: ApiKeys | None) -> None:
+        """The HTTP port: OpenAI's API and KServe v2 REST, with the gRPC port's TLS files and API keys."""
+        settings = self.settings
+        app = HttpApp(self.registry, self._servicer, keys, settings.max_message_bytes, settings.max_embedding_inputs)
+        context = ReloadingSslContext(tls).context if tls is not None else None
+        self._http = HttpListener(app, settings.host, settings.http_port, context)
+        await self._http.start()
+        self.http_port = self._http.port
+
+    def _serving_changed(self, name: str, serving: bool) -> None:
+        """A model lost (or got back) its last working instance: its health and the server's follow."""
+        if self.registry.draining:
+            return
+        overall = serving and all(model.batcher.serving for model in self.registry.models.values())
+
+        async def publish() -> None:
+            await self.health.set(name, _status(serving))
+            await self.health.set(OVERALL, _status(overall))
+
+        task = asyncio.get_running_loop().create_task(publish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def stop(self) -> None:
         """Drain: NOT_SERVING, refuse new inferences, answer accepted ones, then close within the grace period."""
         deadline = time.monotonic() + self.settings.drain_timeout_s
         await self.health.enter_graceful_shutdown()
         self.registry.draining = True
+        self._servicer.streams.close()  # open streams answer what they accepted, then end
         log.info("draining (up to %.0f s)", self.settings.drain_timeout_s)
         await self.registry.close(max(0.0, deadline - time.monotonic()))
         if self._server is not None:
             await self._server.stop(grace=max(0.0, deadline - time.monotonic()))
+        if self._http is not None:
+            await self._http.stop(max(0.0, deadline - time.monotonic()))
+        if self._health_server is not None:
+            await self._health_server.stop(grace=0)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

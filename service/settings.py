@@ -32,8 +32,11 @@ class Settings:
     """Everything the server can be told; see each field's help."""
 
     model_repository: Path = field(default=Path("model_repository"), metadata=_doc("model repository to serve"))
-    host: str = field(default="0.0.0.0", metadata=_doc("address the gRPC and metrics ports bind to"))
+    host: str = field(default="0.0.0.0", metadata=_doc("address the gRPC, HTTP and metrics ports bind to"))
     grpc_port: int = field(default=8001, metadata=_doc("gRPC port (KServe v2, health, reflection)"))
+    http_port: int = field(
+        default=8000, metadata=_doc("HTTP port (OpenAI /v1/embeddings and KServe v2 REST); 0 = no HTTP")
+    )
     metrics_port: int = field(default=8002, metadata=_doc("Prometheus /metrics HTTP port"))
     device: str = field(
         default="auto",
@@ -45,7 +48,11 @@ class Settings:
     variant: str = field(
         default="auto",
         metadata=_doc(
-            "model variant; auto picks the one measured best for the device", choices=("auto", "fp32", "int8", "fp16")
+            "model variant. auto: fp32, or fp16 on CUDA where its embeddings measure >= 0.9999 cosine to the model"
+            " (checked again at load on the device itself; fp32 with a warning if not). fp32, fp16, int8: that"
+            " variant, which must pass its own bar at load or the server exits; int8 (faster, less exact) runs on"
+            " the CPU only",
+            choices=("auto", "fp32", "int8", "fp16"),
         ),
     )
     instances: int = field(
@@ -99,17 +106,105 @@ class Settings:
     max_connection_age_s: float = field(
         default=300.0, metadata=_doc("close client connections after this long so they rebalance; 0 = never")
     )
-    max_message_bytes: int = field(default=64 * 1024 * 1024, metadata=_doc("largest gRPC message accepted or sent"))
+    max_message_bytes: int = field(
+        default=2 * 1024 * 1024,
+        metadata=_doc(
+            "largest request message accepted, bytes; larger ones are refused RESOURCE_EXHAUSTED by gRPC, and HTTP"
+            " bodies over it 413"
+        ),
+    )
+    max_response_bytes: int = field(
+        default=32 * 1024 * 1024,
+        metadata=_doc(
+            "largest response, bytes: requests whose outputs would be larger are refused INVALID_ARGUMENT before"
+            " running (last_hidden_state of 64 x 256 tokens x 384 floats is 24 MiB)"
+        ),
+    )
+    max_text_bytes: int = field(
+        default=64 * 1024,
+        metadata=_doc("largest single text of a request, UTF-8 bytes; larger ones are refused INVALID_ARGUMENT"),
+    )
+    max_request_text_bytes: int = field(
+        default=1024 * 1024,
+        metadata=_doc("largest total of the texts of one request, UTF-8 bytes; more is refused INVALID_ARGUMENT"),
+    )
+    max_embedding_inputs: int = field(
+        default=2048,
+        metadata=_doc(
+            "texts in one OpenAI /v1/embeddings request (OpenAI's own cap); more are refused 413. They run in batches"
+            " of --max-batch-size, within --max-request-text-bytes"
+        ),
+    )
+    max_concurrent_streams: int = field(
+        default=8192,
+        metadata=_doc(
+            "concurrent RPCs per client connection (HTTP/2 streams); gRPC refuses more (UNAVAILABLE, never run, safe"
+            " to retry)"
+        ),
+    )
+    max_pending_rpcs: int = field(
+        default=16384,
+        metadata=_doc(
+            "RPCs received by gRPC and not yet picked up by the server's handlers, over all connections; past it gRPC"
+            " itself cancels calls, so keep it above connections x queue size"
+        ),
+    )
+    max_stream_inflight: int = field(
+        default=32,
+        metadata=_doc(
+            "unanswered requests per ModelStreamInfer stream; the stream reads no further message until one is"
+            " answered (flow control: a fast producer waits, server memory stays bounded)"
+        ),
+    )
+    max_batch_run_s: float = field(
+        default=120.0,
+        metadata=_doc(
+            "a model run longer than this fails its requests UNAVAILABLE and takes the instance out of service until"
+            " it returns; with no instance left the model reports NOT_SERVING"
+        ),
+    )
+    tls_cert: str = field(
+        default="",
+        metadata=_doc("PEM certificate chain: serve gRPC and HTTP over TLS (with --tls-key); reloaded on change"),
+    )
+    tls_key: str = field(default="", metadata=_doc("PEM private key of --tls-cert"))
+    tls_client_ca: str = field(
+        default="", metadata=_doc("PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    )
+    api_key_file: str = field(
+        default="",
+        metadata=_doc(
+            "file of API keys, one per line: every RPC but grpc.health.v1, and every HTTP request but /v2/health/*,"
+            " needs 'authorization: Bearer <key>'; re-read when it changes"
+        ),
+    )
+    health_port: int = field(
+        default=0,
+        metadata=_doc("plaintext port serving only grpc.health.v1, for probes that cannot speak TLS; 0 = none"),
+    )
     log_level: str = field(
         default="INFO", metadata=_doc("logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     )
 
     def __post_init__(self) -> None:
-        for name in ("grpc_port", "metrics_port"):
+        for name in ("grpc_port", "http_port", "metrics_port", "health_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise SettingsError(f"{name} must be 0-65535, got {port}")
-        for name in ("instances", "tokenizer_threads", "max_message_bytes"):
+        positive = (
+            "instances",
+            "tokenizer_threads",
+            "max_message_bytes",
+            "max_response_bytes",
+            "max_text_bytes",
+            "max_request_text_bytes",
+            "max_embedding_inputs",
+            "max_concurrent_streams",
+            "max_pending_rpcs",
+            "max_stream_inflight",
+            "max_batch_run_s",
+        )
+        for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
         non_negative = (
@@ -131,12 +226,40 @@ class Settings:
             raise SettingsError(
                 f"max_queue_delay_us must be >= 0 (or -1 for the model's), got {self.max_queue_delay_us}"
             )
+        self._check_security()
         for item in dataclasses.fields(self):
             choices = item.metadata.get("choices")
             if choices and getattr(self, item.name) not in choices:
                 raise SettingsError(
                     f"{item.name} must be one of {', '.join(choices)}, got {getattr(self, item.name)!r}"
                 )
+        self._check_device()
+
+    def _check_device(self) -> None:
+        """Refuse device settings that contradict each other rather than quietly serve on the CPU."""
+        if self.require_gpu and self.device == "cpu":
+            raise SettingsError("require_gpu contradicts device cpu: choose one")
+        if self.require_gpu and self.variant == "int8":
+            raise SettingsError("require_gpu contradicts variant int8: the int8 variant runs on the CPU only")
+
+    def _check_security(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SettingsError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise SettingsError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "api_key_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise SettingsError(f"{name}: {path} is not a readable file")
+        if self.health_port and self.health_port == self.grpc_port:
+            raise SettingsError(f"health_port must differ from grpc_port ({self.grpc_port})")
+        if self.http_port and self.http_port in (self.grpc_port, self.metrics_port, self.health_port):
+            raise SettingsError(f"http_port {self.http_port} must differ from the gRPC, metrics and health ports")
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether the gRPC port serves TLS."""
+        return bool(self.tls_cert)
 
     def resolved_intra_op_threads(self) -> int:
         """Threads per instance: the setting, or the CPUs this process may use split across instances."""

@@ -13,7 +13,9 @@ from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.local_server import RunningServer, free_port, health_status
+from client.local_server import launch_server as launch_local_server
 from client.local_server import start_server as start_local_server
+from service.runtime import cuda_unavailable_reason
 
 __all__ = [
     "ROOT",
@@ -21,22 +23,35 @@ __all__ = [
     "cuda_usable",
     "free_port",
     "health_status",
+    "launch_server",
+    "metric_samples",
+    "metric_value",
     "start_server",
+    "wait_for_metric",
     "wait_for_queue_depth",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_server(repository: Path, log_path: Path, *arguments: str, env: dict[str, str] | None = None) -> RunningServer:
+def start_server(
+    repository: Path, log_path: Path, *arguments: str, env: dict[str, str] | None = None, health_target: str = ""
+) -> RunningServer:
     """A server for tests: one ONNX Runtime thread, so several can share this machine's cores."""
-    return start_local_server(repository, log_path, "--intra-op-threads", "1", *arguments, env=env)
+    return start_local_server(
+        repository, log_path, "--intra-op-threads", "1", *arguments, env=env, health_target=health_target
+    )
+
+
+def launch_server(repository: Path, log_path: Path, *arguments: str) -> RunningServer:
+    """As start_server, without waiting for SERVING (for tests that watch a server start)."""
+    return launch_local_server(repository, log_path, "--intra-op-threads", "1", *arguments)
 
 
 @functools.cache
 def cuda_usable() -> bool:
     """Whether ONNX Runtime can create a session on the CUDA execution provider here."""
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
+    if cuda_unavailable_reason() is not None:  # known without a session (and without ORT's own error log)
         return False
     node = helper.make_node("Identity", ["x"], ["y"])
     graph = helper.make_graph(
@@ -55,13 +70,39 @@ def cuda_usable() -> bool:
     return session.get_providers()[0] == "CUDAExecutionProvider"
 
 
-def wait_for_queue_depth(server: RunningServer, depth: int, timeout_s: float = 10) -> None:
-    """Poll /metrics until a model's batching queue holds `depth` requests (so a test knows they arrived)."""
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metric_samples(server: RunningServer) -> MetricSamples:
+    """Every sample on /metrics, keyed by (name, sorted label items), parsed by prometheus_client."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric_value(samples: MetricSamples, name: str, **labels: str) -> float:
+    """One sample's value (0 when absent: counters and gauges start there)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for_metric(server: RunningServer, name: str, value: float, timeout_s: float = 30, **labels: str) -> None:
+    """Poll /metrics until a sample holds `value`: the way a test learns what the server did, without sleeping blind.
+
+    The timeout only bounds a wait for something that should happen; it is never what a test asserts.
+    """
     deadline = time.monotonic() + timeout_s
+    seen = None
     while time.monotonic() < deadline:
-        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-        for family in text_string_to_metric_families(text):
-            if family.name == "encoder_queue_depth" and any(sample.value == depth for sample in family.samples):
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"queue never reached {depth} requests")
+        seen = metric_value(metric_samples(server), name, **labels)
+        if seen == value:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{name}{labels} is {seen}, never {value} within {timeout_s} s")
+
+
+def wait_for_queue_depth(server: RunningServer, depth: int, model: str, version: str = "1") -> None:
+    """Wait until a model's batching queue holds `depth` requests (so a test knows they arrived)."""
+    wait_for_metric(server, "encoder_queue_depth", depth, model=model, version=version)

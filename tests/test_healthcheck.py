@@ -124,3 +124,17 @@ def test_module_entry_point(health_server) -> None:
     result = subprocess.run(command, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert result.stderr.startswith("not serving:")
+
+
+@pytest.mark.parametrize(
+    ("environ", "target"),
+    [
+        ({}, "127.0.0.1:8001"),
+        ({"ENCODER_GRPC_PORT": "9001"}, "127.0.0.1:9001"),
+        ({"ENCODER_GRPC_PORT": "9001", "ENCODER_HEALTH_PORT": "8003"}, "127.0.0.1:8003"),
+        ({"ENCODER_HEALTH_PORT": "0"}, "127.0.0.1:8001"),
+    ],
+)
+def test_the_default_target_follows_the_containers_health_port(environ: dict[str, str], target: str) -> None:
+    # The image's HEALTHCHECK has no arguments: with TLS on the gRPC port it must ask the plaintext health port.
+    assert healthcheck.default_target(environ) == target

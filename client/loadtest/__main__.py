@@ -23,6 +23,7 @@ from client.loadtest.report import format_table, write_reports
 from client.loadtest.result import LevelResult
 from client.loadtest.runner import TargetError, check_target, run_level
 from client.loadtest.workload import Workload
+from client.protocol import SecurityError, add_security_arguments, security_from_args
 
 logger = logging.getLogger("client.loadtest")
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, default=Path("loadtest-results"), help="where results are written")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request mix and arrival times")
+    add_security_arguments(parser)
     return parser
 
 
@@ -68,6 +70,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, tuple[Level,
         levels = parse_levels(args.rate, "open")
     else:
         levels = parse_levels(args.concurrency or DEFAULT_CONCURRENCY, "closed")
+    try:
+        security = security_from_args(args)
+    except SecurityError as error:
+        raise ConfigError(str(error)) from None
     config = LoadConfig(
         target=args.target,
         model=args.model,
@@ -83,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, tuple[Level,
         pool_size=args.pool_size,
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
+        security=security,
     )
     return config, levels
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from client import DEFAULT_MODEL
+from client.protocol import ClientSecurity
 
 CORPORA = ("short", "long")
 """Names of the shipped corpora a request mix may draw from (`client/loadtest/<name>.txt`)."""
@@ -82,6 +83,8 @@ class LoadConfig:
     seed: int = 0
     progress: bool = False
     """Show a progress bar on stderr."""
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    """TLS, mutual TLS and API key of every channel and call."""
 
     def __post_init__(self) -> None:
         if not _TARGET.match(self.target):
@@ -104,8 +107,10 @@ class LoadConfig:
 
     def to_dict(self) -> dict[str, object]:
         """Plain values for JSON."""
-        values = dataclasses.asdict(self)
+        values = {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+        values["mix"] = dict(self.mix)
         values["tokenizer_path"] = None if self.tokenizer_path is None else str(self.tokenizer_path)
+        values["security"] = self.security.describe()
         return values
 
 

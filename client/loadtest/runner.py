@@ -47,21 +47,22 @@ def _one_line(text: str) -> str:
 def _open_channel(config: LoadConfig) -> grpc.aio.Channel:
     # No transparent retries: every failed attempt is counted, and latency is one attempt's.
     options = [*channel_options(config.target, MAX_MESSAGE_BYTES), ("grpc.enable_retries", 0)]
-    return grpc.aio.insecure_channel(config.target, options=options)
+    return config.security.aio_channel(config.target, options)
 
 
 async def check_target(config: LoadConfig, workload: Workload) -> pb.ModelMetadataResponse:
     """Fail with TargetError unless the server and model are ready and the model takes the workload's inputs."""
     async with _open_channel(config) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        call = {"timeout": config.timeout_s, "metadata": config.security.metadata()}
         try:
-            server_ready = await stub.ServerReady(pb.ServerReadyRequest(), timeout=config.timeout_s)
+            server_ready = await stub.ServerReady(pb.ServerReadyRequest(), **call)
             if not server_ready.ready:
                 raise TargetError(f"server at {config.target} is not ready")
-            model_ready = await stub.ModelReady(pb.ModelReadyRequest(name=config.model), timeout=config.timeout_s)
+            model_ready = await stub.ModelReady(pb.ModelReadyRequest(name=config.model), **call)
             if not model_ready.ready:
                 raise TargetError(f"model {config.model!r} is not ready at {config.target}")
-            metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=config.model), timeout=config.timeout_s)
+            metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=config.model), **call)
         except grpc.aio.AioRpcError as error:
             details = _one_line(error.details() or "")
             raise TargetError(f"cannot use {config.target}: {error.code().name}: {details}") from None
@@ -136,22 +137,22 @@ class _Tally:
         )
 
 
-async def _send(stub: pb_grpc.GRPCInferenceServiceStub, request: PreparedRequest, timeout_s: float) -> str | None:
+async def _send(stub: pb_grpc.GRPCInferenceServiceStub, request: PreparedRequest, config: LoadConfig) -> str | None:
     """None on success, else the gRPC status code's name."""
     try:
-        await stub.ModelInfer(request.message, timeout=timeout_s)
+        await stub.ModelInfer(request.message, timeout=config.timeout_s, metadata=config.security.metadata())
     except grpc.aio.AioRpcError as error:
         return error.code().name
     return None
 
 
 async def _closed_worker(
-    stub: pb_grpc.GRPCInferenceServiceStub, requests: Iterator[PreparedRequest], tally: _Tally, timeout_s: float
+    stub: pb_grpc.GRPCInferenceServiceStub, requests: Iterator[PreparedRequest], tally: _Tally, config: LoadConfig
 ) -> None:
     """Send the next request as soon as the previous one is answered, until the window closes."""
     while (sent_at := time.perf_counter()) < tally.measure_until:
         request = next(requests)
-        code = await _send(stub, request, timeout_s)
+        code = await _send(stub, request, config)
         tally.record(sent_at, time.perf_counter() - sent_at, code, request.sequences)
 
 
@@ -160,10 +161,10 @@ async def _timed_send(
     request: PreparedRequest,
     scheduled_at: float,
     tally: _Tally,
-    timeout_s: float,
+    config: LoadConfig,
 ) -> None:
     """One open-loop request; latency counts from when it was scheduled, so a late send shows up."""
-    code = await _send(stub, request, timeout_s)
+    code = await _send(stub, request, config)
     tally.record(scheduled_at, time.perf_counter() - scheduled_at, code, request.sequences)
 
 
@@ -187,7 +188,7 @@ async def _open_loop(
         if len(outstanding) >= config.max_outstanding:
             tally.drop(scheduled_at)
         else:
-            task = asyncio.create_task(_timed_send(stub, next(requests), scheduled_at, tally, config.timeout_s))
+            task = asyncio.create_task(_timed_send(stub, next(requests), scheduled_at, tally, config))
             outstanding.add(task)
             task.add_done_callback(outstanding.discard)
         scheduled_at += arrivals.expovariate(rate_rps)
@@ -229,7 +230,7 @@ async def run_level(config: LoadConfig, level: Level, workload: Workload) -> Lev
         progress = asyncio.create_task(_show_progress(bar, tally, level, start)) if config.progress else None
         try:
             if level.mode == "closed":
-                workers = (_closed_worker(stub, requests, tally, config.timeout_s) for _ in range(level.concurrency))
+                workers = (_closed_worker(stub, requests, tally, config) for _ in range(level.concurrency))
                 await asyncio.gather(*workers)
             else:
                 await _open_loop(stub, requests, tally, config, rate_rps=level.value, start=start)

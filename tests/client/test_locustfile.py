@@ -31,12 +31,12 @@ def locust_command() -> list[str]:
 def test_locust_users_report_requests_without_failures(tiny_server: RunningServer, tmp_path: Path) -> None:
     command = [
         *locust_command(),
-        *("-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2", "-t", "3s", "--only-summary"),
+        *("-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2", "-t", "10s", "--only-summary"),
         *("--host", tiny_server.target, "--csv", str(tmp_path / "stats"), "--model", TINY_MODEL),
         *("--mix", "short=0.8,long=0.2", "--batch-size", "2"),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    finished = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False)
+    finished = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90, check=False)
     assert finished.returncode == 0, finished.stderr[-3000:]
     with (tmp_path / "stats_stats.csv").open(newline="") as file:
         rows = {row["Name"]: row for row in csv.DictReader(file)}

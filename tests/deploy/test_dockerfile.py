@@ -13,10 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
+# CUDA major -> (last onnxruntime-gpu on PyPI built for the previous major, first built for this one).
+# From the wheels' metadata: 1.26.0's `cuda` extra needs nvidia-cuda-runtime-cu12, 1.27.0's -cu13.
+ONNXRUNTIME_GPU_RELEASES = {13: ("1.26.0", "1.27.0")}
 
 
 @dataclass
@@ -202,9 +206,26 @@ def test_runtime_runs_the_server_as_non_root(parsed: tuple[dict[str, str], list[
     user = runtime.arguments("USER")[-1]
     assert re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", user), "USER must be a numeric non-root UID for runAsNonRoot"
     exposed = {port for arguments in runtime.arguments("EXPOSE") for port in arguments.split()}
-    assert exposed == {"8001", "8002"}
+    assert exposed == {"8000", "8001", "8002", "8003"}  # HTTP, gRPC, metrics, plaintext health (with TLS)
     (entrypoint,), (command,) = runtime.arguments("ENTRYPOINT"), runtime.arguments("CMD")
     assert entrypoint.startswith("[") and command.startswith("["), "exec form, so the server gets SIGTERM"
     assert json.loads(entrypoint) + json.loads(command) == ["python", "-m", "service", "--model-repository", "/models"]
     (healthcheck,) = runtime.arguments("HEALTHCHECK")
     assert json.loads(healthcheck.split(" CMD ", 1)[1]) == ["python", "-m", "service.healthcheck"]
+
+
+def test_onnxruntime_gpu_is_built_for_the_image_cuda(parsed: tuple[dict[str, str], list[Stage]]) -> None:
+    """pyproject's onnxruntime-gpu floor and the installed build use the CUDA major of the image's base."""
+    global_args, _ = parsed
+    match = re.match(r"nvidia/cuda:(\d+)\.", global_args["BASE"])
+    assert match, global_args["BASE"]
+    image_cuda_major = int(match.group(1))
+    assert image_cuda_major in ONNXRUNTIME_GPU_RELEASES, "a new CUDA major: which onnxruntime-gpu is built for it?"
+    previous_line_last, first = ONNXRUNTIME_GPU_RELEASES[image_cuda_major]
+    (line,) = re.findall(r'^\s*"(onnxruntime-gpu[^"]*)"', (REPO_ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    specifier = Requirement(line).specifier
+    assert not specifier.contains(previous_line_last) and specifier.contains(first), line
+    build = pytest.importorskip("onnxruntime.capi.build_and_package_info")
+    if not getattr(build, "cuda_version", ""):
+        pytest.skip(f"the installed {build.package_name} is not a CUDA build")
+    assert int(build.cuda_version.split(".")[0]) == image_cuda_major, build.cuda_version

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import json
 import math
 import re
@@ -12,34 +14,23 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from service.settings import ENV_PREFIX, Settings, load_settings
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+HTTP_PORT = 8000
 GRPC_PORT = 8001
 METRICS_PORT = 8002
+HEALTH_PORT = 8003  # the plaintext grpc.health.v1 listener that components/tls turns on
 DEFAULT_DRAIN_TIMEOUT_S = 30
 NAMESPACE = "encoder"
-MONITORING_API = "monitoring.coreos.com/v1"
+# Custom resources: kubernetes-validate has no schema for them (their operators' CRDs define it).
+CUSTOM_RESOURCE_APIS = {"monitoring.coreos.com/v1", "cert-manager.io/v1"}
 
-# The server's settings as environment variables (flag name upper-cased, dashes to underscores).
-SERVER_SETTINGS = {
-    f"ENCODER_{flag.upper().replace('-', '_')}"
-    for flag in (
-        "model-repository",
-        "host",
-        "grpc-port",
-        "metrics-port",
-        "device",
-        "require-gpu",
-        "variant",
-        "intra-op-threads",
-        "instances",
-        "max-queue-delay-us",
-        "max-batch-tokens",
-        "max-queue-size",
-        "drain-timeout-s",
-        "max-connection-age-s",
-        "log-level",
-    )
-}
+# The server's settings as environment variables, from the server's own settings object.
+SERVER_SETTINGS = {ENV_PREFIX + item.name.upper() for item in dataclasses.fields(Settings)}
+
+# What a Secret of type kubernetes.io/tls holds, with ca.crt as cert-manager adds it.
+TLS_SECRET_KEYS = ("tls.crt", "tls.key", "ca.crt")
 
 # The oldest Kubernetes the manifests target (native preStop sleep is on by default from 1.30) and
 # the newest schema the installed kubernetes-validate ships.
@@ -64,8 +55,11 @@ def _pod_labels(deployment: Manifest) -> dict[str, str]:
     return deployment["spec"]["template"]["metadata"]["labels"]
 
 
-def test_variant_objects(manifests: list[Manifest]) -> None:
+def test_variant_objects(manifests: list[Manifest], components: set[str]) -> None:
     kinds = sorted(item["kind"] for item in manifests)
+    # Keys and certificates are never part of the repository: Secrets come from the cluster.
+    assert "Secret" not in kinds
+    assert ("Certificate" in kinds) == ("cert-manager" in components)
     for kind in (
         "ConfigMap",
         "Deployment",
@@ -84,17 +78,26 @@ def test_variant_objects(manifests: list[Manifest]) -> None:
         assert item["metadata"].get("namespace") == expected, item["metadata"]["name"]
 
 
+@functools.cache
+def _schema_error(version: str, document: str) -> str | None:
+    """Why one object (as JSON) breaks its schema, or None. Cached: the variants share most objects."""
+    item = json.loads(document)
+    # Strict: unknown (misspelt) fields are errors too. SchemaNotFoundError fails the test.
+    try:
+        kubernetes_validate.validate(item, version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        path = ".".join(str(part) for part in error.path)
+        return f"{item['kind']}/{item['metadata']['name']} at {path}: {error.message}"
+    return None
+
+
 @pytest.mark.parametrize("version", SCHEMA_VERSIONS)
 def test_objects_match_kubernetes_schemas(manifests: list[Manifest], version: str) -> None:
-    core = [item for item in manifests if item["apiVersion"] != MONITORING_API]
+    core = [item for item in manifests if item["apiVersion"] not in CUSTOM_RESOURCE_APIS]
     assert len(core) >= 9
     for item in core:
-        # Strict: unknown (misspelt) fields are errors too. SchemaNotFoundError fails the test.
-        try:
-            kubernetes_validate.validate(item, version, strict=True)
-        except kubernetes_validate.ValidationError as error:
-            path = ".".join(str(part) for part in error.path)
-            pytest.fail(f"{item['kind']}/{item['metadata']['name']} at {path}: {error.message}")
+        error = _schema_error(version, json.dumps(item, sort_keys=True))
+        assert error is None, error
 
 
 def test_schema_validation_catches_a_misspelt_field(renders: dict[str, list[Manifest]]) -> None:
@@ -106,38 +109,72 @@ def test_schema_validation_catches_a_misspelt_field(renders: dict[str, list[Mani
         kubernetes_validate.validate(broken, SCHEMA_VERSIONS[0], strict=True)
 
 
-def test_container_ports_are_the_server_defaults(container: Manifest) -> None:
+def test_container_ports_are_the_server_defaults(container: Manifest, tls: bool) -> None:
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
-    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    expected = {"http": HTTP_PORT, "grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    if tls:
+        expected["health"] = HEALTH_PORT
+    assert ports == expected
     # The defaults are used: an override here would have to move every port below with it.
-    assert not {"ENCODER_GRPC_PORT", "ENCODER_METRICS_PORT"} & set(_env(container))
+    assert not {"ENCODER_HTTP_PORT", "ENCODER_GRPC_PORT", "ENCODER_METRICS_PORT"} & set(_env(container))
 
 
 def test_settings_are_known_to_the_server(container: Manifest) -> None:
     assert set(_env(container)) <= SERVER_SETTINGS
 
 
-def test_server_accepts_the_settings(container: Manifest) -> None:
-    """The server's own settings loader takes the pod's environment, and listens where the pod expects."""
-    from service.settings import load_settings
+def _secret_files(deployment: Manifest, container: Manifest) -> dict[str, str]:
+    """Path in the container -> Secret key, for every file that a mounted Secret volume provides."""
+    volumes = {volume["name"]: volume for volume in deployment["spec"]["template"]["spec"]["volumes"]}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        # Projected items, or the whole Secret (only the TLS one is mounted whole).
+        items = secret.get("items") or [{"key": key, "path": key} for key in TLS_SECRET_KEYS]
+        for item in items:
+            files[f"{mount['mountPath']}/{item['path']}"] = item["key"]
+    return files
 
+
+def test_server_accepts_the_settings(
+    deployment: Manifest, container: Manifest, components: set[str], tls: bool, tmp_path: Path
+) -> None:
+    """The server's own settings loader takes the pod's environment, and listens where the pod expects."""
+    secret_files = _secret_files(deployment, container)
     environ = {}
     for name, item in _env(container).items():
         if "valueFrom" in item:
             # The kubelet gives limits.cpu with divisor 1 as whole CPUs, rounded up.
             environ[name] = str(math.ceil(_cpu_cores(container["resources"]["limits"]["cpu"])))
+        elif item["value"] in secret_files:
+            # The settings check that the file is there: stand in for the Secret's file.
+            stand_in = tmp_path / item["value"].lstrip("/")
+            stand_in.parent.mkdir(parents=True, exist_ok=True)
+            stand_in.write_text(f"stands in for the Secret's key {secret_files[item['value']]}\n")
+            environ[name] = str(stand_in)
         else:
             environ[name] = item["value"]
     settings = load_settings([], environ)
-    assert (settings.grpc_port, settings.metrics_port) == (GRPC_PORT, METRICS_PORT)
+    assert (settings.http_port, settings.grpc_port, settings.metrics_port) == (HTTP_PORT, GRPC_PORT, METRICS_PORT)
     assert settings.drain_timeout_s == _drain_timeout_s(container)
+    assert bool(settings.tls_cert) == bool(settings.tls_key) == tls
+    assert bool(settings.tls_client_ca) == ("mtls" in components)
+    assert bool(settings.api_key_file) == ("api-key" in components)
+    # The kubelet's probes speak plaintext gRPC: to the main port without TLS, else to the health port.
+    probe_port = settings.health_port if tls else settings.grpc_port
+    assert probe_port == (HEALTH_PORT if tls else GRPC_PORT)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == probe_port, probe
 
 
 @pytest.mark.parametrize("probe", ["startupProbe", "readinessProbe", "livenessProbe"])
-def test_native_grpc_probes(container: Manifest, probe: str) -> None:
+def test_native_grpc_probes(container: Manifest, tls: bool, probe: str) -> None:
     spec = container[probe]
     assert set(spec) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}
-    assert spec["grpc"]["port"] == GRPC_PORT
+    # Native gRPC probes cannot speak TLS: with TLS they use the plaintext health listener.
+    assert spec["grpc"]["port"] == (HEALTH_PORT if tls else GRPC_PORT)
     assert spec["grpc"].get("service", "") == ""
 
 
@@ -176,6 +213,8 @@ def test_security_context(deployment: Manifest, container: Manifest) -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] > 0
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # Mounted Secrets are group-readable only (0440): the group must be the server's.
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
     assert pod["automountServiceAccountToken"] is False
     context = container["securityContext"]
     assert context["allowPrivilegeEscalation"] is False
@@ -230,10 +269,10 @@ def test_resources_and_threads(container: Manifest) -> None:
     assert instances * thread_count <= cpu_limit
 
 
-def test_device_and_image_per_variant(variant: str, deployment: Manifest, container: Manifest) -> None:
+def test_device_and_image_per_variant(overlay: str, deployment: Manifest, container: Manifest) -> None:
     env = _env(container)
     limits = container["resources"]["limits"]
-    if variant == "gpu":
+    if overlay == "gpu":
         assert env.get("ENCODER_DEVICE", {"value": "auto"})["value"] == "auto"
         assert env["ENCODER_REQUIRE_GPU"]["value"] == "true"
         assert str(limits["nvidia.com/gpu"]) == "1"
@@ -244,9 +283,82 @@ def test_device_and_image_per_variant(variant: str, deployment: Manifest, contai
     else:
         assert "nvidia.com/gpu" not in limits
         assert "ENCODER_REQUIRE_GPU" not in env
-    if variant.startswith("cpu"):
+    if overlay == "cpu":
         assert env["ENCODER_DEVICE"]["value"] == "cpu"
         assert container["image"].endswith("-cpu")
+
+
+# What each CUDA major of the image's base needs of the node: the lowest GPU compute capability
+# (CUDA 13 dropped Maxwell 5.x, Pascal 6.x and Volta 7.0/7.2) and the lowest driver branch.
+CUDA_NEEDS = {13: {"compute_capability": (7, 5), "driver_major": 580}}
+# GPU Feature Discovery's labels of some nodes: (compute capability, driver major, architecture).
+GPU_NODES = {
+    "M60": ((5, 2), 580, "amd64"),
+    "P100": ((6, 0), 580, "amd64"),
+    "V100": ((7, 0), 580, "amd64"),
+    "T4": ((7, 5), 580, "amd64"),
+    "A100": ((8, 0), 580, "amd64"),
+    "A100 on driver 570": ((8, 0), 570, "amd64"),
+    "L4": ((8, 9), 590, "amd64"),
+    "H100": ((9, 0), 580, "amd64"),
+    "GH200 (arm64)": ((9, 0), 580, "arm64"),
+    "B200": ((10, 0), 580, "amd64"),
+    "RTX 5090": ((12, 0), 580, "amd64"),
+}
+
+
+def _image_cuda_major() -> int:
+    """The CUDA major of the Dockerfile's default runtime base (nvidia/cuda:MAJOR.MINOR.PATCH-...)."""
+    match = re.search(r"^ARG BASE=nvidia/cuda:(\d+)\.", (REPO_ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    assert match, "the Dockerfile's default BASE is not an nvidia/cuda image"
+    return int(match.group(1))
+
+
+def _matches(expression: Manifest, labels: dict[str, str]) -> bool:
+    """One node selector requirement, as the scheduler evaluates it."""
+    value, operator, values = labels.get(expression["key"]), expression["operator"], expression.get("values", [])
+    if operator in ("Exists", "DoesNotExist"):
+        return (value is not None) == (operator == "Exists")
+    if operator in ("In", "NotIn"):
+        return (value in values) == (operator == "In")
+    (bound,) = values
+    if value is None or not value.isdigit():
+        return False
+    return int(value) > int(bound) if operator == "Gt" else int(value) < int(bound)
+
+
+def _schedulable(deployment: Manifest, labels: dict[str, str]) -> bool:
+    """Whether the pod's required node affinity admits a node with these labels."""
+    affinity = deployment["spec"]["template"]["spec"].get("affinity", {}).get("nodeAffinity", {})
+    required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
+    if required is None:
+        return True
+    return any(
+        all(_matches(expression, labels) for expression in term.get("matchExpressions", []))
+        for term in required["nodeSelectorTerms"]
+    )
+
+
+def test_gpu_pods_only_on_gpus_the_image_supports(overlay: str, deployment: Manifest) -> None:
+    needs = CUDA_NEEDS[_image_cuda_major()]
+    wrong = []
+    for node, ((major, minor), driver_major, architecture) in GPU_NODES.items():
+        labels = {
+            "kubernetes.io/arch": architecture,
+            "nvidia.com/gpu.compute.major": str(major),
+            "nvidia.com/gpu.compute.minor": str(minor),
+            "nvidia.com/cuda.driver-version.major": str(driver_major),
+        }
+        supported = (
+            (major, minor) >= needs["compute_capability"]
+            and driver_major >= needs["driver_major"]
+            and architecture == "amd64"  # onnxruntime-gpu is installed on x86_64 only (pyproject)
+        )
+        if overlay == "gpu" and _schedulable(deployment, labels) != supported:
+            wrong.append(f"{node}: {'refused' if supported else 'admitted'}")
+    assert not wrong, wrong
+    # Without GPU Feature Discovery's labels no GPU pod is placed; CPU pods go anywhere.
+    assert _schedulable(deployment, {"kubernetes.io/arch": "amd64"}) == (overlay != "gpu")
 
 
 def test_services(by_kind: dict[str, list[Manifest]], deployment: Manifest) -> None:
@@ -255,6 +367,10 @@ def test_services(by_kind: dict[str, list[Manifest]], deployment: Manifest) -> N
     for spec in services.values():
         assert _selects(spec["selector"], _pod_labels(deployment))
     cluster_ip = {port["name"]: port for port in services["encoder"]["ports"]}
+    # Never the plaintext health port: only the kubelet needs it.
+    assert set(cluster_ip) == {"http", "grpc", "metrics"}
+    assert (cluster_ip["http"]["port"], cluster_ip["http"]["targetPort"]) == (HTTP_PORT, "http")
+    assert cluster_ip["http"]["appProtocol"] == "http"
     assert cluster_ip["grpc"]["port"] == GRPC_PORT
     assert cluster_ip["grpc"]["targetPort"] == "grpc"
     assert cluster_ip["grpc"]["appProtocol"] == "grpc"
@@ -286,7 +402,7 @@ def test_service_monitor_scrapes_the_metrics_port(by_kind: dict[str, list[Manife
     assert container_ports[target] == METRICS_PORT
 
 
-def test_autoscaler(variant: str, by_kind: dict[str, list[Manifest]], deployment: Manifest) -> None:
+def test_autoscaler(components: set[str], by_kind: dict[str, list[Manifest]], deployment: Manifest) -> None:
     (autoscaler,) = by_kind["HorizontalPodAutoscaler"]
     spec = autoscaler["spec"]
     assert spec["scaleTargetRef"] == {
@@ -299,7 +415,7 @@ def test_autoscaler(variant: str, by_kind: dict[str, list[Manifest]], deployment
     assert metrics["Resource"]["resource"]["name"] == "cpu"
     assert metrics["Resource"]["resource"]["target"]["type"] == "Utilization"
     # A metric the HPA cannot read blocks every scale-down: the custom one is opt-in.
-    if variant.endswith("inflight-autoscaling"):
+    if "inflight-autoscaling" in components:
         assert metrics["Pods"]["pods"]["metric"]["name"] == "encoder_inflight_requests"
     else:
         assert set(metrics) == {"Resource"}
@@ -321,8 +437,9 @@ def test_network_policy(by_kind: dict[str, list[Manifest]], deployment: Manifest
     for rule in spec["ingress"]:
         for port in rule["ports"]:
             sources_by_port.setdefault(port["port"], []).extend(rule["from"])
-    assert set(sources_by_port) == {GRPC_PORT, METRICS_PORT}
-    assert sources_by_port[GRPC_PORT] == [{"namespaceSelector": {}}]
+    # The health port (with TLS) is not opened to any pod: the kubelet reaches it from the node.
+    assert set(sources_by_port) == {HTTP_PORT, GRPC_PORT, METRICS_PORT}
+    assert sources_by_port[HTTP_PORT] == sources_by_port[GRPC_PORT] == [{"namespaceSelector": {}}]
     assert sources_by_port[METRICS_PORT] == [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     ]

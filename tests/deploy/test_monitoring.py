@@ -110,12 +110,12 @@ def test_metric_names_reader() -> None:
     assert metric_names(expr) == {"a_bucket", "b_total", "c"}
 
 
-def test_alert_rules_are_complete(variant: str, manifests: list[Manifest]) -> None:
+def test_alert_rules_are_complete(overlay: str, manifests: list[Manifest]) -> None:
     rules = _alert_rules(manifests)
     names = [rule["alert"] for rule in rules]
     assert len(names) == len(set(names))
     expected = {"EncoderHighErrorRatio", "EncoderHighLatencyP99", "EncoderQueueSaturated", "EncoderModelNotReady"}
-    if variant == "gpu":
+    if overlay == "gpu":
         expected.add("EncoderGpuPodOnCpu")
     assert set(names) == expected
     for rule in rules:

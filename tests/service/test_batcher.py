@@ -1,34 +1,48 @@
-"""The batcher in plain asyncio with a fake backend whose answers identify each row."""
+"""The batcher in plain asyncio with a fake backend whose answers identify each row.
+
+A test that needs the model busy holds the fake runner on an event and waits until it has
+started; a test that needs requests queued waits until the queue-depth gauge says so. Nothing
+waits on a clock, so the tests mean the same on a loaded machine.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
-from service.batcher import Batcher, BatchingPolicy, WorkItem, select_batch
+from service.batcher import DEADLINE_CLOCK_SLACK_S, Batcher, BatchingPolicy, WorkItem, select_batch
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable
 from service.metrics import ModelLabels
 
 OUTPUTS = ("last_hidden_state", "embedding")
+HOLD_S = 30
+"""A held runner gives up waiting after this long; only reached when a test is already failing."""
+WAIT_S = 10
+"""Bounds the wait for a state that should come; never what a test asserts."""
 
 
 class FakeRunner:
-    """Embedding = (sum of real ids, real length); hidden state echoes ids. Records every batch."""
+    """Embedding = (sum of real ids, real length); hidden state echoes ids. Records every batch.
 
-    def __init__(self, delay_s: float = 0.0, fail_when_id: int | None = None) -> None:
+    `release` cleared holds every run until it is set again; `running` is set once a run has started.
+    """
+
+    def __init__(self, fail_when_id: int | None = None) -> None:
         self.batches: list[tuple[int, int]] = []
-        self.delay_s = delay_s
         self.fail_when_id = fail_when_id
         self.release = threading.Event()
         self.release.set()
+        self.running = threading.Event()
 
     def run(self, feed: dict[str, np.ndarray], outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
-        self.release.wait(5)
-        time.sleep(self.delay_s)
+        self.running.set()
+        self.release.wait(HOLD_S)
         ids, mask = feed["input_ids"], feed["attention_mask"]
         self.batches.append(ids.shape)
         if self.fail_when_id is not None and (ids == self.fail_when_id).any():
@@ -38,26 +52,51 @@ class FakeRunner:
         produced = {"embedding": embedding, "last_hidden_state": hidden}
         return {name: produced[name] for name in outputs}
 
+    async def started(self) -> None:
+        """Wait until a run has started (the runner is then busy while held)."""
+        assert await asyncio.to_thread(self.running.wait, WAIT_S), "the runner never started a batch"
+
 
 def tokens(ids: list[list[int]]) -> dict[str, np.ndarray]:
     array = np.array(ids, dtype=np.int64)
     return {"input_ids": array, "attention_mask": (array != 0).astype(np.int64)}
 
 
-def policy(**changes) -> BatchingPolicy:
+def policy(**changes: float) -> BatchingPolicy:
     values = {"max_batch_size": 8, "max_batch_tokens": 1000, "max_queue_delay_s": 0.02, "max_queue_size": 100}
     return BatchingPolicy(**{**values, **changes})
 
 
-async def make_batcher(runners, **changes) -> Batcher:
-    batcher = Batcher(runners, policy(**changes), ModelLabels("fake", "1"), OUTPUTS)
+async def make_batcher(name: str, runners: list[FakeRunner], **changes: float) -> Batcher:
+    """A started batcher whose metrics carry its own model label, so counts start at zero."""
+    batcher = Batcher(runners, policy(**changes), ModelLabels(name, "1"), OUTPUTS)
     batcher.start()
     return batcher
 
 
+def metric(name: str, model: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {"model": model, "version": "1", **labels}) or 0.0
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Let the event loop run until `condition` holds."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.001)
+
+
+async def queued(model: str, depth: int) -> None:
+    await until(lambda: metric("encoder_queue_depth", model) == depth, f"{depth} requests queued")
+
+
+def submit(batcher: Batcher, ids: list[list[int]], deadline: float | None = None) -> asyncio.Future:
+    return asyncio.ensure_future(batcher.submit(tokens(ids), OUTPUTS, deadline))
+
+
 async def test_each_request_gets_exactly_its_own_rows() -> None:
     runner = FakeRunner()
-    batcher = await make_batcher([runner])
+    batcher = await make_batcher("own-rows", [runner])
     requests = [[[i + 1] * (1 + i % 5)] for i in range(20)]  # different ids and lengths
     results = await asyncio.gather(*(batcher.submit(tokens(r), OUTPUTS, None) for r in requests))
     for request, result in zip(requests, results, strict=True):
@@ -66,11 +105,11 @@ async def test_each_request_gets_exactly_its_own_rows() -> None:
         assert result.outputs["last_hidden_state"].shape == (1, len(row), 2)
         assert result.outputs["last_hidden_state"][0, :, 0].tolist() == row
     assert len(runner.batches) < len(requests)  # they were batched
-    await batcher.close(1)
+    await batcher.close(WAIT_S)
 
 
 async def test_multi_row_requests_and_output_subsets() -> None:
-    batcher = await make_batcher([FakeRunner()])
+    batcher = await make_batcher("subsets", [FakeRunner()])
     first = batcher.submit(tokens([[1, 2, 3], [4, 5, 0]]), ("embedding",), None)
     second = batcher.submit(tokens([[7]]), ("last_hidden_state", "embedding"), None)
     a, b = await asyncio.gather(first, second)
@@ -78,22 +117,23 @@ async def test_multi_row_requests_and_output_subsets() -> None:
     assert a.outputs["embedding"].tolist() == [[6, 3], [9, 2]]
     assert b.outputs["last_hidden_state"].shape == (1, 1, 2)
     assert b.outputs["embedding"].tolist() == [[7, 1]]
-    await batcher.close(1)
+    await batcher.close(WAIT_S)
 
 
 async def test_batches_respect_row_and_token_budgets() -> None:
     runner = FakeRunner()
     runner.release.clear()
-    batcher = await make_batcher([runner], max_batch_size=4, max_batch_tokens=40)
-    blocker = asyncio.ensure_future(batcher.submit(tokens([[1]]), OUTPUTS, None))
-    await asyncio.sleep(0.05)  # the runner is now busy with the blocker
-    pending = [asyncio.ensure_future(batcher.submit(tokens([[2] * 10]), OUTPUTS, None)) for _ in range(9)]
-    await asyncio.sleep(0.01)
+    batcher = await make_batcher("budgets", [runner], max_batch_size=4, max_batch_tokens=40)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    pending = [submit(batcher, [[2] * 10]) for _ in range(9)]
+    await queued("budgets", 9)
     runner.release.set()
     await asyncio.gather(blocker, *pending)
+    assert sum(rows for rows, _ in runner.batches[1:]) == 9
     for rows, length in runner.batches[1:]:
         assert rows <= 4 and rows * length <= 40
-    await batcher.close(1)
+    await batcher.close(WAIT_S)
 
 
 def test_selection_groups_similar_lengths_around_the_oldest() -> None:
@@ -110,52 +150,144 @@ def test_selection_groups_similar_lengths_around_the_oldest() -> None:
     assert [item.length for item in long_first] == [100, 90]
 
 
-async def test_full_queue_is_rejected_at_once() -> None:
+async def test_a_full_queue_refuses_at_once_and_a_place_frees_when_a_request_leaves() -> None:
     runner = FakeRunner()
     runner.release.clear()
-    batcher = await make_batcher([runner], max_queue_size=3, max_batch_size=1)
-    running = asyncio.ensure_future(batcher.submit(tokens([[1]]), OUTPUTS, None))
-    await asyncio.sleep(0.05)
-    queued = [asyncio.ensure_future(batcher.submit(tokens([[2]]), OUTPUTS, None)) for _ in range(3)]
-    await asyncio.sleep(0)
+    batcher = await make_batcher("full", [runner], max_queue_size=3, max_batch_size=1)
+    running = submit(batcher, [[1]])
+    await runner.started()
+    waiting = [submit(batcher, [[2]]) for _ in range(3)]
+    await queued("full", 3)
     with pytest.raises(Overloaded, match="queue full"):
-        await batcher.submit(tokens([[3]]), OUTPUTS, None)
+        batcher.admit()
+    waiting[0].cancel()
+    await queued("full", 2)
+    batcher.admit()  # the cancelled request's place is free again
+    batcher.withdraw()
     runner.release.set()
-    await asyncio.gather(running, *queued)
-    await batcher.close(1)
+    await asyncio.gather(running, *waiting[1:])
+    await batcher.close(WAIT_S)
 
 
-async def test_expired_and_cancelled_requests_are_dropped_before_running() -> None:
+async def test_a_cancelled_request_leaves_the_queue_at_once_and_never_runs() -> None:
     runner = FakeRunner()
     runner.release.clear()
-    batcher = await make_batcher([runner], max_batch_size=1)
-    running = asyncio.ensure_future(batcher.submit(tokens([[1]]), OUTPUTS, None))
-    await asyncio.sleep(0.05)
-    expiring = asyncio.ensure_future(batcher.submit(tokens([[55]]), OUTPUTS, time.monotonic() + 0.01))
-    cancelled = asyncio.ensure_future(batcher.submit(tokens([[66]]), OUTPUTS, None))
-    survivor = asyncio.ensure_future(batcher.submit(tokens([[77]]), OUTPUTS, None))
-    await asyncio.sleep(0.05)
-    cancelled.cancel()
+    batcher = await make_batcher("cancelled", [runner], max_batch_size=1)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    doomed, survivor = submit(batcher, [[66]]), submit(batcher, [[77]])
+    await queued("cancelled", 2)
+    doomed.cancel()
+    # Gone from the queue and counted while the model is still busy: not at the next batch.
+    await queued("cancelled", 1)
+    assert metric("encoder_requests_dropped_total", "cancelled", reason="cancelled") == 1
     runner.release.set()
-    await running
+    await blocker
+    assert (await survivor).outputs["embedding"].tolist() == [[77, 1]]
+    assert doomed.cancelled()
+    assert [shape for shape in runner.batches] == [(1, 1), (1, 1)]  # the blocker and the survivor
+    assert metric("encoder_requests_dropped_total", "cancelled", reason="expired") == 0
+    await batcher.close(WAIT_S)
+
+
+async def test_a_queued_request_expires_at_its_deadline_while_the_model_is_busy() -> None:
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("expired", [runner], max_batch_size=1)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    expiring = submit(batcher, [[55]], deadline=time.monotonic() + 0.01)
+    survivor = submit(batcher, [[77]])
+    # The runner is still held: the deadline is enforced by the queue itself, not at the next batch.
     with pytest.raises(DeadlineExceeded):
         await expiring
+    assert metric("encoder_requests_dropped_total", "expired", reason="expired") == 1
+    assert metric("encoder_queue_depth", "expired") == 1
+    runner.release.set()
+    await blocker
     assert (await survivor).outputs["embedding"].tolist() == [[77, 1]]
-    assert cancelled.cancelled()
     assert len(runner.batches) == 2  # the blocker and the survivor only
-    await batcher.close(1)
+    await batcher.close(WAIT_S)
+
+
+async def test_a_caller_gone_in_the_same_instant_as_its_expiry_is_counted_once_and_quietly() -> None:
+    """gRPC's cancellation and the queue's own expiry timer, both due in one loop iteration.
+
+    The cancellation is handled first, as when gRPC's clock runs slightly ahead: the request must
+    be counted once, as expired, and the expiry timer must not fail on the cancelled future.
+    """
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("deadline", [runner], max_batch_size=1)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    deadline = time.monotonic() + DEADLINE_CLOCK_SLACK_S / 5
+    caller = submit(batcher, [[5]], deadline)
+    await asyncio.sleep(0)  # submit() runs up to its wait: queued, its expiry timer set for the deadline
+    assert metric("encoder_queue_depth", "deadline") == 1
+    loop.call_at(deadline - DEADLINE_CLOCK_SLACK_S / 10, caller.cancel)
+    time.sleep(DEADLINE_CLOCK_SLACK_S / 2)  # hold the loop: both are overdue when it next looks
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await queued("deadline", 0)
+    assert metric("encoder_requests_dropped_total", "deadline", reason="expired") == 1
+    assert metric("encoder_requests_dropped_total", "deadline", reason="cancelled") == 0
+    runner.release.set()
+    await blocker
+    await batcher.close(WAIT_S)
+    assert errors == []
+
+
+async def test_a_caller_gone_just_before_its_deadline_is_counted_expired() -> None:
+    # gRPC's clock may run a few milliseconds ahead of the deadline the server derived: its
+    # cancellation then arrives just before the server's own deadline.
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("just-before", [runner], max_batch_size=1)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    caller = submit(batcher, [[5]], deadline=time.monotonic() + DEADLINE_CLOCK_SLACK_S / 2)
+    await asyncio.sleep(0)  # submit() runs up to its wait: queued, its expiry timer set
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert metric("encoder_requests_dropped_total", "just-before", reason="expired") == 1
+    assert metric("encoder_requests_dropped_total", "just-before", reason="cancelled") == 0
+    runner.release.set()
+    await blocker
+    await batcher.close(WAIT_S)
+
+
+async def test_a_caller_gone_long_before_its_deadline_is_counted_cancelled() -> None:
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("early", [runner], max_batch_size=1)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    caller = submit(batcher, [[5]], deadline=time.monotonic() + 600)
+    await queued("early", 1)
+    caller.cancel()
+    await queued("early", 0)
+    assert metric("encoder_requests_dropped_total", "early", reason="cancelled") == 1
+    assert metric("encoder_requests_dropped_total", "early", reason="expired") == 0
+    runner.release.set()
+    await blocker
+    await batcher.close(WAIT_S)
 
 
 async def test_a_failing_batch_fails_only_its_own_requests() -> None:
     runner = FakeRunner(fail_when_id=13)
     runner.release.clear()
-    batcher = await make_batcher([runner], max_batch_size=2)
-    blocker = asyncio.ensure_future(batcher.submit(tokens([[1]]), OUTPUTS, None))
-    await asyncio.sleep(0.05)
+    batcher = await make_batcher("failing", [runner], max_batch_size=2)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
     # Same length, so the first two form one batch; the third (different length) goes alone.
-    doomed = [asyncio.ensure_future(batcher.submit(tokens([[13, 13]]), OUTPUTS, None)) for _ in range(2)]
-    healthy = asyncio.ensure_future(batcher.submit(tokens([[5, 5, 5, 5, 5, 5]]), OUTPUTS, None))
-    await asyncio.sleep(0)
+    doomed = [submit(batcher, [[13, 13]]) for _ in range(2)]
+    healthy = submit(batcher, [[5, 5, 5, 5, 5, 5]])
+    await queued("failing", 3)
     runner.release.set()
     await blocker
     for future in doomed:
@@ -164,24 +296,40 @@ async def test_a_failing_batch_fails_only_its_own_requests() -> None:
     assert (await healthy).outputs["embedding"].tolist() == [[30, 6]]
     after = await batcher.submit(tokens([[2]]), OUTPUTS, None)  # still serving
     assert after.outputs["embedding"].tolist() == [[2, 1]]
-    await batcher.close(1)
+    await batcher.close(WAIT_S)
 
 
-async def test_several_instances_run_batches_concurrently() -> None:
-    runners = [FakeRunner(delay_s=0.1), FakeRunner(delay_s=0.1)]
-    batcher = await make_batcher(runners, max_batch_size=1, max_queue_delay_s=0)
-    await asyncio.gather(*(batcher.submit(tokens([[i + 1]]), OUTPUTS, None) for i in range(4)))
-    assert [len(r.batches) for r in runners] == [2, 2]
-    await batcher.close(1)
+async def test_several_instances_run_batches_at_the_same_time() -> None:
+    runners = [FakeRunner(), FakeRunner()]
+    for runner in runners:
+        runner.release.clear()
+    batcher = await make_batcher("instances", runners, max_batch_size=1, max_queue_delay_s=0)
+    requests = [submit(batcher, [[i + 1]]) for i in range(2)]
+    # Each instance has started a batch while neither has finished: two runs at once.
+    for runner in runners:
+        await runner.started()
+    for runner in runners:
+        runner.release.set()
+    results = await asyncio.gather(*requests)
+    assert [result.outputs["embedding"][0, 0] for result in results] == [1, 2]
+    assert [len(runner.batches) for runner in runners] == [1, 1]
+    await batcher.close(WAIT_S)
 
 
 async def test_close_answers_queued_work_then_refuses_new_work() -> None:
-    runner = FakeRunner(delay_s=0.02)
-    batcher = await make_batcher([runner], max_batch_size=1)
-    queued = [asyncio.ensure_future(batcher.submit(tokens([[i + 1]]), OUTPUTS, None)) for i in range(5)]
-    await asyncio.sleep(0)
-    await batcher.close(5)
-    assert [(await f).outputs["embedding"][0, 0] for f in queued] == [1, 2, 3, 4, 5]
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("close", [runner], max_batch_size=1)
+    waiting = [submit(batcher, [[i + 1]]) for i in range(5)]
+    await runner.started()
+    await queued("close", 4)
+    closing = asyncio.ensure_future(batcher.close(WAIT_S))
+    await asyncio.sleep(0)  # close() starts: from its first step on, new work is refused
+    with pytest.raises(Unavailable):
+        batcher.admit()
+    runner.release.set()
+    await closing
+    assert [(await future).outputs["embedding"][0, 0] for future in waiting] == [1, 2, 3, 4, 5]
     with pytest.raises(Unavailable):
         await batcher.submit(tokens([[1]]), OUTPUTS, None)
 
@@ -189,12 +337,12 @@ async def test_close_answers_queued_work_then_refuses_new_work() -> None:
 async def test_close_with_timeout_fails_leftovers_instead_of_hanging() -> None:
     runner = FakeRunner()
     runner.release.clear()
-    batcher = await make_batcher([runner], max_batch_size=1)
-    running = asyncio.ensure_future(batcher.submit(tokens([[1]]), OUTPUTS, None))
-    await asyncio.sleep(0.05)
-    stuck = asyncio.ensure_future(batcher.submit(tokens([[2]]), OUTPUTS, None))
-    await asyncio.sleep(0)
-    await batcher.close(0.1)
+    batcher = await make_batcher("leftovers", [runner], max_batch_size=1)
+    running = submit(batcher, [[1]])
+    await runner.started()
+    stuck = submit(batcher, [[2]])
+    await queued("leftovers", 1)
+    await batcher.close(0.1)  # the runner stays held: the drain must give up, not wait for it
     with pytest.raises(Unavailable):
         await stuck
     runner.release.set()

@@ -2,38 +2,27 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import numpy as np
+import pytest
 import tritonclient.grpc as triton
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import TINY_MODEL
-from tests.servers import RunningServer
+from tests.servers import MetricSamples, RunningServer, metric_samples, metric_value
 
 LABELS = {"model": TINY_MODEL, "version": "1"}
 
 
-def scrape(server: RunningServer) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted({**LABELS, **labels}.items()))), 0.0)
+def value(samples: MetricSamples, name: str, **labels: str) -> float:
+    return metric_value(samples, name, **{**LABELS, **labels})
 
 
 def test_counters_move_as_requests_are_served(tiny_server: RunningServer) -> None:
     client = triton.InferenceServerClient(tiny_server.target)
-    before = scrape(tiny_server)
+    before = metric_samples(tiny_server)
     texts = [b"one two three", b"four five"]
     for _ in range(3):
         tensor = triton.InferInput("text", [2], "BYTES")
@@ -41,18 +30,18 @@ def test_counters_move_as_requests_are_served(tiny_server: RunningServer) -> Non
         client.infer(TINY_MODEL, [tensor])
     bad = triton.InferInput("input_ids", [1, 1], "INT64")
     bad.set_data_from_numpy(np.array([[10**6]], dtype=np.int64))
-    try:
+    with pytest.raises(InferenceServerException) as refused:
         client.infer(TINY_MODEL, [bad])
-    except InferenceServerException as error:
-        assert error.status() == "StatusCode.INVALID_ARGUMENT"
-    after = scrape(tiny_server)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    after = metric_samples(tiny_server)
 
     def moved(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert moved("encoder_requests_total", code="OK") == 3
     assert moved("encoder_requests_total", code="INVALID_ARGUMENT") == 1
-    assert moved("encoder_request_duration_seconds_count") == 4
+    assert moved("encoder_request_duration_seconds_count", code="OK") == 3
+    assert moved("encoder_request_duration_seconds_count", code="INVALID_ARGUMENT") == 1
     assert moved("encoder_tokenize_duration_seconds_count") == 3
     assert moved("encoder_sequences_total") == 6
     assert moved("encoder_tokens_total") == 3 * (5 + 4)  # [CLS] ... [SEP] per text
@@ -64,17 +53,20 @@ def test_counters_move_as_requests_are_served(tiny_server: RunningServer) -> Non
     assert value(after, "encoder_queue_depth") == 0
     assert value(after, "encoder_queue_capacity") == 1024
     assert value(after, "encoder_inflight_requests") == 0
-    assert value(after, "encoder_execution_provider_info", provider="CPUExecutionProvider", variant="fp32") == 1
+    # The provider and variant the server reports in its ModelConfig (the CPU here, CUDA on a GPU machine).
+    served = client.get_model_config(TINY_MODEL).config.parameters
+    provider, variant = served["execution_provider"].string_value, served["variant"].string_value
+    assert variant == "fp32"  # the only variant the tiny repository publishes
+    assert value(after, "encoder_execution_provider_info", provider=provider, variant=variant) == 1
 
 
 def test_unknown_model_names_do_not_create_label_values(tiny_server: RunningServer) -> None:
     with grpc.insecure_channel(tiny_server.target) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for name in ("random-name-1", "random-name-2"):
-            try:
+            with pytest.raises(grpc.RpcError) as refused:
                 stub.ModelInfer(pb.ModelInferRequest(model_name=name), timeout=5)
-            except grpc.RpcError as error:
-                assert error.code() == grpc.StatusCode.NOT_FOUND
-    samples = scrape(tiny_server)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    samples = metric_samples(tiny_server)
     assert not [key for key in samples if "random-name" in str(key)]
     assert samples[("encoder_requests_total", (("code", "NOT_FOUND"), ("model", ""), ("version", "")))] >= 2

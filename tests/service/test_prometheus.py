@@ -41,48 +41,53 @@ def test_promtool_accepts_our_metrics(tiny_server: RunningServer) -> None:
 
 
 def test_prometheus_scrapes_the_request_counter(tiny_repository: Path, tmp_path: Path) -> None:
-    server = start_server(tiny_repository, tmp_path / "server.log")
-    prometheus_port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n"
-        "scrape_configs:\n"
-        "  - job_name: encoder\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{server.metrics_port}']\n"
-    )
-    prometheus = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{prometheus_port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "prometheus.log").open("w"),
-    )
-    try:
-        client = triton.InferenceServerClient(server.target)
-        for index in range(7):
-            tensor = triton.InferInput("text", [1], "BYTES")
-            tensor.set_data_from_numpy(np.array([f"scraped request {index}".encode()], dtype=object))
-            client.infer(TINY_MODEL, [tensor])
-        expression = f'encoder_requests_total{{job="encoder",model="{TINY_MODEL}",code="OK"}}'
-        deadline = time.monotonic() + 30
-        seen = None
-        while time.monotonic() < deadline:
+    with start_server(tiny_repository, tmp_path / "server.log") as server:
+        prometheus_port = free_port()
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n"
+            "scrape_configs:\n"
+            "  - job_name: encoder\n"
+            f"    static_configs:\n      - targets: ['127.0.0.1:{server.metrics_port}']\n"
+        )
+        with (tmp_path / "prometheus.log").open("w") as prometheus_log:
+            prometheus = subprocess.Popen(
+                [
+                    "prometheus",
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp_path / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{prometheus_port}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=prometheus_log,
+            )
+        try:
+            client = triton.InferenceServerClient(server.target)
+            for index in range(7):
+                tensor = triton.InferInput("text", [1], "BYTES")
+                tensor.set_data_from_numpy(np.array([f"scraped request {index}".encode()], dtype=object))
+                client.infer(TINY_MODEL, [tensor])
+            expression = f'encoder_requests_total{{job="encoder",model="{TINY_MODEL}",code="OK"}}'
+            # Waits (bounded) for Prometheus to start and scrape; what is asserted is the value it scraped.
+            deadline = time.monotonic() + 60
+            seen = None
+            while time.monotonic() < deadline:
+                try:
+                    result = query(prometheus_port, expression)
+                except OSError:
+                    result = []  # Prometheus still starting
+                if result:
+                    seen = float(result[0]["value"][1])
+                    if seen == 7:
+                        break
+                time.sleep(0.5)
+            assert seen == 7, (seen, (tmp_path / "prometheus.log").read_text()[-2000:])
+            up = query(prometheus_port, 'up{job="encoder"}')
+            assert up and up[0]["value"][1] == "1"
+        finally:
+            prometheus.terminate()
             try:
-                result = query(prometheus_port, expression)
-            except OSError:
-                result = []  # Prometheus still starting
-            if result:
-                seen = float(result[0]["value"][1])
-                if seen == 7:
-                    break
-            time.sleep(0.5)
-        assert seen == 7, (seen, (tmp_path / "prometheus.log").read_text()[-2000:])
-        up = query(prometheus_port, 'up{job="encoder"}')
-        assert up and up[0]["value"][1] == "1"
-    finally:
-        prometheus.terminate()
-        prometheus.wait(timeout=30)
-        server.stop()
+                prometheus.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                prometheus.kill()
+                prometheus.wait()

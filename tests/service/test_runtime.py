@@ -1,30 +1,46 @@
-"""Execution provider selection, CPU fallback, variants and the batch contract, with real sessions."""
+"""Where a model instance runs, which variant, the fidelity check at load, warm-up and the batch contract.
+
+Everything here runs on the CPU (device cpu, or the fallback on a machine without a usable GPU);
+the CUDA side of the same logic is in test_gpu.py.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from onnxruntime.transformers.fusion_options import AttentionMaskFormat
 
-from service.repository import read_model
+from export import optimize
+from export.checkpoint import random_checkpoint
+from export.onnx_export import export_onnx
+from export.pipeline import ExportOptions, export_model
+from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, required_cosine
+from service.repository import FIDELITY_FILE, read_model
 from service.runtime import (
     CPU,
-    CUDA,
     BatchContractError,
     ExecutionError,
     ExecutionSettings,
     ModelRuntime,
     choose_variant,
+    create_instances,
     cuda_provider_options,
-    wants_cuda,
+    cuda_unavailable_reason,
+    target_device,
 )
-from tests.conftest import DEFAULT_MODEL, TINY_MODEL
-from tests.servers import cuda_usable
+from tests.conftest import DEFAULT_MODEL, TINY_CONFIG, TINY_MODEL
+from tests.servers import ROOT, cuda_usable
+
+CPU_SETTINGS = ExecutionSettings(device="cpu", intra_op_threads=1)
 
 
 def feed(rows: int, length: int) -> dict[str, np.ndarray]:
@@ -35,51 +51,182 @@ def feed(rows: int, length: int) -> dict[str, np.ndarray]:
     }
 
 
-def test_provider_choice() -> None:
-    assert wants_cuda(ExecutionSettings(device="cpu"), [CUDA, CPU]) is False
-    assert wants_cuda(ExecutionSettings(), [CUDA, CPU]) is True
-    assert wants_cuda(ExecutionSettings(), [CPU]) is False
-    with pytest.raises(ExecutionError, match="a GPU is required"):
-        wants_cuda(ExecutionSettings(require_gpu=True), [CPU])
+@pytest.fixture(scope="module")
+def tiny_fp16_repository(tmp_path_factory: pytest.TempPathFactory, default_folder: Path) -> Path:
+    """The tiny model with fp32 and fp16 (fp16 is gated on CUDA where usable, else on the CPU)."""
+    repository = tmp_path_factory.mktemp("tiny-fp16")
+    checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_folder)
+    export_model(checkpoint, repository, ExportOptions(variants=("fp32", "fp16"), threads=1))
+    return repository
 
 
-def test_variant_choice_follows_the_repository_preference(default_repository: Path) -> None:
-    spec = read_model(default_repository / DEFAULT_MODEL)
-    assert choose_variant(spec, ExecutionSettings(), "cuda") == "fp16"
-    assert choose_variant(spec, ExecutionSettings(), "cpu") == spec.preferred_variants["cpu"]
-    assert choose_variant(spec, ExecutionSettings(variant="fp32"), "cuda") == "fp32"
-    without_fp16 = dataclasses.replace(spec, variants={"fp32": spec.variants["fp32"]})
-    assert choose_variant(without_fp16, ExecutionSettings(), "cuda") == "fp32"
-    with pytest.raises(ExecutionError, match="variant fp16 is not published"):
-        choose_variant(without_fp16, ExecutionSettings(variant="fp16"), "cpu")
+def test_device_choice_is_made_before_any_session() -> None:
+    assert target_device(ExecutionSettings(device="cpu"), None) == "cpu"
+    assert target_device(ExecutionSettings(variant="int8"), None) == "cpu"  # a CPU variant
+    assert target_device(ExecutionSettings(), None) == "cuda"
+    assert target_device(ExecutionSettings(), "no NVIDIA driver: libcuda.so.1") == "cpu"
+    with pytest.raises(ExecutionError, match=r"CUDA cannot be used: no NVIDIA driver: libcuda\.so\.1"):
+        target_device(ExecutionSettings(require_gpu=True), "no NVIDIA driver: libcuda.so.1")
+    with pytest.raises(ExecutionError, match="the device is set to cpu"):
+        target_device(ExecutionSettings(require_gpu=True, device="cpu"), None)
+    with pytest.raises(ExecutionError, match="int8 variant runs on the CPU only"):
+        target_device(ExecutionSettings(require_gpu=True, variant="int8"), None)
 
 
-def test_cuda_options_carry_the_memory_settings() -> None:
+@pytest.mark.skipif(cuda_usable(), reason="checks the reason given on a machine without a usable GPU")
+def test_the_reason_cuda_cannot_be_used_is_ours_and_concrete() -> None:
+    reason = cuda_unavailable_reason(0)
+    assert reason is not None
+    # One of the concrete causes, in our words: no CUDA build, a library that cannot load, the driver, the device.
+    assert any(
+        cause in reason
+        for cause in ("has no CUDAExecutionProvider", "cannot be loaded", "NVIDIA driver", "CUDA device")
+    ), reason
+
+
+def test_cuda_options_carry_the_memory_settings_and_keep_fp32_exact() -> None:
     options = cuda_provider_options(
         ExecutionSettings(cuda_device_id=1, gpu_mem_limit_bytes=2**30, arena_extend_strategy="kNextPowerOfTwo")
     )
     assert options["device_id"] == "1"
     assert options["gpu_mem_limit"] == str(2**30)
     assert options["arena_extend_strategy"] == "kNextPowerOfTwo"
+    assert options["use_tf32"] == "0"
     assert "gpu_mem_limit" not in cuda_provider_options(ExecutionSettings())
 
 
+def test_default_variant_follows_the_fidelity_rule(default_repository: Path) -> None:
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    assert spec.preferred_variants == {"cpu": "fp32", "cuda": "fp16"}
+    assert choose_variant(spec, ExecutionSettings(), "cpu") == "fp32"
+    assert choose_variant(spec, ExecutionSettings(), "cuda") == "fp16"
+    assert choose_variant(spec, ExecutionSettings(variant="int8"), "cpu") == "int8"
+    assert choose_variant(spec, ExecutionSettings(variant="fp32"), "cuda") == "fp32"
+    # A repository from before the fidelity rule preferred int8 on the CPU: never a default now.
+    older = dataclasses.replace(spec, preferred_variants={"cpu": "int8", "cuda": "fp16"}, fidelity_file=None)
+    assert choose_variant(older, ExecutionSettings(), "cpu") == "fp32"
+    # Without a reference nothing can check fp16 on the device, so it is not chosen by default.
+    assert choose_variant(older, ExecutionSettings(), "cuda") == "fp32"
+    without_fp16 = dataclasses.replace(spec, variants={"fp32": spec.variants["fp32"]})
+    assert choose_variant(without_fp16, ExecutionSettings(), "cuda") == "fp32"
+    with pytest.raises(ExecutionError, match="variant fp16 is not published"):
+        choose_variant(without_fp16, ExecutionSettings(variant="fp16"), "cpu")
+
+
+def test_required_cosine_is_the_variant_bar_and_the_rule_for_defaults() -> None:
+    assert required_cosine("fp16", chosen_by_default=True) == FIDELITY_MIN_COSINE
+    assert required_cosine("fp16", chosen_by_default=False) == VARIANT_MIN_COSINE["fp16"]
+    assert required_cosine("fp32", chosen_by_default=True) == VARIANT_MIN_COSINE["fp32"]
+    assert required_cosine("int8", chosen_by_default=False) == VARIANT_MIN_COSINE["int8"]
+
+
 @pytest.mark.skipif(cuda_usable(), reason="checks the fallback on a machine without a usable GPU")
-def test_without_a_gpu_auto_falls_back_to_cpu_and_require_gpu_refuses(default_repository: Path) -> None:
+def test_without_a_gpu_auto_falls_back_to_cpu_and_require_gpu_refuses_with_the_reason(
+    default_repository: Path,
+) -> None:
     spec = read_model(default_repository / DEFAULT_MODEL)
     runtime = ModelRuntime(spec, ExecutionSettings(intra_op_threads=1))
-    assert runtime.provider == CPU
-    assert runtime.variant == spec.preferred_variants["cpu"]
-    assert runtime.fell_back_to_cpu is (CUDA in ort.get_available_providers())
-    with pytest.raises(ExecutionError):
+    assert runtime.provider == CPU and runtime.variant == "fp32"
+    assert runtime.fell_back_to_cpu
+    with pytest.raises(ExecutionError, match="a GPU is required but CUDA cannot be used: ") as refused:
         ModelRuntime(spec, ExecutionSettings(intra_op_threads=1, require_gpu=True))
+    assert str(refused.value).endswith(cuda_unavailable_reason(0))
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int8", "fp16"])
+def test_every_variant_passes_its_fidelity_check_at_load(default_repository: Path, variant: str) -> None:
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    runtime = ModelRuntime(spec, dataclasses.replace(CPU_SETTINGS, variant=variant))
+    check = runtime.fidelity
+    assert check is not None and check.passed
+    assert (check.variant, check.provider, check.required) == (variant, CPU, VARIANT_MIN_COSINE[variant])
+    assert check.min_cosine >= VARIANT_MIN_COSINE[variant]
+
+
+def test_fidelity_reference_holds_every_mask_shape_and_the_models_embeddings(default_repository: Path) -> None:
+    reference = FidelityReference.load(default_repository / DEFAULT_MODEL / FIDELITY_FILE)
+    mask = reference.feed["attention_mask"]
+    assert reference.embedding.shape == (mask.shape[0], 384)
+    assert mask.shape[1] <= 48, "short enough to run at every load (tens of ms on a CPU)"
+    assert any("left-padded" in label for label in reference.labels)
+    assert any("holed" in label for label in reference.labels)
+    assert (mask[:, 0] == 0).any(), "a row starts with padding"
+    holes = [row for row in mask if 0 in row[: np.flatnonzero(row)[-1]] and row[0] == 1]
+    assert holes, "a row has a hole in its mask"
+    np.testing.assert_allclose(np.linalg.norm(reference.embedding, axis=1), 1.0, atol=1e-5)
+
+
+def _mask_index_fp16(raw_source: Path, output: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 built the way it was before the fix: fused Attention reading the mask as a count of ones."""
+    original = optimize._fusion_options
+
+    def old_format(form: str):
+        options = original(form)
+        options.attention_mask_format = AttentionMaskFormat.MaskIndexEnd
+        return options
+
+    monkeypatch.setattr(optimize, "_fusion_options", old_format)
+    optimize.write_cuda_fp16(raw_source, output, TINY_CONFIG)
+
+
+@pytest.fixture
+def broken_fp16_repository(
+    tmp_path: Path, tiny_fp16_repository: Path, default_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """The tiny fp16 repository with its fp16 graph replaced by one that mishandles left padding and holes."""
+    repository = tmp_path / "repository"
+    shutil.copytree(tiny_fp16_repository, repository)
+    checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_folder)
+    raw = tmp_path / "raw.onnx"
+    export_onnx(checkpoint.build_model(), raw)
+    _mask_index_fp16(raw, repository / TINY_MODEL / "1" / "model.fp16.onnx", monkeypatch)
+    return repository
+
+
+def test_a_default_fp16_below_the_rule_is_replaced_by_fp32_loudly(
+    broken_fp16_repository: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = read_model(broken_fp16_repository / TINY_MODEL)
+    # The CPU stands in for the device: the repository's preference there is made fp16.
+    spec = dataclasses.replace(spec, preferred_variants={"cpu": "fp16", "cuda": "fp16"})
+    with caplog.at_level(logging.WARNING, logger="service.runtime"):
+        runtime = ModelRuntime(spec, CPU_SETTINGS)
+    assert runtime.variant == "fp32" and runtime.fidelity.passed
+    warning = next(r.getMessage() for r in caplog.records if "FIDELITY CHECK FAILED" in r.getMessage())
+    assert "fp16 on CPUExecutionProvider" in warning and ("left-padded" in warning or "holed" in warning)
+
+
+def test_an_operator_chosen_variant_below_its_bar_fails_the_load(broken_fp16_repository: Path) -> None:
+    spec = read_model(broken_fp16_repository / TINY_MODEL)
+    with pytest.raises(ExecutionError, match=r"fidelity check failed: fp16 on CPUExecutionProvider: min cosine"):
+        ModelRuntime(spec, dataclasses.replace(CPU_SETTINGS, variant="fp16"))
+
+
+def test_fp32_that_is_not_the_model_fails_the_load(repository_copy: Path, default_folder: Path, tmp_path: Path) -> None:
+    other = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=7, tokenizer_folder=default_folder)
+    export_onnx(other.build_model(), repository_copy / TINY_MODEL / "1" / "model.onnx")
+    with pytest.raises(ExecutionError, match=r"fidelity check failed: fp32 on CPUExecutionProvider"):
+        ModelRuntime(read_model(repository_copy / TINY_MODEL), CPU_SETTINGS)
+
+
+def test_an_unreadable_fidelity_reference_is_an_execution_error(repository_copy: Path) -> None:
+    (repository_copy / TINY_MODEL / FIDELITY_FILE).write_bytes(b"not an npz")
+    with pytest.raises(ExecutionError, match="not a fidelity reference"):
+        ModelRuntime(read_model(repository_copy / TINY_MODEL), CPU_SETTINGS)
 
 
 def test_cpu_device_never_tries_cuda(tiny_repository: Path) -> None:
-    runtime = ModelRuntime(read_model(tiny_repository / TINY_MODEL), ExecutionSettings(device="cpu"))
+    runtime = ModelRuntime(read_model(tiny_repository / TINY_MODEL), CPU_SETTINGS)
     assert runtime.provider == CPU and not runtime.fell_back_to_cpu
     outputs = runtime.run(feed(3, 5), ("embedding", "last_hidden_state"))
     assert outputs["embedding"].shape == (3, 32) and outputs["last_hidden_state"].shape == (3, 5, 32)
+
+
+def test_instances_are_pinned_to_the_first_ones_device_and_variant(default_repository: Path) -> None:
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    runtimes = create_instances(spec, ExecutionSettings(intra_op_threads=1, variant="int8"), 2)
+    assert [(r.provider, r.variant) for r in runtimes] == [(CPU, "int8")] * 2
+    assert runtimes[1].settings.device == "cpu" and runtimes[1].settings.variant == "int8"
 
 
 def _wrong_batch_model(path: Path) -> None:
@@ -106,20 +253,40 @@ def _wrong_batch_model(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
 
 
-def test_batch_contract_is_checked_loudly(repository_copy: Path) -> None:
+@pytest.fixture
+def wrong_batch_repository(repository_copy: Path) -> Path:
+    """The tiny repository with a graph that breaks the batch contract, and no reference to catch it at load."""
     _wrong_batch_model(repository_copy / TINY_MODEL / "1" / "model.onnx")
-    runtime = ModelRuntime(read_model(repository_copy / TINY_MODEL), ExecutionSettings(device="cpu"))
+    (repository_copy / TINY_MODEL / FIDELITY_FILE).unlink()
+    return repository_copy
+
+
+def test_batch_contract_is_checked_loudly(wrong_batch_repository: Path) -> None:
+    runtime = ModelRuntime(read_model(wrong_batch_repository / TINY_MODEL), CPU_SETTINGS)
+    assert runtime.fidelity is None
     with pytest.raises(BatchContractError, match=r"output embedding is float32\[1, 32\], expected float32\[2, 32\]"):
         runtime.run(feed(2, 4), ("embedding",))
 
 
-@pytest.mark.gpu
-def test_cuda_session_runs_fp16_and_agrees_with_cpu(default_repository: Path) -> None:
-    spec = read_model(default_repository / DEFAULT_MODEL)
-    gpu = ModelRuntime(spec, ExecutionSettings(require_gpu=True, intra_op_threads=1))
-    cpu = ModelRuntime(spec, ExecutionSettings(device="cpu", variant="fp32", intra_op_threads=1))
-    assert gpu.provider == CUDA and gpu.variant == "fp16"
-    batch = feed(4, 16)
-    a = gpu.run(batch, ("embedding",))["embedding"]
-    b = cpu.run(batch, ("embedding",))["embedding"]
-    assert ((a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min() >= 0.999
+def test_a_warm_up_failure_is_an_execution_error_naming_the_shape(wrong_batch_repository: Path) -> None:
+    runtime = ModelRuntime(read_model(wrong_batch_repository / TINY_MODEL), CPU_SETTINGS)
+    with pytest.raises(ExecutionError, match=r"warm-up at 4x16 failed on CPUExecutionProvider \(fp32\): model"):
+        runtime.warm_up([(1, 1), (4, 16)])
+
+
+def test_a_warm_up_failure_stops_the_server_with_one_line_and_exit_2(wrong_batch_repository: Path) -> None:
+    command = [sys.executable, "-m", "service", "--model-repository", str(wrong_batch_repository)]
+    command += ["--device", "cpu", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0"]
+    command += ["--intra-op-threads", "1"]
+    result = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"service: error: model {TINY_MODEL}: warm-up at "), result.stderr

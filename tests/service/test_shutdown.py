@@ -1,18 +1,28 @@
-"""SIGTERM with requests in flight: health goes NOT_SERVING, new requests are refused, none accepted is lost."""
+"""SIGTERM with requests queued: health goes NOT_SERVING, new requests are refused, accepted ones are kept.
+
+The server holds the accepted requests in its queue on purpose (a batching delay of 600 s), so
+the drain cannot end before the test has looked at it: nothing here depends on how fast this
+machine is. The held requests then leave (their clients cancel them), and the drain ends.
+"""
 
 from __future__ import annotations
 
+import os
 import struct
-import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import TINY_MODEL
-from tests.servers import health_status, start_server, wait_for_queue_depth
+from tests.servers import health_status, metric_samples, metric_value, start_server, wait_for_queue_depth
+
+HELD = 20
+EXIT_TIMEOUT_S = 60
+"""Bounds the wait for an exit that should come; a server that hangs fails the test instead of blocking it."""
 
 
 def text_request(text: bytes) -> pb.ModelInferRequest:
@@ -22,27 +32,51 @@ def text_request(text: bytes) -> pb.ModelInferRequest:
     return request
 
 
-def test_sigterm_drains_every_accepted_request(tiny_repository: Path, tmp_path: Path) -> None:
-    # A 3 s batching delay keeps the requests queued while the signal arrives.
-    server = start_server(
-        tiny_repository, tmp_path / "server.log", "--max-queue-delay-us", "3000000", "--drain-timeout-s", "20"
-    )
-    with grpc.insecure_channel(server.target) as channel:
+def test_sigterm_reports_not_serving_refuses_new_work_and_keeps_accepted_work(
+    tiny_repository: Path, tmp_path: Path
+) -> None:
+    flags = ("--max-queue-delay-us", "600000000", "--drain-timeout-s", "300")
+    with (
+        start_server(tiny_repository, tmp_path / "server.log", *flags) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        in_flight = [stub.ModelInfer.future(text_request(b"request %d" % i), timeout=30) for i in range(20)]
-        wait_for_queue_depth(server, 20)
-        server.terminate()
-        deadline = time.monotonic() + 5
-        while health_status(server.target) == health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline, "health never left SERVING"
-            time.sleep(0.05)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=EXIT_TIMEOUT_S
+        )
         try:
-            stub.ModelInfer(text_request(b"late"), timeout=5)
-            raise AssertionError("a request after SIGTERM was accepted")
-        except grpc.RpcError as refused:
-            assert refused.code() == grpc.StatusCode.UNAVAILABLE
-        answers = [future.result() for future in in_flight]
-    assert [a.id for a in answers] == [f"request {i}" for i in range(20)]
-    assert all(len(a.raw_output_contents) == 2 for a in answers)
-    assert server.process.wait(timeout=30) == 0
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            assert os.getpgid(server.process.pid) == server.process.pid  # its own process group, killed on stop
+            accepted = [stub.ModelInfer.future(text_request(b"request %d" % i)) for i in range(HELD)]
+            wait_for_queue_depth(server, HELD, TINY_MODEL)
+
+            server.terminate()
+            # The server announces NOT_SERVING itself, on the stream it holds open: an unreachable
+            # server would end the stream with an error instead.
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            watch.cancel()
+
+        # Draining, and still answering: new work is refused with the server's own reason.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(text_request(b"late"), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in refused.value.details()
+        assert health_status(server.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health_status(server.target, TINY_MODEL) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not stub.ServerReady(pb.ServerReadyRequest(), timeout=10).ready
+        assert not stub.ModelReady(pb.ModelReadyRequest(name=TINY_MODEL), timeout=10).ready
+
+        # The accepted requests are neither answered nor failed: they wait in the queue, and the
+        # drain waits for them.
+        samples = metric_samples(server)
+        assert metric_value(samples, "encoder_queue_depth", model=TINY_MODEL, version="1") == HELD
+        assert metric_value(samples, "encoder_inflight_requests", model=TINY_MODEL, version="1") == HELD
+        assert not [future for future in accepted if future.done()]
+        assert server.process.poll() is None
+
+        # Once they leave, the drain has nothing left to wait for: the server exits, cleanly.
+        for future in accepted:
+            future.cancel()
+        assert server.process.wait(timeout=EXIT_TIMEOUT_S) == 0
     assert "stopped" in server.log()

@@ -1,0 +1,33 @@
+"""Stress suite for a running encoder server: hostile load, precise statuses, and a server still serving.
+
+Overload, huge inputs, deadline storms, cancellation, slow readers and malformed messages.
+
+    config = StressConfig(target="127.0.0.1:8001", scale=0.05)
+    result = asyncio.run(run_suite(config))      # SuiteResult: per-phase outcomes, probe, RSS
+    print(format_table(result)); write_reports(Path("out"), "stress", result)
+
+`python -m client.stress --help` runs it from the command line.
+"""
+
+from __future__ import annotations
+
+from client.stress.config import QUICK_SCALE, StressConfig, StressConfigError
+from client.stress.phases import PHASE_NAMES
+from client.stress.report import format_table, write_reports
+from client.stress.result import FAILURES, UNANSWERED, PhaseResult
+from client.stress.suite import SuiteResult, TargetError, run_suite
+
+__all__ = [
+    "FAILURES",
+    "PHASE_NAMES",
+    "QUICK_SCALE",
+    "UNANSWERED",
+    "PhaseResult",
+    "StressConfig",
+    "StressConfigError",
+    "SuiteResult",
+    "TargetError",
+    "format_table",
+    "run_suite",
+    "write_reports",
+]

@@ -1,0 +1,223 @@
+"""Run the stress suite: check the target, start the monitor, run each phase, settle, collect results."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.stress import rawh2
+from client.stress.config import StressConfig
+from client.stress.monitor import (
+    Monitor,
+    MonitorSettings,
+    Probe,
+    RssSample,
+    find_listening_pid,
+    is_local_host,
+    read_cpu_seconds,
+)
+from client.stress.phases import FINAL, PHASES, Phase, StressContext
+from client.stress.result import PhaseResult, ProbeStats, RssStats, Tally
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+LEFTOVER_GAUGES = ("encoder_inflight_requests", "encoder_queue_depth")
+"""Gauges that must return to 0 once a phase's requests are all answered or dropped."""
+SETTLE_POLL_S = 0.1
+CPU_WINDOW_S = 0.25
+QUIET_CPU_SHARE = 0.1
+"""The server counts as idle below this share of one core (model runs of dropped requests show above it)."""
+
+
+class TargetError(RuntimeError):
+    """The target cannot be stressed: unreachable, not ready, or refusing our credentials."""
+
+
+@dataclass(frozen=True)
+class SuiteResult:
+    """Every phase's result, with the probe and RSS series they were cut from (times from the suite's start)."""
+
+    config: StressConfig
+    server_pid: int | None
+    queue_bound: int | None
+    phases: tuple[PhaseResult, ...]
+    probes: tuple[Probe, ...]
+    rss: tuple[RssSample, ...]
+
+    @property
+    def passed(self) -> bool:
+        """Every phase passed (the final normal request included)."""
+        return all(phase.passed for phase in self.phases)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain values for JSON."""
+        return {
+            "config": self.config.to_dict(),
+            "server_pid": self.server_pid,
+            "queue_bound": self.queue_bound,
+            "passed": self.passed,
+            "phases": [phase.to_dict() for phase in self.phases],
+            "probes": [[round(p.sent_at, 4), round(p.latency_s * 1e3, 3), p.code] for p in self.probes],
+            "rss_mib": [[round(s.at, 3), round(s.rss_bytes / 2**20, 2)] for s in self.rss],
+        }
+
+
+async def check_target(config: StressConfig) -> int | None:
+    """Fail with TargetError unless server and model are ready; returns the model's queue bound if reported."""
+    context = StressContext(config, random.Random(config.seed), None)
+    call = {"timeout": 10.0, "metadata": context.metadata}
+    async with context.channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            if not (await stub.ServerReady(pb.ServerReadyRequest(), **call)).ready:
+                raise TargetError(f"server at {config.target} is not ready")
+            if not (await stub.ModelReady(pb.ModelReadyRequest(name=config.model), **call)).ready:
+                raise TargetError(f"model {config.model!r} is not ready at {config.target}")
+            response = await stub.ModelConfig(pb.ModelConfigRequest(name=config.model), **call)
+        except grpc.aio.AioRpcError as error:
+            details = " ".join((error.details() or "").split())
+            raise TargetError(f"cannot use {config.target}: {error.code().name}: {details}") from None
+    bound = response.config.dynamic_batching.default_queue_policy.max_queue_size
+    return bound or None
+
+
+def server_pid(config: StressConfig) -> int | None:
+    """The server's process: as given, or the local process listening on the target's port."""
+    if config.server_pid is not None:
+        return config.server_pid
+    address = rawh2.split_target(config.target)
+    if address is None or not is_local_host(address[0]):
+        return None
+    return find_listening_pid(address[1])
+
+
+def _gauges(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    totals = dict.fromkeys(LEFTOVER_GAUGES, 0.0)
+    for family in text_string_to_metric_families(text):
+        if family.name in totals:
+            totals[family.name] = sum(sample.value for sample in family.samples)
+    return totals
+
+
+async def _cpu_share(pid: int) -> float | None:
+    """The share of one core the server used over the next CPU_WINDOW_S."""
+    before = read_cpu_seconds(pid)
+    await asyncio.sleep(CPU_WINDOW_S)
+    after = read_cpu_seconds(pid)
+    return None if before is None or after is None else round((after - before) / CPU_WINDOW_S, 3)
+
+
+async def settle(config: StressConfig, pid: int | None) -> tuple[dict[str, float] | None, float | None]:
+    """Wait until the server reports nothing in flight or queued and its CPU is idle, or the settle timeout.
+
+    Returns the gauges it last reported (None without a metrics URL) and the share of a core it
+    last used (None when its process is unknown).
+    """
+    deadline = time.monotonic() + config.settle_timeout_s
+    while True:
+        gauges = None if config.metrics_url is None else await asyncio.to_thread(_gauges, config.metrics_url)
+        cpu_share = None if pid is None else await _cpu_share(pid)
+        quiet = not any((gauges or {}).values()) and (cpu_share is None or cpu_share < QUIET_CPU_SHARE)
+        if quiet or time.monotonic() >= deadline:
+            return gauges, cpu_share
+        if cpu_share is None:
+            await asyncio.sleep(SETTLE_POLL_S)
+
+
+@dataclass(frozen=True)
+class _Window:
+    phase: Phase
+    started: float
+    ended: float
+    tally: Tally
+    leftover: dict[str, float] | None
+    settled: float
+    cpu_share_after: float | None
+
+
+async def _run_phases(
+    context: StressContext, phases: tuple[Phase, ...], monitor: Monitor, pid: int | None
+) -> list[_Window]:
+    windows = []
+    for phase in phases:
+        logger.info("phase %s: %s", phase.name, phase.description)
+        tally = Tally()
+        started = time.monotonic()
+        await phase.run(context, tally)
+        ended = time.monotonic()
+        # Before the next phase, the server must be done with this one's work (a model still running
+        # dropped requests would slow the next phase's probe); the probe itself is paused meanwhile,
+        # or it would count as in flight.
+        await asyncio.to_thread(monitor.pause)
+        leftover, cpu_share = await settle(context.config, pid)
+        settled = time.monotonic()
+        monitor.resume()
+        if cpu_share is not None and cpu_share >= QUIET_CPU_SHARE:
+            tally.notes.append(
+                f"server still busy ({cpu_share:.0%} of a core) {context.config.settle_timeout_s:g} s on"
+            )
+        windows.append(_Window(phase, started, ended, tally, leftover, settled, cpu_share))
+        logger.info("phase %s done in %.1f s: %s", phase.name, ended - started, dict(tally.outcomes))
+    return windows
+
+
+def _selected(config: StressConfig) -> tuple[Phase, ...]:
+    if config.phases is None:
+        return (*PHASES, FINAL)
+    return (*(phase for phase in PHASES if phase.name in config.phases), FINAL)
+
+
+async def run_suite(config: StressConfig) -> SuiteResult:
+    """Run the selected phases, then the final request, with the probe and RSS sampler alongside."""
+    queue_bound = await check_target(config)
+    pid = server_pid(config)
+    if pid is None:
+        logger.warning("server process unknown (give --server-pid): no RSS figures")
+    context = StressContext(config, random.Random(config.seed), queue_bound)
+    monitor = Monitor(MonitorSettings(config.target, config.model, config.security, pid))
+    monitor.start()
+    try:
+        windows = await _run_phases(context, _selected(config), monitor, pid)
+    except BaseException:
+        monitor.kill()
+        raise
+    probes, samples = monitor.stop()
+    origin = windows[0].started
+    results = []
+    for window in windows:
+        inside_probes = [p for p in probes if window.started <= p.sent_at < window.ended]
+        inside_samples = [s for s in samples if window.started <= s.at <= window.ended]
+        results.append(
+            PhaseResult(
+                name=window.phase.name,
+                description=window.phase.description,
+                started_s=round(window.started - origin, 3),
+                duration_s=round(window.ended - window.started, 3),
+                outcomes=dict(sorted(window.tally.outcomes.items())),
+                allowed=tuple(sorted(window.phase.allowed)),
+                notes=tuple(window.tally.notes),
+                probe=ProbeStats.of(inside_probes),
+                rss=RssStats.of(inside_samples),
+                leftover=window.leftover,
+                settle_s=round(window.settled - window.ended, 3),
+                cpu_share_after=window.cpu_share_after,
+            )
+        )
+    return SuiteResult(
+        config=config,
+        server_pid=pid,
+        queue_bound=queue_bound,
+        phases=tuple(results),
+        probes=tuple(Probe(p.sent_at - origin, p.latency_s, p.code) for p in probes),
+        rss=tuple(RssSample(s.at - origin, s.rss_bytes) for s in samples),
+    )

@@ -1,0 +1,109 @@
+"""Fidelity: how close a variant's embeddings must be to the model's, and the check run at load.
+
+The exporter stores a few fixed gate inputs (real sentences right-padded, one left-padded, one
+with a hole in its mask) and the fp32 PyTorch model's embeddings for them in `fidelity.npz`.
+When the server loads a variant it runs those inputs on the provider actually in use and
+compares: the CPU the exporter measured on is not the GPU a deployment runs on (fused kernels,
+fp16 accumulation), so this is the check that covers the deployment itself.
+
+Two bars, one rule:
+- each variant has its own bar, the export gate's cosine (`VARIANT_MIN_COSINE`); an operator who
+  names a variant (`--variant int8`) is promised that bar;
+- a variant the server picks by default must also meet the fidelity rule
+  (`FIDELITY_MIN_COSINE`): served embeddings equal the model's, as sentence-transformers gives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FIDELITY_MIN_COSINE = 0.9999
+"""The fidelity rule: the least cosine to the model a default (not operator-chosen) variant may give."""
+VARIANT_MIN_COSINE = {"fp32": 0.99999, "fp16": 0.999, "int8": 0.99}
+"""Each variant's own bar: the export gate's least embedding cosine, and what naming the variant promises."""
+DEFAULT_VARIANTS = ("fp32", "fp16")
+"""Variants the server may choose on its own; int8 is only ever the operator's explicit choice."""
+
+
+class FidelityError(ValueError):
+    """A fidelity reference file that cannot be read; the message names the file."""
+
+
+def required_cosine(variant: str, chosen_by_default: bool) -> float:
+    """The least cosine a variant must show at load: its own bar, and the fidelity rule when chosen by default."""
+    bar = VARIANT_MIN_COSINE[variant]
+    return max(bar, FIDELITY_MIN_COSINE) if chosen_by_default else bar
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity of two [rows, dim] arrays, computed in float64."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    norms = np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1)
+    return (a64 * b64).sum(axis=1) / np.maximum(norms, 1e-30)
+
+
+@dataclass(frozen=True)
+class FidelityReference:
+    """Gate inputs (int64 [rows, length] per graph input), what each row is, and the model's fp32 embeddings."""
+
+    feed: dict[str, np.ndarray]
+    labels: tuple[str, ...]
+    embedding: np.ndarray
+
+    def save(self, path: Path) -> None:
+        """Write the reference as an .npz file (plain arrays, no pickles)."""
+        with path.open("wb") as file:
+            np.savez(file, embedding=self.embedding, labels=np.array(self.labels), **self.feed)
+
+    @classmethod
+    def load(cls, path: Path) -> FidelityReference:
+        """Read a reference written by save()."""
+        try:
+            with np.load(path, allow_pickle=False) as arrays:
+                contents = {name: arrays[name] for name in arrays.files}
+        except (OSError, ValueError) as error:
+            raise FidelityError(f"{path}: not a fidelity reference: {error}") from error
+        missing = {"embedding", "labels", "input_ids", "attention_mask"} - set(contents)
+        if missing:
+            raise FidelityError(f"{path}: missing {', '.join(sorted(missing))}")
+        embedding, labels = contents.pop("embedding"), contents.pop("labels")
+        rows = contents["input_ids"].shape[0]
+        if embedding.shape[0] != rows or len(labels) != rows:
+            raise FidelityError(f"{path}: {rows} input rows but {embedding.shape[0]} embeddings, {len(labels)} labels")
+        return cls(feed=contents, labels=tuple(str(label) for label in labels), embedding=embedding)
+
+
+@dataclass(frozen=True)
+class FidelityCheck:
+    """The outcome of running a reference through a variant on one provider."""
+
+    variant: str
+    provider: str
+    min_cosine: float
+    worst_row: str
+    required: float
+
+    @property
+    def passed(self) -> bool:
+        """Whether the worst row met the required cosine."""
+        return self.min_cosine >= self.required
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        verdict = ">=" if self.passed else "<"
+        return (
+            f"{self.variant} on {self.provider}: min cosine to the model {self.min_cosine:.6f} {verdict} "
+            f"{self.required} (worst: {self.worst_row})"
+        )
+
+
+def compare(
+    reference: FidelityReference, embedding: np.ndarray, variant: str, provider: str, required: float
+) -> FidelityCheck:
+    """Compare a variant's embeddings for the reference inputs with the model's."""
+    row_cosines = cosines(embedding, reference.embedding)
+    worst = int(np.argmin(row_cosines))
+    return FidelityCheck(variant, provider, float(row_cosines[worst]), reference.labels[worst], required)

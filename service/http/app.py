@@ -1,0 +1,304 @@
+"""The ASGI application of the HTTP port: routing, the API-key check, bounded bodies, errors to statuses.
+
+Routes under /v1 are OpenAI's and answer errors as OpenAI error objects; the others are KServe v2
+REST and answer `{"error": message}`. Inference goes to the engine (service.http.openai and
+service.http.kserve); the read-only KServe operations ask the gRPC servicer itself, so both ports
+answer them alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from service import metrics
+from service.errors import InvalidArgument, NotFound, ServiceError, Unauthenticated
+from service.http import kserve, openai
+from service.http.errors import (
+    INTERNAL_MESSAGE,
+    MethodNotAllowed,
+    UnsupportedMediaType,
+    http_status,
+    kserve_error,
+    openai_error,
+)
+from service.models import ModelRegistry
+from service.proto import grpc_service_pb2 as pb
+from service.security import ApiKeys
+from service.servicer import InferenceServicer
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+BINARY = "application/octet-stream"
+UNMATCHED = "unmatched"
+CLIENT_CLOSED = "499"
+"""The status label of requests whose client left before the answer (nginx's code for it; nothing is sent)."""
+OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
+"""Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
+UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send the header 'Authorization: Bearer <key>'"
+_MODEL_PATH = re.compile(
+    r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/infer)?"
+)
+_OPENAI_MODEL_PATH = re.compile(r"/v1/models/(?P<name>[^/]+)")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class Response:
+    """What one request is answered with."""
+
+    status: int
+    body: bytes = b""
+    content_type: str | None = JSON
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request as the handlers see it: its route's parameters, headers (lower-case names) and body."""
+
+    path_params: dict[str, str]
+    headers: dict[bytes, bytes]
+    body: bytes
+
+
+Handler = Callable[[Call], Awaitable[Response]]
+
+
+class _Disconnected(Exception):
+    """The client went away before its request was read or answered: nothing is sent."""
+
+
+def _json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:
+        raise InvalidArgument(f"the request body is not valid JSON: {error}") from error
+
+
+def _media_type(headers: dict[bytes, bytes]) -> str | None:
+    value = headers.get(b"content-type")
+    return None if value is None else value.split(b";")[0].strip().lower().decode("latin-1")
+
+
+def _check_body_form(headers: dict[bytes, bytes], accepted: tuple[str | None, ...]) -> None:
+    """Refuse bodies in a content type or encoding the route does not read (415)."""
+    media_type = _media_type(headers)
+    if media_type not in accepted:
+        names = " or ".join(kind for kind in accepted if kind is not None)
+        raise UnsupportedMediaType(f"content type {media_type or '(none)'} is not accepted here: send {names}")
+    encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+    if encoding != b"identity":
+        raise UnsupportedMediaType(f"content encoding {encoding.decode('latin-1')} is not supported: send it as is")
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (uvicorn answers receive() so once the body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class HttpApp:
+    """The HTTP port's ASGI application over the same registry, servicer and API keys as the gRPC port."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        servicer: InferenceServicer,
+        api_keys: ApiKeys | None,
+        max_body_bytes: int,
+        max_embedding_inputs: int,
+    ) -> None:
+        self.registry = registry
+        self.servicer = servicer
+        self.api_keys = api_keys
+        self.max_body_bytes = max_body_bytes
+        self.max_embedding_inputs = max_embedding_inputs
+        self.created = int(time.time())
+        self._fixed: dict[str, dict[str, Handler]] = {
+            "/v1/embeddings": {"POST": self._embeddings},
+            "/v1/models": {"GET": self._openai_models},
+            "/v2/health/live": {"GET": self._live},
+            "/v2/health/ready": {"GET": self._ready},
+            "/v2": {"GET": self._server_metadata},
+        }
+        self._model_actions: dict[str, dict[str, Handler]] = {
+            "": {"GET": self._model_metadata},
+            "/ready": {"GET": self._model_ready},
+            "/config": {"GET": self._model_config},
+            "/infer": {"POST": self._infer},
+        }
+
+    def _route(self, path: str) -> tuple[str, dict[str, str], dict[str, Handler]]:
+        """The route template (a metric label), its path parameters and handlers by method."""
+        handlers = self._fixed.get(path)
+        if handlers is not None:
+            return path, {}, handlers
+        match = _MODEL_PATH.fullmatch(path)
+        if match is not None:
+            action = match["action"] or ""
+            params = {"name": match["name"], "version": match["version"] or ""}
+            return "/v2/models/{name}" + action, params, self._model_actions[action]
+        match = _OPENAI_MODEL_PATH.fullmatch(path)
+        if match is not None:
+            return "/v1/models/{name}", {"name": match["name"]}, {"GET": self._openai_model}
+        return UNMATCHED, {}, {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer one HTTP request (uvicorn runs each in its own task)."""
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        route, params, handlers = self._route(path)
+        try:
+            response = await self._answer(scope, receive, route, params, handlers)
+        except _Disconnected:
+            metrics.HTTP_REQUESTS.labels(route, CLIENT_CLOSED).inc()
+            return
+        except ServiceError as error:
+            response = self._error(path, error)
+        except Exception:
+            log.exception("unhandled error answering %s %s", method, path)
+            response = self._error(path, ServiceError(INTERNAL_MESSAGE))
+        metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
+        headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
+        if response.content_type is not None:
+            headers.append((b"content-type", response.content_type.encode()))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+    async def _answer(
+        self, scope: Scope, receive: Receive, route: str, params: dict[str, str], handlers: dict[str, Handler]
+    ) -> Response:
+        method = scope["method"]
+        if not handlers:
+            raise NotFound(
+                f"no route {scope['path']}: this server answers OpenAI's /v1/embeddings and /v1/models, and KServe v2"
+                " REST under /v2"
+            )
+        handler = handlers.get(method)
+        if handler is None:
+            allowed = tuple(handlers)
+            raise MethodNotAllowed(f"{scope['path']} answers {' and '.join(allowed)}, not {method}", allowed)
+        headers = dict(scope["headers"])
+        if self.api_keys is not None and route not in OPEN_ROUTES:
+            authorization = headers.get(b"authorization")
+            if not self.api_keys.accepts(None if authorization is None else authorization.decode("latin-1")):
+                metrics.REJECTED.labels("unauthenticated").inc()
+                raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+        if method != "POST":
+            return await handler(Call(params, headers, b""))
+        body = await self._read_body(headers, receive)
+        # Cancelling the handler when the client goes away drops its queued work, as for gRPC.
+        work = asyncio.ensure_future(handler(Call(params, headers, body)))
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            work.cancel()
+            await asyncio.wait((work,))  # let it unwind: its queued work leaves the queue
+            raise _Disconnected
+        finally:
+            gone.cancel()
+            work.cancel()  # when this task itself is cancelled (a drain past its grace period)
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+        """The whole body, refused (413) as soon as it is known to exceed --max-message-bytes."""
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            self._too_large(int(declared))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                self._too_large(size)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _too_large(self, size: int) -> None:
+        metrics.REJECTED.labels("message_too_large").inc()
+        raise InvalidArgument(
+            f"the request body is {size} bytes or more, over the limit of {self.max_body_bytes} bytes"
+            " (--max-message-bytes)",
+            "message_too_large",
+        )
+
+    def _error(self, path: str, error: ServiceError) -> Response:
+        status = http_status(error)
+        message = str(error)
+        body = openai_error(status, message, error.reason) if path.startswith("/v1/") else kserve_error(message)
+        headers = []
+        if isinstance(error, MethodNotAllowed):
+            headers.append((b"allow", ", ".join(error.allowed).encode()))
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        if status == 413:
+            # The rest of an oversized body is never read: close the connection rather than parse it.
+            headers.append((b"connection", b"close"))
+        return Response(status, json.dumps(body).encode(), headers=headers)
+
+    async def _embeddings(self, call: Call) -> Response:
+        _check_body_form(call.headers, (JSON,))
+        payload = _json(call.body)
+        return Response(200, await openai.embeddings(self.registry, payload, self.max_embedding_inputs))
+
+    async def _openai_models(self, call: Call) -> Response:
+        return Response(200, openai.models_list(self.registry, self.created))
+
+    async def _openai_model(self, call: Call) -> Response:
+        return Response(200, openai.model_card(self.registry, call.path_params["name"], self.created))
+
+    # The servicer's read-only methods never use their gRPC context: None stands for it.
+
+    async def _live(self, call: Call) -> Response:
+        live = (await self.servicer.ServerLive(pb.ServerLiveRequest(), None)).live
+        return Response(200 if live else 503, content_type=None)
+
+    async def _ready(self, call: Call) -> Response:
+        ready = (await self.servicer.ServerReady(pb.ServerReadyRequest(), None)).ready
+        return Response(200 if ready else 503, content_type=None)
+
+    async def _server_metadata(self, call: Call) -> Response:
+        metadata = await self.servicer.ServerMetadata(pb.ServerMetadataRequest(), None)
+        return Response(200, json.dumps(kserve.proto_json(metadata)).encode())
+
+    async def _model_metadata(self, call: Call) -> Response:
+        request = pb.ModelMetadataRequest(**call.path_params)
+        metadata = await self.servicer.ModelMetadata(request, None)
+        return Response(200, json.dumps(kserve.proto_json(metadata)).encode())
+
+    async def _model_ready(self, call: Call) -> Response:
+        ready = (await self.servicer.ModelReady(pb.ModelReadyRequest(**call.path_params), None)).ready
+        return Response(200 if ready else 503, content_type=None)
+
+    async def _model_config(self, call: Call) -> Response:
+        config = (await self.servicer.ModelConfig(pb.ModelConfigRequest(**call.path_params), None)).config
+        return Response(200, json.dumps(kserve.proto_json(config)).encode())
+
+    async def _infer(self, call: Call) -> Response:
+        header_length = call.headers.get(kserve.HEADER_LENGTH.encode())
+        _check_body_form(call.headers, (None, JSON, BINARY))
+        json_part, binary = kserve.split_body(
+            call.body, None if header_length is None else header_length.decode("latin-1")
+        )
+        rest = kserve.parse_infer(_json(json_part), binary, call.path_params["name"], call.path_params["version"])
+        body, json_length = await kserve.infer(self.registry, rest)
+        if json_length is None:
+            return Response(200, body)
+        return Response(200, body, BINARY, [(kserve.HEADER_LENGTH.encode(), str(json_length).encode())])

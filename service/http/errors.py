@@ -1,0 +1,69 @@
+"""The HTTP status and error body of every typed error: the HTTP front end's one table."""
+
+from __future__ import annotations
+
+from service.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ModelFailure,
+    NotFound,
+    Overloaded,
+    ServiceError,
+    Unauthenticated,
+    Unavailable,
+)
+
+
+class MethodNotAllowed(InvalidArgument):
+    """A known path asked with a method it does not serve."""
+
+    def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+
+class UnsupportedMediaType(InvalidArgument):
+    """A body of a content type or encoding the route does not read."""
+
+
+TOO_LARGE_REASONS = frozenset({"message_too_large", "text_too_large", "request_text_too_large", "too_many_inputs"})
+"""Refusals of what the request carries (body, texts, inputs): 413. A response over its limit stays 400."""
+
+_STATUS_BY_ERROR: tuple[tuple[type[ServiceError], int], ...] = (
+    (MethodNotAllowed, 405),
+    (UnsupportedMediaType, 415),
+    (InvalidArgument, 400),
+    (Unauthenticated, 401),
+    (NotFound, 404),
+    (Overloaded, 429),
+    (Unavailable, 503),
+    (DeadlineExceeded, 504),
+    (ModelFailure, 500),
+)
+"""Most specific first: the first class the error is an instance of decides."""
+
+_OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error"}
+"""OpenAI's error `type` where it is not invalid_request_error (4xx) or server_error (5xx)."""
+
+INTERNAL_MESSAGE = "internal error; see the server log"
+
+
+def http_status(error: ServiceError) -> int:
+    """The HTTP status an error is answered with."""
+    if error.reason in TOO_LARGE_REASONS:
+        return 413
+    for kind, status in _STATUS_BY_ERROR:
+        if isinstance(error, kind):
+            return status
+    return 500
+
+
+def openai_error(status: int, message: str, reason: str | None) -> dict[str, object]:
+    """An OpenAI error object: the SDKs raise their exception class by status and show `message`."""
+    kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": reason}}
+
+
+def kserve_error(message: str) -> dict[str, object]:
+    """A KServe v2 REST error (tritonclient.http raises it as InferenceServerException)."""
+    return {"error": message}

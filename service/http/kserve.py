@@ -1,0 +1,258 @@
+"""KServe v2 REST as Triton serves it and tritonclient.http speaks it.
+
+An infer body is JSON, or JSON followed by binary tensor data whose JSON length the header
+`Inference-Header-Content-Length` gives (Triton's binary-tensor extension). It is turned into the
+ModelInferRequest the gRPC port receives, every input as raw contents, so the codec checks both
+protocols alike. Metadata, readiness and configuration come from the gRPC servicer itself, as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from service import codec, metrics
+from service.errors import InvalidArgument
+from service.models import ModelRegistry
+from service.proto import grpc_service_pb2 as pb
+from service.repository import ModelSpec
+
+HEADER_LENGTH = "inference-header-content-length"
+BINARY_OUTPUT = "binary_data_output"
+_REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs")
+_INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
+_OUTPUT_FIELDS = ("name", "parameters")
+_LENGTH_PREFIX = struct.Struct("<I")
+_INT64 = np.dtype("<i8")
+_FP32 = np.dtype("<f4")
+_INT64_RANGE = (-(2**63), 2**63 - 1)
+_INT64_TYPES = frozenset(
+    (
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    )
+)
+
+
+@dataclass(frozen=True)
+class RestInferRequest:
+    """A v2 REST infer body as the gRPC message, and how each output is to be returned."""
+
+    message: pb.ModelInferRequest
+    binary_outputs: dict[str, bool]
+    """Outputs that asked for (or against) binary data by name; the others follow `binary_by_default`."""
+    binary_by_default: bool
+
+
+def _fields(where: str, value: object, allowed: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where} must be a JSON object")
+    unknown = [name for name in value if name not in allowed]
+    if unknown:
+        raise InvalidArgument(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(allowed)})")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parameter(name: str, value: object, into: Any) -> None:
+    """One JSON parameter into a protobuf InferParameter map."""
+    if isinstance(value, bool):
+        into[name].bool_param = value
+    elif _is_int(value) and _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
+        into[name].int64_param = value
+    elif isinstance(value, float) and math.isfinite(value):
+        into[name].double_param = value
+    elif isinstance(value, str):
+        into[name].string_param = value
+    else:
+        raise InvalidArgument(f"parameter {name!r} must be a boolean, a 64-bit integer, a number or a string")
+
+
+def _flatten(data: list[object]) -> Iterator[object]:
+    """The elements of (possibly nested) JSON arrays, row-major, without recursion."""
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            yield item
+        else:
+            stack.pop()
+
+
+def _json_contents(name: str, datatype: str, data: object, count: int) -> bytes:
+    """JSON `data` as raw contents: BYTES length-prefixed UTF-8, INT64 little-endian; others left to the codec."""
+    if not isinstance(data, list):
+        raise InvalidArgument(f"input {name}: data must be a JSON array")
+    elements = list(_flatten(data))
+    if len(elements) != count:
+        raise InvalidArgument(f"input {name}: data holds {len(elements)} elements, its shape needs {count}")
+    if datatype == "BYTES":
+        if not all(isinstance(item, str) for item in elements):
+            raise InvalidArgument(f"input {name}: BYTES data must be strings")
+        encoded = [item.encode("utf-8", "surrogatepass") for item in elements]
+        return b"".join(_LENGTH_PREFIX.pack(len(item)) + item for item in encoded)
+    if datatype == "INT64":
+        if not all(_is_int(item) and _INT64_RANGE[0] <= item <= _INT64_RANGE[1] for item in elements):
+            raise InvalidArgument(f"input {name}: INT64 data must be 64-bit integers")
+        return np.array(elements, dtype=_INT64).tobytes()
+    return b""  # the codec refuses the datatype, naming what it expects
+
+
+def _input(tensor: object, index: int, binary: memoryview, offset: int, request: pb.ModelInferRequest) -> int:
+    """Add one input (its data as raw contents) to the message; returns the binary offset after it."""
+    fields = _fields(f"inputs[{index}]", tensor, _INPUT_FIELDS)
+    name, datatype, shape = fields.get("name"), fields.get("datatype"), fields.get("shape")
+    if not isinstance(name, str) or not isinstance(datatype, str):
+        raise InvalidArgument(f"inputs[{index}]: name and datatype must be strings")
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _INT64_RANGE[1] for d in shape):
+        raise InvalidArgument(f"input {name}: shape must be a list of non-negative integers")
+    parameters = _fields(f"input {name} parameters", fields.get("parameters", {}), ("binary_data_size",))
+    request.inputs.add(name=name, datatype=datatype, shape=shape)
+    if "binary_data_size" in parameters:
+        size = parameters["binary_data_size"]
+        if "data" in fields:
+            raise InvalidArgument(f"input {name}: has both data and binary_data_size")
+        if not _is_int(size) or size < 0 or offset + size > len(binary):
+            raise InvalidArgument(
+                f"input {name}: binary_data_size {size!r} does not fit the {len(binary) - offset} bytes of binary"
+                " data left"
+            )
+        request.raw_input_contents.append(bytes(binary[offset : offset + size]))
+        return offset + size
+    if "data" not in fields:
+        raise InvalidArgument(f"input {name}: needs data, or binary_data_size with binary data after the JSON")
+    request.raw_input_contents.append(_json_contents(name, datatype, fields["data"], math.prod(shape)))
+    return offset
+
+
+def _outputs(value: object, request: pb.ModelInferRequest) -> dict[str, bool]:
+    if not isinstance(value, list):
+        raise InvalidArgument("outputs must be a list")
+    binary: dict[str, bool] = {}
+    for index, output in enumerate(value):
+        fields = _fields(f"outputs[{index}]", output, _OUTPUT_FIELDS)
+        name = fields.get("name")
+        if not isinstance(name, str):
+            raise InvalidArgument(f"outputs[{index}]: name must be a string")
+        parameters = _fields(f"output {name} parameters", fields.get("parameters", {}), ("binary_data",))
+        if "binary_data" in parameters:
+            if not isinstance(parameters["binary_data"], bool):
+                raise InvalidArgument(f"output {name}: binary_data must be true or false")
+            binary[name] = parameters["binary_data"]
+        request.outputs.add(name=name)
+    return binary
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON part of an infer body and the binary data after it."""
+    if header_length is None:
+        return body, memoryview(b"")
+    if not header_length.isdigit() or int(header_length) > len(body):
+        raise InvalidArgument(
+            f"Inference-Header-Content-Length {header_length!r} must be a byte count within the body's {len(body)}"
+        )
+    split = int(header_length)
+    return body[:split], memoryview(body)[split:]
+
+
+def parse_infer(payload: object, binary: memoryview, name: str, version: str) -> RestInferRequest:
+    """A v2 REST infer body (its JSON, and the binary data after it) as a ModelInferRequest."""
+    fields = _fields("the request", payload, _REQUEST_FIELDS)
+    request_id = fields.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidArgument("id must be a string")
+    request = pb.ModelInferRequest(model_name=name, model_version=version, id=request_id)
+    parameters = fields.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidArgument("parameters must be a JSON object")
+    binary_by_default = parameters.get(BINARY_OUTPUT, False)
+    if not isinstance(binary_by_default, bool):
+        raise InvalidArgument(f"parameter {BINARY_OUTPUT} must be true or false")
+    for key, value in parameters.items():
+        if key != BINARY_OUTPUT:
+            _parameter(key, value, request.parameters)
+    inputs = fields.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise InvalidArgument("inputs must be a non-empty list")
+    offset = 0
+    for index, tensor in enumerate(inputs):
+        offset = _input(tensor, index, binary, offset, request)
+    if offset != len(binary):
+        raise InvalidArgument(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size")
+    binary_outputs = _outputs(fields["outputs"], request) if "outputs" in fields else {}
+    return RestInferRequest(request, binary_outputs, binary_by_default)
+
+
+def _encode_outputs(
+    rest: RestInferRequest, request: codec.InferenceRequest, outputs: dict[str, np.ndarray], spec: ModelSpec
+) -> tuple[bytes, int | None]:
+    """The response body, and the JSON part's length when binary data follows it."""
+    tensors, chunks = [], []
+    for name in request.outputs:
+        array = np.ascontiguousarray(outputs[name], dtype=_FP32)
+        tensor: dict[str, object] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        if rest.binary_outputs.get(name, rest.binary_by_default):
+            tensor["parameters"] = {"binary_data_size": array.nbytes}
+            chunks.append(array.tobytes())
+        else:
+            tensor["data"] = array.ravel().tolist()
+        tensors.append(tensor)
+    answer: dict[str, object] = {"model_name": spec.name, "model_version": spec.version}
+    if request.id:
+        answer["id"] = request.id
+    answer["outputs"] = tensors
+    header = json.dumps(answer, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
+
+
+async def infer(registry: ModelRegistry, rest: RestInferRequest) -> tuple[bytes, int | None]:
+    """Run a parsed infer request: the one engine call, counted with every protocol's inferences."""
+    message = rest.message
+    with metrics.track_request(registry.labels_for(message.model_name, message.model_version)):
+        model = registry.get_for_inference(message.model_name, message.model_version)
+        request = codec.decode_infer_request(message, model.signature)
+        result = await model.infer(request, None)
+    return _encode_outputs(rest, request, result.outputs, model.spec)
+
+
+def proto_json(message: Message) -> dict[str, object]:
+    """A protobuf message as Triton writes it in JSON: proto field names, enum names, 64-bit integers as numbers."""
+    return {field.name: _json_field(field, value) for field, value in message.ListFields()}
+
+
+def _json_field(field: FieldDescriptor, value: Any) -> object:
+    entry = field.message_type
+    if entry is not None and entry.GetOptions().map_entry:
+        value_field = entry.fields_by_name["value"]
+        return {key: _json_scalar(value_field, item) for key, item in value.items()}
+    if field.is_repeated:
+        return [_json_scalar(field, item) for item in value]
+    return _json_scalar(field, value)
+
+
+def _json_scalar(field: FieldDescriptor, value: Any) -> object:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return proto_json(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        return field.enum_type.values_by_number[value].name
+    if field.type in _INT64_TYPES:
+        return int(value)
+    return value

@@ -1,0 +1,123 @@
+"""OpenAI's embeddings API: POST /v1/embeddings and GET /v1/models, to the engine and back.
+
+As OpenAI's: `input` is a string or a list of strings, `encoding_format` float or base64
+(little-endian float32, the SDK's default), `dimensions` only where the model can honestly give
+it, `user` accepted and unused, `usage` counted by the model's own tokenizer. Unlike OpenAI's,
+token arrays are refused: ids from OpenAI's tokenizer mean nothing to this model.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from service import codec, metrics
+from service.errors import InvalidArgument
+from service.models import ModelRegistry
+
+ENCODINGS = ("float", "base64")
+FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
+OWNER = "encoder-serve"
+_FLOAT32 = np.dtype("<f4")
+TOKEN_ARRAYS_REFUSED = (
+    "input must be a string or a list of strings: token arrays are not accepted, this server tokenises with"
+    " the model's own tokenizer (LangChain: OpenAIEmbeddings(check_embedding_ctx_length=False))"
+)
+
+
+@dataclass(frozen=True)
+class EmbeddingsRequest:
+    """A /v1/embeddings body, checked for form (the model and the texts are checked by the engine's rules)."""
+
+    model: str
+    texts: list[str]
+    encoding_format: str
+    dimensions: int | None
+
+
+def _texts(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    raise InvalidArgument(TOKEN_ARRAYS_REFUSED)
+
+
+def parse_embeddings(payload: object) -> EmbeddingsRequest:
+    """The fields of a /v1/embeddings body; InvalidArgument names the first one that is wrong."""
+    if not isinstance(payload, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    unknown = [name for name in payload if name not in FIELDS]
+    if unknown:
+        raise InvalidArgument(f"unrecognized request argument supplied: {unknown[0]} (accepted: {', '.join(FIELDS)})")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument("model is required: the name of a served model (GET /v1/models lists them)")
+    if "input" not in payload:
+        raise InvalidArgument("input is required: a string or a list of strings")
+    encoding_format = payload.get("encoding_format", "float")
+    if encoding_format not in ENCODINGS:
+        raise InvalidArgument(f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding_format!r}")
+    dimensions = payload.get("dimensions")
+    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
+        raise InvalidArgument(f"dimensions must be a positive integer, got {dimensions!r}")
+    if not isinstance(payload.get("user", ""), str):
+        raise InvalidArgument("user must be a string")
+    return EmbeddingsRequest(model, _texts(payload["input"]), encoding_format, dimensions)
+
+
+def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tokens: int) -> bytes:
+    if request.encoding_format == "base64":
+        rows = np.ascontiguousarray(vectors, dtype=_FLOAT32)
+        embeddings: list[object] = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    else:
+        embeddings = vectors.tolist()
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": index, "embedding": item} for index, item in enumerate(embeddings)],
+        "model": request.model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def embeddings(registry: ModelRegistry, payload: object, max_inputs: int) -> bytes:
+    """Answer a /v1/embeddings body: the one engine call, counted with every protocol's inferences."""
+    request = parse_embeddings(payload)
+    with metrics.track_request(registry.labels_for(request.model, "")):
+        model = registry.get_for_inference(request.model, "")
+        if len(request.texts) > max_inputs:
+            raise InvalidArgument(
+                f"{len(request.texts)} inputs, over the limit of {max_inputs} per request (--max-embedding-inputs)",
+                "too_many_inputs",
+            )
+        width = model.spec.hidden_size
+        if request.dimensions not in (None, width):
+            raise InvalidArgument(
+                f"model {request.model} gives {width} dimensions and cannot give {request.dimensions}: its embeddings"
+                " are not trained to be shortened"
+            )
+        # surrogatepass: a lone surrogate (legal in JSON) reaches the codec's UTF-8 check and its message.
+        elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
+        decoded = codec.text_request(elements, model.signature, ("embedding",))
+        result = await model.infer(decoded, None)
+    return _embeddings_body(result.outputs["embedding"], request, result.prompt_tokens)
+
+
+def _model_card(name: str, created: int) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": created, "owned_by": OWNER}
+
+
+def models_list(registry: ModelRegistry, created: int) -> bytes:
+    """GET /v1/models: every loaded model (`created`: when the server started, seconds since the epoch)."""
+    data = [_model_card(name, created) for name in sorted(registry.models)]
+    return json.dumps({"object": "list", "data": data}).encode()
+
+
+def model_card(registry: ModelRegistry, name: str, created: int) -> bytes:
+    """GET /v1/models/{model}: one loaded model, or NotFound."""
+    registry.get(name)
+    return json.dumps(_model_card(name, created)).encode()

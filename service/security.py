@@ -1,0 +1,228 @@
+"""Transport security and access control: TLS credentials that follow files on disk, and API keys.
+
+Both re-read their files when they change (cert-manager and Kubernetes Secrets rotate files in
+place, by swapping a symlink), so rotation needs no restart and leaves open connections alone:
+a new certificate applies to new handshakes only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+BEARER = "bearer "
+KEY_CHECK_INTERVAL_S = 1.0
+"""How often, at most, the API key file is checked for changes."""
+
+
+class SecurityError(ValueError):
+    """A certificate, key or key file that cannot be used; the message names the file."""
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    """What changes when a file is replaced or rewritten (stat follows a swapped symlink)."""
+    stat = path.stat()
+    return (stat.st_mtime_ns, stat.st_ino, stat.st_size)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise SecurityError(f"cannot read {path}: {error.strerror}") from error
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The PEM files of the server's TLS setup."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+    """Mutual TLS: clients must present a certificate signed by this CA."""
+
+    def paths(self) -> tuple[Path, ...]:
+        """Every file in use."""
+        return (self.cert, self.key) if self.client_ca is None else (self.cert, self.key, self.client_ca)
+
+
+class ReloadingTls:
+    """Server credentials whose certificate, key and client CA are re-read when their files change.
+
+    gRPC asks `fetch` before each new TLS handshake (on one of its own threads); it answers None
+    while nothing changed, so the cost is a few stat calls per new connection.
+    """
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files
+        self._lock = threading.Lock()
+        self._stamps = self._current_stamps()
+        self._initial = self._configuration()
+        self.reloads = 0
+
+    def _current_stamps(self) -> tuple[tuple[int, int, int], ...]:
+        try:
+            return tuple(_stamp(path) for path in self.files.paths())
+        except OSError as error:
+            raise SecurityError(f"cannot read TLS file: {error}") from error
+
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
+        cert, key = _read(self.files.cert), _read(self.files.key)
+        if b"-----BEGIN" not in cert or b"-----BEGIN" not in key:
+            raise SecurityError(f"{self.files.cert} and {self.files.key} must be PEM files")
+        client_ca = _read(self.files.client_ca) if self.files.client_ca is not None else None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """A new configuration when a file changed since the last call, else None (keep the current one)."""
+        with self._lock:
+            try:
+                stamps = self._current_stamps()
+                if stamps == self._stamps:
+                    return None
+                configuration = self._configuration()
+            except SecurityError as error:
+                # Mid-rotation (one file written, the other not yet) or a broken file: keep serving
+                # with what works and try again at the next handshake.
+                log.warning("TLS files not reloaded: %s", error)
+                return None
+            self._stamps = stamps
+            self.reloads += 1
+            log.info("TLS certificate reloaded from %s", self.files.cert)
+            return configuration
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """Credentials for `add_secure_port`."""
+        return grpc.dynamic_ssl_server_credentials(
+            self._initial, self.fetch, require_client_authentication=self.files.client_ca is not None
+        )
+
+
+class ReloadingSslContext:
+    """An `ssl.SSLContext` for the HTTP port whose certificate, key and client CA follow their files.
+
+    Python's TLS servers take one context for good, so `context` asks, at each new handshake
+    (its SNI callback, which OpenSSL calls with or without a server name), whether a file changed,
+    and hands the handshake a freshly loaded context if so: the same few stat calls per new
+    connection as `ReloadingTls`, and open connections keep what they negotiated.
+    """
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files
+        self._lock = threading.Lock()
+        self._stamps = self._current_stamps()
+        self._current = self._load()
+        self.context = self._current
+        self.context.sni_callback = self._select
+        self.reloads = 0
+
+    def _current_stamps(self) -> tuple[tuple[int, int, int], ...]:
+        try:
+            return tuple(_stamp(path) for path in self.files.paths())
+        except OSError as error:
+            raise SecurityError(f"cannot read TLS file: {error}") from error
+
+    def _load(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self.files.cert, self.files.key)
+            if self.files.client_ca is not None:
+                context.load_verify_locations(cafile=self.files.client_ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as error:
+            raise SecurityError(f"{self.files.cert} and {self.files.key} cannot be used: {error}") from error
+        return context
+
+    def current(self) -> ssl.SSLContext:
+        """The context for a new handshake: reloaded when a file changed, else the one in use."""
+        with self._lock:
+            try:
+                stamps = self._current_stamps()
+                if stamps != self._stamps:
+                    self._current = self._load()
+                    self._stamps = stamps
+                    self.reloads += 1
+                    log.info("TLS certificate reloaded from %s for HTTP", self.files.cert)
+            except SecurityError as error:
+                # As for gRPC: mid-rotation or broken files keep the working context.
+                log.warning("TLS files not reloaded for HTTP: %s", error)
+            return self._current
+
+    def _select(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        latest = self.current()
+        if latest is not context:
+            connection.context = latest
+
+
+class ApiKeys:
+    """The accepted API keys, one per line of a file, re-read (at most once a second) when it changes.
+
+    Blank lines and lines starting with # are ignored. Keys are compared in constant time and never
+    logged.
+    """
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._keys, self._stamp = self._load()
+        self._checked_at = clock()
+
+    def _load(self) -> tuple[tuple[bytes, ...], tuple[int, int, int]]:
+        try:
+            stamp = _stamp(self.path)
+        except OSError as error:
+            raise SecurityError(f"cannot read API key file {self.path}: {error.strerror}") from error
+        lines = _read(self.path).decode("utf-8", errors="replace").splitlines()
+        keys = tuple(line.strip().encode() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+        if not keys:
+            raise SecurityError(f"API key file {self.path} holds no key")
+        return keys, stamp
+
+    def _refresh(self) -> None:
+        now = self._clock()
+        if now - self._checked_at < KEY_CHECK_INTERVAL_S:
+            return
+        with self._lock:
+            self._checked_at = now
+            try:
+                if _stamp(self.path) == self._stamp:
+                    return
+                self._keys, self._stamp = self._load()
+            except (OSError, SecurityError) as error:
+                log.warning("API keys not reloaded, keeping the previous ones: %s", error)
+                return
+            log.info("API keys reloaded from %s (%d keys)", self.path, len(self._keys))
+
+    def accepts(self, authorization: str | None) -> bool:
+        """Whether an `authorization` header value carries an accepted `Bearer` key."""
+        self._refresh()
+        if authorization is None or authorization[: len(BEARER)].lower() != BEARER:
+            return False
+        offered = authorization[len(BEARER) :].strip().encode()
+        # Compare with every key, so the time taken does not tell which one (or whether any) matched.
+        matches = [hmac.compare_digest(offered, key) for key in self._keys]
+        return any(matches)
+
+
+def tls_files(cert: str, key: str, client_ca: str) -> TlsFiles | None:
+    """The TLS files from settings (empty strings mean no TLS)."""
+    if not cert:
+        return None
+    return TlsFiles(Path(cert), Path(key), Path(client_ca) if client_ca else None)
+
+
+def api_keys(path: str) -> ApiKeys | None:
+    """The API keys from settings (an empty path means no keys needed)."""
+    return ApiKeys(Path(path)) if path else None

@@ -1,0 +1,119 @@
+"""Triton's per-model inference statistics (the ModelStatistics RPC), kept as plain counters.
+
+Each served model (name, version) has one `ModelStatistics`, found with `of`. Requests are
+recorded where they are answered (`record_success`, `record_failure`) and batches where the
+batcher finishes them (`record_execution`). Every update is a few integer additions on the event
+loop thread, so there is no lock; a ModelStatistics call reads a consistent snapshot because it
+runs on that thread too.
+
+What each duration holds, per successful request (Triton's meaning, mapped onto this server):
+- queue: time in the batching queue, until its batch started;
+- compute_infer: its batch's run (padding the batch and the ONNX Runtime session);
+- compute_output: encoding its response;
+- compute_input: the rest of its time in the server: decoding and validating the request,
+  admission, tokenising its texts, and handing its rows back after the run.
+So success = compute_input + queue + compute_infer + compute_output for every request. A request
+queued in parts (longer than the batch token budget) adds the queue and run time of each part.
+Per executed batch size, `batch_stats` counts executions and their compute_infer time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from service.proto import grpc_service_pb2 as pb
+
+_NS_PER_S = 1_000_000_000
+
+
+@dataclass
+class Duration:
+    """A count and the total nanoseconds of the things counted (Triton's StatisticDuration)."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        """Count one more, lasting `seconds`."""
+        self.count += 1
+        self.ns += int(seconds * _NS_PER_S)
+
+    def to_proto(self) -> pb.StatisticDuration:
+        """As the protocol message."""
+        return pb.StatisticDuration(count=self.count, ns=self.ns)
+
+
+@dataclass
+class ModelStatistics:
+    """Cumulative statistics of one model version since the server started."""
+
+    inference_count: int = 0
+    """Rows (sequences) of successful requests."""
+    execution_count: int = 0
+    """Batches run."""
+    last_inference_ms: int = 0
+    """Wall-clock milliseconds since the epoch of the last successful request; 0 before the first."""
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batch_infer: dict[int, Duration] = field(default_factory=dict)
+    """Executed batch size (rows) -> executions of that size and their run time."""
+
+    def record_success(self, rows: int, total_s: float, queue_s: float, compute_s: float, output_s: float) -> None:
+        """A request answered with `rows` rows after `total_s` in the server, of which the parts given."""
+        self.inference_count += rows
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        self.success.add(total_s)
+        self.queue.add(queue_s)
+        self.compute_infer.add(compute_s)
+        self.compute_output.add(output_s)
+        self.compute_input.add(max(0.0, total_s - queue_s - compute_s - output_s))
+
+    def record_failure(self, total_s: float) -> None:
+        """A request for this model that failed (any error after the model was found) after `total_s`."""
+        self.fail.add(total_s)
+
+    def record_execution(self, rows: int, compute_s: float) -> None:
+        """A batch of `rows` rows that ran for `compute_s`."""
+        self.execution_count += 1
+        duration = self.batch_infer.get(rows)
+        if duration is None:
+            duration = self.batch_infer[rows] = Duration()
+        duration.add(compute_s)
+
+    def to_proto(self, name: str, version: str) -> pb.ModelStatistics:
+        """As Triton's ModelStatistics message, batch sizes in increasing order."""
+        return pb.ModelStatistics(
+            name=name,
+            version=version,
+            last_inference=self.last_inference_ms,
+            inference_count=self.inference_count,
+            execution_count=self.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=self.success.to_proto(),
+                fail=self.fail.to_proto(),
+                queue=self.queue.to_proto(),
+                compute_input=self.compute_input.to_proto(),
+                compute_infer=self.compute_infer.to_proto(),
+                compute_output=self.compute_output.to_proto(),
+            ),
+            batch_stats=[
+                pb.InferBatchStatistics(batch_size=rows, compute_infer=duration.to_proto())
+                for rows, duration in sorted(self.batch_infer.items())
+            ],
+        )
+
+
+_BY_MODEL: dict[tuple[str, str], ModelStatistics] = {}
+
+
+def of(model: str, version: str) -> ModelStatistics:
+    """The statistics of a model version, created empty on first use (like a metric's labelled child)."""
+    statistics = _BY_MODEL.get((model, version))
+    if statistics is None:
+        statistics = _BY_MODEL[(model, version)] = ModelStatistics()
+    return statistics

@@ -1,0 +1,181 @@
+"""The GPU test plan: what only a CUDA machine can show. `make gpu-check` runs it and writes a report.
+
+Every test here is marked gpu and skipped where ONNX Runtime cannot create a CUDA session
+(tests/conftest.py). On a CUDA machine they check, end to end and with --require-gpu: the
+provider metric and KIND_GPU for every instance, fp16 (the CUDA default) and fp32 against the
+model over a sweep of rows (1-64), lengths (1-256) and every mask shape, the fidelity check at
+load on CUDA itself, warm-up of the bucketed shapes, two instances under load, and the CPU
+fallback (and the refusal with --require-gpu) when no device is visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client import EmbeddingClient
+from export import parity
+from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
+from service.models import ModelRegistry
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.proto import model_config_pb2 as mc
+from service.repository import read_model
+from service.runtime import CPU, CUDA, ExecutionSettings, ModelRuntime
+from service.settings import Settings
+from service.tokenizer import TextTokenizer
+from tests.conftest import DEFAULT_MODEL
+from tests.servers import ROOT, RunningServer, start_server
+
+pytestmark = pytest.mark.gpu
+
+SWEEP_ROWS = (1, 2, 7, 16, 33, 64)
+SWEEP_LENGTHS = (1, 2, 5, 16, 31, 32, 33, 64, 100, 128, 200, 256)
+TEXTS = ["Happy new year!", "The baby finally fell asleep after an hour of rocking.", "final answer"]
+
+
+def _model_config(server: RunningServer) -> mc.ModelConfig:
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        return stub.ModelConfig(pb.ModelConfigRequest(name=DEFAULT_MODEL), timeout=10).config
+
+
+def _provider_gauges(server: RunningServer) -> dict[tuple[str, str], float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return {
+        (sample.labels["provider"], sample.labels["variant"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "encoder_execution_provider_info"
+        for sample in family.samples
+    }
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(default_repository: Path) -> ModelRuntime:
+    """fp32 on the CPU: equal to the PyTorch model (the export gate shows cosine 1.0)."""
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    return ModelRuntime(spec, ExecutionSettings(device="cpu", variant="fp32", intra_op_threads=8))
+
+
+def test_served_end_to_end_on_cuda_with_require_gpu(
+    default_repository: Path, cpu_reference: ModelRuntime, tmp_path: Path
+) -> None:
+    server = start_server(default_repository, tmp_path / "server.log", "--require-gpu")
+    try:
+        config = _model_config(server)
+        assert [(group.kind, group.count) for group in config.instance_group] == [(mc.ModelInstanceGroup.KIND_GPU, 1)]
+        assert config.parameters["execution_provider"].string_value == CUDA
+        assert config.parameters["variant"].string_value == "fp16", server.log()
+        assert _provider_gauges(server) == {(CUDA, "fp16"): 1}
+        with EmbeddingClient(server.target) as client:
+            served = client.embed(TEXTS)
+        spec = cpu_reference.spec
+        tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+        expected = np.concatenate(
+            [cpu_reference.run(tokenizer.encode([text]).feed(), ("embedding",))["embedding"] for text in TEXTS]
+        )
+        assert cosines(served, expected).min() >= FIDELITY_MIN_COSINE
+        assert "fidelity check passed: fp16 on CUDAExecutionProvider" in server.log()
+    finally:
+        server.stop()
+
+
+def _sweep_feed(rows: int, length: int, style: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    real = rng.integers(1, length + 1, size=rows)
+    real[0] = length
+    mask = np.stack([parity.mask_row(length, int(n), style, rng) for n in real])
+    return {
+        "input_ids": rng.integers(1000, 30000, size=(rows, length), dtype=np.int64) * mask,
+        "attention_mask": mask,
+        "token_type_ids": np.zeros((rows, length), dtype=np.int64),
+    }
+
+
+@pytest.mark.parametrize("variant", ["fp16", "fp32"])
+def test_cuda_variants_match_the_model_over_rows_lengths_and_masks(
+    default_repository: Path, cpu_reference: ModelRuntime, variant: str
+) -> None:
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    gpu = ModelRuntime(spec, ExecutionSettings(require_gpu=True, variant=variant))
+    assert gpu.provider == CUDA and gpu.fidelity is not None and gpu.fidelity.provider == CUDA
+    bar = max(FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE[variant]) if variant == "fp16" else VARIANT_MIN_COSINE[variant]
+    rng = np.random.default_rng(0)
+    worst: dict[str, float] = {}
+    for rows in SWEEP_ROWS:
+        for length in SWEEP_LENGTHS:
+            for style in parity.MASK_STYLES:
+                feed = _sweep_feed(rows, length, style, rng)
+                got = gpu.run(feed, ("embedding",))["embedding"]
+                expected = cpu_reference.run(feed, ("embedding",))["embedding"]
+                worst[f"{rows}x{length} {style}"] = float(cosines(got, expected).min())
+    failing = {case: value for case, value in worst.items() if value < bar}
+    assert not failing, f"{variant} on CUDA below {bar}: {failing}"
+
+
+async def test_cuda_warm_up_covers_the_bucketed_lengths(default_repository: Path) -> None:
+    registry = ModelRegistry(Settings(model_repository=default_repository, require_gpu=True, intra_op_threads=1))
+    registry.discover()
+    try:
+        model = await registry.load(DEFAULT_MODEL)
+        assert model.provider == CUDA and model.policy.length_bucket == 32
+        shapes = model.warm_up_shapes()
+        assert [length for _, length in shapes[:-1]] == list(range(32, 257, 32))
+        assert shapes[-1] == (min(model.policy.max_batch_size, model.policy.max_batch_tokens // 256), 256)
+    finally:
+        await registry.close(1)
+
+
+def test_two_instances_on_cuda_under_load(default_repository: Path, tmp_path: Path) -> None:
+    server = start_server(default_repository, tmp_path / "server.log", "--require-gpu", "--instances", "2")
+    try:
+        config = _model_config(server)
+        assert [(group.kind, group.count) for group in config.instance_group] == [(mc.ModelInstanceGroup.KIND_GPU, 2)]
+        assert _provider_gauges(server) == {(CUDA, "fp16"): 2}
+        texts = [f"request {i}: {TEXTS[i % len(TEXTS)]}" for i in range(256)]
+        with EmbeddingClient(server.target) as client, ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(lambda text: client.embed([text]), texts))
+        assert all(result.shape == (1, 384) for result in results)
+        with EmbeddingClient(server.target) as client:
+            together = client.embed(texts[:3])
+        assert cosines(np.concatenate(results[:3]), together).min() >= FIDELITY_MIN_COSINE
+    finally:
+        server.stop()
+
+
+def test_no_visible_device_falls_back_to_the_cpu_with_the_reason(default_repository: Path, tmp_path: Path) -> None:
+    hidden = {"CUDA_VISIBLE_DEVICES": ""}
+    server = start_server(default_repository, tmp_path / "server.log", env=hidden)
+    try:
+        config = _model_config(server)
+        assert [(group.kind, group.count) for group in config.instance_group] == [(mc.ModelInstanceGroup.KIND_CPU, 1)]
+        assert (config.parameters["execution_provider"].string_value, config.parameters["variant"].string_value) == (
+            CPU,
+            "fp32",
+        )
+        assert "CUDA cannot be used, serving on the CPU: the NVIDIA driver cannot initialise CUDA" in server.log()
+    finally:
+        server.stop()
+    command = [sys.executable, "-m", "service", "--model-repository", str(default_repository), "--require-gpu"]
+    command += ["--grpc-port", "0", "--metrics-port", "0", "--http-port", "0", "--intra-op-threads", "1"]
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False, env={**os.environ, **hidden}
+    )
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("service: error: a GPU is required but CUDA cannot be used: the NVIDIA driver"), last
+
+
+def test_int8_is_reported_on_the_cpu_even_where_cuda_is_usable(default_repository: Path) -> None:
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    runtime = ModelRuntime(spec, dataclasses.replace(ExecutionSettings(), variant="int8", intra_op_threads=1))
+    assert (runtime.provider, runtime.variant) == (CPU, "int8")

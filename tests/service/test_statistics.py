@@ -1,0 +1,118 @@
+"""ModelStatistics with Triton's semantics, read through tritonclient from a server of our own."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from service.statistics import ModelStatistics
+from tests.conftest import TINY_MODEL
+from tests.servers import RunningServer, metric_samples, metric_value, start_server
+
+
+def text_input(texts: list[str]) -> triton.InferInput:
+    tensor = triton.InferInput("text", [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+    return tensor
+
+
+def token_inputs(rows: int) -> list[triton.InferInput]:
+    ids = np.tile(np.array([[101, 1037, 3899, 102]], dtype=np.int64), (rows, 1))
+    tensors = [
+        triton.InferInput("input_ids", list(ids.shape), "INT64"),
+        triton.InferInput("attention_mask", list(ids.shape), "INT64"),
+    ]
+    tensors[0].set_data_from_numpy(ids)
+    tensors[1].set_data_from_numpy(np.ones_like(ids))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def server(tiny_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
+    """A server of this module's own, so that its statistics count only this module's requests."""
+    running = start_server(tiny_repository, tmp_path_factory.mktemp("statistics-server") / "server.log")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_statistics_count_rows_requests_batches_and_failures(server: RunningServer) -> None:
+    client = triton.InferenceServerClient(server.target)
+    (empty,) = client.get_inference_statistics(TINY_MODEL).model_stats
+    assert (empty.name, empty.version, empty.inference_count, empty.execution_count, empty.last_inference) == (
+        TINY_MODEL,
+        "1",
+        0,
+        0,
+        0,
+    )
+    first_ms = time.time_ns() // 1_000_000
+    # One at a time, so each request is a batch of its own rows.
+    client.infer(TINY_MODEL, [text_input(["one", "two", "three"])])
+    client.infer(TINY_MODEL, [text_input(["four"])])
+    client.infer(TINY_MODEL, token_inputs(2))
+    with pytest.raises(InferenceServerException, match="empty"):
+        client.infer(TINY_MODEL, [text_input([" "])])
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        client.infer("no-such-model", [text_input(["five"])])
+    last_ms = time.time_ns() // 1_000_000
+
+    (stats,) = client.get_inference_statistics(TINY_MODEL).model_stats
+    inference = stats.inference_stats
+    assert stats.inference_count == 6
+    assert stats.execution_count == 3
+    assert {b.batch_size: b.compute_infer.count for b in stats.batch_stats} == {1: 1, 2: 1, 3: 1}
+    assert first_ms <= stats.last_inference <= last_ms
+    assert (inference.success.count, inference.fail.count) == (3, 1)
+    durations = (inference.queue, inference.compute_input, inference.compute_infer, inference.compute_output)
+    assert [d.count for d in durations] == [3, 3, 3, 3]
+    assert inference.fail.ns > 0 and inference.compute_infer.ns > 0 and inference.compute_input.ns > 0
+    # The parts of each successful request add up to its time in the server (nanosecond truncation aside).
+    assert abs(inference.success.ns - sum(d.ns for d in durations)) <= 4 * inference.success.count
+    assert sum(b.compute_infer.ns for b in stats.batch_stats) <= inference.compute_infer.ns + 3
+    # The same figures as the Prometheus metrics, which count at other places in the code.
+    samples = metric_samples(server)
+    labels = {"model": TINY_MODEL, "version": "1"}
+    assert metric_value(samples, "encoder_sequences_total", **labels) == stats.inference_count
+    assert metric_value(samples, "encoder_batch_size_count", **labels) == stats.execution_count
+    assert metric_value(samples, "encoder_requests_total", code="OK", **labels) == inference.success.count
+    assert metric_value(samples, "encoder_requests_total", code="INVALID_ARGUMENT", **labels) == inference.fail.count
+
+
+def test_every_model_without_a_name_and_not_found_for_unknown_ones(server: RunningServer) -> None:
+    client = triton.InferenceServerClient(server.target)
+    assert [(s.name, s.version) for s in client.get_inference_statistics().model_stats] == [(TINY_MODEL, "1")]
+    assert [s.name for s in client.get_inference_statistics(TINY_MODEL, "1").model_stats] == [TINY_MODEL]
+    for name, version in (("no-such-model", ""), (TINY_MODEL, "7")):
+        with pytest.raises(InferenceServerException) as raised:
+            client.get_inference_statistics(name, version)
+        assert raised.value.status() == str(grpc.StatusCode.NOT_FOUND)
+
+
+def test_batch_statistics_by_executed_size_and_proto_fields() -> None:
+    statistics = ModelStatistics()
+    statistics.record_execution(4, 0.002)
+    statistics.record_execution(1, 0.001)
+    statistics.record_execution(4, 0.003)
+    statistics.record_success(rows=4, total_s=0.010, queue_s=0.004, compute_s=0.003, output_s=0.001)
+    statistics.record_failure(0.0005)
+    message = statistics.to_proto("model", "2")
+    assert (message.name, message.version, message.inference_count, message.execution_count) == ("model", "2", 4, 3)
+    assert [(b.batch_size, b.compute_infer.count, b.compute_infer.ns) for b in message.batch_stats] == [
+        (1, 1, 1_000_000),
+        (4, 2, 5_000_000),
+    ]
+    inference = message.inference_stats
+    assert (inference.success.count, inference.success.ns) == (1, 10_000_000)
+    assert (inference.fail.count, inference.fail.ns) == (1, 500_000)
+    assert inference.queue.ns == 4_000_000 and inference.compute_infer.ns == 3_000_000
+    assert inference.compute_output.ns == 1_000_000
+    assert inference.compute_input.ns == pytest.approx(2_000_000, abs=1)
+    assert message.last_inference > 0

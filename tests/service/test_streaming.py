@@ -1,0 +1,171 @@
+"""ModelStreamInfer over real gRPC: order and ids, per-message errors, flow control, and the drain."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+
+from client.protocol import output_array, text_request, token_request
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.streaming import DRAINING_MESSAGE, MAX_INFLIGHT_PER_STREAM
+from tests.conftest import TINY_MODEL
+from tests.servers import RunningServer, start_server, wait_for_metric, wait_for_queue_depth
+
+LABELS = {"model": TINY_MODEL, "version": "1"}
+
+
+def _with_id(request: pb.ModelInferRequest, request_id: str) -> pb.ModelInferRequest:
+    request.id = request_id
+    return request
+
+
+@pytest.fixture(scope="module")
+def stub(tiny_server: RunningServer) -> pb_grpc.GRPCInferenceServiceStub:
+    channel = grpc.insecure_channel(tiny_server.target)
+    yield pb_grpc.GRPCInferenceServiceStub(channel)
+    channel.close()
+
+
+def test_answers_come_in_request_order_with_ids_and_each_requests_own_rows(
+    stub: pb_grpc.GRPCInferenceServiceStub,
+) -> None:
+    # Lengths and row counts vary, so requests land in different batches and finish out of order.
+    texts = [
+        [f"sentence {i} " + "word " * (i * 7 % 23)] + (["and a second row"] if i % 3 == 0 else []) for i in range(24)
+    ]
+    requests = [_with_id(text_request(TINY_MODEL, chunk), f"request-{i}") for i, chunk in enumerate(texts)]
+    expected = [output_array(stub.ModelInfer(request, timeout=30), "embedding") for request in requests]
+
+    responses = list(stub.ModelStreamInfer(iter(requests), timeout=60))
+
+    assert [r.infer_response.id for r in responses] == [r.id for r in requests]
+    for response, embedding in zip(responses, expected, strict=True):
+        assert response.error_message == ""
+        np.testing.assert_allclose(output_array(response.infer_response, "embedding"), embedding, atol=1e-6)
+
+
+def test_a_bad_message_gets_its_error_and_id_and_the_stream_goes_on(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    unknown_output = text_request(TINY_MODEL, ["fine text"])
+    unknown_output.outputs.add(name="logits")
+    requests = [
+        _with_id(text_request(TINY_MODEL, ["first"]), "good-1"),
+        _with_id(text_request(TINY_MODEL, [" "]), "empty-text"),
+        _with_id(text_request("no-such-model", ["text"]), "unknown-model"),
+        _with_id(token_request(TINY_MODEL, np.array([[101, 99999, 102]]), np.ones((1, 3), dtype=np.int64)), "bad-id"),
+        _with_id(unknown_output, "unknown-output"),
+        _with_id(text_request(TINY_MODEL, ["last"]), "good-2"),
+    ]
+    responses = list(stub.ModelStreamInfer(iter(requests), timeout=60))  # ends OK: no RpcError raised
+
+    by_id = {r.infer_response.id: r for r in responses}
+    assert [r.infer_response.id for r in responses] == [r.id for r in requests]
+    assert by_id["good-1"].error_message == "" and by_id["good-2"].error_message == ""
+    assert output_array(by_id["good-2"].infer_response, "embedding").shape[0] == 1
+    assert "empty" in by_id["empty-text"].error_message
+    assert "unknown model" in by_id["unknown-model"].error_message
+    assert by_id["unknown-model"].infer_response.model_name == "no-such-model"
+    assert "vocabulary" in by_id["bad-id"].error_message
+    assert "unknown output" in by_id["unknown-output"].error_message
+    for response in (by_id[name] for name in ("empty-text", "unknown-model", "bad-id", "unknown-output")):
+        assert not response.infer_response.outputs
+
+
+def test_tritonclient_streams_with_ids(tiny_server: RunningServer) -> None:
+    client = triton.InferenceServerClient(tiny_server.target)
+    results: list[tuple[str, np.ndarray | None, object]] = []
+    done = threading.Event()
+
+    def callback(result: triton.InferResult | None, error: object) -> None:
+        results.append((result.get_response().id if result else "", result and result.as_numpy("embedding"), error))
+        if len(results) == 5:
+            done.set()
+
+    client.start_stream(callback=callback)
+    try:
+        for index in range(5):
+            tensor = triton.InferInput("text", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[f"streamed text {index}".encode()]], dtype=object))
+            client.async_stream_infer(TINY_MODEL, [tensor], request_id=f"triton-{index}")
+        assert done.wait(60)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert [(request_id, error) for request_id, _, error in results] == [(f"triton-{i}", None) for i in range(5)]
+    assert all(embedding.shape == (1, 32) for _, embedding, _ in results)
+
+
+def test_a_stream_holds_a_bounded_number_of_unanswered_requests(tiny_repository: Path, tmp_path: Path) -> None:
+    """A producer far ahead of the model: the server reads only as many messages as it may hold.
+
+    Batches wait for a minute or 64 rows, and fewer than 64 are sent, so nothing runs: the server
+    must stop reading the stream at MAX_INFLIGHT_PER_STREAM requests while the client has sent
+    all of its messages.
+    """
+    sent = MAX_INFLIGHT_PER_STREAM + 16
+    assert sent < 64
+    server = start_server(
+        tiny_repository, tmp_path / "server.log", "--max-queue-delay-us", "60000000", "--max-batch-size", "64"
+    )
+    all_sent = threading.Event()
+    release = threading.Event()
+
+    def requests() -> Iterator[pb.ModelInferRequest]:
+        for index in range(sent):
+            yield _with_id(text_request(TINY_MODEL, [f"queued text {index}"]), str(index))
+        all_sent.set()
+        release.wait(60)
+
+    channel = grpc.insecure_channel(server.target)
+    try:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests(), timeout=120)
+        assert all_sent.wait(60), "gRPC's client took fewer messages than sent: the test needs them all on the wire"
+        wait_for_metric(server, "encoder_inflight_requests", MAX_INFLIGHT_PER_STREAM, **LABELS)
+        wait_for_queue_depth(server, MAX_INFLIGHT_PER_STREAM, TINY_MODEL)
+        call.cancel()
+        # Exactly the held requests ever reached the model's queue; they leave it as cancelled.
+        wait_for_metric(server, "encoder_requests_total", MAX_INFLIGHT_PER_STREAM, code="CANCELLED", **LABELS)
+        wait_for_metric(server, "encoder_requests_dropped_total", MAX_INFLIGHT_PER_STREAM, reason="cancelled", **LABELS)
+        wait_for_metric(server, "encoder_inflight_requests", 0, **LABELS)
+    finally:
+        release.set()
+        channel.close()
+        server.stop()
+
+
+def test_drain_answers_accepted_messages_then_ends_the_stream(tiny_repository: Path, tmp_path: Path) -> None:
+    accepted = 5
+    # Batches wait 5 s for company: the accepted requests are still queued when the drain begins.
+    server = start_server(
+        tiny_repository, tmp_path / "server.log", "--max-queue-delay-us", "5000000", "--drain-timeout-s", "30"
+    )
+    release = threading.Event()
+
+    def requests() -> Iterator[pb.ModelInferRequest]:
+        for index in range(accepted):
+            yield _with_id(text_request(TINY_MODEL, [f"accepted text {index}"]), f"accepted-{index}")
+        release.wait(60)  # the stream stays open: only the server can end it
+
+    channel = grpc.insecure_channel(server.target)
+    responses = []
+    try:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests(), timeout=120)
+        wait_for_queue_depth(server, accepted, TINY_MODEL)
+        server.terminate()
+        with pytest.raises(grpc.RpcError) as ended:
+            responses.extend(call)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert ended.value.details() == DRAINING_MESSAGE
+        assert server.stop() == 0
+    finally:
+        release.set()
+        channel.close()
+        server.stop()
+    assert [r.infer_response.id for r in responses] == [f"accepted-{i}" for i in range(accepted)]
+    assert all(r.error_message == "" and r.infer_response.raw_output_contents for r in responses)

@@ -1,0 +1,71 @@
+"""The client installs alone: `pip install encoder-serve` in a fresh virtual environment brings no ONNX Runtime.
+
+The project is installed from a copy of its sources (as from an sdist), then the installed client
+embeds a sentence from the running server, outside this checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from client import EmbeddingClient
+from tests.conftest import TINY_MODEL
+from tests.servers import ROOT, RunningServer
+
+SERVER_ONLY = ("onnxruntime", "onnxruntime-gpu", "tokenizers", "torch", "prometheus-client", "grpcio-reflection")
+PROBE = """
+import importlib.util, json, sys
+from importlib import metadata
+from client import EmbeddingClient
+embedding = EmbeddingClient(sys.argv[1], model=sys.argv[2]).embed([sys.argv[3]])
+print(json.dumps({
+    "distributions": sorted(d.metadata["Name"].lower() for d in metadata.distributions()),
+    "importable": [m for m in ("onnxruntime", "tokenizers", "torch") if importlib.util.find_spec(m)],
+    "client_from": importlib.util.find_spec("client").origin,
+    "embedding": embedding.tolist(),
+}))
+"""
+SENTENCE = "A man is eating food."
+
+
+def test_client_installs_without_the_runtime_and_embeds(tiny_server: RunningServer, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("client", "service", "export"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    environment = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(environment)], check=True, timeout=120)
+    python = environment / "bin" / "python"
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stderr
+
+    probe = subprocess.run(
+        [python, "-c", PROBE, tiny_server.target, TINY_MODEL, SENTENCE],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=environment,  # so nothing of this checkout is importable
+    )
+    assert probe.returncode == 0, probe.stderr
+    found = json.loads(probe.stdout)
+    assert "encoder-serve" in found["distributions"]
+    assert not set(SERVER_ONLY) & set(found["distributions"]), found["distributions"]
+    assert found["importable"] == []
+    assert Path(found["client_from"]).is_relative_to(environment)
+    expected = EmbeddingClient(tiny_server.target, model=TINY_MODEL).embed([SENTENCE])
+    np.testing.assert_allclose(np.array(found["embedding"], dtype=np.float32), expected, atol=1e-6)
