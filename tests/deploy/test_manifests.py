@@ -458,3 +458,16 @@ def test_overlays_keep_every_base_object(renders: dict[str, list[Manifest]]) -> 
     }
     for variant_names in names.values():
         assert names["base"] <= variant_names
+
+
+MEMORY_BUDGET_GIB = 1.0
+"""The server's RSS budget with the default model on the CPU (README, "Limits and security": peak 0.64 GiB)."""
+
+
+def _gibibytes(quantity: str) -> float:
+    units = {"Mi": 1 / 1024, "Gi": 1.0}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_the_memory_limit_holds_the_budget_twice(container: Manifest) -> None:
+    assert _gibibytes(container["resources"]["limits"]["memory"]) >= 2 * MEMORY_BUDGET_GIB
