@@ -55,6 +55,13 @@ class TlsFiles:
         """Every file in use."""
         return (self.cert, self.key) if self.client_ca is None else (self.cert, self.key, self.client_ca)
 
+    def stamps(self) -> tuple[tuple[int, int, int], ...]:
+        """What changes when any of the files is replaced or rewritten."""
+        try:
+            return tuple(_stamp(path) for path in self.paths())
+        except OSError as error:
+            raise SecurityError(f"cannot read TLS file: {error}") from error
+
 
 class ReloadingTls:
     """Server credentials whose certificate, key and client CA are re-read when their files change.
@@ -66,15 +73,9 @@ class ReloadingTls:
     def __init__(self, files: TlsFiles) -> None:
         self.files = files
         self._lock = threading.Lock()
-        self._stamps = self._current_stamps()
+        self._stamps = self.files.stamps()
         self._initial = self._configuration()
         self.reloads = 0
-
-    def _current_stamps(self) -> tuple[tuple[int, int, int], ...]:
-        try:
-            return tuple(_stamp(path) for path in self.files.paths())
-        except OSError as error:
-            raise SecurityError(f"cannot read TLS file: {error}") from error
 
     def _configuration(self) -> grpc.ServerCertificateConfiguration:
         cert, key = _read(self.files.cert), _read(self.files.key)
@@ -87,7 +88,7 @@ class ReloadingTls:
         """A new configuration when a file changed since the last call, else None (keep the current one)."""
         with self._lock:
             try:
-                stamps = self._current_stamps()
+                stamps = self.files.stamps()
                 if stamps == self._stamps:
                     return None
                 configuration = self._configuration()
@@ -120,17 +121,11 @@ class ReloadingSslContext:
     def __init__(self, files: TlsFiles) -> None:
         self.files = files
         self._lock = threading.Lock()
-        self._stamps = self._current_stamps()
+        self._stamps = self.files.stamps()
         self._current = self._load()
         self.context = self._current
         self.context.sni_callback = self._select
         self.reloads = 0
-
-    def _current_stamps(self) -> tuple[tuple[int, int, int], ...]:
-        try:
-            return tuple(_stamp(path) for path in self.files.paths())
-        except OSError as error:
-            raise SecurityError(f"cannot read TLS file: {error}") from error
 
     def _load(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -148,7 +143,7 @@ class ReloadingSslContext:
         """The context for a new handshake: reloaded when a file changed, else the one in use."""
         with self._lock:
             try:
-                stamps = self._current_stamps()
+                stamps = self.files.stamps()
                 if stamps != self._stamps:
                     self._current = self._load()
                     self._stamps = stamps
