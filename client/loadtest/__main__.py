@@ -60,12 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, default=Path("loadtest-results"), help="where results are written")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request mix and arrival times")
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="closed loop over ModelStreamInfer: one stream per worker, the next request after each answer",
+    )
     add_security_arguments(parser)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, tuple[Level, ...]]:
     """The validated run settings and levels; raises ConfigError."""
+    if args.rate is not None and args.streaming:
+        raise ConfigError("--streaming is a closed loop: use it with --concurrency, not --rate")
     if args.rate is not None:
         levels = parse_levels(args.rate, "open")
     else:
@@ -90,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, tuple[Level,
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
         security=security,
+        streaming=args.streaming,
     )
     return config, levels
 

@@ -85,6 +85,9 @@ class LoadConfig:
     """Show a progress bar on stderr."""
     security: ClientSecurity = field(default_factory=ClientSecurity)
     """TLS, mutual TLS and API key of every channel and call."""
+    streaming: bool = False
+    """Closed loop over ModelStreamInfer: each worker keeps one stream and sends its next request when
+    the previous one's answer arrives (instead of one ModelInfer call per request)."""
 
     def __post_init__(self) -> None:
         if not _TARGET.match(self.target):

@@ -156,6 +156,36 @@ async def _closed_worker(
         tally.record(sent_at, time.perf_counter() - sent_at, code, request.sequences)
 
 
+async def _closed_stream_worker(
+    stub: pb_grpc.GRPCInferenceServiceStub, requests: Iterator[PreparedRequest], tally: _Tally, config: LoadConfig
+) -> None:
+    """Closed loop over one ModelStreamInfer stream: the next request goes when the previous one's answer arrives.
+
+    A request answered with `error_message` counts as STREAM_ERROR; one with no answer within
+    timeout_s as DEADLINE_EXCEEDED; a stream the server ends or breaks counts its status and is reopened.
+    """
+    while time.perf_counter() < tally.measure_until:
+        stream = stub.ModelStreamInfer(metadata=config.security.metadata())
+        try:
+            while (sent_at := time.perf_counter()) < tally.measure_until:
+                request = next(requests)
+                await stream.write(request.message)
+                try:
+                    response = await asyncio.wait_for(stream.read(), config.timeout_s)
+                except asyncio.TimeoutError:
+                    tally.record(sent_at, time.perf_counter() - sent_at, "DEADLINE_EXCEEDED", request.sequences)
+                    break
+                if response is grpc.aio.EOF:
+                    tally.record(sent_at, time.perf_counter() - sent_at, "STREAM_ENDED", request.sequences)
+                    break
+                code = "STREAM_ERROR" if response.error_message else None
+                tally.record(sent_at, time.perf_counter() - sent_at, code, request.sequences)
+        except grpc.aio.AioRpcError as error:
+            tally.record(sent_at, time.perf_counter() - sent_at, error.code().name, request.sequences)
+        finally:
+            stream.cancel()
+
+
 async def _timed_send(
     stub: pb_grpc.GRPCInferenceServiceStub,
     request: PreparedRequest,
@@ -230,7 +260,8 @@ async def run_level(config: LoadConfig, level: Level, workload: Workload) -> Lev
         progress = asyncio.create_task(_show_progress(bar, tally, level, start)) if config.progress else None
         try:
             if level.mode == "closed":
-                workers = (_closed_worker(stub, requests, tally, config) for _ in range(level.concurrency))
+                worker = _closed_stream_worker if config.streaming else _closed_worker
+                workers = (worker(stub, requests, tally, config) for _ in range(level.concurrency))
                 await asyncio.gather(*workers)
             else:
                 await _open_loop(stub, requests, tally, config, rate_rps=level.value, start=start)

@@ -216,3 +216,21 @@ def test_reports_of_a_level_without_successes(tmp_path: Path) -> None:
     assert [path.name for path in paths] == ["run.json", "run.csv", "run.png"]
     document, rows = read_results(tmp_path / "out")
     assert document["levels"][0]["latency_p99_ms"] is None and rows[0]["failed_UNAVAILABLE"] == "3"
+
+
+def test_streaming_closed_loop(tiny_server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    before = requests_answered(tiny_server)
+    arguments = ["--target", tiny_server.target, "--model", TINY_MODEL, "--concurrency", "1,4", "--streaming"]
+    assert main([*arguments, "--output-dir", str(tmp_path), *QUICK]) == 0
+    assert "c=4" in capsys.readouterr().out
+    document, _ = read_results(tmp_path)
+    assert document["config"]["streaming"] is True
+    for level in document["levels"]:
+        assert_clean_level(level, batch_size=1)
+    assert requests_answered(tiny_server) - before >= sum(level["requests_sent"] for level in document["levels"])
+
+
+def test_streaming_is_a_closed_loop_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    arguments = ["--target", "127.0.0.1:1", "--rate", "10", "--streaming", "--output-dir", str(tmp_path)]
+    assert main(arguments) == 2
+    assert "--streaming is a closed loop" in capsys.readouterr().err
