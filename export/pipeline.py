@@ -125,14 +125,19 @@ def _fp16_session(path: Path, threads: int) -> tuple[ort.InferenceSession, str |
 def _calibration_feeds(
     checkpoint: Checkpoint, tokenizer: TextTokenizer | None, options: ExportOptions, names: list[str]
 ) -> list[dict[str, np.ndarray]]:
-    """Calibration batches: shipped sentences through the tokenizer, or random tokens without one."""
+    """Calibration batches: shipped sentences through the tokenizer, right- and left-padded, or random tokens.
+
+    Left-padded copies put padding where right-padded batches have real tokens; without them the
+    int8 recipe is tuned to one mask shape (measured: left-padded cosine 0.990 against 0.996 with them).
+    """
     if tokenizer is None:
         return [
             token_feed(names, 8, min(64, checkpoint.max_seq_length), checkpoint.config.vocab_size, seed=seed)
             for seed in range(4)
         ]
     sentences = parity.read_sentences(options.calibration)
-    return [tokenizer.encode(sentences[start : start + 16]).feed(names) for start in range(0, len(sentences), 16)]
+    feeds = [tokenizer.encode(sentences[start : start + 16]).feed(names) for start in range(0, len(sentences), 16)]
+    return feeds + [parity.left_padded(feed) for feed in feeds]
 
 
 def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[str], threads: int) -> dict[str, float]:
@@ -266,16 +271,26 @@ class _Build:
                 self.cuda_problem,
             )
 
-    def int8_speed(self) -> tuple[dict[str, float], list[str]]:
-        """int8 against fp32 at the reference shape, and the failure if it misses the bar."""
+    def int8_speed(self) -> dict[str, object]:
+        """int8 against fp32 at the reference shape; int8 is withdrawn (not published) if it misses the bar.
+
+        int8 is an explicit, opt-in choice (fp32 is the default), so a variant that is not worth
+        choosing is left out with a warning rather than failing the whole export: a timing taken on
+        a busy machine must not stop the model from being published.
+        """
         self.stage("int8: speed bar")
-        speedup = _int8_speedup(
-            self.files["fp32"], self.files["int8"], self.checkpoint, self.names, self.options.threads
+        speedup: dict[str, object] = dict(
+            _int8_speedup(self.files["fp32"], self.files["int8"], self.checkpoint, self.names, self.options.threads)
         )
-        if speedup["speedup"] >= self.options.int8_min_speedup:
-            return speedup, []
         bar = self.options.int8_min_speedup
-        return speedup, [f"int8: {speedup['speedup']}x fp32 at {speedup['shape']} is below the {bar}x bar"]
+        speedup["bar"] = bar
+        speedup["published"] = speedup["speedup"] >= bar
+        if not speedup["published"]:
+            log.warning(
+                "int8 not published: %sx fp32 at %s is below the %sx bar", speedup["speedup"], speedup["shape"], bar
+            )
+            del self.files["int8"]
+        return speedup
 
 
 def export_model(
@@ -301,10 +316,7 @@ def export_model(
         if "fp16" in options.variants:
             build.fp16_variant(gate)
         failures = build.refusals + gate.failures()
-        speedup = None
-        if "int8" in build.files:
-            speedup, too_slow = build.int8_speed()
-            failures += too_slow
+        speedup = build.int8_speed() if "int8" in build.files and not failures else None
         if failures:
             raise GateRefused("parity gate refused: " + "; ".join(failures))
         report = _report(build, gate, speedup)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from export.checkpoint import load_checkpoint, random_checkpoint
 from export.parity import read_sentences
 from export.pipeline import ExportOptions, GateRefused, export_model
 from service.fidelity import cosines
-from service.repository import read_model
+from service.repository import VARIANT_FILES, read_model
 from service.tokenizer import TextTokenizer
 from tests.conftest import DEFAULT_MODEL, TINY_CONFIG, TINY_MODEL
 from tests.servers import cuda_usable
@@ -99,7 +100,14 @@ def test_parity_report_meets_every_tolerance(default_repository: Path) -> None:
     int8 = report["variants"]["int8"]
     assert int8["cases"]["sentences"]["min_cosine"] >= 0.99
     assert int8["recipe"]["weights"] == "int8, symmetric, per output channel"
-    assert set(report["int8_speed"]) == {"shape", "fp32_sequences_per_second", "int8_sequences_per_second", "speedup"}
+    assert set(report["int8_speed"]) == {
+        "shape",
+        "fp32_sequences_per_second",
+        "int8_sequences_per_second",
+        "speedup",
+        "bar",
+        "published",
+    }
     assert set(report["cpu_graph_forms"]) == {"fp32", "int8"}
     for variant, forms in report["cpu_graph_forms"].items():
         assert forms["chosen"] in forms["sequences_per_second"]
@@ -154,24 +162,21 @@ def _token_rows(names: list[str]) -> dict[str, dict[str, np.ndarray]]:
 
 
 def test_every_variant_handles_every_mask_shape(default_repository: Path, default_folder: Path) -> None:
-    """fp32 and fp16 equal the model on every mask shape; int8 differs only by its quantisation error.
+    """fp32 and fp16 equal the model on every mask shape; int8 meets its own gate (0.99) on every one.
 
     With the optimiser's old mask format the fused graphs read a mask as a count of ones: left-padded
-    rows fell to cosine 0.06-0.14 and holed rows to 0.78-0.87. int8's own error on left-padded
-    sentences is ~0.987 whatever the graph form (it is gated on tokenizer-shaped sentences, >= 0.99),
-    so 0.98 separates a quantisation error from mishandled masks.
+    rows fell to cosine 0.06-0.14 and holed rows to 0.78-0.87. int8 measured 0.9968 / 0.9991 / 0.9986 on
+    the issue's three random rows (left-padded, holed, right-padded) with its outlier-split recipe.
     """
     model = load_checkpoint(default_folder, DEFAULT_MODEL).build_model()
     spec = read_model(default_repository / DEFAULT_MODEL)
     tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
     names = list(spec.input_names)
     shapes = {**_sentence_rows(tokenizer, names), **_token_rows(names)}
-    bars = {"fp32": 0.99999, "fp16": 0.9999, "int8": 0.98}
+    bars = {"fp32": 0.99999, "fp16": 0.9999, "int8": 0.99}
     for variant, path in spec.variants.items():
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         for shape, feed in shapes.items():
-            if variant == "int8" and shape == "mixed":
-                continue  # random ids are not int8's domain (reported in parity.json, not gated)
             (embedding,) = session.run(["embedding"], feed)
             expected = parity.embed_each(model, [feed])
             worst = float(cosines(embedding, expected).min())
@@ -212,13 +217,17 @@ def test_broken_model_is_refused_and_repository_left_as_it_was(
     assert tree(repository_copy) == before
 
 
-def test_int8_speed_bar_refuses_a_variant_that_is_not_faster(repository_copy: Path, default_folder: Path) -> None:
-    before = tree(repository_copy)
+def test_int8_speed_bar_withdraws_a_variant_that_is_not_faster(
+    tmp_path: Path, default_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_folder)
     options = ExportOptions(variants=("fp32", "int8"), threads=1, int8_min_speedup=100.0)
-    with pytest.raises(GateRefused, match=r"int8: [\d.]+x fp32 at \d+x\d+ is below the 100.0x bar"):
-        export_model(checkpoint, repository_copy, options)
-    assert tree(repository_copy) == before
+    report = export_model(checkpoint, tmp_path, options)
+    assert report["int8_speed"]["published"] is False and report["int8_speed"]["bar"] == 100.0
+    assert re.search(r"int8 not published: [\d.]+x fp32 at \d+x\d+ is below the 100.0x bar", caplog.text)
+    spec = read_model(tmp_path / TINY_MODEL)
+    assert set(spec.variants) == {"fp32"}  # the model itself is published; int8 is left out
+    assert not (tmp_path / TINY_MODEL / spec.version / VARIANT_FILES["int8"]).exists()
 
 
 def _old_mask_format(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,9 @@
-"""The int8 recipe on a tiny random encoder: loads, runs integer kernels, stays close to fp32."""
+"""The int8 recipe: on a tiny random encoder (runs integer kernels, stays close to fp32), and on the default model."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,12 @@ import pytest
 from export.checkpoint import random_checkpoint
 from export.config import EncoderConfig
 from export.onnx_export import export_onnx, input_names
-from export.quantize import INTEGER_OPERATORS, quantize_int8, smooth_activations
+from export.parity import read_sentences
+from export.quantize import INTEGER_OPERATORS, quantize_int8, smooth_activations, split_outlier_channels
+from service.fidelity import cosines
+from service.repository import read_model
+from service.tokenizer import TextTokenizer
+from tests.conftest import DEFAULT_MODEL
 
 TINY = EncoderConfig(vocab_size=1000, d_model=64, num_heads=4, num_layers=2, ffn_dim=128, max_positions=64)
 
@@ -99,3 +105,46 @@ def test_smoothing_alone_preserves_the_fp32_function(tiny_graphs: dict, form: st
 def test_empty_calibration_is_refused(tiny_graphs: dict) -> None:
     with pytest.raises(ValueError, match="calibration"):
         quantize_int8(tiny_graphs["graphs"]["unfused"], tiny_graphs["folder"] / "never.onnx", [])
+
+
+@pytest.mark.parametrize("form", ["unfused", "fused"])
+def test_outlier_split_preserves_the_fp32_function(tiny_graphs: dict, form: str) -> None:
+    model = onnx.load(str(tiny_graphs["graphs"][form]))
+    side_products = split_outlier_channels(model, tiny_graphs["calibration"], channels=3)
+    split = tiny_graphs["folder"] / f"split_{form}.onnx"
+    onnx.save(model, str(split))
+    onnx.checker.check_model(str(split))
+
+    assert len(side_products) == TINY.num_layers  # one feed-forward output projection per layer
+    reference, rewritten = _session(tiny_graphs["graphs"][form]), _session(split)
+    for feed in tiny_graphs["evaluation"]:
+        np.testing.assert_allclose(rewritten.run(None, feed)[1], reference.run(None, feed)[1], atol=1e-5)
+
+
+def _short_texts(tokenizer: TextTokenizer, runs: int = 300) -> list[str]:
+    """Inputs of 1-8 tokens (besides [CLS] and [SEP]) from the gate sentences' words: each word, then random runs."""
+    words = sorted({word for line in read_sentences() for word in re.findall(r"[A-Za-z]+", line)})
+    rng = np.random.default_rng(0)
+    texts = words + [" ".join(rng.choice(words, size=int(rng.integers(2, 9)))) for _ in range(runs)]
+    return [text for text in texts if tokenizer.encode([text]).input_ids.shape[1] - 2 <= 8]
+
+
+def test_int8_holds_on_short_inputs(default_repository: Path) -> None:
+    """Short inputs are where int8 is weakest: each one alone stays >= 0.99 cosine to fp32 (itself gated to the model).
+
+    The recipe before the outlier split (smoothing, then int8 everywhere, embeddings included) fell to 0.982 here
+    ('Thanks'); this one measured 0.994.
+    """
+    spec = read_model(default_repository / DEFAULT_MODEL)
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    names = list(spec.input_names)
+    texts = _short_texts(tokenizer)
+    assert len(texts) > 200
+    fp32, int8 = _session(spec.variants["fp32"]), _session(spec.variants["int8"])
+    worst_cosine, worst_text = 1.0, ""
+    for text in texts:
+        feed = tokenizer.encode([text]).feed(names)
+        cosine = float(cosines(int8.run(["embedding"], feed)[0], fp32.run(["embedding"], feed)[0])[0])
+        if cosine < worst_cosine:
+            worst_cosine, worst_text = cosine, text
+    assert worst_cosine >= 0.99, f"int8 cosine {worst_cosine:.5f} on {worst_text!r}"
