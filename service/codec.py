@@ -20,16 +20,7 @@ _LENGTH_PREFIX = struct.Struct("<I")
 _INT64 = np.dtype("<i8")
 _FP32 = np.dtype("<f4")
 _CONTENT_FIELDS = {"INT64": "int64_contents", "BYTES": "bytes_contents"}
-_ALL_CONTENT_FIELDS = (
-    "bool_contents",
-    "int_contents",
-    "int64_contents",
-    "uint_contents",
-    "uint64_contents",
-    "fp32_contents",
-    "fp64_contents",
-    "bytes_contents",
-)
+_ALL_CONTENT_FIELDS = tuple(field.name for field in pb.InferTensorContents.DESCRIPTOR.fields)
 
 
 @dataclass(frozen=True)

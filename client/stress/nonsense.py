@@ -19,16 +19,7 @@ INPUT_NAMES = ("text", "input_ids", "attention_mask", "token_type_ids", "", "unk
 OUTPUT_NAMES = ("embedding", "last_hidden_state", "", "logits")
 DIMENSIONS = (0, 1, 2, 3, 7, -1, -5, 2**31, 2**62, 2**63 - 1, -(2**63))
 PARAMETER_NAMES = ("timeout", "priority", "sequence_id", "binary_data_output", "x")
-CONTENT_FIELDS = (
-    "bool_contents",
-    "int_contents",
-    "int64_contents",
-    "uint_contents",
-    "uint64_contents",
-    "fp32_contents",
-    "fp64_contents",
-    "bytes_contents",
-)
+CONTENT_FIELDS = tuple(field.name for field in pb.InferTensorContents.DESCRIPTOR.fields)
 _INT64_RANGE = (-(2**63), 2**63 - 1)
 
 

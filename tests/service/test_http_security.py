@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,34 +17,10 @@ import pytest
 import trustme
 
 from tests.conftest import TINY_MODEL
+from tests.pki import Pki
 from tests.servers import RunningServer, free_port, metric_samples, metric_value, start_server
 
 KEY = "k-http-0123456789"
-
-
-class Pki:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files."""
-
-    def __init__(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        self.ca = trustme.CA()
-        self.ca_file = folder / "ca.pem"
-        self.ca.cert_pem.write_to_path(str(self.ca_file))
-        self.server_cert = self.ca.issue_cert("127.0.0.1")
-        self.client_cert = self.ca.issue_cert("client@example.com")
-
-    def write_server_files(self, cert: Path, key: Path) -> None:
-        """New files moved over the old ones, as a rotation writes them."""
-        for target, blob in ((cert, self.server_cert.cert_chain_pems), (key, [self.server_cert.private_key_pem])):
-            staging = target.with_suffix(".new")
-            staging.write_bytes(b"".join(part.bytes() for part in blob))
-            os.replace(staging, target)
-
-    def client_context(self, with_client_cert: bool = False) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=str(self.ca_file))
-        if with_client_cert:
-            self.client_cert.configure_cert(context)
-        return context
 
 
 def tls_server(repository: Path, folder: Path, pki: Pki, *arguments: str) -> RunningServer:
@@ -86,7 +61,7 @@ def pki(tmp_path: Path) -> Pki:
 
 def test_tls_serves_trusting_clients_and_refuses_others(tiny_repository: Path, tmp_path: Path, pki: Pki) -> None:
     with tls_server(tiny_repository, tmp_path, pki) as server:
-        assert embed(sdk(server, pki.client_context())) == 32
+        assert embed(sdk(server, pki.ssl_context())) == 32
         with pytest.raises(openai.APIConnectionError):
             embed(sdk(server, ssl.create_default_context(cadata=trustme.CA().cert_pem.bytes().decode())))
         with pytest.raises(openai.APIConnectionError):
@@ -96,15 +71,15 @@ def test_tls_serves_trusting_clients_and_refuses_others(tiny_repository: Path, t
 
 def test_a_rotated_certificate_is_used_for_new_connections(tiny_repository: Path, tmp_path: Path, pki: Pki) -> None:
     with tls_server(tiny_repository, tmp_path, pki) as server:
-        kept = http.client.HTTPSConnection("127.0.0.1", server.http_port, context=pki.client_context(), timeout=30)
+        kept = http.client.HTTPSConnection("127.0.0.1", server.http_port, context=pki.ssl_context(), timeout=30)
         try:
             kept.request("GET", "/v2/health/ready")
             assert kept.getresponse().read() == b""
             rotated = Pki(tmp_path / "rotated")  # a new CA, as a renewal with a new issuer would be
             rotated.write_server_files(tmp_path / "tls.crt", tmp_path / "tls.key")
-            assert embed(sdk(server, rotated.client_context())) == 32
+            assert embed(sdk(server, rotated.ssl_context())) == 32
             with pytest.raises(openai.APIConnectionError):
-                embed(sdk(server, pki.client_context()))
+                embed(sdk(server, pki.ssl_context()))
             # The connection opened before the rotation keeps what it negotiated.
             kept.request("GET", "/v2/health/ready")
             assert kept.getresponse().status == 200
@@ -114,9 +89,9 @@ def test_a_rotated_certificate_is_used_for_new_connections(tiny_repository: Path
 
 def test_mutual_tls_needs_a_client_certificate(tiny_repository: Path, tmp_path: Path, pki: Pki) -> None:
     with tls_server(tiny_repository, tmp_path, pki, "--tls-client-ca", str(pki.ca_file)) as server:
-        assert embed(sdk(server, pki.client_context(with_client_cert=True))) == 32
+        assert embed(sdk(server, pki.ssl_context(with_client_cert=True))) == 32
         with pytest.raises(openai.APIConnectionError):
-            embed(sdk(server, pki.client_context()))
+            embed(sdk(server, pki.ssl_context()))
 
 
 @pytest.fixture(scope="module")

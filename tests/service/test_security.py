@@ -23,6 +23,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.settings import SettingsError, load_settings
 from tests.conftest import TINY_MODEL
+from tests.pki import Pki
 from tests.servers import RunningServer, free_port, start_server
 
 KEY = "k-0123456789abcdef"
@@ -36,37 +37,9 @@ def text_request(text: str = "a secured sentence") -> pb.ModelInferRequest:
     return request
 
 
-class Pki:
-    """A CA, a server certificate for 127.0.0.1, and a client certificate, written as PEM files."""
-
-    def __init__(self, folder: Path, name: str) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        self.ca = trustme.CA()
-        self.ca_file = folder / f"{name}-ca.pem"
-        self.ca.cert_pem.write_to_path(str(self.ca_file))
-        self.server_cert = self.ca.issue_cert("127.0.0.1", "localhost")
-        self.client_cert = self.ca.issue_cert("client@example.com")
-
-    def write_server_files(self, cert: Path, key: Path) -> None:
-        """Write the server's chain and key the way a rotation does: new files moved over the old ones."""
-        for target, blob in ((cert, self.server_cert.cert_chain_pems), (key, [self.server_cert.private_key_pem])):
-            staging = target.with_suffix(".new")
-            staging.write_bytes(b"".join(part.bytes() for part in blob))
-            os.replace(staging, target)
-
-    def credentials(self, with_client_cert: bool = False) -> grpc.ChannelCredentials:
-        if not with_client_cert:
-            return grpc.ssl_channel_credentials(self.ca.cert_pem.bytes())
-        return grpc.ssl_channel_credentials(
-            self.ca.cert_pem.bytes(),
-            private_key=self.client_cert.private_key_pem.bytes(),
-            certificate_chain=self.client_cert.cert_chain_pems[0].bytes(),
-        )
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return Pki(tmp_path_factory.mktemp("pki"), "first")
+    return Pki(tmp_path_factory.mktemp("pki"))
 
 
 def secure_server(tiny_repository: Path, folder: Path, pki: Pki, *arguments: str) -> tuple[RunningServer, Path, Path]:
@@ -104,7 +77,7 @@ def infer(target: str, credentials: grpc.ChannelCredentials, metadata: tuple = (
 
 def test_tls_serves_trusting_clients_and_refuses_plaintext(tls_server, pki: Pki) -> None:
     server, _, _ = tls_server
-    assert len(infer(server.target, pki.credentials()).raw_output_contents[0]) == 4 * 32
+    assert len(infer(server.target, pki.grpc_credentials()).raw_output_contents[0]) == 4 * 32
     with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as refused:
         pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(text_request(), timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -141,15 +114,15 @@ def test_a_rotated_certificate_is_used_for_new_connections_and_open_ones_keep_wo
     tls_server, pki, tmp_path
 ) -> None:
     server, cert, key = tls_server
-    old_channel = grpc.secure_channel(server.target, pki.credentials())
+    old_channel = grpc.secure_channel(server.target, pki.grpc_credentials())
     try:
         old_stub = pb_grpc.GRPCInferenceServiceStub(old_channel)
         old_stub.ModelInfer(text_request(), timeout=10)
-        rotated = Pki(tmp_path / "rotated", "second")  # a new CA, as a renewal with a new issuer would be
+        rotated = Pki(tmp_path / "rotated")  # a new CA, as a renewal with a new issuer would be
         rotated.write_server_files(cert, key)
-        assert len(infer(server.target, rotated.credentials()).raw_output_contents) == 1
+        assert len(infer(server.target, rotated.grpc_credentials()).raw_output_contents) == 1
         with pytest.raises(grpc.RpcError):  # new handshakes present the new certificate only
-            infer(server.target, pki.credentials())
+            infer(server.target, pki.grpc_credentials())
         old_stub.ModelInfer(text_request(), timeout=10)  # the connection made before still works
     finally:
         old_channel.close()
@@ -159,9 +132,9 @@ def test_a_rotated_certificate_is_used_for_new_connections_and_open_ones_keep_wo
 def test_mutual_tls_requires_a_client_certificate_from_the_ca(tiny_repository: Path, tmp_path: Path, pki) -> None:
     server, _, _ = secure_server(tiny_repository, tmp_path, pki, "--tls-client-ca", str(pki.ca_file))
     try:
-        assert len(infer(server.target, pki.credentials(with_client_cert=True)).raw_output_contents) == 1
+        assert len(infer(server.target, pki.grpc_credentials(with_client_cert=True)).raw_output_contents) == 1
         with pytest.raises(grpc.RpcError) as refused:
-            infer(server.target, pki.credentials(with_client_cert=False))
+            infer(server.target, pki.grpc_credentials(with_client_cert=False))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         foreign = trustme.CA().issue_cert("intruder@example.com")  # signed by another CA
         credentials = grpc.ssl_channel_credentials(
