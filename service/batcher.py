@@ -1,8 +1,8 @@
-"""Dynamic batching: one bounded queue per model and one consumer loop.
+"""Dynamic batching: one bounded queue per model, dispatched to its model instances.
 
 Callers `admit` a request (rejected at once when the queue is full), then `submit` its token
-arrays and await their own rows back. The consumer waits for an idle model instance, then forms
-a batch: the oldest request plus the queued requests closest to its length, up to
+arrays and await their own rows back. Whenever a request arrives or an instance finishes, and an
+instance is idle, a batch is formed: the oldest request plus the queued requests closest to its length, up to
 `max_batch_size` rows and `max_batch_tokens` padded tokens, waiting no longer than
 `max_queue_delay` after the oldest arrived. Cancelled and expired requests leave the queue at
 once and never run. Every batch resolves every one of its futures, with results or with an
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,15 +100,57 @@ class WorkItem:
         return self.tokens["input_ids"].shape[1]
 
 
-@dataclass
-class _Submitted:
-    """A batch handed to a model instance: when, the padded feed, and its future outputs."""
+@dataclass(eq=False)
+class _Batch:
+    """Requests handed to one model instance together: the padded feed, when it started, its watchdog."""
 
-    started: float
+    items: list[WorkItem]
+    instance: _Instance
     feed: dict[str, np.ndarray]
-    results: asyncio.Future[dict[str, np.ndarray]]
+    started: float
+    watchdog: asyncio.TimerHandle | None = None
     overran: bool = False
     """Set when the run exceeded max_batch_run_s (its requests were failed, its instance retired)."""
+
+
+Finished = Callable[[_Batch, "dict[str, np.ndarray] | None", "Exception | None"], None]
+
+
+class _Instance:
+    """A model instance and the thread that runs its batches, one at a time.
+
+    The thread hands each finished batch back to the event loop with one `call_soon_threadsafe`:
+    no executor, future or task per batch.
+    """
+
+    def __init__(self, runner: Runner, name: str, loop: asyncio.AbstractEventLoop, finished: Finished) -> None:
+        self.runner = runner
+        self._loop = loop
+        self._finished = finished
+        self._inbox: queue.SimpleQueue[tuple[_Batch, tuple[str, ...]] | None] = queue.SimpleQueue()
+        # A daemon: a run that never returns must not keep the process from exiting.
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def run(self, batch: _Batch, outputs: tuple[str, ...]) -> None:
+        """Queue a batch for this instance's thread."""
+        self._inbox.put((batch, outputs))
+
+    def stop(self) -> None:
+        """End the thread once its current run (if any) returns."""
+        self._inbox.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._inbox.get()) is not None:
+            batch, outputs = job
+            results, error = None, None
+            try:
+                results = self.runner.run(batch.feed, outputs)
+            except Exception as raised:  # handed to the loop, which fails this batch's requests
+                error = raised
+            try:
+                self._loop.call_soon_threadsafe(self._finished, batch, results, error)
+            except RuntimeError:  # the loop closed while this batch ran: nobody waits for it
+                return
 
 
 def _round_up(length: int, multiple: int) -> int:
@@ -134,7 +177,7 @@ def select_batch(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[Wo
 
 
 class Batcher:
-    """The queue and consumer loop of one model."""
+    """The queue of one model and the dispatching of its batches to the model's instances."""
 
     def __init__(
         self,
@@ -145,35 +188,41 @@ class Batcher:
     ) -> None:
         self.policy = policy
         self._labels = labels.values()
+        self._metrics = metrics.of(labels)
+        self._statistics = statistics.of(*self._labels)
         self._output_names = output_names
+        self._runners = list(runners)
         self._pending: list[WorkItem] = []
-        self._arrived = asyncio.Event()
-        self._idle: asyncio.Queue[Runner] = asyncio.Queue()
-        for runner in runners:
-            self._idle.put_nowait(runner)
-        self._executor = ThreadPoolExecutor(max_workers=len(runners), thread_name_prefix=f"model-{labels.model}")
-        self._running: set[asyncio.Task[None]] = set()
+        self._idle: list[_Instance] = []
+        self._instances: list[_Instance] = []
+        self._running: set[_Batch] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dispatch_scheduled = False
+        self._delay_timer: asyncio.TimerHandle | None = None
         self._closing = False
         self._stopped = False
-        self._consumer: asyncio.Task[None] | None = None
         self._admitted = 0
         """Requests admitted and not yet queued (being tokenised): they hold a queue place."""
-        self._instances = len(runners)
         self._stuck = 0
         self.on_serving_change: Callable[[bool], None] | None = None
         """Told False when every instance is stuck, True when one comes back."""
         metrics.QUEUE_CAPACITY.labels(*self._labels).set(policy.max_queue_size)
-        metrics.QUEUE_DEPTH.labels(*self._labels).set(0)
+        metrics.QUEUE_DEPTH.labels(*self._labels).set_function(lambda: len(self._pending))
         metrics.STUCK_INSTANCES.labels(*self._labels).set(0)
 
     def start(self) -> None:
-        """Start the consumer loop on the running event loop."""
-        self._consumer = asyncio.get_running_loop().create_task(self._consume(), name=f"batcher-{self._labels[0]}")
+        """Start one thread per model instance, answering to the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._instances = [
+            _Instance(runner, f"model-{self._labels[0]}_{index}", self._loop, self._finished)
+            for index, runner in enumerate(self._runners)
+        ]
+        self._idle = list(self._instances)
 
     @property
     def serving(self) -> bool:
         """Whether at least one instance is in service (not stuck in an overlong run)."""
-        return self._stuck < self._instances
+        return self._stuck < len(self._runners)
 
     def admit(self) -> None:
         """Take a queue place for a request about to be prepared; refuses at once when there is none.
@@ -213,11 +262,13 @@ class Batcher:
             raise Unavailable("the model is shutting down")
         if not self.serving:
             raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         item = WorkItem(tokens, outputs, loop.create_future(), deadline)
         self._pending.append(item)
-        metrics.QUEUE_DEPTH.labels(*self._labels).set(len(self._pending))
-        self._arrived.set()
+        if not self._dispatch_scheduled:
+            # After the callbacks ready now: requests arriving in the same loop step batch together.
+            self._dispatch_scheduled = True
+            loop.call_soon(self._dispatch)
         expiry = loop.call_at(deadline, self._expire, item) if deadline is not None else None
         try:
             return await item.future
@@ -245,8 +296,7 @@ class Batcher:
             self._pending.remove(item)
         except ValueError:
             return False
-        metrics.DROPPED.labels(*self._labels, reason).inc()
-        metrics.QUEUE_DEPTH.labels(*self._labels).set(len(self._pending))
+        self._metrics.dropped(reason)
         return True
 
     async def close(self, timeout_s: float) -> None:
@@ -255,72 +305,53 @@ class Batcher:
         deadline = time.monotonic() + timeout_s
         while (self._pending or self._running) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._consumer is not None:
-            self._consumer.cancel()
-            await asyncio.gather(self._consumer, return_exceptions=True)
         self._stopped = True
+        if self._delay_timer is not None:
+            self._delay_timer.cancel()
         self._fail(self._pending, Unavailable("the server shut down before this request ran"))
         self._pending.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for instance in self._instances:
+            instance.stop()
 
-    async def _consume(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            runner = await self._idle.get()
-            try:
-                items = await self._collect()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                # Never die quietly: fail what is queued and keep serving.
-                log.exception("batch formation failed")
-                self._fail(self._pending, ModelFailure("batch formation failed; see the server log"))
-                self._pending.clear()
-                self._idle.put_nowait(runner)
-                continue
-            # Submitted here, in the step that formed the batch, so the model restarts before the
-            # previous batch's responses are encoded; a task then waits for the result.
-            task = loop.create_task(self._execute(runner, items, self._submit(loop, runner, items)))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
-
-    def _submit(self, loop: asyncio.AbstractEventLoop, runner: Runner, items: list[WorkItem]) -> _Submitted:
-        started = time.monotonic()
+    def _dispatch(self) -> None:
+        """Hand batches to idle instances while work is queued, waiting out max_queue_delay for fuller ones."""
+        self._dispatch_scheduled = False
+        if self._delay_timer is not None:
+            self._delay_timer.cancel()
+            self._delay_timer = None
         try:
-            feed = self._pad(items)
-        except Exception as error:
-            failed: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
-            failed.set_exception(error)
-            return _Submitted(started, {}, failed)
-        wanted = tuple(name for name in self._output_names if any(name in item.outputs for item in items))
-        return _Submitted(started, feed, loop.run_in_executor(self._executor, runner.run, feed, wanted))
-
-    async def _collect(self) -> list[WorkItem]:
-        """Wait for work, then for a fuller batch until the oldest request's delay is spent."""
-        while True:
-            while not self._pending:
-                self._arrived.clear()
-                await self._arrived.wait()
-            self._drop_dead()
-            if not self._pending:
-                continue
-            dispatch_at = self._pending[0].enqueued_at + self.policy.max_queue_delay_s
-            while not self._full():
-                remaining = dispatch_at - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
-                except TimeoutError:
-                    break
-            self._drop_dead()
-            if self._pending:
+            while self._idle and self._pending and not self._stopped:
+                self._drop_dead()
+                if not self._pending:
+                    return
+                if not self._full():
+                    wait_s = self._pending[0].enqueued_at + self.policy.max_queue_delay_s - time.monotonic()
+                    if wait_s > 0:
+                        self._delay_timer = self._loop.call_later(wait_s, self._dispatch)
+                        return
                 chosen = select_batch(self._pending, self.policy)
                 taken = set(map(id, chosen))
                 self._pending = [item for item in self._pending if id(item) not in taken]
-                metrics.QUEUE_DEPTH.labels(*self._labels).set(len(self._pending))
-                return chosen
+                self._start(self._idle.pop(0), chosen)
+        except Exception:
+            # Never die quietly: fail what is queued and keep serving.
+            log.exception("batch formation failed")
+            self._fail(self._pending, ModelFailure("batch formation failed; see the server log"))
+            self._pending.clear()
+
+    def _start(self, instance: _Instance, items: list[WorkItem]) -> None:
+        """Pad a batch and hand it to an instance, under a watchdog of max_batch_run_s."""
+        try:
+            feed = self._pad(items)
+        except Exception as error:
+            log.exception("padding a batch of %d requests failed", len(items))
+            self._fail(items, ModelFailure(f"model execution failed: {error}"))
+            self._idle.append(instance)
+            return
+        batch = _Batch(items, instance, feed, time.monotonic())
+        batch.watchdog = self._loop.call_later(self.policy.max_batch_run_s, self._overran, batch)
+        self._running.add(batch)
+        instance.run(batch, tuple(name for name in self._output_names if any(name in item.outputs for item in items)))
 
     def _full(self) -> bool:
         rows = sum(item.rows for item in self._pending)
@@ -335,15 +366,14 @@ class Batcher:
         alive = []
         for item in self._pending:
             if item.future.done():
-                metrics.DROPPED.labels(*self._labels, "cancelled").inc()
+                self._metrics.dropped("cancelled")
             elif item.deadline is not None and item.deadline <= now:
                 item.future.set_exception(DeadlineExceeded("the request's timeout passed while it was queued"))
-                metrics.DROPPED.labels(*self._labels, "expired").inc()
+                self._metrics.dropped("expired")
             else:
                 alive.append(item)
         if len(alive) != len(self._pending):
             self._pending = alive
-            metrics.QUEUE_DEPTH.labels(*self._labels).set(len(alive))
 
     def _pad(self, items: list[WorkItem]) -> dict[str, np.ndarray]:
         rows = sum(item.rows for item in items)
@@ -360,21 +390,23 @@ class Batcher:
             row += item.rows
         return feed
 
-    async def _execute(self, runner: Runner, items: list[WorkItem], submitted: _Submitted) -> None:
-        started, feed = submitted.started, submitted.feed
-        loop = asyncio.get_running_loop()
-        watchdog = loop.call_later(self.policy.max_batch_run_s, self._overran, runner, items, submitted)
-        try:
-            results = await submitted.results
-        except Exception as error:
-            log.exception("model execution failed for a batch of %d requests", len(items))
+    def _finished(self, batch: _Batch, results: dict[str, np.ndarray] | None, error: Exception | None) -> None:
+        """A batch came back from its instance (on the loop): restart the instance, then answer the batch."""
+        self._running.discard(batch)
+        batch.watchdog.cancel()
+        if batch.overran:
+            self._returned(batch.instance)
+        else:
+            self._idle.append(batch.instance)
+        if self._pending:
+            self._dispatch()  # the model starts its next batch before this one's answers are encoded
+        items = batch.items
+        if error is not None:
+            log.error("model execution failed for a batch of %d requests", len(items), exc_info=error)
             self._fail(items, ModelFailure(f"model execution failed: {error}"))
             return
-        finally:
-            watchdog.cancel()
-            if not submitted.overran:
-                self._idle.put_nowait(runner)
-        compute_s = time.monotonic() - started
+        compute_s = time.monotonic() - batch.started
+        feed, started = batch.feed, batch.started
         self._record(items, feed, started, compute_s)
         row = 0
         for item in items:
@@ -390,41 +422,39 @@ class Batcher:
 
     def _record(self, items: list[WorkItem], feed: dict[str, np.ndarray], started: float, compute_s: float) -> None:
         rows, length = feed["input_ids"].shape
-        real_tokens = int(feed["attention_mask"].sum())
-        labels = self._labels
-        metrics.COMPUTE_DURATION.labels(*labels).observe(compute_s)
-        metrics.BATCH_SIZE.labels(*labels).observe(rows)
-        metrics.PADDING_RATIO.labels(*labels).observe(1.0 - real_tokens / (rows * length))
-        metrics.SEQUENCES.labels(*labels).inc(rows)
-        metrics.TOKENS.labels(*labels).inc(real_tokens)
-        statistics.of(*labels).record_execution(rows, compute_s)
-        queue_histogram = metrics.QUEUE_DURATION.labels(*labels)
+        real_tokens = int(np.count_nonzero(feed["attention_mask"]))
+        model_metrics = self._metrics
+        model_metrics.compute_duration.observe(compute_s)
+        model_metrics.batch_size.observe(rows)
+        model_metrics.padding_ratio.observe(1.0 - real_tokens / (rows * length))
+        model_metrics.sequences.inc(rows)
+        model_metrics.tokens.inc(real_tokens)
+        self._statistics.record_execution(rows, compute_s)
+        queue_histogram = model_metrics.queue_duration
         for item in items:
             queue_histogram.observe(started - item.enqueued_at)
 
-    def _overran(self, runner: Runner, items: list[WorkItem], submitted: _Submitted) -> None:
+    def _overran(self, batch: _Batch) -> None:
         """A run exceeded max_batch_run_s: fail its requests; the instance is out until the run returns."""
         limit = self.policy.max_batch_run_s
-        log.error("model instance stuck: a batch of %d requests has run for over %.0f s", len(items), limit)
-        self._fail(items, Unavailable(f"the model did not finish this request's batch within {limit:g} s"))
-        submitted.overran = True
+        log.error("model instance stuck: a batch of %d requests has run for over %.0f s", len(batch.items), limit)
+        self._fail(batch.items, Unavailable(f"the model did not finish this request's batch within {limit:g} s"))
+        batch.overran = True
         self._stuck += 1
         metrics.STUCK_INSTANCES.labels(*self._labels).set(self._stuck)
         if not self.serving:
             self._fail(self._pending, Unavailable("no model instance is in service"))
             self._pending.clear()
-            metrics.QUEUE_DEPTH.labels(*self._labels).set(0)
             if self.on_serving_change is not None:
                 self.on_serving_change(False)
-        submitted.results.add_done_callback(lambda _: self._returned(runner))
 
-    def _returned(self, runner: Runner) -> None:
+    def _returned(self, instance: _Instance) -> None:
         """A stuck run finally returned: its instance is back in service."""
         was_serving = self.serving
         self._stuck -= 1
         metrics.STUCK_INSTANCES.labels(*self._labels).set(self._stuck)
         log.warning("model instance back in service after an overlong run")
-        self._idle.put_nowait(runner)
+        self._idle.append(instance)
         if not was_serving and self.on_serving_change is not None:
             self.on_serving_change(True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -60,8 +61,9 @@ class ModelSignature:
     max_batch_size: int
     text_limits: TextLimits = TextLimits()
 
+    @functools.cached_property
     def input_datatypes(self) -> dict[str, str]:
-        """Accepted input name -> KServe datatype."""
+        """Accepted input name -> KServe datatype (built once: every request is checked against it)."""
         names = {name: "INT64" for name in self.spec.input_names}
         if self.accepts_text:
             names[TEXT_INPUT] = "BYTES"
@@ -262,7 +264,7 @@ def _text_shape_check(shape: list[int]) -> None:
 
 def decode_infer_request(request: pb.ModelInferRequest, signature: ModelSignature) -> InferenceRequest:
     """Validate a ModelInferRequest against a model and turn it into arrays (no copies of raw data)."""
-    decoded = _decode_inputs(request, signature.input_datatypes())
+    decoded = _decode_inputs(request, signature.input_datatypes)
     texts = None
     tokens = None
     if TEXT_INPUT in decoded:

@@ -7,9 +7,8 @@ model and version.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
@@ -130,22 +129,74 @@ UNKNOWN_MODEL = ModelLabels("", "")
 """Labels for requests naming a model that is not served (client-chosen names would explode cardinality)."""
 
 
-@contextmanager
-def track_request(labels: ModelLabels) -> Iterator[None]:
-    """Count one inference request: in flight while inside, then its status code and duration."""
-    started = time.perf_counter()
-    INFLIGHT.labels(*labels.values()).inc()
-    error: BaseException | None = None
-    try:
-        yield
-    except BaseException as raised:
-        error = raised
-        reason = getattr(raised, "reason", None)
-        if reason is not None:
-            REJECTED.labels(reason).inc()
-        raise
-    finally:
-        INFLIGHT.labels(*labels.values()).dec()
-        code = status_of(error).name
-        REQUESTS.labels(*labels.values(), code).inc()
-        REQUEST_DURATION.labels(*labels.values(), code).observe(time.perf_counter() - started)
+class ModelMetrics:
+    """One model version's labelled metric children, resolved once.
+
+    `labels()` takes a lock and a dictionary lookup on every call; the request path instead uses
+    these children. Gauges that mirror a count the server keeps anyway (requests in flight, queue
+    depth) are read at scrape time, so the request path does not update them at all.
+    """
+
+    def __init__(self, labels: ModelLabels) -> None:
+        values = labels.values()
+        self.labels = labels
+        self.inflight = 0
+        """Inference requests received and not yet answered; encoder_inflight_requests reads it."""
+        INFLIGHT.labels(*values).set_function(lambda: self.inflight)
+        self.tokenize_duration = TOKENIZE_DURATION.labels(*values)
+        self.queue_duration = QUEUE_DURATION.labels(*values)
+        self.compute_duration = COMPUTE_DURATION.labels(*values)
+        self.batch_size = BATCH_SIZE.labels(*values)
+        self.padding_ratio = PADDING_RATIO.labels(*values)
+        self.sequences = SEQUENCES.labels(*values)
+        self.tokens = TOKENS.labels(*values)
+        self._answered: dict[str, tuple[Any, Any]] = {}
+
+    def answered(self, code: str, seconds: float) -> None:
+        """Count one answered request with its status code's name and its time in the server."""
+        children = self._answered.get(code)
+        if children is None:
+            values = self.labels.values()
+            children = self._answered[code] = (REQUESTS.labels(*values, code), REQUEST_DURATION.labels(*values, code))
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def dropped(self, reason: str) -> None:
+        """Count one queued request dropped before it ran (cancelled, expired)."""
+        DROPPED.labels(*self.labels.values(), reason).inc()
+
+
+_BY_MODEL: dict[ModelLabels, ModelMetrics] = {}
+
+
+def of(labels: ModelLabels) -> ModelMetrics:
+    """The metric children of a model version, resolved on first use."""
+    model_metrics = _BY_MODEL.get(labels)
+    if model_metrics is None:
+        model_metrics = _BY_MODEL[labels] = ModelMetrics(labels)
+    return model_metrics
+
+
+class TrackedRequest:
+    """Count one inference request: in flight while inside, then its status code and duration.
+
+    A refusal that carries a `reason` (a limit or check) is also counted in encoder_requests_rejected_total.
+    """
+
+    __slots__ = ("_metrics", "_started")
+
+    def __init__(self, model_metrics: ModelMetrics) -> None:
+        self._metrics = model_metrics
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+        self._metrics.inflight += 1
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
+        self._metrics.inflight -= 1
+        if error is not None:
+            reason = getattr(error, "reason", None)
+            if reason is not None:
+                REJECTED.labels(reason).inc()
+        self._metrics.answered(status_of(error).name, time.perf_counter() - self._started)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service import metrics
+from service import metrics, statistics
 from service.batcher import Batcher, BatchingPolicy, WorkResult
 from service.codec import InferenceRequest, ModelSignature, TextLimits
 from service.errors import InvalidArgument, NotFound, Unavailable
-from service.metrics import ModelLabels
+from service.metrics import ModelLabels, ModelMetrics
 from service.repository import OUTPUTS, ModelSpec, RepositoryError, model_directories, read_model
 from service.runtime import ExecutionError, ExecutionSettings, ModelRuntime, create_instances
 from service.settings import Settings
@@ -57,6 +57,8 @@ class ServedModel:
         self.spec = spec
         self.runtimes = runtimes
         self.labels = ModelLabels(spec.name, spec.version)
+        self.metrics = metrics.of(self.labels)
+        self.statistics = statistics.of(spec.name, spec.version)
         self.tokenizer = (
             TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
             if spec.tokenizer_file is not None
@@ -133,7 +135,7 @@ class ServedModel:
                 started = time.perf_counter()
                 tokens = (await self._tokenize(request.texts)).feed()
                 tokenize_s = time.perf_counter() - started
-                metrics.TOKENIZE_DURATION.labels(*self.labels.values()).observe(tokenize_s)
+                self.metrics.tokenize_duration.observe(tokenize_s)
             else:
                 tokens = request.tokens
             self._check_response_size(tokens["input_ids"].shape, request.outputs)
@@ -151,7 +153,7 @@ class ServedModel:
             joined.queue_s,
             joined.compute_s,
             joined.batch_rows,
-            prompt_tokens=int(tokens["attention_mask"].sum()),
+            prompt_tokens=int(np.count_nonzero(tokens["attention_mask"])),
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -264,12 +266,12 @@ class ModelRegistry:
             metrics.PROVIDER.labels(*model.labels.values(), provider, variant).set(count)
         return model
 
-    def labels_for(self, name: str, version: str) -> ModelLabels:
-        """Metric labels for a request: the model's own, or UNKNOWN_MODEL for names not served."""
+    def metrics_for(self, name: str, version: str) -> ModelMetrics:
+        """Metrics a request is counted in: its model's, or UNKNOWN_MODEL's for names not served."""
         model = self.models.get(name)
         if model is None or version not in ("", model.spec.version):
-            return metrics.UNKNOWN_MODEL
-        return model.labels
+            return metrics.of(metrics.UNKNOWN_MODEL)
+        return model.metrics
 
     def get(self, name: str, version: str = "") -> ServedModel:
         """The served model for a request; NOT_FOUND or UNAVAILABLE otherwise."""

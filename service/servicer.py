@@ -8,7 +8,7 @@ from importlib import metadata
 
 import grpc
 
-from service import codec, metrics, statistics
+from service import codec, metrics
 from service.errors import Unimplemented
 from service.models import ModelRegistry, ServedModel
 from service.proto import grpc_service_pb2 as pb
@@ -123,9 +123,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def infer(self, request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelInferResponse:
         """One inference, for ModelInfer and for each message of a stream: decode, run, encode, count."""
         received = time.perf_counter()
-        with metrics.track_request(self.registry.labels_for(request.model_name, request.model_version)):
+        with metrics.TrackedRequest(self.registry.metrics_for(request.model_name, request.model_version)):
             model = self.registry.get_for_inference(request.model_name, request.model_version)
-            model_statistics = statistics.of(*model.labels.values())
+            model_statistics = model.statistics
             try:
                 decoded = codec.decode_infer_request(request, model.signature)
                 result = await model.infer(decoded, deadline)
@@ -156,9 +156,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         else:
             models = [model for _, model in sorted(self.registry.models.items())]
         return pb.ModelStatisticsResponse(
-            model_stats=[
-                statistics.of(*model.labels.values()).to_proto(model.spec.name, model.spec.version) for model in models
-            ]
+            model_stats=[model.statistics.to_proto(model.spec.name, model.spec.version) for model in models]
         )
 
     async def RepositoryIndex(

@@ -226,7 +226,7 @@ def _encode_outputs(
 async def infer(registry: ModelRegistry, rest: RestInferRequest) -> tuple[bytes, int | None]:
     """Run a parsed infer request: the one engine call, counted with every protocol's inferences."""
     message = rest.message
-    with metrics.track_request(registry.labels_for(message.model_name, message.model_version)):
+    with metrics.TrackedRequest(registry.metrics_for(message.model_name, message.model_version)):
         model = registry.get_for_inference(message.model_name, message.model_version)
         request = codec.decode_infer_request(message, model.signature)
         result = await model.infer(request, None)

@@ -87,7 +87,7 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
 async def embeddings(registry: ModelRegistry, payload: object, max_inputs: int) -> bytes:
     """Answer a /v1/embeddings body: the one engine call, counted with every protocol's inferences."""
     request = parse_embeddings(payload)
-    with metrics.track_request(registry.labels_for(request.model, "")):
+    with metrics.TrackedRequest(registry.metrics_for(request.model, "")):
         model = registry.get_for_inference(request.model, "")
         if len(request.texts) > max_inputs:
             raise InvalidArgument(

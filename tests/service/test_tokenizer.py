@@ -90,3 +90,18 @@ def test_a_cut_near_the_last_kept_word_changes_nothing(
 
 def test_short_texts_are_untouched(served: TextTokenizer) -> None:
     assert served.clip("a short sentence") == "a short sentence"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(PIECES, min_size=1, max_size=60).map("".join), min_size=2, max_size=4))
+def test_a_text_alone_gets_the_rows_it_gets_in_a_batch(served: TextTokenizer, texts: list[str]) -> None:
+    """One text takes the library's single-text call; its row equals its row in a batch, unpadded."""
+    batch = served.encode(texts)
+    for row, text in enumerate(texts):
+        alone = served.encode([text])
+        length = alone.input_ids.shape[1]
+        assert int(batch.attention_mask[row].sum()) == length
+        for name in ("input_ids", "attention_mask", "token_type_ids"):
+            single, batched = getattr(alone, name), getattr(batch, name)
+            assert single.dtype == batched.dtype == "int64"
+            assert single[0].tolist() == batched[row, :length].tolist(), name
