@@ -62,7 +62,10 @@ class Settings:
         default=0, metadata=_doc("ONNX Runtime threads per instance; 0 = CPUs available to this process / instances")
     )
     allow_spinning: bool = field(
-        default=False, metadata=_doc("let ONNX Runtime threads busy-wait (burns CPU on shared nodes)")
+        default=True,
+        metadata=_doc(
+            "let ONNX Runtime threads busy-wait between operators while a batch runs (never between batches)"
+        ),
     )
     cuda_device_id: int = field(default=0, metadata=_doc("CUDA device ordinal"))
     gpu_mem_limit_bytes: int = field(default=0, metadata=_doc("cap on the CUDA memory arena; 0 = no cap"))

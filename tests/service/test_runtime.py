@@ -35,6 +35,7 @@ from service.runtime import (
     create_instances,
     cuda_provider_options,
     cuda_unavailable_reason,
+    session_options,
     target_device,
 )
 from tests.conftest import DEFAULT_MODEL, TINY_CONFIG, TINY_MODEL
@@ -82,6 +83,16 @@ def test_the_reason_cuda_cannot_be_used_is_ours_and_concrete() -> None:
         cause in reason
         for cause in ("has no CUDAExecutionProvider", "cannot be loaded", "NVIDIA driver", "CUDA device")
     ), reason
+
+
+def test_threads_spin_only_while_a_run_is_under_way_unless_spinning_is_off() -> None:
+    spinning = session_options(ExecutionSettings(intra_op_threads=2))
+    assert spinning.intra_op_num_threads == 2
+    assert spinning.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert spinning.get_session_config_entry("session.force_spinning_stop") == "1"
+    still = session_options(ExecutionSettings(allow_spinning=False))
+    assert still.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert still.get_session_config_entry("session.inter_op.allow_spinning") == "0"
 
 
 def test_cuda_options_carry_the_memory_settings_and_keep_fp32_exact() -> None:
