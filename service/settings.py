@@ -62,9 +62,10 @@ class Settings:
         default=0, metadata=_doc("ONNX Runtime threads per instance; 0 = CPUs available to this process / instances")
     )
     allow_spinning: bool = field(
-        default=True,
+        default=False,
         metadata=_doc(
-            "let ONNX Runtime threads busy-wait between operators while a batch runs (never between batches)"
+            "let ONNX Runtime threads busy-wait between operators while a batch runs (never between batches):"
+            " faster lone requests for more CPU"
         ),
     )
     cuda_device_id: int = field(default=0, metadata=_doc("CUDA device ordinal"))

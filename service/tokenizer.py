@@ -79,15 +79,8 @@ class TextTokenizer:
         return text
 
     def encode(self, texts: list[str]) -> TokenizedBatch:
-        """Tokenise texts (with special tokens) into one padded batch.
-
-        A single text takes `Tokenizer.encode`: the same tokens as a batch of one, without the
-        batch call's hand-off to the library's thread pool (about half of a short text's cost).
-        """
-        if len(texts) == 1:
-            encodings = [self._tokenizer.encode(self.clip(texts[0]))]
-        else:
-            encodings = self._tokenizer.encode_batch([self.clip(text) for text in texts])
+        """Tokenise texts (with special tokens) into one padded batch."""
+        encodings = self._tokenizer.encode_batch([self.clip(text) for text in texts])
         return TokenizedBatch(
             input_ids=np.array([e.ids for e in encodings], dtype=np.int64),
             attention_mask=np.array([e.attention_mask for e in encodings], dtype=np.int64),

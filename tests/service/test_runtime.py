@@ -85,14 +85,14 @@ def test_the_reason_cuda_cannot_be_used_is_ours_and_concrete() -> None:
     ), reason
 
 
-def test_threads_spin_only_while_a_run_is_under_way_unless_spinning_is_off() -> None:
-    spinning = session_options(ExecutionSettings(intra_op_threads=2))
-    assert spinning.intra_op_num_threads == 2
-    assert spinning.get_session_config_entry("session.intra_op.allow_spinning") == "1"
-    assert spinning.get_session_config_entry("session.force_spinning_stop") == "1"
-    still = session_options(ExecutionSettings(allow_spinning=False))
+def test_threads_spin_only_when_allowed_and_only_while_a_run_is_under_way() -> None:
+    still = session_options(ExecutionSettings(intra_op_threads=2))
+    assert still.intra_op_num_threads == 2
     assert still.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert still.get_session_config_entry("session.inter_op.allow_spinning") == "0"
+    spinning = session_options(ExecutionSettings(allow_spinning=True))
+    assert spinning.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert spinning.get_session_config_entry("session.force_spinning_stop") == "1"
 
 
 def test_cuda_options_carry_the_memory_settings_and_keep_fp32_exact() -> None:

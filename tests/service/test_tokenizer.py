@@ -95,7 +95,7 @@ def test_short_texts_are_untouched(served: TextTokenizer) -> None:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.lists(PIECES, min_size=1, max_size=60).map("".join), min_size=2, max_size=4))
 def test_a_text_alone_gets_the_rows_it_gets_in_a_batch(served: TextTokenizer, texts: list[str]) -> None:
-    """One text takes the library's single-text call; its row equals its row in a batch, unpadded."""
+    """Padding is to the longest text of the request: a text's row in a batch is its row alone, then padding."""
     batch = served.encode(texts)
     for row, text in enumerate(texts):
         alone = served.encode([text])
