@@ -178,5 +178,5 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     CudaSharedMemoryStatus = _unsupported("CudaSharedMemoryStatus", "tensors travel inside the messages")
     CudaSharedMemoryRegister = _unsupported("CudaSharedMemoryRegister", "tensors travel inside the messages")
     CudaSharedMemoryUnregister = _unsupported("CudaSharedMemoryUnregister", "tensors travel inside the messages")
-    TraceSetting = _unsupported("TraceSetting", "use the Prometheus metrics and --log-level debug timings")
+    TraceSetting = _unsupported("TraceSetting", "use the Prometheus metrics and --log-level DEBUG timings")
     LogSettings = _unsupported("LogSettings", "logging is set at start with --log-level")
