@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     try:
-        # uvloop: measured ~20% less server CPU per request than asyncio's own loop.
+        # uvloop: measured 65-110 us less server CPU per gRPC call than asyncio's own loop (README).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(settings))
     except (RepositoryError, ExecutionError, OSError) as error:

@@ -2,8 +2,8 @@
 
 Callers `admit` a request (rejected at once when the queue is full), then `submit` its token
 arrays and await their own rows back. Whenever a request arrives or an instance finishes, and an
-instance is idle, a batch is formed: the oldest request plus the queued requests closest to its length, up to
-`max_batch_size` rows and `max_batch_tokens` padded tokens, waiting no longer than
+instance is idle, a batch is formed: the oldest request plus the queued requests closest to its
+length, up to `max_batch_size` rows and `max_batch_tokens` padded tokens, waiting no longer than
 `max_queue_delay` after the oldest arrived. Cancelled and expired requests leave the queue at
 once and never run. Every batch resolves every one of its futures, with results or with an
 error; a run that does not return within `max_batch_run_s` fails its requests and takes its
