@@ -25,13 +25,10 @@ DEFAULT_MODEL = "all-MiniLM-L6-v2"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-class EmbeddingClient:
-    """Blocking client: `EmbeddingClient("localhost:8001").embed(["a text"])` -> float32 [n, d].
+class _Client:
+    """What both clients hold: the model, the limits, the channel and stub, the call metadata."""
 
-    `target` may be `host:port`, or `dns:///name:port` to balance round-robin over every address
-    the name resolves to (a headless Kubernetes Service). `security` turns on TLS, mutual TLS and
-    an API key (`ClientSecurity.from_files(ca_file=..., api_key_file=...)`); plaintext by default.
-    """
+    _asynchronous = False
 
     def __init__(
         self,
@@ -46,8 +43,18 @@ class EmbeddingClient:
         self.batch_size = batch_size
         security = security or ClientSecurity()
         self._metadata = security.metadata()
-        self._channel = security.channel(target, channel_options(target, MAX_MESSAGE_BYTES))
+        open_channel = security.aio_channel if self._asynchronous else security.channel
+        self._channel = open_channel(target, channel_options(target, MAX_MESSAGE_BYTES))
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+
+
+class EmbeddingClient(_Client):
+    """Blocking client: `EmbeddingClient("localhost:8001").embed(["a text"])` -> float32 [n, d].
+
+    `target` may be `host:port`, or `dns:///name:port` to balance round-robin over every address
+    the name resolves to (a headless Kubernetes Service). `security` turns on TLS, mutual TLS and
+    an API key (`ClientSecurity.from_files(ca_file=..., api_key_file=...)`); plaintext by default.
+    """
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of the texts, in order; requests of at most batch_size texts each."""
@@ -75,27 +82,13 @@ class EmbeddingClient:
         self.close()
 
 
-class AsyncEmbeddingClient:
+class AsyncEmbeddingClient(_Client):
     """asyncio client: `await AsyncEmbeddingClient(target).embed(texts)`; batches are sent concurrently.
 
     Targets and `security` as for EmbeddingClient.
     """
 
-    def __init__(
-        self,
-        target: str,
-        model: str = DEFAULT_MODEL,
-        timeout_s: float = 30.0,
-        batch_size: int = 32,
-        security: ClientSecurity | None = None,
-    ) -> None:
-        self.model = model
-        self.timeout_s = timeout_s
-        self.batch_size = batch_size
-        security = security or ClientSecurity()
-        self._metadata = security.metadata()
-        self._channel = security.aio_channel(target, channel_options(target, MAX_MESSAGE_BYTES))
-        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+    _asynchronous = True
 
     async def _embed_one(self, chunk: Sequence[str]) -> np.ndarray:
         try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 import grpc
 
 from client.loadtest import Level, LevelResult, LoadConfig, Workload, check_target, load_corpus, run_level
-from client.local_server import start_server
+from client.local_server import process_cpu_seconds, start_server
 from client.protocol import text_request
 from export.checkpoint import default_model_folder, random_checkpoint
 from export.config import EncoderConfig
@@ -159,12 +158,6 @@ def served(plan: Plan, variant: str, flags: list[str], levels: list[Level]) -> l
             server.stop()
 
 
-def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads, as the kernel counts them."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _cpu_per_call(target: str, pid: int, call: str, calls: int) -> float:
     """Server CPU microseconds per call of one kind, CALL_CPU_CONCURRENCY callers on one channel."""
     async with grpc.aio.insecure_channel(target) as channel:
@@ -179,9 +172,9 @@ async def _cpu_per_call(target: str, pid: int, call: str, calls: int) -> float:
                 await method(message)
 
         await caller(100)  # warm the channel and the server's caches
-        before = _process_cpu_s(pid)
+        before = process_cpu_seconds(pid)
         await asyncio.gather(*(caller(calls // CALL_CPU_CONCURRENCY) for _ in range(CALL_CPU_CONCURRENCY)))
-        return (_process_cpu_s(pid) - before) / (calls // CALL_CPU_CONCURRENCY * CALL_CPU_CONCURRENCY) * 1e6
+        return (process_cpu_seconds(pid) - before) / (calls // CALL_CPU_CONCURRENCY * CALL_CPU_CONCURRENCY) * 1e6
 
 
 def call_cpu(scratch: Path) -> CallCpu:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import struct
 import sys
@@ -27,13 +26,12 @@ from pathlib import Path
 
 import grpc
 
-from client.local_server import RunningServer, start_server
+from client.local_server import RunningServer, process_cpu_seconds, start_server
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
 SENTENCE = "A short sentence about serving encoders over two protocols."
 PROTOCOLS = ("grpc", "openai-base64", "openai-float", "kserve-rest")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 Call = Callable[[], Awaitable[None]]
 
@@ -58,12 +56,6 @@ class Measurement:
     def server_cpu_us_per_request(self) -> float:
         """Server process CPU time (all threads) per answered request."""
         return 1e6 * self.server_cpu_s / self.requests
-
-
-def server_cpu_s(pid: int) -> float:
-    """User + system CPU seconds the process has used (/proc/PID/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 class HttpConnection:
@@ -161,9 +153,9 @@ async def measure(server: RunningServer, model: str, protocol: str, concurrency:
         closers = [connection.close for connection in connections]
     try:
         await asyncio.gather(*(call() for call in calls))  # warm: connections made, first answers in
-        cpu_before = server_cpu_s(server.process.pid)
+        cpu_before = process_cpu_seconds(server.process.pid)
         requests, elapsed, p50_ms = await closed_loop(calls, seconds)
-        cpu = server_cpu_s(server.process.pid) - cpu_before
+        cpu = process_cpu_seconds(server.process.pid) - cpu_before
     finally:
         for close in closers:
             close()

@@ -56,8 +56,7 @@ class ServedModel:
     ) -> None:
         self.spec = spec
         self.runtimes = runtimes
-        self.labels = ModelLabels(spec.name, spec.version)
-        self.metrics = metrics.of(self.labels)
+        self.metrics = metrics.of(ModelLabels(spec.name, spec.version))
         self.statistics = statistics.of(spec.name, spec.version)
         self.tokenizer = (
             TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
@@ -91,7 +90,7 @@ class ServedModel:
             self.policy.max_batch_size,
             TextLimits(settings.max_text_bytes, settings.max_request_text_bytes),
         )
-        self.batcher = Batcher(runtimes, self.policy, self.labels, OUTPUTS)
+        self.batcher = Batcher(runtimes, self.policy, self.metrics.labels, OUTPUTS)
         self.provider = primary.provider
         self.variant = primary.variant
 
@@ -261,9 +260,9 @@ class ModelRegistry:
         model.batcher.start()
         self.models[name] = model
         self.states[name] = ModelState(name, model.spec.version, "READY")
-        metrics.MODEL_READY.labels(*model.labels.values()).set(1)
+        metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(1)
         for (provider, variant), count in Counter((r.provider, r.variant) for r in model.runtimes).items():
-            metrics.PROVIDER.labels(*model.labels.values(), provider, variant).set(count)
+            metrics.PROVIDER.labels(*model.metrics.labels.values(), provider, variant).set(count)
         return model
 
     def metrics_for(self, name: str, version: str) -> ModelMetrics:
@@ -305,5 +304,5 @@ class ModelRegistry:
         self.draining = True
         await asyncio.gather(*(model.batcher.close(timeout_s) for model in self.models.values()))
         for model in self.models.values():
-            metrics.MODEL_READY.labels(*model.labels.values()).set(0)
+            metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(0)
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)

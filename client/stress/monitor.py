@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from client import MAX_MESSAGE_BYTES
+from client.local_server import process_cpu_seconds
 from client.protocol import ClientSecurity, channel_options, text_request
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -76,12 +77,9 @@ def read_rss_bytes(pid: int) -> int | None:
 def read_cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time of a process so far, from /proc; None when gone or not readable."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        return process_cpu_seconds(pid)
     except OSError:
         return None
-    # The command name (field 2) may hold spaces: count fields from after its closing parenthesis.
-    fields = text[text.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _listening_inodes(port: int) -> set[str]:
