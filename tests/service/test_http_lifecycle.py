@@ -37,7 +37,10 @@ def listening_ports(pid: int) -> set[int]:
     """TCP ports a process listens on: its socket inodes, looked up in /proc/net/tcp (state 0A is LISTEN)."""
     inodes = set()
     for descriptor in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(descriptor)
+        try:
+            target = os.readlink(descriptor)
+        except FileNotFoundError:  # closed by the server between listing and reading
+            continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:[") : -1])
     ports = set()
