@@ -69,10 +69,11 @@ bench: $(VENV)/.installed $(MODEL_FILE)
 loadtest: $(VENV)/.installed
 	$(PY) -m client.loadtest --target 127.0.0.1:8001 --concurrency 1,8,32,64 --duration-s 20
 
-# Triton's perf_analyzer against a running server (make serve in another shell): token ids, texts,
-# and texts over --streaming, at each concurrency; figures on stdout, CSVs in perf-results/.
+# Triton's perf_analyzer against a running server (make serve in another shell): token ids, texts and
+# texts over --streaming on gRPC, token ids and texts over HTTP, at each concurrency; figures on
+# stdout, CSVs in perf-results/.
 perf-analyzer: $(VENV)/.installed system-packages $(MODEL_FILE)
-	$(PY) -m client.perf_analyzer --target 127.0.0.1:8001 --model $(MODEL) --repository $(REPOSITORY) \
+	$(PY) -m client.perf_analyzer --target 127.0.0.1:8001 --http-target 127.0.0.1:8000 --model $(MODEL) --repository $(REPOSITORY) \
 		--concurrency 1,8,32 --output-dir perf-results
 
 # Hostile phases against a running server (make serve in another shell); report in bench-results/stress/.

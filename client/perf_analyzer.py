@@ -1,10 +1,12 @@
 """Triton's perf_analyzer against this server: input data, the command, and a sweep.
 
-`python -m client.perf_analyzer --target 127.0.0.1:8001` writes perf_analyzer input data for the
-model (the short corpus, once as `text` and once as token ids made by the model's own tokenizer),
-then measures three modes (tokens, text, text over `--streaming`) at each `--concurrency`, and
+`python -m client.perf_analyzer --target 127.0.0.1:8001 --http-target 127.0.0.1:8000` writes
+perf_analyzer input data for the model (the short corpus, once as `text` and once as token ids made
+by the model's own tokenizer), then measures each mode (tokens, text and text over `--streaming` on
+the gRPC port; tokens and text over KServe REST on the HTTP port) at each `--concurrency`, and
 prints one line per measurement with the server-side breakdown perf_analyzer reads from the
-ModelStatistics RPC. Each measurement's CSV lands in --output-dir.
+model's statistics (the ModelStatistics RPC, or GET .../stats over HTTP). Each measurement's CSV
+lands in --output-dir.
 
 perf_analyzer comes from the tritonclient 2.41.1 manylinux wheel (later wheels do not ship it).
 It links libb64 (Debian's libb64-0d) and libcudart.so.12, which PyPI's nvidia-cuda-runtime-cu12
@@ -32,8 +34,9 @@ from client.loadtest.corpus import load_corpus
 from service.repository import read_model
 from service.tokenizer import TextTokenizer
 
-MODES = ("tokens", "text", "streaming")
-"""Token ids over ModelInfer, texts over ModelInfer, texts over ModelStreamInfer."""
+MODES = ("tokens", "text", "streaming", "http-tokens", "http-text")
+"""Token ids and texts over ModelInfer, texts over ModelStreamInfer; token ids and texts over KServe REST."""
+HTTP_PREFIX = "http-"
 RUN_TIMEOUT_S = 600
 FAILURE = re.compile(r"had error|^error:|Failed to", re.MULTILINE)
 """How perf_analyzer reports failed requests ("Thread [0] had error: ...") and failed set-up, at times with exit 0."""
@@ -48,7 +51,12 @@ class InputData:
 
     def for_mode(self, mode: str) -> Path:
         """The file a mode sends."""
-        return self.tokens if mode == "tokens" else self.text
+        return self.tokens if mode.endswith("tokens") else self.text
+
+
+def protocol_of(mode: str) -> str:
+    """perf_analyzer's `-i` for a mode: http for the KServe REST modes, else grpc."""
+    return "http" if mode.startswith(HTTP_PREFIX) else "grpc"
 
 
 def executable() -> Path:
@@ -96,13 +104,19 @@ def command(
     concurrency_range: str,
     csv_path: Path,
     *,
+    protocol: str = "grpc",
     streaming: bool = False,
     measurement: Sequence[str] = (),
 ) -> list[str]:
-    """The perf_analyzer command line (gRPC) for one input file over `start[:end[:step]]` concurrency."""
+    """The perf_analyzer command line for one input file over `start[:end[:step]]` concurrency.
+
+    `target` is the host:port of the `protocol`'s port (grpc or http); streaming is gRPC's only.
+    """
+    if streaming and protocol != "grpc":
+        raise ValueError("perf_analyzer streams over gRPC only")
     arguments = [
         str(executable()),
-        *("-m", model, "-u", target, "-i", "grpc"),
+        *("-m", model, "-u", target, "-i", protocol),
         *("--input-data", str(input_data), "--concurrency-range", concurrency_range, "-f", str(csv_path)),
         *measurement,
     ]
@@ -152,7 +166,7 @@ def run(arguments: Sequence[str], csv_path: Path) -> list[Measurement]:
 
 def _format(mode: str, measurement: Measurement) -> str:
     return (
-        f"{mode:<10} {measurement.concurrency:>11} {measurement.throughput:>9.1f} {measurement.p50_us / 1000:>8.2f}"
+        f"{mode:<12} {measurement.concurrency:>11} {measurement.throughput:>9.1f} {measurement.p50_us / 1000:>8.2f}"
         f" {measurement.p99_us / 1000:>8.2f} {measurement.server_queue_us / 1000:>8.2f}"
         f" {measurement.server_compute_input_us / 1000:>8.2f} {measurement.server_compute_infer_us / 1000:>8.2f}"
         f" {measurement.server_compute_output_us / 1000:>8.2f}"
@@ -160,14 +174,15 @@ def _format(mode: str, measurement: Measurement) -> str:
 
 
 HEADER = (
-    f"{'mode':<10} {'concurrency':>11} {'infer/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'queue':>8} {'input':>8}"
+    f"{'mode':<12} {'concurrency':>11} {'infer/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'queue':>8} {'input':>8}"
     f" {'infer':>8} {'output':>8}   (server-side ms per request)"
 )
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="127.0.0.1:8001", help="host:port of the gRPC service")
+    parser.add_argument("--target", default="127.0.0.1:8001", help="host:port of the gRPC port")
+    parser.add_argument("--http-target", default="127.0.0.1:8000", help="host:port of the HTTP port (http-* modes)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--repository", type=Path, default=Path("model_repository"), help="for the model's tokenizer")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
@@ -200,12 +215,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for level in levels:
             csv_path = options.output_dir / f"{mode}-c{level}.csv"
             try:
+                protocol = protocol_of(mode)
                 arguments = command(
-                    options.target,
+                    options.http_target if protocol == "http" else options.target,
                     options.model,
                     data.for_mode(mode),
                     str(level),
                     csv_path,
+                    protocol=protocol,
                     streaming=mode == "streaming",
                     measurement=measurement,
                 )

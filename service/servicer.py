@@ -14,6 +14,7 @@ from service.models import ModelRegistry, ServedModel
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.proto import model_config_pb2 as mc
+from service.statistics import CountedRequest
 from service.streaming import MAX_INFLIGHT_PER_STREAM, InferenceStreams
 
 SERVER_NAME = "encoder-serve"
@@ -122,23 +123,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def infer(self, request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelInferResponse:
         """One inference, for ModelInfer and for each message of a stream: decode, run, encode, count."""
-        received = time.perf_counter()
         with metrics.TrackedRequest(self.registry.metrics_for(request.model_name, request.model_version)):
             model = self.registry.get_for_inference(request.model_name, request.model_version)
-            model_statistics = model.statistics
-            try:
+            with CountedRequest(model.statistics) as counted:
                 decoded = codec.decode_infer_request(request, model.signature)
                 result = await model.infer(decoded, deadline)
-                inferred = time.perf_counter()
-                response = codec.encode_infer_response(decoded, result.outputs, model.spec)
-            except BaseException:
-                model_statistics.record_failure(time.perf_counter() - received)
-                raise
-            answered = time.perf_counter()
-            model_statistics.record_success(
-                decoded.rows, answered - received, result.queue_s, result.compute_s, answered - inferred
-            )
-            return response
+                counted.inferred(decoded.rows, result.queue_s, result.compute_s)
+                return codec.encode_infer_response(decoded, result.outputs, model.spec)
 
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext

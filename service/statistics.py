@@ -1,10 +1,10 @@
-"""Triton's per-model inference statistics (the ModelStatistics RPC), kept as plain counters.
+"""Triton's per-model inference statistics (the ModelStatistics RPC, GET .../stats), kept as plain counters.
 
-Each served model (name, version) has one `ModelStatistics`, found with `of`. Requests are
-recorded where they are answered (`record_success`, `record_failure`) and batches where the
-batcher finishes them (`record_execution`). Every update is a few integer additions on the event
-loop thread, so there is no lock; a ModelStatistics call reads a consistent snapshot because it
-runs on that thread too.
+Each served model (name, version) has one `ModelStatistics`, found with `of`. Every protocol's
+requests (gRPC, KServe REST, OpenAI) are recorded through one `CountedRequest` around their
+decoding, run and encoding; batches where the batcher finishes them (`record_execution`). Every
+update is a few integer additions on the event loop thread, so there is no lock; a statistics read
+sees a consistent snapshot because it runs on that thread too.
 
 What each duration holds, per successful request (Triton's meaning, mapped onto this server):
 - queue: time in the batching queue, until its batch started;
@@ -109,6 +109,41 @@ class ModelStatistics:
 
 
 _BY_MODEL: dict[tuple[str, str], ModelStatistics] = {}
+
+
+class CountedRequest:
+    """One inference request's times, recorded in its model's statistics when the `with` block ends.
+
+    Started at creation; `inferred` marks its run's end (rows, queue and compute time). It counts as
+    a success if `inferred` was called and no exception left the block, else as a failure.
+    """
+
+    __slots__ = ("_compute_s", "_inferred", "_queue_s", "_received", "_rows", "_statistics")
+
+    def __init__(self, statistics: ModelStatistics) -> None:
+        self._statistics = statistics
+        self._received = time.perf_counter()
+        self._inferred: float | None = None
+        self._rows = 0
+        self._queue_s = 0.0
+        self._compute_s = 0.0
+
+    def __enter__(self) -> CountedRequest:
+        return self
+
+    def inferred(self, rows: int, queue_s: float, compute_s: float) -> None:
+        """The request's rows ran, after `queue_s` queued and `compute_s` running; encoding comes next."""
+        self._inferred = time.perf_counter()
+        self._rows, self._queue_s, self._compute_s = rows, queue_s, compute_s
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        answered = time.perf_counter()
+        total_s = answered - self._received
+        if kind is None and self._inferred is not None:
+            output_s = answered - self._inferred
+            self._statistics.record_success(self._rows, total_s, self._queue_s, self._compute_s, output_s)
+        else:
+            self._statistics.record_failure(total_s)
 
 
 def of(model: str, version: str) -> ModelStatistics:

@@ -44,7 +44,7 @@ OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
 """Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
 UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send the header 'Authorization: Bearer <key>'"
 _MODEL_PATH = re.compile(
-    r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/infer)?"
+    r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/stats|/infer)?"
 )
 _OPENAI_MODEL_PATH = re.compile(r"/v1/models/(?P<name>[^/]+)")
 
@@ -131,11 +131,13 @@ class HttpApp:
             "/v2/health/live": {"GET": self._live},
             "/v2/health/ready": {"GET": self._ready},
             "/v2": {"GET": self._server_metadata},
+            "/v2/models/stats": {"GET": self._statistics},
         }
         self._model_actions: dict[str, dict[str, Handler]] = {
             "": {"GET": self._model_metadata},
             "/ready": {"GET": self._model_ready},
             "/config": {"GET": self._model_config},
+            "/stats": {"GET": self._statistics},
             "/infer": {"POST": self._infer},
         }
 
@@ -290,6 +292,12 @@ class HttpApp:
     async def _model_config(self, call: Call) -> Response:
         config = (await self.servicer.ModelConfig(pb.ModelConfigRequest(**call.path_params), None)).config
         return Response(200, json.dumps(kserve.proto_json(config)).encode())
+
+    async def _statistics(self, call: Call) -> Response:
+        # /v2/models/stats has no path parameters: every model's statistics, as ModelStatistics without a name.
+        request = pb.ModelStatisticsRequest(**call.path_params)
+        statistics = await self.servicer.ModelStatistics(request, None)
+        return Response(200, json.dumps(kserve.proto_json(statistics, every_field=True)).encode())
 
     async def _infer(self, call: Call) -> Response:
         header_length = call.headers.get(kserve.HEADER_LENGTH.encode())

@@ -24,6 +24,7 @@ from service.errors import InvalidArgument
 from service.models import ModelRegistry
 from service.proto import grpc_service_pb2 as pb
 from service.repository import ModelSpec
+from service.statistics import CountedRequest
 
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_OUTPUT = "binary_data_output"
@@ -228,29 +229,38 @@ async def infer(registry: ModelRegistry, rest: RestInferRequest) -> tuple[bytes,
     message = rest.message
     with metrics.TrackedRequest(registry.metrics_for(message.model_name, message.model_version)):
         model = registry.get_for_inference(message.model_name, message.model_version)
-        request = codec.decode_infer_request(message, model.signature)
-        result = await model.infer(request, None)
-    return _encode_outputs(rest, request, result.outputs, model.spec)
+        with CountedRequest(model.statistics) as counted:
+            request = codec.decode_infer_request(message, model.signature)
+            result = await model.infer(request, None)
+            counted.inferred(request.rows, result.queue_s, result.compute_s)
+            return _encode_outputs(rest, request, result.outputs, model.spec)
 
 
-def proto_json(message: Message) -> dict[str, object]:
-    """A protobuf message as Triton writes it in JSON: proto field names, enum names, 64-bit integers as numbers."""
-    return {field.name: _json_field(field, value) for field, value in message.ListFields()}
+def proto_json(message: Message, every_field: bool = False) -> dict[str, object]:
+    """A protobuf message as Triton writes it in JSON: proto field names, enum names, 64-bit integers as numbers.
+
+    `every_field` writes fields at their defaults too (zero counts, empty lists), as Triton's statistics do.
+    """
+    if every_field:
+        fields = [(field, getattr(message, field.name)) for field in message.DESCRIPTOR.fields]
+    else:
+        fields = message.ListFields()
+    return {field.name: _json_field(field, value, every_field) for field, value in fields}
 
 
-def _json_field(field: FieldDescriptor, value: Any) -> object:
+def _json_field(field: FieldDescriptor, value: Any, every_field: bool) -> object:
     entry = field.message_type
     if entry is not None and entry.GetOptions().map_entry:
         value_field = entry.fields_by_name["value"]
-        return {key: _json_scalar(value_field, item) for key, item in value.items()}
+        return {key: _json_scalar(value_field, item, every_field) for key, item in value.items()}
     if field.is_repeated:
-        return [_json_scalar(field, item) for item in value]
-    return _json_scalar(field, value)
+        return [_json_scalar(field, item, every_field) for item in value]
+    return _json_scalar(field, value, every_field)
 
 
-def _json_scalar(field: FieldDescriptor, value: Any) -> object:
+def _json_scalar(field: FieldDescriptor, value: Any, every_field: bool) -> object:
     if field.type == FieldDescriptor.TYPE_MESSAGE:
-        return proto_json(value)
+        return proto_json(value, every_field)
     if field.type == FieldDescriptor.TYPE_ENUM:
         return field.enum_type.values_by_number[value].name
     if field.type in _INT64_TYPES:

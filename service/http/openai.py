@@ -17,6 +17,7 @@ import numpy as np
 from service import codec, metrics
 from service.errors import InvalidArgument
 from service.models import ModelRegistry
+from service.statistics import CountedRequest
 
 ENCODINGS = ("float", "base64")
 FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
@@ -89,22 +90,24 @@ async def embeddings(registry: ModelRegistry, payload: object, max_inputs: int) 
     request = parse_embeddings(payload)
     with metrics.TrackedRequest(registry.metrics_for(request.model, "")):
         model = registry.get_for_inference(request.model, "")
-        if len(request.texts) > max_inputs:
-            raise InvalidArgument(
-                f"{len(request.texts)} inputs, over the limit of {max_inputs} per request (--max-embedding-inputs)",
-                "too_many_inputs",
-            )
-        width = model.spec.hidden_size
-        if request.dimensions not in (None, width):
-            raise InvalidArgument(
-                f"model {request.model} gives {width} dimensions and cannot give {request.dimensions}: its embeddings"
-                " are not trained to be shortened"
-            )
-        # surrogatepass: a lone surrogate (legal in JSON) reaches the codec's UTF-8 check and its message.
-        elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
-        decoded = codec.text_request(elements, model.signature, ("embedding",))
-        result = await model.infer(decoded, None)
-    return _embeddings_body(result.outputs["embedding"], request, result.prompt_tokens)
+        with CountedRequest(model.statistics) as counted:
+            if len(request.texts) > max_inputs:
+                raise InvalidArgument(
+                    f"{len(request.texts)} inputs, over the limit of {max_inputs} per request (--max-embedding-inputs)",
+                    "too_many_inputs",
+                )
+            width = model.spec.hidden_size
+            if request.dimensions not in (None, width):
+                raise InvalidArgument(
+                    f"model {request.model} gives {width} dimensions and cannot give {request.dimensions}: its"
+                    " embeddings are not trained to be shortened"
+                )
+            # surrogatepass: a lone surrogate (legal in JSON) reaches the codec's UTF-8 check and its message.
+            elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
+            decoded = codec.text_request(elements, model.signature, ("embedding",))
+            result = await model.infer(decoded, None)
+            counted.inferred(decoded.rows, result.queue_s, result.compute_s)
+            return _embeddings_body(result.outputs["embedding"], request, result.prompt_tokens)
 
 
 def _model_card(name: str, created: int) -> dict[str, object]:

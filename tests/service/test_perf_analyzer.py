@@ -1,4 +1,5 @@
-"""Triton's perf_analyzer (tritonclient 2.41.1's binary) drives the server: tokens, text, and --streaming.
+"""Triton's perf_analyzer (tritonclient 2.41.1's binary) drives the server: tokens, text and --streaming over
+gRPC, tokens and text over KServe REST on the HTTP port.
 
 Short runs: three windows of a few dozen requests at concurrency 1, then 8. Zero errors is judged
 by perf_analyzer itself (exit status, no failed request in its output) and by the server's own
@@ -14,7 +15,7 @@ import grpc
 import pytest
 
 from client.loadtest.corpus import load_corpus
-from client.perf_analyzer import MODES, InputData, command, run, write_input_data
+from client.perf_analyzer import MODES, InputData, command, protocol_of, run, write_input_data
 from service.codec import TEXT_INPUT
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -48,12 +49,14 @@ def test_perf_analyzer_runs_at_concurrency_1_and_8_without_errors(
 ) -> None:
     before = _statistics(tiny_server)
     csv_path = tmp_path / f"{mode}.csv"
+    protocol = protocol_of(mode)
     arguments = command(
-        tiny_server.target,
+        f"127.0.0.1:{tiny_server.http_port}" if protocol == "http" else tiny_server.target,
         TINY_MODEL,
         input_data.for_mode(mode),
         "1:8:7",
         csv_path,
+        protocol=protocol,
         streaming=mode == "streaming",
         measurement=MEASUREMENT,
     )

@@ -1,4 +1,4 @@
-"""ModelStatistics with Triton's semantics, read through tritonclient from a server of our own."""
+"""ModelStatistics with Triton's semantics, read through tritonclient (gRPC and HTTP) from a server of our own."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 import pytest
 import tritonclient.grpc as triton
+import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from service.statistics import ModelStatistics
@@ -94,6 +96,48 @@ def test_every_model_without_a_name_and_not_found_for_unknown_ones(server: Runni
         with pytest.raises(InferenceServerException) as raised:
             client.get_inference_statistics(name, version)
         assert raised.value.status() == str(grpc.StatusCode.NOT_FOUND)
+
+
+def test_every_protocols_inferences_count_and_http_reads_the_same_statistics(server: RunningServer) -> None:
+    grpc_client = triton.InferenceServerClient(server.target)
+    http_client = triton_http.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    (before,) = grpc_client.get_inference_statistics(TINY_MODEL).model_stats
+
+    texts = triton_http.InferInput("text", [2], "BYTES")
+    texts.set_data_from_numpy(np.array([b"one", b"two"], dtype=object))
+    http_client.infer(TINY_MODEL, [texts])  # KServe REST: 2 rows
+    blank = triton_http.InferInput("text", [1], "BYTES")
+    blank.set_data_from_numpy(np.array([b" "], dtype=object))
+    with pytest.raises(InferenceServerException, match="empty"):
+        http_client.infer(TINY_MODEL, [blank])  # KServe REST: a failure
+    sdk = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    sdk.embeddings.create(model=TINY_MODEL, input=["three", "four", "five"])  # OpenAI: 3 rows
+
+    (after,) = grpc_client.get_inference_statistics(TINY_MODEL).model_stats
+    assert after.inference_count - before.inference_count == 5
+    assert after.inference_stats.success.count - before.inference_stats.success.count == 2
+    assert after.inference_stats.fail.count - before.inference_stats.fail.count == 1
+    assert after.inference_stats.compute_output.count == after.inference_stats.success.count
+
+    # Triton's HTTP statistics routes answer the same figures, zero-valued fields included.
+    (read,) = http_client.get_inference_statistics(TINY_MODEL)["model_stats"]
+    assert http_client.get_inference_statistics(TINY_MODEL, "1")["model_stats"] == [read]
+    assert http_client.get_inference_statistics()["model_stats"] == [read]  # GET /v2/models/stats: every model
+    assert (read["name"], read["version"]) == (TINY_MODEL, "1")
+    assert (read["inference_count"], read["execution_count"]) == (after.inference_count, after.execution_count)
+    assert read["last_inference"] == after.last_inference
+    for name in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        duration = getattr(after.inference_stats, name)
+        assert read["inference_stats"][name] == {"count": duration.count, "ns": duration.ns}
+    assert read["inference_stats"]["cache_hit"] == {"count": 0, "ns": 0}
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in read["batch_stats"]] == [
+        (b.batch_size, b.compute_infer.count) for b in after.batch_stats
+    ]
+    for name, version in (("no-such-model", ""), (TINY_MODEL, "7")):
+        with pytest.raises(InferenceServerException, match=r"unknown model|no version") as raised:
+            http_client.get_inference_statistics(name, version)
+        assert raised.value.status() == "404"
+    http_client.close()
 
 
 def test_batch_statistics_by_executed_size_and_proto_fields() -> None:
