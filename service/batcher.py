@@ -300,12 +300,8 @@ class Batcher:
         return True
 
     async def close(self, timeout_s: float) -> None:
-        """Refuse new work, let queued and running batches finish (up to timeout_s), then stop.
-
-        Nothing new can join a queued batch now, so queued work runs without waiting out max_queue_delay.
-        """
+        """Refuse new work, let queued and running batches finish (up to timeout_s), then stop."""
         self._closing = True
-        self._dispatch()
         deadline = time.monotonic() + timeout_s
         while (self._pending or self._running) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -328,7 +324,7 @@ class Batcher:
                 self._drop_dead()
                 if not self._pending:
                     return
-                if not self._closing and not self._full():
+                if not self._full():
                     wait_s = self._pending[0].enqueued_at + self.policy.max_queue_delay_s - time.monotonic()
                     if wait_s > 0:
                         self._delay_timer = self._loop.call_later(wait_s, self._dispatch)

@@ -334,15 +334,6 @@ async def test_close_answers_queued_work_then_refuses_new_work() -> None:
         await batcher.submit(tokens([[1]]), OUTPUTS, None)
 
 
-async def test_close_runs_a_partial_batch_at_once_instead_of_waiting_out_the_queue_delay() -> None:
-    runner = FakeRunner()
-    batcher = await make_batcher("close-delay", [runner], max_queue_delay_s=HOLD_S)
-    waiting = submit(batcher, [[7]])
-    await queued("close-delay", 1)  # one row of 8: held for a fuller batch
-    await batcher.close(WAIT_S)  # far shorter than the delay: only running it now answers it
-    assert (await waiting).outputs["embedding"][0, 0] == 7
-
-
 async def test_close_with_timeout_fails_leftovers_instead_of_hanging() -> None:
     runner = FakeRunner()
     runner.release.clear()
