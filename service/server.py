@@ -10,10 +10,10 @@ import time
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import start_http_server
 
+from service.health import NOT_SERVING, SERVING, HealthService
 from service.http.app import HttpApp
 from service.http.listener import HttpListener
 from service.interceptor import ErrorInterceptor
@@ -97,7 +97,7 @@ class GenericHandlersOnly:
 
 
 def _status(serving: bool) -> int:
-    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    return SERVING if serving else NOT_SERVING
 
 
 class InferenceServer:
@@ -106,7 +106,7 @@ class InferenceServer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = ModelRegistry(settings)
-        self.health = HealthServicer()
+        self.health = HealthService()
         self.grpc_port = 0
         self.metrics_port = 0
         self.health_port = 0
@@ -137,7 +137,7 @@ class InferenceServer:
             pool=reflection_pool(),
         )
         for service in (OVERALL, *names):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(service, NOT_SERVING)
         address = f"{settings.host}:{settings.grpc_port}"
         if self.tls is not None:
             self.grpc_port = self._server.add_secure_port(address, self.tls.credentials())
@@ -167,7 +167,7 @@ class InferenceServer:
             started = time.perf_counter()
             model = await self.registry.load(name)
             model.batcher.on_serving_change = lambda serving, name=name: self._serving_changed(name, serving)
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, SERVING)
             log.info(
                 "model %s version %s ready in %.1f s (%s, %s, batch <= %d rows / %d tokens, delay %d us)",
                 name,
@@ -179,7 +179,7 @@ class InferenceServer:
                 model.policy.max_batch_tokens,
                 model.policy.max_queue_delay_s * 1e6,
             )
-        await self.health.set(OVERALL, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(OVERALL, SERVING)
 
     def _security_summary(self) -> str:
         transport = "plaintext" if self.tls is None else "mutual TLS" if self.tls.files.client_ca else "TLS"
@@ -226,6 +226,7 @@ class InferenceServer:
         self._servicer.streams.close()  # open streams answer what they accepted, then end
         log.info("draining (up to %.0f s)", self.settings.drain_timeout_s)
         await self.registry.close(max(0.0, deadline - time.monotonic()))
+        await self.health.end_watches()  # inferences are answered: open Watches must not hold the grace period
         if self._server is not None:
             await self._server.stop(grace=max(0.0, deadline - time.monotonic()))
         if self._http is not None:

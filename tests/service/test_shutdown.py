@@ -1,4 +1,5 @@
-"""SIGTERM with requests queued: health goes NOT_SERVING, new requests are refused, accepted ones are kept.
+"""SIGTERM with requests queued: health goes NOT_SERVING, new requests are refused, accepted ones are kept;
+health Watches see NOT_SERVING, then end, without holding the drain.
 
 The server holds the accepted requests in its queue on purpose (a batching delay of 600 s), so
 the drain cannot end before the test has looked at it: nothing here depends on how fast this
@@ -78,5 +79,37 @@ def test_sigterm_reports_not_serving_refuses_new_work_and_keeps_accepted_work(
         # Once they leave, the drain has nothing left to wait for: the server exits, cleanly.
         for future in accepted:
             future.cancel()
+        assert server.process.wait(timeout=EXIT_TIMEOUT_S) == 0
+    assert "stopped" in server.log()
+
+
+def test_open_health_watches_see_not_serving_then_end_without_holding_the_drain(
+    tiny_repository: Path, tmp_path: Path
+) -> None:
+    # A grace period far past EXIT_TIMEOUT_S: a Watch that held the stop would fail the test.
+    with (
+        start_server(tiny_repository, tmp_path / "server.log", "--drain-timeout-s", "300") as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        health = health_pb2_grpc.HealthStub(channel)
+        watches = {
+            service: health.Watch(health_pb2.HealthCheckRequest(service=service), timeout=EXIT_TIMEOUT_S)
+            for service in ("", TINY_MODEL, "no-such-service")
+        }
+        assert [next(watch).status for watch in watches.values()] == [
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.SERVICE_UNKNOWN,
+        ]
+
+        server.terminate()
+
+        for service, watch in watches.items():
+            if service != "no-such-service":  # its status never changes: it only sees the end
+                assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as ended:
+                next(watch)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert ended.value.details() == "the server is shutting down"
         assert server.process.wait(timeout=EXIT_TIMEOUT_S) == 0
     assert "stopped" in server.log()
