@@ -212,6 +212,13 @@ def security_from_args(args: argparse.Namespace) -> ClientSecurity:
     )
 
 
+def security_from_env() -> ClientSecurity:
+    """ClientSecurity from the ENCODER_CLIENT_* variables alone, for tools whose flags we do not own (Locust)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_security_arguments(parser)
+    return security_from_args(parser.parse_args([]))
+
+
 def _env_path(environ: Mapping[str, str], name: str) -> Path | None:
     value = environ.get(f"{CLIENT_ENV_PREFIX}{name}")
     return Path(value) if value else None

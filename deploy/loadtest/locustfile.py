@@ -3,7 +3,10 @@
     locust -f deploy/loadtest/locustfile.py --host 127.0.0.1:8001 [--model NAME] [--batch-size 1]
            [--mix short=0.8,long=0.2] [--timeout-s 10]
 
-`--host` is a gRPC target (HOST:PORT or dns:///NAME:PORT). The project must be importable
+`--host` is a gRPC target (HOST:PORT or dns:///NAME:PORT). TLS, mutual TLS and the API key come
+from the ENCODER_CLIENT_* variables as for every client here (ENCODER_CLIENT_TLS_CA,
+ENCODER_CLIENT_API_KEY_FILE, ...): Locust's own --tls-cert and --tls-key are its web UI's. The
+project must be importable
 (`pip install -e .`, or run from the repository root with `PYTHONPATH=.`). Each call is reported to
 Locust as a `grpc` request named after its corpus, with the response time, the embedding bytes, and
 the EmbeddingError when the server refused or failed it.
@@ -21,6 +24,7 @@ from locust.argument_parser import LocustArgumentParser
 from client import DEFAULT_MODEL, EmbeddingClient, EmbeddingError
 from client.loadtest.config import parse_mix
 from client.loadtest.corpus import load_corpus
+from client.protocol import security_from_env
 
 # gRPC's blocking calls must yield to Locust's gevent loop, or one user would stall all the others.
 grpc_gevent.init_gevent()
@@ -41,7 +45,7 @@ class EmbeddingUser(User):
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        """Open the client and read the options."""
+        """Open the client (transport security from the environment) and read the options."""
         options = self.environment.parsed_options
         mix = parse_mix(options.mix)
         self.kinds = list(mix)
@@ -49,7 +53,11 @@ class EmbeddingUser(User):
         self.batch_size = options.batch_size
         self.random = random.Random()
         self.client = EmbeddingClient(
-            self.host, model=options.model, timeout_s=options.timeout_s, batch_size=options.batch_size
+            self.host,
+            model=options.model,
+            timeout_s=options.timeout_s,
+            batch_size=options.batch_size,
+            security=security_from_env(),
         )
 
     def on_stop(self) -> None:
