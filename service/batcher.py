@@ -24,15 +24,10 @@ from typing import Protocol
 import numpy as np
 
 from service import metrics, statistics
-from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable
+from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable, past_deadline
 from service.metrics import ModelLabels
 
 log = logging.getLogger(__name__)
-
-DEADLINE_CLOCK_SLACK_S = 0.05
-"""gRPC cancels a call at its deadline by its own clock, which differs by milliseconds from the deadline
-the server derives from `time_remaining()` (measured here: gRPC cancelled up to ~8 ms before it). A
-caller that goes away this close to its deadline, or after it, is counted as expired, not cancelled."""
 
 
 class Runner(Protocol):
@@ -274,7 +269,7 @@ class Batcher:
             return await item.future
         except asyncio.CancelledError:
             # The caller went away (client cancelled, or its gRPC deadline passed): leave the queue now.
-            expired = deadline is not None and deadline - DEADLINE_CLOCK_SLACK_S <= time.monotonic()
+            expired = past_deadline(deadline)
             self._leave(item, "expired" if expired else "cancelled")
             raise
         finally:

@@ -183,10 +183,12 @@ class TrackedRequest:
     A refusal that carries a `reason` (a limit or check) is also counted in encoder_requests_rejected_total.
     """
 
-    __slots__ = ("_metrics", "_started")
+    __slots__ = ("_deadline", "_metrics", "_started")
 
-    def __init__(self, model_metrics: ModelMetrics) -> None:
+    def __init__(self, model_metrics: ModelMetrics, deadline: float | None = None) -> None:
         self._metrics = model_metrics
+        self._deadline = deadline
+        """The caller's monotonic deadline: a cancellation at it is counted DEADLINE_EXCEEDED."""
         self._started = 0.0
 
     def __enter__(self) -> None:
@@ -199,4 +201,4 @@ class TrackedRequest:
             reason = getattr(error, "reason", None)
             if reason is not None:
                 REJECTED.labels(reason).inc()
-        self._metrics.answered(status_of(error).name, time.perf_counter() - self._started)
+        self._metrics.answered(status_of(error, self._deadline).name, time.perf_counter() - self._started)

@@ -123,7 +123,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def infer(self, request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelInferResponse:
         """One inference, for ModelInfer and for each message of a stream: decode, run, encode, count."""
-        with metrics.TrackedRequest(self.registry.metrics_for(request.model_name, request.model_version)):
+        model_metrics = self.registry.metrics_for(request.model_name, request.model_version)
+        with metrics.TrackedRequest(model_metrics, deadline):
             model = self.registry.get_for_inference(request.model_name, request.model_version)
             with CountedRequest(model.statistics) as counted:
                 decoded = codec.decode_infer_request(request, model.signature)

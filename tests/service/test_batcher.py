@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from service.batcher import DEADLINE_CLOCK_SLACK_S, Batcher, BatchingPolicy, WorkItem, select_batch
-from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable
+from service.batcher import Batcher, BatchingPolicy, WorkItem, select_batch
+from service.errors import DEADLINE_CLOCK_SLACK_S, DeadlineExceeded, ModelFailure, Overloaded, Unavailable
 from service.metrics import ModelLabels
 
 OUTPUTS = ("last_hidden_state", "embedding")

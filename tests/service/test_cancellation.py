@@ -134,12 +134,18 @@ def test_a_grpc_deadline_that_passes_in_the_queue_is_expired_by_the_server(
     expired = value(before, "encoder_requests_dropped_total", reason="expired") + 1
     wait_for_metric(held_server, "encoder_requests_dropped_total", expired, reason="expired", **LABELS)
     wait_for_queue_depth(held_server, 1, TINY_MODEL)
+    # Answered as the client saw it, whichever clock noticed first: the batcher's expiry or gRPC's cancellation.
+    answered = value(before, "encoder_requests_total", code="DEADLINE_EXCEEDED") + 1
+    wait_for_metric(held_server, "encoder_requests_total", answered, code="DEADLINE_EXCEEDED", **LABELS)
 
     release(stub, held)
     assert_only_the_answered_rows_ran(before, held_server)
     after = metric_samples(held_server)
     assert value(after, "encoder_requests_dropped_total", reason="cancelled") == value(
         before, "encoder_requests_dropped_total", reason="cancelled"
+    )
+    assert value(after, "encoder_requests_total", code="CANCELLED") == value(
+        before, "encoder_requests_total", code="CANCELLED"
     )
 
 
