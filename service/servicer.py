@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
+from typing import NoReturn
 
 import grpc
 
@@ -28,10 +29,10 @@ def _server_version() -> str:
         return "unknown"
 
 
-def _unsupported(method: str, reason: str) -> Callable[..., Awaitable[None]]:
+def _unsupported(method: str, reason: str) -> Callable[..., Awaitable[NoReturn]]:
     """A method of Triton's service that this server declares and answers UNIMPLEMENTED, saying why."""
 
-    async def refuse(self: InferenceServicer, request: object, context: grpc.aio.ServicerContext) -> None:
+    async def refuse(self: InferenceServicer, request: object, context: grpc.aio.ServicerContext | None) -> NoReturn:
         raise Unimplemented(f"{method} is not supported by this server: {reason}")
 
     refuse.__name__ = refuse.__qualname__ = method

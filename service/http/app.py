@@ -47,6 +47,7 @@ _MODEL_PATH = re.compile(
     r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/stats|/infer)?"
 )
 _OPENAI_MODEL_PATH = re.compile(r"/v1/models/(?P<name>[^/]+)")
+_REPOSITORY_MODEL_PATH = re.compile(r"/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -132,6 +133,7 @@ class HttpApp:
             "/v2/health/ready": {"GET": self._ready},
             "/v2": {"GET": self._server_metadata},
             "/v2/models/stats": {"GET": self._statistics},
+            "/v2/repository/index": {"POST": self._repository_index},
         }
         self._model_actions: dict[str, dict[str, Handler]] = {
             "": {"GET": self._model_metadata},
@@ -151,6 +153,10 @@ class HttpApp:
             action = match["action"] or ""
             params = {"name": match["name"], "version": match["version"] or ""}
             return "/v2/models/{name}" + action, params, self._model_actions[action]
+        match = _REPOSITORY_MODEL_PATH.fullmatch(path)
+        if match is not None:
+            params = {"name": match["name"], "action": match["action"]}
+            return "/v2/repository/models/{name}/" + match["action"], params, {"POST": self._repository_model}
         match = _OPENAI_MODEL_PATH.fullmatch(path)
         if match is not None:
             return "/v1/models/{name}", {"name": match["name"]}, {"GET": self._openai_model}
@@ -298,6 +304,18 @@ class HttpApp:
         request = pb.ModelStatisticsRequest(**call.path_params)
         statistics = await self.servicer.ModelStatistics(request, None)
         return Response(200, json.dumps(kserve.proto_json(statistics, every_field=True)).encode())
+
+    async def _repository_index(self, call: Call) -> Response:
+        _check_body_form(call.headers, (None, JSON))
+        request = kserve.parse_repository_index(_json(call.body) if call.body.strip() else {})
+        index = await self.servicer.RepositoryIndex(request, None)
+        return Response(200, json.dumps([kserve.proto_json(model) for model in index.models]).encode())
+
+    async def _repository_model(self, call: Call) -> Response:
+        # Models load at start: the servicer refuses load and unload, saying why (501).
+        if call.path_params["action"] == "load":
+            return await self.servicer.RepositoryModelLoad(None, None)
+        return await self.servicer.RepositoryModelUnload(None, None)
 
     async def _infer(self, call: Call) -> Response:
         header_length = call.headers.get(kserve.HEADER_LENGTH.encode())

@@ -11,6 +11,7 @@ from service.errors import (
     ServiceError,
     Unauthenticated,
     Unavailable,
+    Unimplemented,
 )
 
 
@@ -39,6 +40,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[ServiceError], int], ...] = (
     (Unavailable, 503),
     (DeadlineExceeded, 504),
     (ModelFailure, 500),
+    (Unimplemented, 501),
 )
 """Most specific first: the first class the error is an instance of decides."""
 

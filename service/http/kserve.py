@@ -172,6 +172,15 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return body[:split], memoryview(body)[split:]
 
 
+def parse_repository_index(payload: object) -> pb.RepositoryIndexRequest:
+    """A POST /v2/repository/index body (`{"ready": true}` lists only ready models) as the gRPC request."""
+    fields = _fields("the repository index request", payload, ("repository_name", "ready"))
+    ready = fields.get("ready", False)
+    if not isinstance(ready, bool):
+        raise InvalidArgument("the repository index request: 'ready' must be true or false")
+    return pb.RepositoryIndexRequest(ready=ready)
+
+
 def parse_infer(payload: object, binary: memoryview, name: str, version: str) -> RestInferRequest:
     """A v2 REST infer body (its JSON, and the binary data after it) as a ModelInferRequest."""
     fields = _fields("the request", payload, _REQUEST_FIELDS)

@@ -188,10 +188,30 @@ def test_binary_data_must_match_what_the_inputs_claim(tiny_server: RunningServer
 
 
 def test_unknown_routes_and_methods(tiny_server: RunningServer) -> None:
-    status, content = request(tiny_server, "GET", "/v2/repository/index")
-    assert status == 404 and "no route /v2/repository/index" in json.loads(content)["error"]
-    status, content = request(tiny_server, "GET", INFER)
-    assert status == 405 and "answers POST" in json.loads(content)["error"]
+    status, content = request(tiny_server, "GET", "/v2/logging")
+    assert status == 404 and "no route /v2/logging" in json.loads(content)["error"]
+    for path in (INFER, "/v2/repository/index"):
+        status, content = request(tiny_server, "GET", path)
+        assert status == 405 and "answers POST" in json.loads(content)["error"]
+
+
+def test_repository_index_as_grpc_answers_it_and_load_unload_refused_with_the_reason(
+    tiny_server: RunningServer, client: triton.InferenceServerClient
+) -> None:
+    served = [{"name": TINY_MODEL, "version": "1", "state": "READY"}]
+    assert client.get_model_repository_index() == served
+    grpc_index = triton_grpc.InferenceServerClient(tiny_server.target).get_model_repository_index().models
+    assert [(m.name, m.version, m.state) for m in grpc_index] == [(m["name"], m["version"], m["state"]) for m in served]
+    status, content = request(tiny_server, "POST", "/v2/repository/index", b'{"ready": true}')
+    assert (status, json.loads(content)) == (200, served)
+    for body, message in ((b'{"ready": "yes"}', "'ready' must be true or false"), (b'{"x": 1}', "unknown field 'x'")):
+        status, content = request(tiny_server, "POST", "/v2/repository/index", body)
+        assert status == 400 and message in json.loads(content)["error"], content
+    for change in (client.load_model, client.unload_model):
+        with pytest.raises(InferenceServerException, match="models are loaded at start") as refused:
+            change(TINY_MODEL)
+        assert refused.value.status() == "501"
+    assert client.is_model_ready(TINY_MODEL)
 
 
 def test_the_server_keeps_serving_and_logs_no_error_after_garbage(tiny_server: RunningServer) -> None:
