@@ -11,7 +11,7 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
-from prometheus_client import start_http_server
+from prometheus_client import REGISTRY, start_http_server
 
 from service.health import NOT_SERVING, SERVING, HealthService
 from service.http.app import HttpApp
@@ -24,6 +24,7 @@ from service.proto import model_config_pb2 as mc
 from service.security import ApiKeys, ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
 from service.servicer import InferenceServicer
 from service.settings import Settings
+from service.statistics import TritonMetricsCollector
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ class InferenceServer:
             await self._start_health_listener()
         if settings.http_port:
             await self._start_http_listener(files, keys)
+        if settings.triton_metrics:
+            REGISTRY.register(TritonMetricsCollector())
         self._metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host)
         self.metrics_port = self._metrics_server.server_port
         log.info(

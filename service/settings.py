@@ -104,6 +104,13 @@ class Settings:
         ),
     )
     warmup: bool = field(default=True, metadata=_doc("run the model before reporting ready"))
+    triton_metrics: bool = field(
+        default=False,
+        metadata=_doc(
+            "also export Triton's nv_inference_* counters (from the ModelStatistics figures) on /metrics, so"
+            " dashboards and alerts written for Triton work unchanged"
+        ),
+    )
     drain_timeout_s: float = field(
         default=30.0, metadata=_doc("on SIGTERM, how long accepted requests may take to finish")
     )

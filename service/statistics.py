@@ -20,7 +20,11 @@ Per executed batch size, `batch_stats` counts executions and their compute_infer
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from service.proto import grpc_service_pb2 as pb
 
@@ -152,3 +156,48 @@ def of(model: str, version: str) -> ModelStatistics:
     if statistics is None:
         statistics = _BY_MODEL[(model, version)] = ModelStatistics()
     return statistics
+
+
+TRITON_COUNTERS = {
+    "nv_inference_request_success": "Successful inference requests, every protocol's.",
+    "nv_inference_request_failure": "Failed inference requests (after their model was found).",
+    "nv_inference_count": "Inferences performed: the rows of successful requests.",
+    "nv_inference_exec_count": "Model executions (batches run).",
+    "nv_inference_request_duration_us": "Cumulative time of successful requests in the server, microseconds.",
+    "nv_inference_queue_duration_us": "Cumulative time successful requests waited in the queue, microseconds.",
+    "nv_inference_compute_input_duration_us": "Cumulative compute_input time of successful requests, microseconds.",
+    "nv_inference_compute_infer_duration_us": "Cumulative compute_infer time of successful requests, microseconds.",
+    "nv_inference_compute_output_duration_us": "Cumulative compute_output time of successful requests, microseconds.",
+}
+"""Triton's per-model inference counters, by the names and units Triton exports them under."""
+
+
+class TritonMetricsCollector(Collector):
+    """Triton's nv_inference_* counters on /metrics (`--triton-metrics`), read from the statistics when scraped.
+
+    Dashboards and alerts written for Triton read them unchanged: the same names (without `_total`),
+    the same `model` and `version` labels, the same figures as ModelStatistics. They are exposed as
+    untyped: prometheus_client writes every counter family as `<name>_total`, and rate() reads
+    untyped series alike. The scrape runs on the metrics server's thread: it copies the table
+    first and reads plain integers.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per Triton metric, one sample per model version."""
+        families = {name: Metric(name, text, "unknown") for name, text in TRITON_COUNTERS.items()}
+        for (model, version), statistics in list(_BY_MODEL.items()):
+            labels = {"model": model, "version": version}
+            figures = {
+                "nv_inference_request_success": statistics.success.count,
+                "nv_inference_request_failure": statistics.fail.count,
+                "nv_inference_count": statistics.inference_count,
+                "nv_inference_exec_count": statistics.execution_count,
+                "nv_inference_request_duration_us": statistics.success.ns // 1000,
+                "nv_inference_queue_duration_us": statistics.queue.ns // 1000,
+                "nv_inference_compute_input_duration_us": statistics.compute_input.ns // 1000,
+                "nv_inference_compute_infer_duration_us": statistics.compute_infer.ns // 1000,
+                "nv_inference_compute_output_duration_us": statistics.compute_output.ns // 1000,
+            }
+            for name, value in figures.items():
+                families[name].add_sample(name, labels, value)
+        yield from families.values()

@@ -1,4 +1,4 @@
-"""A real Prometheus scrapes a running server; promtool lints our exposition."""
+"""A real Prometheus scrapes a running server (our metrics and Triton's); promtool lints our exposition."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def query(port: int, expression: str) -> list[dict]:
 
 def test_promtool_accepts_our_metrics(tiny_server: RunningServer) -> None:
     exposition = urllib.request.urlopen(tiny_server.metrics_url, timeout=5).read()
+    assert b"nv_inference" not in exposition  # Triton's names (not Prometheus-style) only with --triton-metrics
     result = subprocess.run(
         ["promtool", "check", "metrics"], input=exposition, capture_output=True, check=False, timeout=30
     )
@@ -41,7 +42,7 @@ def test_promtool_accepts_our_metrics(tiny_server: RunningServer) -> None:
 
 
 def test_prometheus_scrapes_the_request_counter(tiny_repository: Path, tmp_path: Path) -> None:
-    with start_server(tiny_repository, tmp_path / "server.log") as server:
+    with start_server(tiny_repository, tmp_path / "server.log", "--triton-metrics") as server:
         prometheus_port = free_port()
         config = tmp_path / "prometheus.yml"
         config.write_text(
@@ -82,6 +83,9 @@ def test_prometheus_scrapes_the_request_counter(tiny_repository: Path, tmp_path:
                         break
                 time.sleep(0.5)
             assert seen == 7, (seen, (tmp_path / "prometheus.log").read_text()[-2000:])
+            # Triton's own counter, from the same scrape, for dashboards written for Triton.
+            triton_expression = f'nv_inference_request_success{{job="encoder",model="{TINY_MODEL}",version="1"}}'
+            assert [float(sample["value"][1]) for sample in query(prometheus_port, triton_expression)] == [7]
             up = query(prometheus_port, 'up{job="encoder"}')
             assert up and up[0]["value"][1] == "1"
         finally:

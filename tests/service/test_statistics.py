@@ -37,8 +37,9 @@ def token_inputs(rows: int) -> list[triton.InferInput]:
 
 @pytest.fixture(scope="module")
 def server(tiny_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
-    """A server of this module's own, so that its statistics count only this module's requests."""
-    running = start_server(tiny_repository, tmp_path_factory.mktemp("statistics-server") / "server.log")
+    """A server of this module's own (so its statistics count only this module's requests), with Triton's metrics."""
+    log_path = tmp_path_factory.mktemp("statistics-server") / "server.log"
+    running = start_server(tiny_repository, log_path, "--triton-metrics")
     try:
         yield running
     finally:
@@ -86,6 +87,19 @@ def test_statistics_count_rows_requests_batches_and_failures(server: RunningServ
     assert metric_value(samples, "encoder_batch_size_count", **labels) == stats.execution_count
     assert metric_value(samples, "encoder_requests_total", code="OK", **labels) == inference.success.count
     assert metric_value(samples, "encoder_requests_total", code="INVALID_ARGUMENT", **labels) == inference.fail.count
+    # Triton's own nv_inference_* counters carry the same figures (durations in whole microseconds).
+    triton_figures = {
+        "nv_inference_request_success": inference.success.count,
+        "nv_inference_request_failure": inference.fail.count,
+        "nv_inference_count": stats.inference_count,
+        "nv_inference_exec_count": stats.execution_count,
+        "nv_inference_request_duration_us": inference.success.ns // 1000,
+        "nv_inference_queue_duration_us": inference.queue.ns // 1000,
+        "nv_inference_compute_input_duration_us": inference.compute_input.ns // 1000,
+        "nv_inference_compute_infer_duration_us": inference.compute_infer.ns // 1000,
+        "nv_inference_compute_output_duration_us": inference.compute_output.ns // 1000,
+    }
+    assert {name: metric_value(samples, name, **labels) for name in triton_figures} == triton_figures
 
 
 def test_every_model_without_a_name_and_not_found_for_unknown_ones(server: RunningServer) -> None:
