@@ -47,7 +47,23 @@ _MODEL_PATH = re.compile(
     r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/stats|/infer)?"
 )
 _OPENAI_MODEL_PATH = re.compile(r"/v1/models/(?P<name>[^/]+)")
-_REPOSITORY_MODEL_PATH = re.compile(r"/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)")
+_UNSUPPORTED_ROUTES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("/v2/repository/models/{name}/load", r"/v2/repository/models/[^/]+/load", ("POST",), "RepositoryModelLoad"),
+    ("/v2/repository/models/{name}/unload", r"/v2/repository/models/[^/]+/unload", ("POST",), "RepositoryModelUnload"),
+    *(
+        (f"/v2/{kind}sharedmemory/{action}", rf"/v2/{kind}sharedmemory(/region/[^/]+)?/{action}", (method,), rpc)
+        for kind, memory in (("system", "SystemSharedMemory"), ("cuda", "CudaSharedMemory"))
+        for action, method, rpc in (
+            ("status", "GET", f"{memory}Status"),
+            ("register", "POST", f"{memory}Register"),
+            ("unregister", "POST", f"{memory}Unregister"),
+        )
+    ),
+    ("/v2/trace/setting", r"/v2(/models/[^/]+)?/trace/setting", ("GET", "POST"), "TraceSetting"),
+    ("/v2/logging", r"/v2/logging", ("GET", "POST"), "LogSettings"),
+)
+"""Triton's REST routes this server declares but does not offer: (route template, path pattern, methods,
+the gRPC method whose UNIMPLEMENTED reason they answer, with 501)."""
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -142,6 +158,10 @@ class HttpApp:
             "/stats": {"GET": self._statistics},
             "/infer": {"POST": self._infer},
         }
+        self._unsupported = [
+            (re.compile(pattern), template, dict.fromkeys(methods, self._refusal(rpc)))
+            for template, pattern, methods, rpc in _UNSUPPORTED_ROUTES
+        ]
 
     def _route(self, path: str) -> tuple[str, dict[str, str], dict[str, Handler]]:
         """The route template (a metric label), its path parameters and handlers by method."""
@@ -153,10 +173,9 @@ class HttpApp:
             action = match["action"] or ""
             params = {"name": match["name"], "version": match["version"] or ""}
             return "/v2/models/{name}" + action, params, self._model_actions[action]
-        match = _REPOSITORY_MODEL_PATH.fullmatch(path)
-        if match is not None:
-            params = {"name": match["name"], "action": match["action"]}
-            return "/v2/repository/models/{name}/" + match["action"], params, {"POST": self._repository_model}
+        for pattern, template, refusals in self._unsupported:
+            if pattern.fullmatch(path):
+                return template, {}, refusals
         match = _OPENAI_MODEL_PATH.fullmatch(path)
         if match is not None:
             return "/v1/models/{name}", {"name": match["name"]}, {"GET": self._openai_model}
@@ -311,11 +330,14 @@ class HttpApp:
         index = await self.servicer.RepositoryIndex(request, None)
         return Response(200, json.dumps([kserve.proto_json(model) for model in index.models]).encode())
 
-    async def _repository_model(self, call: Call) -> Response:
-        # Models load at start: the servicer refuses load and unload, saying why (501).
-        if call.path_params["action"] == "load":
-            return await self.servicer.RepositoryModelLoad(None, None)
-        return await self.servicer.RepositoryModelUnload(None, None)
+    def _refusal(self, rpc: str) -> Handler:
+        """A handler answering as the servicer's `rpc` does: UNIMPLEMENTED with its reason, here 501."""
+        refuse = getattr(self.servicer, rpc)
+
+        async def refusal(call: Call) -> Response:
+            return await refuse(None, None)
+
+        return refusal
 
     async def _infer(self, call: Call) -> Response:
         header_length = call.headers.get(kserve.HEADER_LENGTH.encode())

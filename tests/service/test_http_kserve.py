@@ -6,6 +6,7 @@ import http.client
 import json
 import re
 import socket
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -188,16 +189,14 @@ def test_binary_data_must_match_what_the_inputs_claim(tiny_server: RunningServer
 
 
 def test_unknown_routes_and_methods(tiny_server: RunningServer) -> None:
-    status, content = request(tiny_server, "GET", "/v2/logging")
-    assert status == 404 and "no route /v2/logging" in json.loads(content)["error"]
+    status, content = request(tiny_server, "GET", "/v2/no-such-route")
+    assert status == 404 and "no route /v2/no-such-route" in json.loads(content)["error"]
     for path in (INFER, "/v2/repository/index"):
         status, content = request(tiny_server, "GET", path)
         assert status == 405 and "answers POST" in json.loads(content)["error"]
 
 
-def test_repository_index_as_grpc_answers_it_and_load_unload_refused_with_the_reason(
-    tiny_server: RunningServer, client: triton.InferenceServerClient
-) -> None:
+def test_repository_index_as_grpc_answers_it(tiny_server: RunningServer, client: triton.InferenceServerClient) -> None:
     served = [{"name": TINY_MODEL, "version": "1", "state": "READY"}]
     assert client.get_model_repository_index() == served
     grpc_index = triton_grpc.InferenceServerClient(tiny_server.target).get_model_repository_index().models
@@ -207,10 +206,29 @@ def test_repository_index_as_grpc_answers_it_and_load_unload_refused_with_the_re
     for body, message in ((b'{"ready": "yes"}', "'ready' must be true or false"), (b'{"x": 1}', "unknown field 'x'")):
         status, content = request(tiny_server, "POST", "/v2/repository/index", body)
         assert status == 400 and message in json.loads(content)["error"], content
-    for change in (client.load_model, client.unload_model):
-        with pytest.raises(InferenceServerException, match="models are loaded at start") as refused:
-            change(TINY_MODEL)
-        assert refused.value.status() == "501"
+
+
+@pytest.mark.parametrize(
+    ("call", "reason"),
+    [
+        (lambda client: client.load_model(TINY_MODEL), "models are loaded at start"),
+        (lambda client: client.unload_model(TINY_MODEL), "models are loaded at start"),
+        (lambda client: client.get_system_shared_memory_status(), "tensors travel inside the messages"),
+        (lambda client: client.register_system_shared_memory("region", "/key", 64), "tensors travel inside"),
+        (lambda client: client.unregister_system_shared_memory(), "tensors travel inside the messages"),
+        (lambda client: client.get_cuda_shared_memory_status("region"), "tensors travel inside the messages"),
+        (lambda client: client.unregister_cuda_shared_memory(), "tensors travel inside the messages"),
+        (lambda client: client.get_trace_settings(TINY_MODEL), "--log-level DEBUG"),
+        (lambda client: client.update_log_settings({"log_info": True}), "logging is set at start with --log-level"),
+    ],
+)
+def test_the_triton_routes_not_offered_answer_501_with_the_grpc_methods_reason(
+    client: triton.InferenceServerClient, call: Callable[[triton.InferenceServerClient], object], reason: str
+) -> None:
+    with pytest.raises(InferenceServerException, match=re.escape(reason)) as refused:
+        call(client)
+    assert refused.value.status() == "501"
+    assert "is not supported by this server" in str(refused.value)
     assert client.is_model_ready(TINY_MODEL)
 
 
