@@ -1,9 +1,9 @@
 """grpc.health.v1 (Check and Watch) over a table of service statuses, with an end for drained servers.
 
-Watch sends a service's current status, then each change. gRPC's client-side health checking keeps
-one Watch open per connection, and a server's graceful stop waits for every open call; so once the
-server has drained its inferences, `end_watches` ends them (UNAVAILABLE, after each has been sent
-NOT_SERVING) instead of letting them hold the stop for its whole grace period.
+Watch sends a service's current status, then each change, for as long as the caller listens; a
+server's graceful stop waits for every open call. So once the server has drained its inferences,
+`end_watches` ends them (UNAVAILABLE, after each has been sent NOT_SERVING) instead of letting them
+hold the stop for its whole grace period.
 """
 
 from __future__ import annotations
