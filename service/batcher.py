@@ -202,7 +202,7 @@ class Batcher:
         self.on_serving_change: Callable[[bool], None] | None = None
         """Told False when every instance is stuck, True when one comes back."""
         metrics.QUEUE_CAPACITY.labels(*self._labels).set(policy.max_queue_size)
-        metrics.QUEUE_DEPTH.labels(*self._labels).set_function(lambda: len(self._pending))
+        metrics.QUEUE_DEPTH.labels(*self._labels).set_function(lambda: self.queue_depth)
         metrics.STUCK_INSTANCES.labels(*self._labels).set(0)
 
     def start(self) -> None:
@@ -213,6 +213,11 @@ class Batcher:
             for index, runner in enumerate(self._runners)
         ]
         self._idle = list(self._instances)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in the queue for a batch."""
+        return len(self._pending)
 
     @property
     def serving(self) -> bool:

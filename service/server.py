@@ -152,7 +152,7 @@ class InferenceServer:
         if settings.http_port:
             await self._start_http_listener(files, keys)
         if settings.triton_metrics:
-            REGISTRY.register(TritonMetricsCollector())
+            REGISTRY.register(TritonMetricsCollector(self._queue_depths))
         self._metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host)
         self.metrics_port = self._metrics_server.server_port
         log.info(
@@ -183,6 +183,13 @@ class InferenceServer:
                 model.policy.max_queue_delay_s * 1e6,
             )
         await self.health.set(OVERALL, SERVING)
+
+    def _queue_depths(self) -> dict[tuple[str, str], int]:
+        """Each loaded model version's queue depth (read by the metrics thread: it copies the table first)."""
+        return {
+            (model.spec.name, model.spec.version): model.batcher.queue_depth
+            for model in list(self.registry.models.values())
+        }
 
     def _security_summary(self) -> str:
         transport = "plaintext" if self.tls is None else "mutual TLS" if self.tls.files.client_ca else "TLS"

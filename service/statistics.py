@@ -20,7 +20,7 @@ Per executed batch size, `batch_stats` counts executions and their compute_infer
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.metrics_core import Metric
@@ -170,11 +170,13 @@ TRITON_COUNTERS = {
     "nv_inference_compute_output_duration_us": "Cumulative compute_output time of successful requests, microseconds.",
 }
 """Triton's per-model inference counters, by the names and units Triton exports them under."""
+TRITON_PENDING = "nv_inference_pending_request_count"
 
 
 class TritonMetricsCollector(Collector):
-    """Triton's nv_inference_* counters on /metrics (`--triton-metrics`), read from the statistics when scraped.
+    """Triton's nv_inference_* metrics on /metrics (`--triton-metrics`), read when scraped.
 
+    The counters come from the statistics; the pending request count is each model's queue depth.
     Dashboards and alerts written for Triton read them unchanged: the same names (without `_total`),
     the same `model` and `version` labels, the same figures as ModelStatistics. They are exposed as
     untyped: prometheus_client writes every counter family as `<name>_total`, and rate() reads
@@ -182,8 +184,16 @@ class TritonMetricsCollector(Collector):
     first and reads plain integers.
     """
 
+    def __init__(self, queue_depths: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._queue_depths = queue_depths
+        """(model, version) -> requests waiting in its queue now: Triton's pending request count."""
+
     def collect(self) -> Iterator[Metric]:
         """One family per Triton metric, one sample per model version."""
+        pending = Metric(TRITON_PENDING, "Inference requests waiting in the queue for a batch.", "gauge")
+        for (model, version), depth in self._queue_depths().items():
+            pending.add_sample(TRITON_PENDING, {"model": model, "version": version}, depth)
+        yield pending
         families = {name: Metric(name, text, "unknown") for name, text in TRITON_COUNTERS.items()}
         for (model, version), statistics in list(_BY_MODEL.items()):
             labels = {"model": model, "version": version}

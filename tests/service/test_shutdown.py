@@ -36,7 +36,7 @@ def text_request(text: bytes) -> pb.ModelInferRequest:
 def test_sigterm_reports_not_serving_refuses_new_work_and_keeps_accepted_work(
     tiny_repository: Path, tmp_path: Path
 ) -> None:
-    flags = ("--max-queue-delay-us", "600000000", "--drain-timeout-s", "300")
+    flags = ("--max-queue-delay-us", "600000000", "--drain-timeout-s", "300", "--triton-metrics")
     with (
         start_server(tiny_repository, tmp_path / "server.log", *flags) as server,
         grpc.insecure_channel(server.target) as channel,
@@ -73,6 +73,7 @@ def test_sigterm_reports_not_serving_refuses_new_work_and_keeps_accepted_work(
         samples = metric_samples(server)
         assert metric_value(samples, "encoder_queue_depth", model=TINY_MODEL, version="1") == HELD
         assert metric_value(samples, "encoder_inflight_requests", model=TINY_MODEL, version="1") == HELD
+        assert metric_value(samples, "nv_inference_pending_request_count", model=TINY_MODEL, version="1") == HELD
         assert not [future for future in accepted if future.done()]
         assert server.process.poll() is None
 

@@ -100,6 +100,7 @@ def test_statistics_count_rows_requests_batches_and_failures(server: RunningServ
         "nv_inference_compute_output_duration_us": inference.compute_output.ns // 1000,
     }
     assert {name: metric_value(samples, name, **labels) for name in triton_figures} == triton_figures
+    assert metric_value(samples, "nv_inference_pending_request_count", **labels) == 0  # nothing queued now
 
 
 def test_every_model_without_a_name_and_not_found_for_unknown_ones(server: RunningServer) -> None:
