@@ -158,18 +158,40 @@ def of(model: str, version: str) -> ModelStatistics:
     return statistics
 
 
-TRITON_COUNTERS = {
-    "nv_inference_request_success": "Successful inference requests, every protocol's.",
-    "nv_inference_request_failure": "Failed inference requests (after their model was found).",
-    "nv_inference_count": "Inferences performed: the rows of successful requests.",
-    "nv_inference_exec_count": "Model executions (batches run).",
-    "nv_inference_request_duration_us": "Cumulative time of successful requests in the server, microseconds.",
-    "nv_inference_queue_duration_us": "Cumulative time successful requests waited in the queue, microseconds.",
-    "nv_inference_compute_input_duration_us": "Cumulative compute_input time of successful requests, microseconds.",
-    "nv_inference_compute_infer_duration_us": "Cumulative compute_infer time of successful requests, microseconds.",
-    "nv_inference_compute_output_duration_us": "Cumulative compute_output time of successful requests, microseconds.",
-}
-"""Triton's per-model inference counters, by the names and units Triton exports them under."""
+_NS_PER_US = 1000
+
+TRITON_COUNTERS: tuple[tuple[str, str, Callable[[ModelStatistics], int]], ...] = (
+    ("nv_inference_request_success", "Successful inference requests, every protocol's.", lambda s: s.success.count),
+    ("nv_inference_request_failure", "Failed inference requests (their model was found).", lambda s: s.fail.count),
+    ("nv_inference_count", "Inferences performed: the rows of successful requests.", lambda s: s.inference_count),
+    ("nv_inference_exec_count", "Model executions (batches run).", lambda s: s.execution_count),
+    (
+        "nv_inference_request_duration_us",
+        "Cumulative time of successful requests in the server, microseconds.",
+        lambda s: s.success.ns // _NS_PER_US,
+    ),
+    (
+        "nv_inference_queue_duration_us",
+        "Cumulative time successful requests waited in the queue, microseconds.",
+        lambda s: s.queue.ns // _NS_PER_US,
+    ),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute_input time of successful requests, microseconds.",
+        lambda s: s.compute_input.ns // _NS_PER_US,
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative compute_infer time of successful requests, microseconds.",
+        lambda s: s.compute_infer.ns // _NS_PER_US,
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative compute_output time of successful requests, microseconds.",
+        lambda s: s.compute_output.ns // _NS_PER_US,
+    ),
+)
+"""Triton's per-model inference counters: the name and unit Triton exports each under, its help, its reader."""
 TRITON_PENDING = "nv_inference_pending_request_count"
 
 
@@ -194,20 +216,9 @@ class TritonMetricsCollector(Collector):
         for (model, version), depth in self._queue_depths().items():
             pending.add_sample(TRITON_PENDING, {"model": model, "version": version}, depth)
         yield pending
-        families = {name: Metric(name, text, "unknown") for name, text in TRITON_COUNTERS.items()}
-        for (model, version), statistics in list(_BY_MODEL.items()):
-            labels = {"model": model, "version": version}
-            figures = {
-                "nv_inference_request_success": statistics.success.count,
-                "nv_inference_request_failure": statistics.fail.count,
-                "nv_inference_count": statistics.inference_count,
-                "nv_inference_exec_count": statistics.execution_count,
-                "nv_inference_request_duration_us": statistics.success.ns // 1000,
-                "nv_inference_queue_duration_us": statistics.queue.ns // 1000,
-                "nv_inference_compute_input_duration_us": statistics.compute_input.ns // 1000,
-                "nv_inference_compute_infer_duration_us": statistics.compute_infer.ns // 1000,
-                "nv_inference_compute_output_duration_us": statistics.compute_output.ns // 1000,
-            }
-            for name, value in figures.items():
-                families[name].add_sample(name, labels, value)
-        yield from families.values()
+        models = list(_BY_MODEL.items())
+        for name, text, read in TRITON_COUNTERS:
+            family = Metric(name, text, "unknown")
+            for (model, version), statistics in models:
+                family.add_sample(name, {"model": model, "version": version}, read(statistics))
+            yield family
