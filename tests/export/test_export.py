@@ -24,6 +24,7 @@ from export import optimize, parity
 from export.checkpoint import load_checkpoint, random_checkpoint
 from export.parity import read_sentences
 from export.pipeline import ExportOptions, GateRefused, export_model
+from export.quantize import weight_type
 from service.fidelity import cosines
 from service.repository import VARIANT_FILES, read_model
 from service.tokenizer import TextTokenizer
@@ -99,7 +100,7 @@ def test_parity_report_meets_every_tolerance(default_repository: Path) -> None:
     assert fp32["tolerance"]["gated_kinds"] == ["tokens", "sentences", "sentence_masks"]
     int8 = report["variants"]["int8"]
     assert int8["cases"]["sentences"]["min_cosine"] >= 0.99
-    assert int8["recipe"]["weights"] == "int8, symmetric, per output channel"
+    assert int8["recipe"]["weights"] == f"{weight_type()[1]}; per output channel"
     assert set(report["int8_speed"]) == {
         "shape",
         "fp32_sequences_per_second",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import re
 from pathlib import Path
 
@@ -10,12 +11,19 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnxruntime.quantization import QuantType
 
 from export.checkpoint import random_checkpoint
 from export.config import EncoderConfig
 from export.onnx_export import export_onnx, input_names
 from export.parity import read_sentences
-from export.quantize import INTEGER_OPERATORS, quantize_int8, smooth_activations, split_outlier_channels
+from export.quantize import (
+    INTEGER_OPERATORS,
+    quantize_int8,
+    smooth_activations,
+    split_outlier_channels,
+    weight_type,
+)
 from service.fidelity import cosines
 from service.repository import read_model
 from service.tokenizer import TextTokenizer
@@ -148,3 +156,13 @@ def test_int8_holds_on_short_inputs(default_repository: Path) -> None:
         if cosine < worst_cosine:
             worst_cosine, worst_text = cosine, text
     assert worst_cosine >= 0.99, f"int8 cosine {worst_cosine:.5f} on {worst_text!r}"
+
+
+def test_weights_are_int8_only_where_the_cpu_sums_their_products_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert weight_type(frozenset({"avx2", "avx512_vnni"}))[0] == QuantType.QInt8
+    assert weight_type(frozenset({"avx2", "amx_int8"}))[0] == QuantType.QInt8
+    weights, reason = weight_type(frozenset({"avx2", "fma"}))
+    assert weights == QuantType.QUInt8 and "saturate" in reason
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert weight_type(frozenset())[0] == QuantType.QInt8
