@@ -1,16 +1,19 @@
-"""Serving benchmark: the request path's three targets, measured in one run on this machine.
+"""Serving benchmark: the request path's targets, measured in one run on this machine.
 
     python -m client.bench --repository model_repository [--variants fp32,int8] [--output FILE]
 
 1. Server CPU per call: a tiny random encoder (exported here by the real exporter) behind a
    default server; the server process's CPU time (user + system, as the kernel counts it) per
    single-sentence ModelInfer against per ModelReady, same server, same concurrency, in
-   interleaved rounds. Target: ModelInfer <= 1.5x ModelReady.
+   interleaved rounds. Target: ModelInfer <= 2.0x ModelReady (goal 1.5x).
 2. Throughput: for each variant, tokenisation + ONNX Runtime in this process in batches of 32,
    with the server's instance and threads (the ceiling), against the server at 32 concurrent
    single-sentence clients. Target: >= 0.8x the ceiling.
-3. Latency: one client at a time, the server's p50 against the model's own batch-1 latency
-   (tokenise + run, in this process). Target: <= +1.0 ms.
+3. Mixed-length ingestion (fp32): requests of 32 document chunks (8-240 words) from 4 clients,
+   against the same texts in this process sorted by length and run 32 at a time, each batch
+   padded to its own longest. Target: >= 0.85x.
+4. Reported, not a target: one client's p50 against the model's own batch-1 latency (tokenise +
+   run, in this process), and the throughput at 8 clients.
 
 The load generator runs in this process, on the same machine: its CPU is part of what the
 server competes with, as it would be for any co-located client. `--extended` adds batching off
@@ -26,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,9 +58,16 @@ CALL_CPU_ROUNDS = 5
 CALL_CPU_CALLS = 3000
 SENTENCE = "A man is playing a guitar on the street."
 
-TARGET_CALL_CPU_RATIO = 1.5
+INGESTION_MODEL_VARIANT = "fp32"
+INGESTION_CLIENTS = 4
+INGESTION_BATCH = 32
+INGESTION_REQUESTS = 16
+"""Distinct requests of the ingestion level (cycled through); the ceiling runs exactly their texts."""
+
+TARGET_CALL_CPU_RATIO = 2.0
+GOAL_CALL_CPU_RATIO = 1.5
 TARGET_SHARE_OF_CEILING = 0.8
-TARGET_EXTRA_LATENCY_MS = 1.0
+TARGET_INGESTION_SHARE = 0.85
 
 
 @dataclass(frozen=True)
@@ -134,17 +145,64 @@ def in_process(plan: Plan, variant: str, kind: str, seconds: float) -> Ceiling:
     return Ceiling(by_batch[CEILING_BATCH], by_batch, statistics.median(latencies))
 
 
-async def _sweep(plan: Plan, target: str, kind: str, levels: list[Level]) -> list[LevelResult]:
-    config = LoadConfig(
-        target=target, model=plan.model, duration_s=plan.duration_s, warmup_s=plan.warmup_s, mix={kind: 1.0}
+def ingestion_config(plan: Plan, target: str) -> LoadConfig:
+    """The ingestion level's load: INGESTION_REQUESTS distinct requests of INGESTION_BATCH chunks each."""
+    return LoadConfig(
+        target=target,
+        model=plan.model,
+        duration_s=plan.duration_s,
+        warmup_s=plan.warmup_s,
+        mix={"chunks": 1.0},
+        batch_size=INGESTION_BATCH,
+        pool_size=INGESTION_REQUESTS,
     )
+
+
+def ingestion_ceiling(plan: Plan, texts: list[str]) -> float:
+    """Texts/s of tokenise + run in this process: the texts sorted by token length, INGESTION_BATCH at a time.
+
+    Each batch is padded to its own longest (the best a server can do with these texts); one
+    Python thread per instance takes the next batch, as the server's instances do.
+    """
+    spec = read_model(plan.repository / plan.model)
+    settings = ExecutionSettings(device="cpu", variant=INGESTION_MODEL_VARIANT, intra_op_threads=plan.threads)
+    runtimes = [ModelRuntime(spec, settings) for _ in range(plan.instances)]
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    by_length = sorted(texts, key=lambda text: int(tokenizer.encode([text]).attention_mask.sum()))
+    batches = [by_length[start : start + INGESTION_BATCH] for start in range(0, len(by_length), INGESTION_BATCH)]
+    runtimes[0].run(tokenizer.encode(batches[-1]).feed(), ("embedding",))  # warm at the longest shape
+    remaining = iter(batches)
+
+    def work(runtime: ModelRuntime) -> None:
+        for batch in remaining:  # one shared iterator: each thread takes the next batch
+            runtime.run(tokenizer.encode(batch).feed(), ("embedding",))
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(plan.instances) as pool:
+        list(pool.map(work, runtimes))
+    return len(texts) / (time.perf_counter() - started)
+
+
+async def _sweep(config: LoadConfig, levels: list[Level]) -> list[LevelResult]:
     workload = Workload.build(config)
     await check_target(config, workload)
     return [await run_level(config, level, workload) for level in levels]
 
 
-def served(plan: Plan, variant: str, flags: list[str], levels: list[Level]) -> list[LevelResult]:
-    """Start a server with these flags and run each level of single short sentences through it."""
+def _sentences(plan: Plan, target: str) -> LoadConfig:
+    return LoadConfig(
+        target=target, model=plan.model, duration_s=plan.duration_s, warmup_s=plan.warmup_s, mix={"short": 1.0}
+    )
+
+
+def served(
+    plan: Plan,
+    variant: str,
+    flags: list[str],
+    levels: list[Level],
+    load: Callable[[Plan, str], LoadConfig] = _sentences,
+) -> list[LevelResult]:
+    """Start a server with these flags and run each level of `load` (single short sentences) through it."""
     with tempfile.TemporaryDirectory() as scratch:
         server = start_server(
             plan.repository,
@@ -153,9 +211,33 @@ def served(plan: Plan, variant: str, flags: list[str], levels: list[Level]) -> l
             *flags,
         )
         try:
-            return asyncio.run(_sweep(plan, server.target, "short", levels))
+            return asyncio.run(_sweep(load(plan, server.target), levels))
         finally:
             server.stop()
+
+
+@dataclass(frozen=True)
+class Ingestion:
+    """Mixed-length ingestion: served texts/s against the in-process length-sorted ceiling."""
+
+    served_texts_per_s: float
+    ceiling_texts_per_s: float
+    p50_ms: float | None
+    failed: int
+
+    @property
+    def share(self) -> float:
+        """Served / ceiling."""
+        return self.served_texts_per_s / self.ceiling_texts_per_s
+
+
+def ingestion(plan: Plan) -> Ingestion:
+    """Target 3: the ceiling on the workload's own texts, then the served level right after it."""
+    workload = Workload.build(ingestion_config(plan, "127.0.0.1:1"))
+    texts = [text for request in workload.requests for text in request.texts]
+    ceiling = ingestion_ceiling(plan, texts)
+    (result,) = served(plan, INGESTION_MODEL_VARIANT, [], [Level("closed", INGESTION_CLIENTS)], ingestion_config)
+    return Ingestion(round(result.sequences_per_s, 1), round(ceiling, 1), result.latency_p50_ms, result.failed)
 
 
 async def _cpu_per_call(target: str, pid: int, call: str, calls: int) -> float:
@@ -204,12 +286,15 @@ def _verdict(met: bool) -> str:
     return "met" if met else "MISSED"
 
 
-def target_lines(cpu: CallCpu, ceilings: dict[str, Ceiling], batched: dict[str, list[LevelResult]]) -> list[str]:
-    """The three targets with their figures."""
+def target_lines(
+    cpu: CallCpu, ceilings: dict[str, Ceiling], batched: dict[str, list[LevelResult]], mixed: Ingestion | None
+) -> list[str]:
+    """The targets with their figures, then the reported latency and c=8 throughput."""
+    goal = "goal met" if cpu.ratio <= GOAL_CALL_CPU_RATIO else f"goal {GOAL_CALL_CPU_RATIO}x not yet"
     lines = [
         f"1. server CPU per call (tiny model, {CALL_CPU_CONCURRENCY} callers): ModelInfer {cpu.infer_us:.0f} us vs "
         f"ModelReady {cpu.ready_us:.0f} us = {cpu.ratio:.2f}x (target <= {TARGET_CALL_CPU_RATIO}x: "
-        f"{_verdict(cpu.ratio <= TARGET_CALL_CPU_RATIO)})"
+        f"{_verdict(cpu.ratio <= TARGET_CALL_CPU_RATIO)}; {goal})"
     ]
     for variant, ceiling in ceilings.items():
         at32 = _at(batched[variant], "c=32")
@@ -220,15 +305,23 @@ def target_lines(cpu: CallCpu, ceilings: dict[str, Ceiling], batched: dict[str, 
                 f"{ceiling.sequences_per_s:.0f} seq/s (batch {CEILING_BATCH}) = {share:.2f}x "
                 f"(target >= {TARGET_SHARE_OF_CEILING}x: {_verdict(share >= TARGET_SHARE_OF_CEILING)})"
             )
+    if mixed is not None:
+        lines.append(
+            f"3. {INGESTION_MODEL_VARIANT} mixed-length ingestion ({INGESTION_CLIENTS} clients x {INGESTION_BATCH} "
+            f"chunks): served {mixed.served_texts_per_s:.1f} texts/s vs in-process length-sorted "
+            f"{mixed.ceiling_texts_per_s:.1f} texts/s = {mixed.share:.2f}x (target >= {TARGET_INGESTION_SHARE}x: "
+            f"{_verdict(mixed.share >= TARGET_INGESTION_SHARE)})"
+        )
     for variant, ceiling in ceilings.items():
-        at1 = _at(batched[variant], "c=1")
+        at1, at8 = _at(batched[variant], "c=1"), _at(batched[variant], "c=8")
         if at1 is not None and at1.latency_p50_ms is not None:
             extra = at1.latency_p50_ms - ceiling.single_p50_ms
             lines.append(
-                f"3. {variant}: c=1 p50 {at1.latency_p50_ms:.2f} ms vs model batch-1 {ceiling.single_p50_ms:.2f} ms "
-                f"= +{extra:.2f} ms (target <= +{TARGET_EXTRA_LATENCY_MS} ms: "
-                f"{_verdict(extra <= TARGET_EXTRA_LATENCY_MS)})"
+                f"4. {variant}: c=1 p50 {at1.latency_p50_ms:.2f} ms vs model batch-1 {ceiling.single_p50_ms:.2f} ms "
+                f"(+{extra:.2f} ms)"
             )
+        if at8 is not None:
+            lines.append(f"4. {variant}: c=8 {at8.throughput_rps:.0f} req/s, p50 {at8.latency_p50_ms or 0:.2f} ms")
     return lines
 
 
@@ -246,14 +339,15 @@ def _row(variant: str, way: str, result: LevelResult, ceiling: Ceiling) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure the three targets (and, with --extended, batching off and an open loop); print and save them."""
+    """Measure the targets (and, with --extended, batching off and an open loop); print and save them."""
     parser = argparse.ArgumentParser(prog="python -m client.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--variants", default="fp32,int8", help="CPU variants to serve and compare, in turn")
     parser.add_argument("--instances", type=int, default=1, help="model instances, in-process and served")
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads per instance")
-    parser.add_argument("--concurrency", default="1,32", help="closed-loop client counts (1 and 32 hold the targets)")
+    parser.add_argument("--concurrency", default="1,8,32", help="closed-loop client counts (1, 8 and 32 are reported)")
+    parser.add_argument("--skip-ingestion", action="store_true", help="leave out the mixed-length ingestion target")
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--extended", action="store_true", help="also batching off, and an open loop")
@@ -277,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:  # each variant's ceiling right before its served levels
         ceilings[variant] = in_process(plan, variant, "short", 3.0)
         batched[variant] = served(plan, variant, [], closed)
+    mixed = None if arguments.skip_ingestion or INGESTION_MODEL_VARIANT not in spec.variants else ingestion(plan)
     rows = [_row(v, "batched", result, ceilings[v]) for v in variants for result in batched[v]]
     if arguments.extended:
         for variant in variants:
@@ -299,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['variant']:<8} {row['way']:<13} {row['level']:>10} {row['requests_per_s']:>8.1f} "
             f"{row['p50_ms'] or 0:>8.2f} {row['p99_ms'] or 0:>8.2f} {row['share_of_ceiling']:>10.0%} {row['failed']:>6}"
         )
-    for line in target_lines(cpu, ceilings, batched):
+    targets = target_lines(cpu, ceilings, batched, mixed)
+    for line in targets:
         print(line)
     if arguments.output:
         arguments.output.parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             "call_cpu": asdict(cpu),
             "ceilings": {variant: asdict(ceiling) for variant, ceiling in ceilings.items()},
             "rows": rows,
-            "targets": target_lines(cpu, ceilings, batched),
+            "ingestion": None if mixed is None else {**asdict(mixed), "share": round(mixed.share, 3)},
+            "targets": targets,
         }
         arguments.output.write_text(json.dumps(document, indent=2) + "\n")
     return 0

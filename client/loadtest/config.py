@@ -12,8 +12,9 @@ from typing import Literal
 from client import DEFAULT_MODEL
 from client.protocol import ClientSecurity
 
-CORPORA = ("short", "long")
-"""Names of the shipped corpora a request mix may draw from (`client/loadtest/<name>.txt`)."""
+CORPORA = ("short", "long", "chunks")
+"""Names of the corpora a request mix may draw from: `short` and `long` are shipped files
+(`client/loadtest/<name>.txt`); `chunks` is cut from `long`'s words as document chunks are."""
 
 Mode = Literal["closed", "open"]
 InputKind = Literal["text", "tokens"]

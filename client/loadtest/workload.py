@@ -18,11 +18,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """One ready-to-send ModelInferRequest, the corpus it came from and how many sequences it carries."""
+    """One ready-to-send ModelInferRequest, the corpus it came from and the texts it carries."""
 
     message: pb.ModelInferRequest
     kind: str
-    sequences: int
+    texts: tuple[str, ...]
+
+    @property
+    def sequences(self) -> int:
+        """Texts (sequences) in the request."""
+        return len(self.texts)
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class Workload:
             else:
                 tokens = tokenizer.encode(texts)
                 message = token_request(config.model, tokens.input_ids, tokens.attention_mask)
-            requests.append(PreparedRequest(message, kind, len(texts)))
+            requests.append(PreparedRequest(message, kind, tuple(texts)))
         logger.debug("built %d requests of %d sequences", len(requests), config.batch_size)
         return cls(tuple(requests))
 
