@@ -1,24 +1,33 @@
-"""Dynamic batching: one bounded queue per model, dispatched to its model instances.
+"""Dynamic batching of rows: one bounded queue per model, dispatched to the model's instances.
 
-Callers `admit` a request (rejected at once when the queue is full), then `submit` its token
-arrays and await their own rows back. Whenever a request arrives or an instance finishes, and an
-instance is idle, a batch is formed: the oldest request plus the queued requests closest to its
-length, up to `max_batch_size` rows and `max_batch_tokens` padded tokens, waiting no longer than
-`max_queue_delay` after the oldest arrived. Cancelled and expired requests leave the queue at
-once and never run. Every batch resolves every one of its futures, with results or with an
-error; a run that does not return within `max_batch_run_s` fails its requests and takes its
-instance out of service until it does.
+Callers `admit` a request (refused at once when the queue is full), then `submit` its token rows
+and await them back, in their own order. The queue holds requests, the batches hold rows: whenever
+a request arrives or an instance finishes, and an instance is idle, a batch is formed from the
+waiting rows of every queued request — the longest waiting row of the request at the head of the
+queue, then the waiting rows nearest its length (older requests first among equals), up to
+`max_batch_size` rows and `max_batch_tokens` padded tokens (rows x the batch's longest), none of
+them padded past twice its own length, waiting no longer than `max_queue_delay` after the oldest
+request arrived. Each batch is padded to its own
+longest row. A request larger than one batch (over `max_batch_size` rows) goes to the back of the
+queue after each batch it leads, so it is spread over batches by length while others are served
+between them; smaller requests lead in the order they came.
+
+Cancelled and expired requests leave the queue at once and their waiting rows never run; rows of
+theirs already in a running batch are discarded when it returns. Every batch resolves every one
+of its futures, with results or with an error; a run that does not return within
+`max_batch_run_s` fails its requests and takes its instance out of service until it does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -26,8 +35,18 @@ import numpy as np
 from service import metrics, statistics
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable, past_deadline
 from service.metrics import ModelLabels
+from service.token_rows import TokenRows
 
 log = logging.getLogger(__name__)
+
+SELECTION_WINDOW_BATCHES = 4
+"""A batch is chosen among the waiting rows of the queue's first requests, up to this many batches' worth."""
+MAX_PADDING_FACTOR = 2
+"""No row of a batch is padded to more than this many times the (bucketed) length it would have alone.
+
+A padded encoder's cost grows with rows x padded length: on a CPU, [8, 12, 30] padded to 30 costs
+90 tokens where [8, 12] at 12 and [30] alone cost 54. With length buckets (CUDA) short rows share a
+bucket and batch together freely."""
 
 
 class Runner(Protocol):
@@ -45,7 +64,7 @@ class BatchingPolicy:
     max_batch_size: int
     """Rows per batch."""
     max_batch_tokens: int
-    """Padded tokens (rows x longest) per batch; a single request may exceed it alone."""
+    """Padded tokens (rows x longest) per batch; a single row may exceed it alone."""
     max_queue_delay_s: float
     """Longest the oldest request waits for a fuller batch."""
     max_queue_size: int
@@ -60,49 +79,84 @@ class BatchingPolicy:
 
     def padded_length(self, longest: int) -> int:
         """The length a batch whose longest row is `longest` is padded to: bucketed, capped at max_length."""
-        bucketed = _round_up(longest, self.length_bucket)
+        bucketed = -(-longest // self.length_bucket) * self.length_bucket
         return min(bucketed, max(self.max_length, longest)) if self.max_length else bucketed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WorkResult:
-    """A request's own rows of each requested output, and where its time went."""
+    """A request's own rows of each requested output, in its order, and where its time went."""
 
     outputs: dict[str, np.ndarray]
     queue_s: float
+    """Time in the batcher not spent running its batches."""
     compute_s: float
+    """Run time of the batches its rows rode in."""
     batch_rows: int
+    """Rows of the largest batch it rode in."""
+
+
+class WorkItem:
+    """One queued request: its token rows, those still waiting for a batch, and the future awaiting them all."""
+
+    __slots__ = (
+        "batch_rows",
+        "compute_s",
+        "deadline",
+        "enqueued_at",
+        "future",
+        "lengths",
+        "outputs",
+        "results",
+        "rows",
+        "starts",
+        "unanswered",
+        "waiting",
+    )
+
+    def __init__(
+        self, rows: TokenRows, outputs: tuple[str, ...], future: asyncio.Future[WorkResult], deadline: float | None
+    ) -> None:
+        self.rows = rows
+        self.outputs = outputs
+        self.future = future
+        self.deadline = deadline
+        self.enqueued_at = time.monotonic()
+        self.lengths: list[int] = rows.lengths.tolist()
+        self.starts: list[int] = [0, *itertools.accumulate(self.lengths[:-1])]
+        self.waiting: list[int] = [0] if len(self.lengths) == 1 else np.argsort(rows.lengths, kind="stable").tolist()
+        """Rows not yet in a batch, shortest first (the longest is taken next)."""
+        self.unanswered = len(self.lengths)
+        """Rows not yet back from a run."""
+        self.results: dict[str, np.ndarray] | None = None
+        """The outputs being filled in, once rows come back from more than one batch."""
+        self.compute_s = 0.0
+        self.batch_rows = 0
+
+    @property
+    def next_length(self) -> int:
+        """Length of the longest waiting row."""
+        return self.lengths[self.waiting[-1]]
 
 
 @dataclass(eq=False)
-class WorkItem:
-    """One queued request: int64 [rows, length] token arrays and the future awaiting them."""
+class _Group:
+    """One request's rows in a batch: which rows (ascending), from which position of the batch."""
 
-    tokens: dict[str, np.ndarray]
-    outputs: tuple[str, ...]
-    future: asyncio.Future[WorkResult]
-    deadline: float | None
-    enqueued_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def rows(self) -> int:
-        """Sequences in the request."""
-        return self.tokens["input_ids"].shape[0]
-
-    @property
-    def length(self) -> int:
-        """The request's (padded) sequence length."""
-        return self.tokens["input_ids"].shape[1]
+    item: WorkItem
+    rows: list[int]
+    start: int
 
 
 @dataclass(eq=False)
 class _Batch:
-    """Requests handed to one model instance together: the padded feed, when it started, its watchdog."""
+    """Rows handed to one model instance together: the padded feed, when it started, its watchdog."""
 
-    items: list[WorkItem]
+    groups: list[_Group]
     instance: _Instance
     feed: dict[str, np.ndarray]
     started: float
+    real_tokens: int
     watchdog: asyncio.TimerHandle | None = None
     overran: bool = False
     """Set when the run exceeded max_batch_run_s (its requests were failed, its instance retired)."""
@@ -148,26 +202,41 @@ class _Instance:
                 return
 
 
-def _round_up(length: int, multiple: int) -> int:
-    return -(-length // multiple) * multiple
+def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tuple[WorkItem, int]]:
+    """The first request's longest waiting row, then the waiting rows nearest its length that fit both budgets.
 
-
-def select_batch(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[WorkItem]:
-    """The oldest item plus the items nearest its length that fit the row and token budgets."""
+    Rows are considered from the queue's first requests, up to SELECTION_WINDOW_BATCHES batches'
+    worth; among rows equally near, older requests' come first.
+    """
     anchor = pending[0]
-    chosen = [anchor]
-    rows, longest = anchor.rows, anchor.length
-    nearest_first = sorted(range(1, len(pending)), key=lambda i: (abs(pending[i].length - anchor.length), i))
-    for index in nearest_first:
-        if rows >= policy.max_batch_size:
+    anchor_row = anchor.waiting[-1]
+    target = anchor.lengths[anchor_row]
+    window = policy.max_batch_size * SELECTION_WINDOW_BATCHES
+    candidates: list[tuple[int, int, WorkItem, int]] = []
+    for item in pending:
+        lengths, first = item.lengths, len(candidates)
+        rows = item.waiting[:-1] if item is anchor else item.waiting
+        candidates += [(abs(lengths[row] - target), first + i, item, row) for i, row in enumerate(rows)]
+        if len(candidates) >= window:
             break
-        item = pending[index]
-        new_rows, new_longest = rows + item.rows, max(longest, item.length)
-        padded = new_rows * policy.padded_length(new_longest)
-        if new_rows > policy.max_batch_size or padded > policy.max_batch_tokens:
+    candidates.sort(key=lambda candidate: (candidate[0], candidate[1]))
+    chosen = [(anchor, anchor_row)]
+    shortest = longest = target
+    max_rows, max_tokens = policy.max_batch_size, policy.max_batch_tokens
+    for _, _, item, row in candidates:
+        if len(chosen) >= max_rows:
+            break
+        length = item.lengths[row]
+        wider, narrower = max(longest, length), min(shortest, length)
+        padded = policy.padded_length(wider)
+        if (len(chosen) + 1) * padded > max_tokens:
+            if length <= longest:
+                break  # every later candidate needs at least as many tokens as this one
             continue
-        chosen.append(item)
-        rows, longest = new_rows, new_longest
+        if padded > MAX_PADDING_FACTOR * policy.padded_length(narrower):
+            continue  # cheaper in a batch of its own length than padded this far
+        chosen.append((item, row))
+        shortest, longest = narrower, wider
     return chosen
 
 
@@ -188,6 +257,8 @@ class Batcher:
         self._output_names = output_names
         self._runners = list(runners)
         self._pending: list[WorkItem] = []
+        """Requests with rows waiting for a batch, in the order they get to lead one."""
+        self._waiting_rows = 0
         self._idle: list[_Instance] = []
         self._instances: list[_Instance] = []
         self._running: set[_Batch] = set()
@@ -216,7 +287,7 @@ class Batcher:
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting in the queue for a batch."""
+        """Requests with rows waiting in the queue for a batch."""
         return len(self._pending)
 
     @property
@@ -247,24 +318,24 @@ class Batcher:
         self._admitted -= 1
 
     async def submit(
-        self, tokens: dict[str, np.ndarray], outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
+        self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
     ) -> WorkResult:
-        """Queue token arrays and wait for their rows.
+        """Queue a request's rows and wait for all of them.
 
-        `admitted`: the request's place was taken by `admit`; False for the later parts of a
-        request already admitted (they re-enter the queue without a capacity check). New requests
-        are refused from the start of a drain (by `admit`); parts of accepted ones are still run
-        until the batcher has stopped.
+        `admitted`: its place was taken by `admit` (and is handed over here); otherwise it is
+        admitted now, or refused.
         """
         if admitted:
             self._admitted -= 1
+        else:
+            self.admit()
+            self._admitted -= 1
         if self._stopped:
             raise Unavailable("the model is shutting down")
-        if not self.serving:
-            raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
         loop = self._loop
-        item = WorkItem(tokens, outputs, loop.create_future(), deadline)
+        item = WorkItem(rows, outputs, loop.create_future(), deadline)
         self._pending.append(item)
+        self._waiting_rows += len(item.waiting)
         if not self._dispatch_scheduled:
             # After the callbacks ready now: requests arriving in the same loop step batch together.
             self._dispatch_scheduled = True
@@ -274,15 +345,14 @@ class Batcher:
             return await item.future
         except asyncio.CancelledError:
             # The caller went away (client cancelled, or its gRPC deadline passed): leave the queue now.
-            expired = past_deadline(deadline)
-            self._leave(item, "expired" if expired else "cancelled")
+            self._leave(item, "expired" if past_deadline(deadline) else "cancelled")
             raise
         finally:
             if expiry is not None:
                 expiry.cancel()
 
     def _expire(self, item: WorkItem) -> None:
-        """A queued request's deadline passed: it leaves the queue with DEADLINE_EXCEEDED.
+        """A request's deadline passed with rows still waiting: it leaves the queue with DEADLINE_EXCEEDED.
 
         Its caller may have gone away in the same loop iteration (gRPC cancels at its own clock's
         deadline): the future is then already cancelled, and `submit` counts the request.
@@ -291,12 +361,19 @@ class Batcher:
             item.future.set_exception(DeadlineExceeded("the request's timeout passed while it was queued"))
 
     def _leave(self, item: WorkItem, reason: str) -> bool:
-        """Remove a still-queued request, counting why; False if it already left (running or answered)."""
-        try:
-            self._pending.remove(item)
-        except ValueError:
+        """Drop a request's waiting rows, counting why; False if none were waiting (running or answered)."""
+        if not self._abandon(item):
             return False
         self._metrics.dropped(reason)
+        return True
+
+    def _abandon(self, item: WorkItem) -> bool:
+        """Take a request's waiting rows out of the queue; False if none were waiting."""
+        if not item.waiting:
+            return False
+        self._waiting_rows -= len(item.waiting)
+        item.waiting = []
+        self._pending.remove(item)
         return True
 
     async def close(self, timeout_s: float) -> None:
@@ -308,13 +385,12 @@ class Batcher:
         self._stopped = True
         if self._delay_timer is not None:
             self._delay_timer.cancel()
-        self._fail(self._pending, Unavailable("the server shut down before this request ran"))
-        self._pending.clear()
+        self._fail(list(self._pending), Unavailable("the server shut down before this request ran"))
         for instance in self._instances:
             instance.stop()
 
     def _dispatch(self) -> None:
-        """Hand batches to idle instances while work is queued, waiting out max_queue_delay for fuller ones."""
+        """Hand batches to idle instances while rows wait, waiting out max_queue_delay for fuller ones."""
         self._dispatch_scheduled = False
         if self._delay_timer is not None:
             self._delay_timer.cancel()
@@ -324,74 +400,107 @@ class Batcher:
                 self._drop_dead()
                 if not self._pending:
                     return
-                if not self._full():
-                    wait_s = self._pending[0].enqueued_at + self.policy.max_queue_delay_s - time.monotonic()
+                if self.policy.max_queue_delay_s > 0 and not self._full():
+                    oldest = min(item.enqueued_at for item in self._pending)
+                    wait_s = oldest + self.policy.max_queue_delay_s - time.monotonic()
                     if wait_s > 0:
                         self._delay_timer = self._loop.call_later(wait_s, self._dispatch)
                         return
-                chosen = select_batch(self._pending, self.policy)
-                taken = set(map(id, chosen))
-                self._pending = [item for item in self._pending if id(item) not in taken]
-                self._start(self._idle.pop(0), chosen)
+                self._start(self._idle.pop(0), self._take(select_rows(self._pending, self.policy)))
         except Exception:
             # Never die quietly: fail what is queued and keep serving.
             log.exception("batch formation failed")
-            self._fail(self._pending, ModelFailure("batch formation failed; see the server log"))
-            self._pending.clear()
+            self._fail(list(self._pending), ModelFailure("batch formation failed; see the server log"))
 
-    def _start(self, instance: _Instance, items: list[WorkItem]) -> None:
+    def _take(self, chosen: list[tuple[WorkItem, int]]) -> list[_Group]:
+        """Take the chosen rows out of the queue: each request's rows together, in its order.
+
+        A leading request larger than one batch (more than max_batch_size rows) goes to the back of
+        the queue if it still has rows waiting; a smaller one keeps its place, so requests finish
+        in the order they came. Requests left with no waiting rows leave the queue.
+        """
+        by_item: dict[WorkItem, list[int]] = {}
+        for item, row in chosen:
+            by_item.setdefault(item, []).append(row)
+        groups, start = [], 0
+        for item, rows in by_item.items():
+            if len(rows) == len(item.waiting):
+                item.waiting = []
+            else:
+                taken = set(rows)
+                item.waiting = [row for row in item.waiting if row not in taken]
+            rows.sort()
+            groups.append(_Group(item, rows, start))
+            start += len(rows)
+        self._waiting_rows -= start
+        leader = self._pending[0]
+        if leader.waiting and len(leader.lengths) > self.policy.max_batch_size:
+            # More than a batch's worth of rows: the rest waits its turn behind the requests queued after it.
+            self._pending = [item for item in self._pending if item.waiting and item is not leader]
+            self._pending.append(leader)
+        else:
+            self._pending = [item for item in self._pending if item.waiting]
+        return groups
+
+    def _start(self, instance: _Instance, groups: list[_Group]) -> None:
         """Pad a batch and hand it to an instance, under a watchdog of max_batch_run_s."""
         try:
-            feed = self._pad(items)
+            feed, real_tokens = self._pad(groups)
         except Exception as error:
-            log.exception("padding a batch of %d requests failed", len(items))
-            self._fail(items, ModelFailure(f"model execution failed: {error}"))
+            log.exception("padding a batch of %d requests failed", len(groups))
+            self._fail([group.item for group in groups], ModelFailure(f"model execution failed: {error}"))
             self._idle.append(instance)
             return
-        batch = _Batch(items, instance, feed, time.monotonic())
+        batch = _Batch(groups, instance, feed, time.monotonic(), real_tokens)
         batch.watchdog = self._loop.call_later(self.policy.max_batch_run_s, self._overran, batch)
         self._running.add(batch)
-        instance.run(batch, tuple(name for name in self._output_names if any(name in item.outputs for item in items)))
+        wanted = {name for group in groups for name in group.item.outputs}
+        instance.run(batch, tuple(name for name in self._output_names if name in wanted))
 
     def _full(self) -> bool:
-        rows = sum(item.rows for item in self._pending)
-        if rows >= self.policy.max_batch_size:
+        """Whether the waiting rows fill a batch (its rows, or its tokens at the longest waiting row)."""
+        if self._waiting_rows >= self.policy.max_batch_size:
             return True
-        longest = max(item.length for item in self._pending)
-        return rows * longest >= self.policy.max_batch_tokens
+        longest = max(item.next_length for item in self._pending)
+        return self._waiting_rows * longest >= self.policy.max_batch_tokens
 
     def _drop_dead(self) -> None:
         """Remove cancelled requests and fail expired ones, counting both."""
         now = time.monotonic()
-        alive = []
-        for item in self._pending:
+        for item in [item for item in self._pending if item.future.done() or _past(item.deadline, now)]:
+            self._abandon(item)
             if item.future.done():
                 self._metrics.dropped("cancelled")
-            elif item.deadline is not None and item.deadline <= now:
+            else:
                 item.future.set_exception(DeadlineExceeded("the request's timeout passed while it was queued"))
                 self._metrics.dropped("expired")
-            else:
-                alive.append(item)
-        if len(alive) != len(self._pending):
-            self._pending = alive
 
-    def _pad(self, items: list[WorkItem]) -> dict[str, np.ndarray]:
-        rows = sum(item.rows for item in items)
-        length = self.policy.padded_length(max(item.length for item in items))
-        feed = {
-            "input_ids": np.full((rows, length), self.policy.pad_token_id, dtype=np.int64),
-            "attention_mask": np.zeros((rows, length), dtype=np.int64),
-            "token_type_ids": np.zeros((rows, length), dtype=np.int64),
-        }
-        row = 0
-        for item in items:
-            for name, array in item.tokens.items():
-                feed[name][row : row + item.rows, : item.length] = array
-            row += item.rows
-        return feed
+    def _pad(self, groups: list[_Group]) -> tuple[dict[str, np.ndarray], int]:
+        """The batch's feed, every row right-padded to the batch's (bucketed) longest; and its real tokens."""
+        rows = [(group.item, row) for group in groups for row in group.rows]
+        longest = max(item.lengths[row] for item, row in rows)
+        shape = (len(rows), self.policy.padded_length(longest))
+        ids = np.full(shape, self.policy.pad_token_id, dtype=np.int64)
+        mask = np.zeros(shape, dtype=np.int64)
+        types = np.zeros(shape, dtype=np.int64)
+        real_tokens = 0
+        for position, (item, row) in enumerate(rows):
+            start, length = item.starts[row], item.lengths[row]
+            end = start + length
+            tokens = item.rows
+            ids[position, :length] = tokens.input_ids[start:end]
+            if tokens.attention_mask is None:
+                mask[position, :length] = 1
+                real_tokens += length
+            else:
+                mask[position, :length] = tokens.attention_mask[start:end]
+                real_tokens += int(np.count_nonzero(tokens.attention_mask[start:end]))
+            if tokens.token_type_ids is not None:
+                types[position, :length] = tokens.token_type_ids[start:end]
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}, real_tokens
 
     def _finished(self, batch: _Batch, results: dict[str, np.ndarray] | None, error: Exception | None) -> None:
-        """A batch came back from its instance (on the loop): restart the instance, then answer the batch."""
+        """A batch came back from its instance (on the loop): restart the instance, then answer its rows."""
         self._running.discard(batch)
         batch.watchdog.cancel()
         if batch.overran:
@@ -399,52 +508,93 @@ class Batcher:
         else:
             self._idle.append(batch.instance)
         if self._pending:
-            self._dispatch()  # the model starts its next batch before this one's answers are encoded
-        items = batch.items
+            self._dispatch()  # the model starts its next batch before this one's answers are handed back
+        items = [group.item for group in batch.groups]
         if error is not None:
             log.error("model execution failed for a batch of %d requests", len(items), exc_info=error)
             self._fail(items, ModelFailure(f"model execution failed: {error}"))
             return
-        compute_s = time.monotonic() - batch.started
-        feed, started = batch.feed, batch.started
-        self._record(items, feed, started, compute_s)
-        row = 0
-        for item in items:
-            if not item.future.done():
-                own = {}
-                for name in item.outputs:
-                    block = results[name][row : row + item.rows]
-                    own[name] = block[:, : item.length] if block.ndim == 3 else block
-                item.future.set_result(
-                    WorkResult(own, started - item.enqueued_at, compute_s, feed["input_ids"].shape[0])
-                )
-            row += item.rows
+        try:
+            compute_s = time.monotonic() - batch.started
+            self._record(batch, compute_s)
+            rows = batch.feed["input_ids"].shape[0]
+            for group in batch.groups:
+                if not group.item.future.done():  # a cancelled or failed request's rows are discarded
+                    self._answer(group, results, compute_s, rows)
+        except Exception as raised:  # a fault here fails this batch's requests only
+            log.exception("handing back a batch of %d requests failed", len(items))
+            self._fail(items, ModelFailure(f"model execution failed: {raised}"))
 
-    def _record(self, items: list[WorkItem], feed: dict[str, np.ndarray], started: float, compute_s: float) -> None:
-        rows, length = feed["input_ids"].shape
-        real_tokens = int(np.count_nonzero(feed["attention_mask"]))
+    def _answer(self, group: _Group, results: dict[str, np.ndarray], compute_s: float, batch_rows: int) -> None:
+        """Hand a request its rows from this batch; resolve it once all of its rows are back."""
+        item, count, start = group.item, len(group.rows), group.start
+        item.compute_s += compute_s
+        item.batch_rows = max(item.batch_rows, batch_rows)
+        item.unanswered -= count
+        if item.unanswered == 0 and item.results is None:  # all of its rows, in its order, in this batch
+            outputs = {name: self._own(results[name][start : start + count], item, group.rows) for name in item.outputs}
+        else:
+            if item.results is None:
+                item.results = {name: self._empty(results[name], item) for name in item.outputs}
+            for name, own in item.results.items():
+                block = results[name][start : start + count]
+                if own.ndim == 2:
+                    own[group.rows] = block
+                else:
+                    for position, row in enumerate(group.rows):
+                        length = item.lengths[row]
+                        own[row, :length] = block[position, :length]
+            if item.unanswered:
+                return
+            outputs = item.results
+        total_s = time.monotonic() - item.enqueued_at
+        compute_total = min(item.compute_s, total_s)
+        self._metrics.queue_duration.observe(total_s - compute_total)
+        item.future.set_result(WorkResult(outputs, total_s - compute_total, compute_total, item.batch_rows))
+
+    @staticmethod
+    def _empty(like: np.ndarray, item: WorkItem) -> np.ndarray:
+        """A request's output array: per row, or per row and position up to its width (zeros past each row's end)."""
+        rows = item.rows.rows
+        if like.ndim == 2:
+            return np.empty((rows, like.shape[1]), like.dtype)
+        return np.zeros((rows, item.rows.width, like.shape[2]), like.dtype)
+
+    @classmethod
+    def _own(cls, block: np.ndarray, item: WorkItem, rows: list[int]) -> np.ndarray:
+        """A request's whole output from its block of the batch (per-position outputs: zeros past each row's end)."""
+        if block.ndim == 2:
+            return block
+        width = item.rows.width
+        if block.shape[1] >= width and all(length == width for length in item.lengths):
+            return block[:, :width]
+        own = cls._empty(block, item)
+        for position, row in enumerate(rows):
+            length = item.lengths[row]
+            own[row, :length] = block[position, :length]
+        return own
+
+    def _record(self, batch: _Batch, compute_s: float) -> None:
+        rows, length = batch.feed["input_ids"].shape
         model_metrics = self._metrics
         model_metrics.compute_duration.observe(compute_s)
         model_metrics.batch_size.observe(rows)
-        model_metrics.padding_ratio.observe(1.0 - real_tokens / (rows * length))
+        model_metrics.padding_ratio.observe(1.0 - batch.real_tokens / (rows * length))
         model_metrics.sequences.inc(rows)
-        model_metrics.tokens.inc(real_tokens)
+        model_metrics.tokens.inc(batch.real_tokens)
         self._statistics.record_execution(rows, compute_s)
-        queue_histogram = model_metrics.queue_duration
-        for item in items:
-            queue_histogram.observe(started - item.enqueued_at)
 
     def _overran(self, batch: _Batch) -> None:
         """A run exceeded max_batch_run_s: fail its requests; the instance is out until the run returns."""
         limit = self.policy.max_batch_run_s
-        log.error("model instance stuck: a batch of %d requests has run for over %.0f s", len(batch.items), limit)
-        self._fail(batch.items, Unavailable(f"the model did not finish this request's batch within {limit:g} s"))
+        items = [group.item for group in batch.groups]
+        log.error("model instance stuck: a batch of %d requests has run for over %.0f s", len(items), limit)
+        self._fail(items, Unavailable(f"the model did not finish this request's batch within {limit:g} s"))
         batch.overran = True
         self._stuck += 1
         metrics.STUCK_INSTANCES.labels(*self._labels).set(self._stuck)
         if not self.serving:
-            self._fail(self._pending, Unavailable("no model instance is in service"))
-            self._pending.clear()
+            self._fail(list(self._pending), Unavailable("no model instance is in service"))
             if self.on_serving_change is not None:
                 self.on_serving_change(False)
 
@@ -458,8 +608,14 @@ class Batcher:
         if not was_serving and self.on_serving_change is not None:
             self.on_serving_change(True)
 
-    @staticmethod
-    def _fail(items: list[WorkItem], error: Exception) -> None:
+    def _fail(self, items: list[WorkItem], error: Exception) -> None:
+        """Fail requests: their waiting rows leave the queue, their running ones will be discarded."""
         for item in items:
+            self._abandon(item)
             if not item.future.done():
                 item.future.set_exception(error)
+
+
+def _past(deadline: float | None, now: float) -> bool:
+    """Whether a monotonic deadline is at or before `now` (never, for no deadline)."""
+    return deadline is not None and deadline <= now

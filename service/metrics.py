@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
+from service import statistics
 from service.errors import status_of
 
 # `*_created` timestamps double the series count and no dashboard or alert here reads them.
@@ -140,6 +141,8 @@ class ModelMetrics:
     def __init__(self, labels: ModelLabels) -> None:
         values = labels.values()
         self.labels = labels
+        self.statistics = None if labels == UNKNOWN_MODEL else statistics.of(*values)
+        """Triton's statistics of the model (none for requests naming a model that is not served)."""
         self.inflight = 0
         """Inference requests received and not yet answered; encoder_inflight_requests reads it."""
         INFLIGHT.labels(*values).set_function(lambda: self.inflight)
@@ -178,27 +181,50 @@ def of(labels: ModelLabels) -> ModelMetrics:
 
 
 class TrackedRequest:
-    """Count one inference request: in flight while inside, then its status code and duration.
+    """Count one inference request: in flight while inside, then its status code and duration, and Triton's statistics.
 
-    A refusal that carries a `reason` (a limit or check) is also counted in encoder_requests_rejected_total.
+    The duration counts from `received` (time.perf_counter, when the front end received it);
+    `inferred` marks its rows' return (rows, queue and compute time). It counts in the statistics
+    as a success if `inferred` was called and no exception left the block, else as a failure. A
+    refusal that carries a `reason` (a limit or check) is also counted in
+    encoder_requests_rejected_total.
     """
 
-    __slots__ = ("_deadline", "_metrics", "_started")
+    __slots__ = ("_compute_s", "_deadline", "_inferred", "_metrics", "_queue_s", "_received", "_rows")
 
-    def __init__(self, model_metrics: ModelMetrics, deadline: float | None = None) -> None:
+    def __init__(self, model_metrics: ModelMetrics, deadline: float | None, received: float) -> None:
         self._metrics = model_metrics
         self._deadline = deadline
         """The caller's monotonic deadline: a cancellation at it is counted DEADLINE_EXCEEDED."""
-        self._started = 0.0
+        self._received = received
+        self._inferred = 0.0
+        self._rows = 0
+        self._queue_s = self._compute_s = 0.0
 
-    def __enter__(self) -> None:
-        self._started = time.perf_counter()
+    def __enter__(self) -> TrackedRequest:
         self._metrics.inflight += 1
+        return self
+
+    def inferred(self, rows: int, queue_s: float, compute_s: float) -> None:
+        """The request's rows are back, after `queue_s` queued and `compute_s` running."""
+        self._inferred = time.perf_counter()
+        self._rows, self._queue_s, self._compute_s = rows, queue_s, compute_s
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
-        self._metrics.inflight -= 1
+        answered = time.perf_counter()
+        total_s = answered - self._received
+        model_metrics = self._metrics
+        model_metrics.inflight -= 1
         if error is not None:
             reason = getattr(error, "reason", None)
             if reason is not None:
                 REJECTED.labels(reason).inc()
-        self._metrics.answered(status_of(error, self._deadline).name, time.perf_counter() - self._started)
+        model_metrics.answered(status_of(error, self._deadline).name, total_s)
+        model_statistics = model_metrics.statistics
+        if model_statistics is None:
+            return
+        if error is None and self._inferred:
+            output_s = answered - self._inferred
+            model_statistics.record_success(self._rows, total_s, self._queue_s, self._compute_s, output_s)
+        else:
+            model_statistics.record_failure(total_s)

@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import REGISTRY, start_http_server
 
+from service.engine import Engine
 from service.health import NOT_SERVING, SERVING, HealthService
 from service.http.app import HttpApp
 from service.http.listener import HttpListener
 from service.interceptor import ErrorInterceptor
-from service.models import ModelRegistry
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.proto import model_config_pb2 as mc
@@ -106,7 +106,7 @@ class InferenceServer:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.registry = ModelRegistry(settings)
+        self.engine = Engine(settings)
         self.health = HealthService()
         self.grpc_port = 0
         self.metrics_port = 0
@@ -114,7 +114,7 @@ class InferenceServer:
         self.http_port = 0
         self.tls = None
         self._server: grpc.aio.Server | None = None
-        self._servicer = InferenceServicer(self.registry, settings.max_stream_inflight)
+        self._servicer = InferenceServicer(self.engine, settings.max_stream_inflight)
         self._health_server: grpc.aio.Server | None = None
         self._http: HttpListener | None = None
         self._metrics_server = None
@@ -123,7 +123,7 @@ class InferenceServer:
     async def start(self) -> None:
         """Bind the ports (health NOT_SERVING), load and warm every model, then report SERVING."""
         settings = self.settings
-        names = self.registry.discover()
+        names = self.engine.discover()
         files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         self.tls = ReloadingTls(files) if files is not None else None
         keys = api_keys(settings.api_key_file)
@@ -152,7 +152,7 @@ class InferenceServer:
         if settings.http_port:
             await self._start_http_listener(files, keys)
         if settings.triton_metrics:
-            REGISTRY.register(TritonMetricsCollector(self._queue_depths))
+            REGISTRY.register(TritonMetricsCollector(self.engine.queue_depths))
         self._metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host)
         self.metrics_port = self._metrics_server.server_port
         log.info(
@@ -168,28 +168,21 @@ class InferenceServer:
             log.warning("model repository %s holds no models", settings.model_repository)
         for name in names:
             started = time.perf_counter()
-            model = await self.registry.load(name)
-            model.batcher.on_serving_change = lambda serving, name=name: self._serving_changed(name, serving)
+            model = await self.engine.load(name)
+            self.engine.on_serving_change(name, lambda serving, name=name: self._serving_changed(name, serving))
             await self.health.set(name, SERVING)
             log.info(
                 "model %s version %s ready in %.1f s (%s, %s, batch <= %d rows / %d tokens, delay %d us)",
                 name,
                 model.spec.version,
                 time.perf_counter() - started,
-                model.variant,
-                model.provider,
+                model.instances[0].variant,
+                model.instances[0].provider,
                 model.policy.max_batch_size,
                 model.policy.max_batch_tokens,
                 model.policy.max_queue_delay_s * 1e6,
             )
         await self.health.set(OVERALL, SERVING)
-
-    def _queue_depths(self) -> dict[tuple[str, str], int]:
-        """Each loaded model version's queue depth (read by the metrics thread: it copies the table first)."""
-        return {
-            (model.spec.name, model.spec.version): model.batcher.queue_depth
-            for model in list(self.registry.models.values())
-        }
 
     def _security_summary(self) -> str:
         transport = "plaintext" if self.tls is None else "mutual TLS" if self.tls.files.client_ca else "TLS"
@@ -208,7 +201,7 @@ class InferenceServer:
     async def _start_http_listener(self, tls: TlsFiles | None, keys: ApiKeys | None) -> None:
         """The HTTP port: OpenAI's API and KServe v2 REST, with the gRPC port's TLS files and API keys."""
         settings = self.settings
-        app = HttpApp(self.registry, self._servicer, keys, settings.max_message_bytes, settings.max_embedding_inputs)
+        app = HttpApp(self.engine, keys, settings.max_message_bytes, settings.max_embedding_inputs)
         context = ReloadingSslContext(tls).context if tls is not None else None
         self._http = HttpListener(app, settings.host, settings.http_port, context)
         await self._http.start()
@@ -216,9 +209,9 @@ class InferenceServer:
 
     def _serving_changed(self, name: str, serving: bool) -> None:
         """A model lost (or got back) its last working instance: its health and the server's follow."""
-        if self.registry.draining:
+        if self.engine.draining:
             return
-        overall = serving and all(model.batcher.serving for model in self.registry.models.values())
+        overall = serving and self.engine.ready
 
         async def publish() -> None:
             await self.health.set(name, _status(serving))
@@ -232,10 +225,10 @@ class InferenceServer:
         """Drain: NOT_SERVING, refuse new inferences, answer accepted ones, then close within the grace period."""
         deadline = time.monotonic() + self.settings.drain_timeout_s
         await self.health.enter_graceful_shutdown()
-        self.registry.draining = True
+        self.engine.draining = True
         self._servicer.streams.close()  # open streams answer what they accepted, then end
         log.info("draining (up to %.0f s)", self.settings.drain_timeout_s)
-        await self.registry.close(max(0.0, deadline - time.monotonic()))
+        await self.engine.close(max(0.0, deadline - time.monotonic()))
         await self.health.end_watches()  # inferences are answered: open Watches must not hold the grace period
         if self._server is not None:
             await self._server.stop(grace=max(0.0, deadline - time.monotonic()))

@@ -1,20 +1,21 @@
 """Triton's per-model inference statistics (the ModelStatistics RPC, GET .../stats), kept as plain counters.
 
 Each served model (name, version) has one `ModelStatistics`, found with `of`. Every protocol's
-requests (gRPC, KServe REST, OpenAI) are recorded through one `CountedRequest` around their
-decoding, run and encoding; batches where the batcher finishes them (`record_execution`). Every
-update is a few integer additions on the event loop thread, so there is no lock; a statistics read
-sees a consistent snapshot because it runs on that thread too.
+requests (gRPC, KServe REST, OpenAI) are recorded where the engine counts every request
+(service.metrics.TrackedRequest); batches where the batcher finishes them (`record_execution`). Every update is a
+few integer additions on the event loop thread, so there is no lock; a statistics read sees a
+consistent snapshot because it runs on that thread too.
 
 What each duration holds, per successful request (Triton's meaning, mapped onto this server):
-- queue: time in the batching queue, until its batch started;
-- compute_infer: its batch's run (padding the batch and the ONNX Runtime session);
-- compute_output: encoding its response;
-- compute_input: the rest of its time in the server: decoding and validating the request,
-  admission, tokenising its texts, and handing its rows back after the run.
-So success = compute_input + queue + compute_infer + compute_output for every request. A request
-queued in parts (longer than the batch token budget) adds the queue and run time of each part.
-Per executed batch size, `batch_stats` counts executions and their compute_infer time.
+- queue: its time in the batcher not spent running its rows (waiting for a batch; between the
+  batches its rows were spread over);
+- compute_infer: the run time of the batches its rows rode in (padding and the ONNX Runtime session);
+- compute_output: handing its result back after its last row returned;
+- compute_input: the rest of its time, from when the front end received it: decoding the wire
+  format, validating, admission, tokenising its texts, handing its rows back after each run.
+So success = compute_input + queue + compute_infer + compute_output for every request; as in
+Triton, the protocol's encoding of the answer comes after and is not counted. Per executed batch
+size (rows), `batch_stats` counts executions and their compute_infer time.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from dataclasses import dataclass, field
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-
-from service.proto import grpc_service_pb2 as pb
 
 _NS_PER_S = 1_000_000_000
 
@@ -42,10 +41,6 @@ class Duration:
         """Count one more, lasting `seconds`."""
         self.count += 1
         self.ns += int(seconds * _NS_PER_S)
-
-    def to_proto(self) -> pb.StatisticDuration:
-        """As the protocol message."""
-        return pb.StatisticDuration(count=self.count, ns=self.ns)
 
 
 @dataclass
@@ -89,65 +84,8 @@ class ModelStatistics:
             duration = self.batch_infer[rows] = Duration()
         duration.add(compute_s)
 
-    def to_proto(self, name: str, version: str) -> pb.ModelStatistics:
-        """As Triton's ModelStatistics message, batch sizes in increasing order."""
-        return pb.ModelStatistics(
-            name=name,
-            version=version,
-            last_inference=self.last_inference_ms,
-            inference_count=self.inference_count,
-            execution_count=self.execution_count,
-            inference_stats=pb.InferStatistics(
-                success=self.success.to_proto(),
-                fail=self.fail.to_proto(),
-                queue=self.queue.to_proto(),
-                compute_input=self.compute_input.to_proto(),
-                compute_infer=self.compute_infer.to_proto(),
-                compute_output=self.compute_output.to_proto(),
-            ),
-            batch_stats=[
-                pb.InferBatchStatistics(batch_size=rows, compute_infer=duration.to_proto())
-                for rows, duration in sorted(self.batch_infer.items())
-            ],
-        )
-
 
 _BY_MODEL: dict[tuple[str, str], ModelStatistics] = {}
-
-
-class CountedRequest:
-    """One inference request's times, recorded in its model's statistics when the `with` block ends.
-
-    Started at creation; `inferred` marks its run's end (rows, queue and compute time). It counts as
-    a success if `inferred` was called and no exception left the block, else as a failure.
-    """
-
-    __slots__ = ("_compute_s", "_inferred", "_queue_s", "_received", "_rows", "_statistics")
-
-    def __init__(self, statistics: ModelStatistics) -> None:
-        self._statistics = statistics
-        self._received = time.perf_counter()
-        self._inferred: float | None = None
-        self._rows = 0
-        self._queue_s = 0.0
-        self._compute_s = 0.0
-
-    def __enter__(self) -> CountedRequest:
-        return self
-
-    def inferred(self, rows: int, queue_s: float, compute_s: float) -> None:
-        """The request's rows ran, after `queue_s` queued and `compute_s` running; encoding comes next."""
-        self._inferred = time.perf_counter()
-        self._rows, self._queue_s, self._compute_s = rows, queue_s, compute_s
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
-        answered = time.perf_counter()
-        total_s = answered - self._received
-        if kind is None and self._inferred is not None:
-            output_s = answered - self._inferred
-            self._statistics.record_success(self._rows, total_s, self._queue_s, self._compute_s, output_s)
-        else:
-            self._statistics.record_failure(total_s)
 
 
 def of(model: str, version: str) -> ModelStatistics:

@@ -1,9 +1,9 @@
 """The ASGI application of the HTTP port: routing, the API-key check, bounded bodies, errors to statuses.
 
 Routes under /v1 are OpenAI's and answer errors as OpenAI error objects; the others are KServe v2
-REST and answer `{"error": message}`. Inference goes to the engine (service.http.openai and
-service.http.kserve); the read-only KServe operations ask the gRPC servicer itself, so both ports
-answer them alike.
+REST and answer `{"error": message}`. Every route asks the engine (service.engine), as the gRPC
+port does; metadata, configuration, statistics and the repository index are the gRPC port's own
+messages (service.codec) written in Triton's JSON.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service import metrics
+from service import codec, metrics
+from service.engine import Engine
 from service.errors import InvalidArgument, NotFound, ServiceError, Unauthenticated
 from service.http import kserve, openai
 from service.http.errors import (
@@ -28,10 +29,8 @@ from service.http.errors import (
     kserve_error,
     openai_error,
 )
-from service.models import ModelRegistry
 from service.proto import grpc_service_pb2 as pb
 from service.security import ApiKeys
-from service.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
 
@@ -126,18 +125,13 @@ async def _disconnect(receive: Receive) -> None:
 
 
 class HttpApp:
-    """The HTTP port's ASGI application over the same registry, servicer and API keys as the gRPC port."""
+    """The HTTP port's ASGI application over the same engine and API keys as the gRPC port."""
 
     def __init__(
-        self,
-        registry: ModelRegistry,
-        servicer: InferenceServicer,
-        api_keys: ApiKeys | None,
-        max_body_bytes: int,
-        max_embedding_inputs: int,
+        self, engine: Engine, api_keys: ApiKeys | None, max_body_bytes: int, max_embedding_inputs: int
     ) -> None:
-        self.registry = registry
-        self.servicer = servicer
+        self.engine = engine
+        self._metadata = json.dumps(kserve.proto_json(codec.server_metadata())).encode()
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
         self.max_embedding_inputs = max_embedding_inputs
@@ -283,70 +277,65 @@ class HttpApp:
     async def _embeddings(self, call: Call) -> Response:
         _check_body_form(call.headers, (JSON,))
         payload = _json(call.body)
-        return Response(200, await openai.embeddings(self.registry, payload, self.max_embedding_inputs))
+        return Response(200, await openai.embeddings(self.engine, payload, self.max_embedding_inputs))
 
     async def _openai_models(self, call: Call) -> Response:
-        return Response(200, openai.models_list(self.registry, self.created))
+        return Response(200, openai.models_list(self.engine, self.created))
 
     async def _openai_model(self, call: Call) -> Response:
-        return Response(200, openai.model_card(self.registry, call.path_params["name"], self.created))
-
-    # The servicer's read-only methods never use their gRPC context: None stands for it.
+        return Response(200, openai.model_card(self.engine, call.path_params["name"], self.created))
 
     async def _live(self, call: Call) -> Response:
-        live = (await self.servicer.ServerLive(pb.ServerLiveRequest(), None)).live
-        return Response(200 if live else 503, content_type=None)
+        return Response(200, content_type=None)
 
     async def _ready(self, call: Call) -> Response:
-        ready = (await self.servicer.ServerReady(pb.ServerReadyRequest(), None)).ready
-        return Response(200 if ready else 503, content_type=None)
+        return Response(200 if self.engine.ready else 503, content_type=None)
 
     async def _server_metadata(self, call: Call) -> Response:
-        metadata = await self.servicer.ServerMetadata(pb.ServerMetadataRequest(), None)
-        return Response(200, json.dumps(kserve.proto_json(metadata)).encode())
+        return Response(200, self._metadata)
 
     async def _model_metadata(self, call: Call) -> Response:
-        request = pb.ModelMetadataRequest(**call.path_params)
-        metadata = await self.servicer.ModelMetadata(request, None)
+        metadata = codec.model_metadata(self.engine.model(**call.path_params).signature)
         return Response(200, json.dumps(kserve.proto_json(metadata)).encode())
 
     async def _model_ready(self, call: Call) -> Response:
-        ready = (await self.servicer.ModelReady(pb.ModelReadyRequest(**call.path_params), None)).ready
-        return Response(200 if ready else 503, content_type=None)
+        return Response(200 if self.engine.model_ready(**call.path_params) else 503, content_type=None)
 
     async def _model_config(self, call: Call) -> Response:
-        config = (await self.servicer.ModelConfig(pb.ModelConfigRequest(**call.path_params), None)).config
+        config = codec.effective_config(self.engine.model(**call.path_params))
         return Response(200, json.dumps(kserve.proto_json(config)).encode())
 
     async def _statistics(self, call: Call) -> Response:
         # /v2/models/stats has no path parameters: every model's statistics, as ModelStatistics without a name.
-        request = pb.ModelStatisticsRequest(**call.path_params)
-        statistics = await self.servicer.ModelStatistics(request, None)
+        figures = self.engine.statistics(**call.path_params)
+        statistics = pb.ModelStatisticsResponse(model_stats=[codec.model_statistics(*model) for model in figures])
         return Response(200, json.dumps(kserve.proto_json(statistics, every_field=True)).encode())
 
     async def _repository_index(self, call: Call) -> Response:
         _check_body_form(call.headers, (None, JSON))
-        request = kserve.parse_repository_index(_json(call.body) if call.body.strip() else {})
-        index = await self.servicer.RepositoryIndex(request, None)
+        ready_only = kserve.parse_repository_index(_json(call.body) if call.body.strip() else {})
+        index = codec.repository_index(self.engine.index(ready_only))
         return Response(200, json.dumps([kserve.proto_json(model) for model in index.models]).encode())
 
-    def _refusal(self, rpc: str) -> Handler:
-        """A handler answering as the servicer's `rpc` does: UNIMPLEMENTED with its reason, here 501."""
-        refuse = getattr(self.servicer, rpc)
+    @staticmethod
+    def _refusal(rpc: str) -> Handler:
+        """A handler answering as the gRPC port's `rpc` does: UNIMPLEMENTED with its reason, here 501."""
 
         async def refusal(call: Call) -> Response:
-            return await refuse(None, None)
+            raise codec.unsupported(rpc)
 
         return refusal
 
     async def _infer(self, call: Call) -> Response:
+        received = time.perf_counter()
         header_length = call.headers.get(kserve.HEADER_LENGTH.encode())
         _check_body_form(call.headers, (None, JSON, BINARY))
         json_part, binary = kserve.split_body(
             call.body, None if header_length is None else header_length.decode("latin-1")
         )
-        rest = kserve.parse_infer(_json(json_part), binary, call.path_params["name"], call.path_params["version"])
-        body, json_length = await kserve.infer(self.registry, rest)
+        payload = _json(json_part)
+        rest = kserve.parse_infer(payload, binary, call.path_params["name"], call.path_params["version"], received)
+        body, json_length = kserve.encode_outputs(rest, await self.engine.infer(rest.request))
         if json_length is None:
             return Response(200, body)
         return Response(200, body, BINARY, [(kserve.HEADER_LENGTH.encode(), str(json_length).encode())])

@@ -2,15 +2,15 @@
 
 An infer body is JSON, or JSON followed by binary tensor data whose JSON length the header
 `Inference-Header-Content-Length` gives (Triton's binary-tensor extension). It is turned into the
-ModelInferRequest the gRPC port receives, every input as raw contents, so the codec checks both
-protocols alike. Metadata, readiness and configuration come from the gRPC servicer itself, as JSON.
+engine's request (binary data as raw contents, JSON data as typed values), which the engine checks
+as it checks the gRPC port's. Metadata, configuration and statistics are the gRPC port's messages,
+written in JSON as Triton writes them.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,20 +19,14 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from service import codec, metrics
+from service.engine import InferenceRequest, InferenceResult, InputTensor
 from service.errors import InvalidArgument
-from service.models import ModelRegistry
-from service.proto import grpc_service_pb2 as pb
-from service.repository import ModelSpec
-from service.statistics import CountedRequest
 
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_OUTPUT = "binary_data_output"
 _REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs")
 _INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
 _OUTPUT_FIELDS = ("name", "parameters")
-_LENGTH_PREFIX = struct.Struct("<I")
-_INT64 = np.dtype("<i8")
 _FP32 = np.dtype("<f4")
 _INT64_RANGE = (-(2**63), 2**63 - 1)
 _INT64_TYPES = frozenset(
@@ -48,9 +42,9 @@ _INT64_TYPES = frozenset(
 
 @dataclass(frozen=True)
 class RestInferRequest:
-    """A v2 REST infer body as the gRPC message, and how each output is to be returned."""
+    """A v2 REST infer body as the engine's request, and how each output is to be returned."""
 
-    message: pb.ModelInferRequest
+    request: InferenceRequest
     binary_outputs: dict[str, bool]
     """Outputs that asked for (or against) binary data by name; the others follow `binary_by_default`."""
     binary_by_default: bool
@@ -69,18 +63,15 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parameter(name: str, value: object, into: Any) -> None:
-    """One JSON parameter into a protobuf InferParameter map."""
-    if isinstance(value, bool):
-        into[name].bool_param = value
-    elif _is_int(value) and _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
-        into[name].int64_param = value
-    elif isinstance(value, float) and math.isfinite(value):
-        into[name].double_param = value
-    elif isinstance(value, str):
-        into[name].string_param = value
-    else:
-        raise InvalidArgument(f"parameter {name!r} must be a boolean, a 64-bit integer, a number or a string")
+def _parameter(name: str, value: object) -> bool | int | float | str:
+    """One JSON parameter, checked to be what a KServe InferParameter can hold."""
+    if isinstance(value, (bool, str)):
+        return value
+    if _is_int(value) and _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    raise InvalidArgument(f"parameter {name!r} must be a boolean, a 64-bit integer, a number or a string")
 
 
 def _flatten(data: list[object]) -> Iterator[object]:
@@ -96,8 +87,11 @@ def _flatten(data: list[object]) -> Iterator[object]:
             stack.pop()
 
 
-def _json_contents(name: str, datatype: str, data: object, count: int) -> bytes:
-    """JSON `data` as raw contents: BYTES length-prefixed UTF-8, INT64 little-endian; others left to the codec."""
+def _json_data(name: str, datatype: str, data: object, count: int) -> list:
+    """JSON `data` as typed values: BYTES as UTF-8 bytes, INT64 as integers, others as they are.
+
+    The engine refuses a datatype the model does not take, naming the one it expects.
+    """
     if not isinstance(data, list):
         raise InvalidArgument(f"input {name}: data must be a JSON array")
     elements = list(_flatten(data))
@@ -106,17 +100,16 @@ def _json_contents(name: str, datatype: str, data: object, count: int) -> bytes:
     if datatype == "BYTES":
         if not all(isinstance(item, str) for item in elements):
             raise InvalidArgument(f"input {name}: BYTES data must be strings")
-        encoded = [item.encode("utf-8", "surrogatepass") for item in elements]
-        return b"".join(_LENGTH_PREFIX.pack(len(item)) + item for item in encoded)
-    if datatype == "INT64":
-        if not all(_is_int(item) and _INT64_RANGE[0] <= item <= _INT64_RANGE[1] for item in elements):
-            raise InvalidArgument(f"input {name}: INT64 data must be 64-bit integers")
-        return np.array(elements, dtype=_INT64).tobytes()
-    return b""  # the codec refuses the datatype, naming what it expects
+        return [item.encode("utf-8", "surrogatepass") for item in elements]
+    if datatype == "INT64" and not all(
+        _is_int(item) and _INT64_RANGE[0] <= item <= _INT64_RANGE[1] for item in elements
+    ):
+        raise InvalidArgument(f"input {name}: INT64 data must be 64-bit integers")
+    return elements
 
 
-def _input(tensor: object, index: int, binary: memoryview, offset: int, request: pb.ModelInferRequest) -> int:
-    """Add one input (its data as raw contents) to the message; returns the binary offset after it."""
+def _input(tensor: object, index: int, binary: memoryview, offset: int) -> tuple[InputTensor, int]:
+    """One input (binary data as raw contents, JSON data as values), and the binary offset after it."""
     fields = _fields(f"inputs[{index}]", tensor, _INPUT_FIELDS)
     name, datatype, shape = fields.get("name"), fields.get("datatype"), fields.get("shape")
     if not isinstance(name, str) or not isinstance(datatype, str):
@@ -124,7 +117,6 @@ def _input(tensor: object, index: int, binary: memoryview, offset: int, request:
     if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _INT64_RANGE[1] for d in shape):
         raise InvalidArgument(f"input {name}: shape must be a list of non-negative integers")
     parameters = _fields(f"input {name} parameters", fields.get("parameters", {}), ("binary_data_size",))
-    request.inputs.add(name=name, datatype=datatype, shape=shape)
     if "binary_data_size" in parameters:
         size = parameters["binary_data_size"]
         if "data" in fields:
@@ -134,17 +126,18 @@ def _input(tensor: object, index: int, binary: memoryview, offset: int, request:
                 f"input {name}: binary_data_size {size!r} does not fit the {len(binary) - offset} bytes of binary"
                 " data left"
             )
-        request.raw_input_contents.append(bytes(binary[offset : offset + size]))
-        return offset + size
+        return InputTensor(name, datatype, tuple(shape), bytes(binary[offset : offset + size]), raw=True), offset + size
     if "data" not in fields:
         raise InvalidArgument(f"input {name}: needs data, or binary_data_size with binary data after the JSON")
-    request.raw_input_contents.append(_json_contents(name, datatype, fields["data"], math.prod(shape)))
-    return offset
+    data = _json_data(name, datatype, fields["data"], math.prod(shape))
+    return InputTensor(name, datatype, tuple(shape), data, raw=False), offset
 
 
-def _outputs(value: object, request: pb.ModelInferRequest) -> dict[str, bool]:
+def _outputs(value: object) -> tuple[tuple[str, ...], dict[str, bool]]:
+    """The requested output names, and those that asked for (or against) binary data."""
     if not isinstance(value, list):
         raise InvalidArgument("outputs must be a list")
+    names: list[str] = []
     binary: dict[str, bool] = {}
     for index, output in enumerate(value):
         fields = _fields(f"outputs[{index}]", output, _OUTPUT_FIELDS)
@@ -156,8 +149,8 @@ def _outputs(value: object, request: pb.ModelInferRequest) -> dict[str, bool]:
             if not isinstance(parameters["binary_data"], bool):
                 raise InvalidArgument(f"output {name}: binary_data must be true or false")
             binary[name] = parameters["binary_data"]
-        request.outputs.add(name=name)
-    return binary
+        names.append(name)
+    return tuple(names), binary
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -172,50 +165,55 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return body[:split], memoryview(body)[split:]
 
 
-def parse_repository_index(payload: object) -> pb.RepositoryIndexRequest:
-    """A POST /v2/repository/index body (`{"ready": true}` lists only ready models) as the gRPC request."""
+def parse_repository_index(payload: object) -> bool:
+    """A POST /v2/repository/index body: whether to list only ready models (`{"ready": true}`)."""
     fields = _fields("the repository index request", payload, ("repository_name", "ready"))
     ready = fields.get("ready", False)
     if not isinstance(ready, bool):
         raise InvalidArgument("the repository index request: 'ready' must be true or false")
-    return pb.RepositoryIndexRequest(ready=ready)
+    return ready
 
 
-def parse_infer(payload: object, binary: memoryview, name: str, version: str) -> RestInferRequest:
-    """A v2 REST infer body (its JSON, and the binary data after it) as a ModelInferRequest."""
+def parse_infer(payload: object, binary: memoryview, name: str, version: str, received: float) -> RestInferRequest:
+    """A v2 REST infer body (its JSON, and the binary data after it) as the engine's request."""
     fields = _fields("the request", payload, _REQUEST_FIELDS)
     request_id = fields.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidArgument("id must be a string")
-    request = pb.ModelInferRequest(model_name=name, model_version=version, id=request_id)
     parameters = fields.get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgument("parameters must be a JSON object")
     binary_by_default = parameters.get(BINARY_OUTPUT, False)
     if not isinstance(binary_by_default, bool):
         raise InvalidArgument(f"parameter {BINARY_OUTPUT} must be true or false")
-    for key, value in parameters.items():
-        if key != BINARY_OUTPUT:
-            _parameter(key, value, request.parameters)
-    inputs = fields.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
+    values = {key: _parameter(key, value) for key, value in parameters.items() if key != BINARY_OUTPUT}
+    tensors = fields.get("inputs")
+    if not isinstance(tensors, list) or not tensors:
         raise InvalidArgument("inputs must be a non-empty list")
-    offset = 0
-    for index, tensor in enumerate(inputs):
-        offset = _input(tensor, index, binary, offset, request)
+    inputs, offset = [], 0
+    for index, tensor in enumerate(tensors):
+        parsed, offset = _input(tensor, index, binary, offset)
+        inputs.append(parsed)
     if offset != len(binary):
         raise InvalidArgument(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size")
-    binary_outputs = _outputs(fields["outputs"], request) if "outputs" in fields else {}
+    outputs, binary_outputs = _outputs(fields["outputs"]) if "outputs" in fields else ((), {})
+    request = InferenceRequest(
+        model=name,
+        version=version,
+        id=request_id,
+        inputs=tuple(inputs),
+        outputs=outputs,
+        parameters=values,
+        received=received,
+    )
     return RestInferRequest(request, binary_outputs, binary_by_default)
 
 
-def _encode_outputs(
-    rest: RestInferRequest, request: codec.InferenceRequest, outputs: dict[str, np.ndarray], spec: ModelSpec
-) -> tuple[bytes, int | None]:
+def encode_outputs(rest: RestInferRequest, result: InferenceResult) -> tuple[bytes, int | None]:
     """The response body, and the JSON part's length when binary data follows it."""
     tensors, chunks = [], []
-    for name in request.outputs:
-        array = np.ascontiguousarray(outputs[name], dtype=_FP32)
+    for name, output in result.outputs.items():
+        array = np.ascontiguousarray(output, dtype=_FP32)
         tensor: dict[str, object] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
         if rest.binary_outputs.get(name, rest.binary_by_default):
             tensor["parameters"] = {"binary_data_size": array.nbytes}
@@ -223,26 +221,14 @@ def _encode_outputs(
         else:
             tensor["data"] = array.ravel().tolist()
         tensors.append(tensor)
-    answer: dict[str, object] = {"model_name": spec.name, "model_version": spec.version}
-    if request.id:
-        answer["id"] = request.id
+    answer: dict[str, object] = {"model_name": result.model, "model_version": result.version}
+    if result.id:
+        answer["id"] = result.id
     answer["outputs"] = tensors
     header = json.dumps(answer, separators=(",", ":")).encode()
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)
-
-
-async def infer(registry: ModelRegistry, rest: RestInferRequest) -> tuple[bytes, int | None]:
-    """Run a parsed infer request: the one engine call, counted with every protocol's inferences."""
-    message = rest.message
-    with metrics.TrackedRequest(registry.metrics_for(message.model_name, message.model_version)):
-        model = registry.get_for_inference(message.model_name, message.model_version)
-        with CountedRequest(model.statistics) as counted:
-            request = codec.decode_infer_request(message, model.signature)
-            result = await model.infer(request, None)
-            counted.inferred(request.rows, result.queue_s, result.compute_s)
-            return _encode_outputs(rest, request, result.outputs, model.spec)
 
 
 def proto_json(message: Message, every_field: bool = False) -> dict[str, object]:

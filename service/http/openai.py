@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service import codec, metrics
+from service.engine import Engine, InferenceRequest, InputTensor, RowLimit
 from service.errors import InvalidArgument
-from service.models import ModelRegistry
-from service.statistics import CountedRequest
+from service.validation import TEXT_INPUT
 
 ENCODINGS = ("float", "base64")
 FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
@@ -85,42 +84,35 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-async def embeddings(registry: ModelRegistry, payload: object, max_inputs: int) -> bytes:
-    """Answer a /v1/embeddings body: the one engine call, counted with every protocol's inferences."""
+async def embeddings(engine: Engine, payload: object, max_inputs: int) -> bytes:
+    """Answer a /v1/embeddings body: its texts as the engine's request, the one engine call, OpenAI's answer."""
     request = parse_embeddings(payload)
-    with metrics.TrackedRequest(registry.metrics_for(request.model, "")):
-        model = registry.get_for_inference(request.model, "")
-        with CountedRequest(model.statistics) as counted:
-            if len(request.texts) > max_inputs:
-                raise InvalidArgument(
-                    f"{len(request.texts)} inputs, over the limit of {max_inputs} per request (--max-embedding-inputs)",
-                    "too_many_inputs",
-                )
-            width = model.spec.hidden_size
-            if request.dimensions not in (None, width):
-                raise InvalidArgument(
-                    f"model {request.model} gives {width} dimensions and cannot give {request.dimensions}: its"
-                    " embeddings are not trained to be shortened"
-                )
-            # surrogatepass: a lone surrogate (legal in JSON) reaches the codec's UTF-8 check and its message.
-            elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
-            decoded = codec.text_request(elements, model.signature, ("embedding",))
-            result = await model.infer(decoded, None)
-            counted.inferred(decoded.rows, result.queue_s, result.compute_s)
-            return _embeddings_body(result.outputs["embedding"], request, result.prompt_tokens)
+    # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
+    elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
+    texts = InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False)
+    result = await engine.infer(
+        InferenceRequest(
+            model=request.model,
+            inputs=(texts,),
+            outputs=("embedding",),
+            row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
+            dimensions=request.dimensions,
+        )
+    )
+    return _embeddings_body(result.outputs["embedding"], request, result.prompt_tokens)
 
 
 def _model_card(name: str, created: int) -> dict[str, object]:
     return {"id": name, "object": "model", "created": created, "owned_by": OWNER}
 
 
-def models_list(registry: ModelRegistry, created: int) -> bytes:
+def models_list(engine: Engine, created: int) -> bytes:
     """GET /v1/models: every loaded model (`created`: when the server started, seconds since the epoch)."""
-    data = [_model_card(name, created) for name in sorted(registry.models)]
+    data = [_model_card(model.spec.name, created) for model in engine.models()]
     return json.dumps({"object": "list", "data": data}).encode()
 
 
-def model_card(registry: ModelRegistry, name: str, created: int) -> bytes:
+def model_card(engine: Engine, name: str, created: int) -> bytes:
     """GET /v1/models/{model}: one loaded model, or NotFound."""
-    registry.get(name)
+    engine.model(name)
     return json.dumps(_model_card(name, created)).encode()

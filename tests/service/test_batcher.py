@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from service.batcher import Batcher, BatchingPolicy, WorkItem, select_batch
+from service.batcher import Batcher, BatchingPolicy, WorkItem, select_rows
 from service.errors import DEADLINE_CLOCK_SLACK_S, DeadlineExceeded, ModelFailure, Overloaded, Unavailable
 from service.metrics import ModelLabels
+from service.token_rows import TokenRows
 
 OUTPUTS = ("last_hidden_state", "embedding")
 HOLD_S = 30
@@ -57,9 +58,11 @@ class FakeRunner:
         assert await asyncio.to_thread(self.running.wait, WAIT_S), "the runner never started a batch"
 
 
-def tokens(ids: list[list[int]]) -> dict[str, np.ndarray]:
-    array = np.array(ids, dtype=np.int64)
-    return {"input_ids": array, "attention_mask": (array != 0).astype(np.int64)}
+def tokens(ids: list[list[int]]) -> TokenRows:
+    """Rows of ids, right-padded with 0 to the longest (0 stands for padding, which the codec drops)."""
+    width = max(map(len, ids))
+    array = np.array([row + [0] * (width - len(row)) for row in ids], dtype=np.int64)
+    return TokenRows.from_padded({"input_ids": array, "attention_mask": (array != 0).astype(np.int64)})
 
 
 def policy(**changes: float) -> BatchingPolicy:
@@ -144,10 +147,10 @@ def test_selection_groups_similar_lengths_around_the_oldest() -> None:
         ]
     finally:
         loop.close()
-    chosen = select_batch(items, policy(max_batch_size=4, max_batch_tokens=10_000))
-    assert [item.length for item in chosen] == [10, 11, 9, 12]
-    long_first = select_batch(items[1:], policy(max_batch_size=2, max_batch_tokens=10_000))
-    assert [item.length for item in long_first] == [100, 90]
+    chosen = select_rows(items, policy(max_batch_size=4, max_batch_tokens=10_000))
+    assert [item.lengths[row] for item, row in chosen] == [10, 11, 9, 12]
+    long_first = select_rows(items[1:], policy(max_batch_size=2, max_batch_tokens=10_000))
+    assert [item.lengths[row] for item, row in long_first] == [100, 90]
 
 
 async def test_a_full_queue_refuses_at_once_and_a_place_frees_when_a_request_leaves() -> None:
@@ -347,3 +350,121 @@ async def test_close_with_timeout_fails_leftovers_instead_of_hanging() -> None:
         await stuck
     runner.release.set()
     running.cancel()
+
+
+async def test_rows_of_several_requests_batch_by_length_and_come_back_in_each_requests_order() -> None:
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("by-length", [runner], max_batch_size=4, max_batch_tokens=20)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    short_a, long_a, short_b, long_b = [2, 3], [4] * 9, [5, 6], [7] * 10
+    first = submit(batcher, [long_a, short_a])
+    second = submit(batcher, [short_b, long_b])
+    await queued("by-length", 2)
+    runner.release.set()
+    await blocker
+    a, b = await asyncio.gather(first, second)
+    # Each request's rows in its own order, whichever batch they rode in.
+    assert a.outputs["embedding"].tolist() == [[sum(long_a), 9], [sum(short_a), 2]]
+    assert b.outputs["embedding"].tolist() == [[sum(short_b), 2], [sum(long_b), 10]]
+    assert a.outputs["last_hidden_state"].shape == (2, 9, 2) and b.outputs["last_hidden_state"].shape == (2, 10, 2)
+    # Past a row's own end, the hidden state is zeros; up to it, the row's own.
+    assert a.outputs["last_hidden_state"][1, :, 0].tolist() == short_a + [0] * 7
+    # The long rows of both requests ran together, then the short ones: two batches, no long padding for short rows.
+    assert runner.batches[1:] == [(2, 10), (2, 2)]
+    await batcher.close(WAIT_S)
+
+
+async def test_a_request_over_the_token_budget_is_spread_over_batches_by_length() -> None:
+    runner = FakeRunner()
+    batcher = await make_batcher("spread", [runner], max_batch_size=8, max_batch_tokens=100)
+    lengths = [5, 50, 6, 48, 7, 40]
+    rows = [[index + 1] * length for index, length in enumerate(lengths)]
+    result = await batcher.submit(tokens(rows), OUTPUTS, None)
+    assert result.outputs["embedding"].tolist() == [[sum(row), len(row)] for row in rows]
+    # Longest first, each batch within 100 padded tokens, no row padded past twice its length: (50, 48),
+    # (40) alone, then the short ones together.
+    assert runner.batches == [(2, 50), (1, 40), (3, 7)]
+    assert result.batch_rows == 3
+    await batcher.close(WAIT_S)
+
+
+async def test_others_are_served_between_the_batches_of_a_large_request() -> None:
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("between", [runner], max_batch_size=2, max_batch_tokens=1000)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    large = submit(batcher, [[2] * 30] * 6)
+    small = submit(batcher, [[3] * 5])
+    await queued("between", 2)
+    runner.release.set()
+    await asyncio.gather(blocker, large, small)
+    # The large request leads one batch, then goes to the back of the queue: the small one runs next
+    # (alone: the large rows would pad it six times over), and did not wait behind all of them.
+    assert runner.batches[1:] == [(2, 30), (1, 5), (2, 30), (2, 30)]
+    assert (await small).outputs["embedding"].tolist() == [[15, 5]]
+    assert (await large).outputs["embedding"].tolist() == [[60, 30]] * 6
+    await batcher.close(WAIT_S)
+
+
+async def test_a_request_cancelled_while_a_row_runs_has_its_waiting_rows_dropped() -> None:
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("partial-cancel", [runner], max_batch_size=1)
+    doomed = submit(batcher, [[66] * 3, [67] * 2, [68]])
+    await runner.started()  # its longest row runs; the two others wait
+    survivor = submit(batcher, [[77]])
+    await queued("partial-cancel", 2)
+    doomed.cancel()
+    await queued("partial-cancel", 1)
+    runner.release.set()
+    assert (await survivor).outputs["embedding"].tolist() == [[77, 1]]
+    assert runner.batches == [(1, 3), (1, 1)]  # the doomed request's waiting rows never ran
+    assert metric("encoder_requests_dropped_total", "partial-cancel", reason="cancelled") == 1
+    await batcher.close(WAIT_S)
+
+
+async def test_a_request_expiring_with_rows_still_waiting_fails_and_they_never_run() -> None:
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("partial-expiry", [runner], max_batch_size=1)
+    expiring = submit(batcher, [[55] * 2, [56]], deadline=time.monotonic() + 0.05)
+    await runner.started()
+    with pytest.raises(DeadlineExceeded):
+        await expiring
+    runner.release.set()
+    assert (await batcher.submit(tokens([[2]]), OUTPUTS, None)).outputs["embedding"].tolist() == [[2, 1]]
+    assert runner.batches == [(1, 2), (1, 1)]  # its running row, then the later request: not its waiting row
+    assert metric("encoder_requests_dropped_total", "partial-expiry", reason="expired") == 1
+    await batcher.close(WAIT_S)
+
+
+async def test_left_padded_and_holed_rows_keep_their_slots_and_mask() -> None:
+    runner = FakeRunner()
+    batcher = await make_batcher("masks", [runner])
+    ids = np.array([[0, 0, 5, 6], [7, 0, 8, 0], [9, 9, 0, 0]], dtype=np.int64)
+    rows = TokenRows.from_padded({"input_ids": ids, "attention_mask": (ids != 0).astype(np.int64)})
+    assert rows.lengths.tolist() == [4, 3, 2]
+    result = await batcher.submit(rows, OUTPUTS, None)
+    assert result.outputs["embedding"].tolist() == [[11, 2], [15, 2], [18, 2]]
+    assert result.outputs["last_hidden_state"][:, :, 0].tolist() == [[0, 0, 5, 6], [7, 0, 8, 0], [9, 9, 0, 0]]
+    await batcher.close(WAIT_S)
+
+
+async def test_a_fault_while_handing_back_a_batch_fails_only_that_batch() -> None:
+    class ForgetfulRunner(FakeRunner):
+        def run(self, feed: dict[str, np.ndarray], outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+            produced = super().run(feed, outputs)
+            if (feed["input_ids"] == 13).any():
+                del produced["last_hidden_state"]  # asked for, never produced: handing back fails
+            return produced
+
+    runner = ForgetfulRunner()
+    batcher = await make_batcher("handback", [runner])
+    with pytest.raises(ModelFailure):
+        await batcher.submit(tokens([[13, 13], [14]]), OUTPUTS, None)
+    after = await batcher.submit(tokens([[2]]), OUTPUTS, None)
+    assert after.outputs["embedding"].tolist() == [[2, 1]]
+    await batcher.close(WAIT_S)

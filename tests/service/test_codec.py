@@ -1,4 +1,4 @@
-"""Decoding and validation of ModelInferRequest, and encoding of responses."""
+"""Decoding ModelInferRequest (the wire) and validating it against a model (the engine), and encoding responses."""
 
 from __future__ import annotations
 
@@ -11,11 +11,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.codec import ModelSignature, decode_infer_request, encode_infer_response
+from service import codec
+from service.engine import InferenceResult
 from service.errors import InvalidArgument
 from service.proto import grpc_service_pb2 as pb
 from service.repository import read_model
+from service.validation import ModelSignature, ValidRequest, validate
 from tests.conftest import TINY_MODEL
+
+
+def decode_infer_request(message: pb.ModelInferRequest, signature: ModelSignature) -> ValidRequest:
+    """What a ModelInfer call becomes in the engine: the wire decoded, then checked against the model."""
+    request = codec.decode_infer_request(message)
+    return validate(request.inputs, request.outputs, request.parameters, signature)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +68,10 @@ def test_token_inputs_raw_and_typed_agree(signature: ModelSignature) -> None:
     raw = decode_infer_request(token_request(ids, mask), signature)
     typed = decode_infer_request(token_request(ids, mask, raw=False), signature)
     for decoded in (raw, typed):
-        np.testing.assert_array_equal(decoded.tokens["input_ids"], ids)
-        np.testing.assert_array_equal(decoded.tokens["attention_mask"], mask)
+        padded = decoded.tokens.padded()
+        np.testing.assert_array_equal(padded["input_ids"], ids)
+        np.testing.assert_array_equal(padded["attention_mask"], mask)
+        assert decoded.tokens.lengths.tolist() == [3, 2]  # right padding dropped: each row at its own length
 
 
 def test_text_shape_batch_by_one_is_accepted(signature: ModelSignature) -> None:
@@ -172,9 +182,11 @@ def test_response_carries_requested_outputs_in_order_as_raw(signature: ModelSign
     request.outputs.add(name="embedding")
     request.outputs.add(name="last_hidden_state")
     decoded = decode_infer_request(request, signature)
+    assert decoded.outputs == ("embedding", "last_hidden_state")
     embedding = np.arange(64, dtype=np.float32).reshape(2, 32)
     hidden = np.ones((2, 3, 32), dtype=np.float32)
-    response = encode_infer_response(decoded, {"embedding": embedding, "last_hidden_state": hidden}, signature.spec)
+    outputs = {"embedding": embedding, "last_hidden_state": hidden}
+    response = codec.encode_infer_response(InferenceResult(TINY_MODEL, "1", "r1", outputs, 4))
     assert response.id == "r1" and response.model_version == "1"
     assert [(o.name, list(o.shape), o.datatype) for o in response.outputs] == [
         ("embedding", [2, 32], "FP32"),

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from client import EmbeddingClient
 from export import parity
 from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
-from service.models import ModelRegistry
+from service.models import load_model
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.proto import model_config_pb2 as mc
@@ -122,17 +122,14 @@ def test_cuda_variants_match_the_model_over_rows_lengths_and_masks(
     assert not failing, f"{variant} on CUDA below {bar}: {failing}"
 
 
-async def test_cuda_warm_up_covers_the_bucketed_lengths(default_repository: Path) -> None:
-    registry = ModelRegistry(Settings(model_repository=default_repository, require_gpu=True, intra_op_threads=1))
-    registry.discover()
-    try:
-        model = await registry.load(DEFAULT_MODEL)
-        assert model.provider == CUDA and model.policy.length_bucket == 32
-        shapes = model.warm_up_shapes()
-        assert [length for _, length in shapes[:-1]] == list(range(32, 257, 32))
-        assert shapes[-1] == (min(model.policy.max_batch_size, model.policy.max_batch_tokens // 256), 256)
-    finally:
-        await registry.close(1)
+def test_cuda_warm_up_covers_the_bucketed_lengths(default_repository: Path) -> None:
+    settings = Settings(model_repository=default_repository, require_gpu=True, intra_op_threads=1)
+    with ThreadPoolExecutor(1) as pool:
+        model = load_model(default_repository / DEFAULT_MODEL, settings, pool)
+    assert model.info.instances[0].provider == CUDA and model.policy.length_bucket == 32
+    shapes = model.warm_up_shapes()
+    assert [length for _, length in shapes[:-1]] == list(range(32, 257, 32))
+    assert shapes[-1] == (min(model.policy.max_batch_size, model.policy.max_batch_tokens // 256), 256)
 
 
 def test_two_instances_on_cuda_under_load(default_repository: Path, tmp_path: Path) -> None:

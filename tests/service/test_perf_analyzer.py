@@ -16,9 +16,9 @@ import pytest
 
 from client.loadtest.corpus import load_corpus
 from client.perf_analyzer import MODES, InputData, command, protocol_of, run, write_input_data
-from service.codec import TEXT_INPUT
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.validation import TEXT_INPUT
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer
 

@@ -13,6 +13,7 @@ import tritonclient.grpc as triton
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
+from service import codec
 from service.statistics import ModelStatistics
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, start_server
@@ -162,7 +163,7 @@ def test_batch_statistics_by_executed_size_and_proto_fields() -> None:
     statistics.record_execution(4, 0.003)
     statistics.record_success(rows=4, total_s=0.010, queue_s=0.004, compute_s=0.003, output_s=0.001)
     statistics.record_failure(0.0005)
-    message = statistics.to_proto("model", "2")
+    message = codec.model_statistics("model", "2", statistics)
     assert (message.name, message.version, message.inference_count, message.execution_count) == ("model", "2", 4, 3)
     assert [(b.batch_size, b.compute_infer.count, b.compute_infer.ns) for b in message.batch_stats] == [
         (1, 1, 1_000_000),

@@ -1,4 +1,4 @@
-"""The model registry: readiness, lookups and refusals before any model is served."""
+"""The engine: readiness, lookups and refusals before any model is served; a model's batching and instances."""
 
 from __future__ import annotations
 
@@ -10,69 +10,79 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service import metrics
-from service.codec import InferenceRequest
+from service import codec, metrics
+from service.engine import Engine, InferenceRequest, InputTensor
 from service.errors import NotFound, Unavailable
-from service.models import ModelRegistry, ServedModel
+from service.models import ServedModel
 from service.proto import model_config_pb2 as mc
 from service.repository import read_model
 from service.runtime import ExecutionError, ExecutionSettings, ModelRuntime
-from service.servicer import effective_config
 from service.settings import Settings
 from tests.conftest import TINY_MODEL
 from tests.servers import ROOT
 
 
+def text_request(text: str) -> InferenceRequest:
+    return InferenceRequest(TINY_MODEL, inputs=(InputTensor("text", "BYTES", (1,), [text.encode()], raw=False),))
+
+
 async def test_a_loading_model_is_unavailable_then_ready(tiny_repository: Path) -> None:
-    registry = ModelRegistry(Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1))
-    assert registry.discover() == [TINY_MODEL]
-    assert not registry.ready
+    engine = Engine(Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1))
+    assert engine.discover() == [TINY_MODEL]
+    assert not engine.ready and not engine.model_ready(TINY_MODEL)
     with pytest.raises(Unavailable, match=f"model {TINY_MODEL} is loading"):
-        registry.get_for_inference(TINY_MODEL, "")
+        await engine.infer(text_request("hello"))
     with pytest.raises(NotFound, match="unknown model 'other'"):
-        registry.get("other")
-    model = await registry.load(TINY_MODEL)
-    assert registry.ready and registry.get_for_inference(TINY_MODEL, "1") is model
-    assert registry.states[TINY_MODEL].state == "READY"
-    await registry.close(1)
+        engine.model("other")
+    model = await engine.load(TINY_MODEL)
+    assert engine.ready and engine.model(TINY_MODEL, "1") == model and engine.model_ready(TINY_MODEL, "1")
+    assert [(state.name, state.state) for state in engine.index()] == [(TINY_MODEL, "READY")]
+    assert (await engine.infer(text_request("hello"))).outputs["embedding"].shape == (1, 32)
+    await engine.close(1)
+    assert not engine.ready and not engine.model_ready(TINY_MODEL)
     with pytest.raises(Unavailable, match="shutting down"):
-        registry.get_for_inference(TINY_MODEL, "")
+        await engine.infer(text_request("hello"))
 
 
 async def test_a_model_that_cannot_load_is_reported_with_its_reason(repository_copy: Path) -> None:
     (repository_copy / TINY_MODEL / "1" / "model.onnx").write_bytes(b"not an onnx graph")
-    registry = ModelRegistry(Settings(model_repository=repository_copy, device="cpu", intra_op_threads=1))
-    registry.discover()
+    engine = Engine(Settings(model_repository=repository_copy, device="cpu", intra_op_threads=1))
+    engine.discover()
     with pytest.raises(ExecutionError, match="cannot load"):
-        await registry.load(TINY_MODEL)
-    state = registry.states[TINY_MODEL]
+        await engine.load(TINY_MODEL)
+    (state,) = engine.index()
     assert state.state == "UNAVAILABLE" and "cannot load" in state.reason
+    assert engine.index(ready_only=True) == []
     with pytest.raises(Unavailable, match="failed to load"):
-        registry.get(TINY_MODEL)
+        engine.model(TINY_MODEL)
 
 
 def _token_request(rows: int, length: int) -> InferenceRequest:
-    tokens = {
-        "input_ids": np.full((rows, length), 2023, dtype=np.int64),
-        "attention_mask": np.ones((rows, length), dtype=np.int64),
-        "token_type_ids": np.zeros((rows, length), dtype=np.int64),
-    }
-    return InferenceRequest(id="", texts=None, tokens=tokens, outputs=("embedding",), timeout_s=None)
+    ids = np.full((rows, length), 2023, dtype="<i8").tobytes()
+    mask = np.ones((rows, length), dtype="<i8").tobytes()
+    inputs = (
+        InputTensor("input_ids", "INT64", (rows, length), ids, raw=True),
+        InputTensor("attention_mask", "INT64", (rows, length), mask, raw=True),
+    )
+    return InferenceRequest(TINY_MODEL, inputs=inputs, outputs=("embedding",))
 
 
 async def test_bucketed_lengths_never_pass_the_models_maximum(tiny_repository: Path) -> None:
     """A bucket of 48 rounds 100 tokens up to 144, past the tiny model's 128 positions: capped at 128."""
     settings = Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, length_bucket=48)
-    registry = ModelRegistry(settings)
-    registry.discover()
+    spec = read_model(tiny_repository / TINY_MODEL)
+    with ThreadPoolExecutor(1) as pool:
+        served = ServedModel(spec, [ModelRuntime(spec, ExecutionSettings(device="cpu"))], settings, pool)
+        assert served.warm_up_shapes()[:-1] == [(1, 48), (1, 96), (1, 128)]
+    engine = Engine(settings)
+    engine.discover()
     try:
-        model = await registry.load(TINY_MODEL)
+        model = await engine.load(TINY_MODEL)
         assert model.policy.padded_length(100) == 128 and model.policy.padded_length(20) == 48
-        assert model.warm_up_shapes()[:-1] == [(1, 48), (1, 96), (1, 128)]
-        result = await model.infer(_token_request(2, 100), deadline=None)
+        result = await engine.infer(_token_request(2, 100))
         assert result.outputs["embedding"].shape == (2, 32)
     finally:
-        await registry.close(1)
+        await engine.close(1)
 
 
 def test_warm_up_covers_the_bucketed_lengths_and_the_largest_batch(tiny_repository: Path) -> None:
@@ -91,18 +101,18 @@ def test_warm_up_covers_the_bucketed_lengths_and_the_largest_batch(tiny_reposito
 
 
 async def test_every_instance_is_reported_in_metrics_and_model_config(tiny_repository: Path) -> None:
-    registry = ModelRegistry(Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, instances=2))
-    registry.discover()
+    engine = Engine(Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, instances=2))
+    engine.discover()
     try:
-        model = await registry.load(TINY_MODEL)
-        config = effective_config(model)
+        model = await engine.load(TINY_MODEL)
+        config = codec.effective_config(model)
         assert [(group.kind, group.count) for group in config.instance_group] == [(mc.ModelInstanceGroup.KIND_CPU, 2)]
         assert config.parameters["execution_provider"].string_value == "CPUExecutionProvider"
         assert config.parameters["variant"].string_value == "fp32"
         gauge = metrics.PROVIDER.labels(TINY_MODEL, model.spec.version, "CPUExecutionProvider", "fp32")
         assert gauge._value.get() == 2
     finally:
-        await registry.close(1)
+        await engine.close(1)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,219 @@
+"""The engine: the one API every front end calls, with plain request and result types.
+
+gRPC (unary and streaming), OpenAI and KServe REST are adapters over it: each turns its wire format
+into an `InferenceRequest`, makes one `Engine.infer` call and encodes the `InferenceResult`; they
+ask the same object whether the server and its models are ready, and for their metadata,
+configuration, statistics and repository index. Nothing here holds a protobuf message, an HTTP
+request or a gRPC context: requests and results are numpy arrays, strings and small scalars.
+
+Inside `infer`, in one place for every protocol: the request is counted (encoder_requests_total and
+Triton's statistics), checked against its model (service.validation), admitted or refused at once,
+tokenised when it carries text, and its rows batched with everyone's (service.batcher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service import metrics
+from service.errors import InvalidArgument, NotFound, Unavailable
+from service.metrics import ModelMetrics
+from service.models import InstanceInfo, ModelInfo, ServedModel, load_model
+from service.repository import RepositoryError, model_directories
+from service.runtime import ExecutionError
+from service.settings import Settings
+from service.statistics import ModelStatistics
+from service.validation import InputTensor, RowLimit, validate
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Engine",
+    "InferenceRequest",
+    "InferenceResult",
+    "InputTensor",
+    "InstanceInfo",
+    "ModelInfo",
+    "ModelState",
+    "RowLimit",
+]
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """One inference as a front end received it: which model, its inputs unchecked, what it wants back.
+
+    Like every type on the request path, a slotted dataclass that is not changed after it is made.
+    """
+
+    model: str
+    version: str = ""
+    id: str = ""
+    inputs: tuple[InputTensor, ...] = ()
+    outputs: tuple[str, ...] = ()
+    """Requested output names, in the order to answer them; empty = every output."""
+    parameters: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Triton's request parameters (`timeout`, microseconds, is honoured)."""
+    deadline: float | None = None
+    """The transport's deadline (time.monotonic), if the caller set one."""
+    received: float = field(default_factory=time.perf_counter)
+    """When the front end received it (time.perf_counter): the statistics count from here."""
+    row_limit: RowLimit | None = None
+    """The front end's own bound on its rows; None = the model's max_batch_size."""
+    dimensions: int | None = None
+    """Embedding width asked for (OpenAI's `dimensions`); None = the model's own."""
+
+
+@dataclass(slots=True)
+class InferenceResult:
+    """The engine's answer: each requested output (rows in the request's order), and what the request held."""
+
+    model: str
+    version: str
+    id: str
+    outputs: dict[str, np.ndarray]
+    """Requested output name -> float32 array, in the order requested."""
+    prompt_tokens: int
+    """Real (unpadded) tokens of the request's sequences, special tokens included (OpenAI's `usage`)."""
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A model's place in the repository index."""
+
+    name: str
+    version: str
+    state: str
+    """READY, LOADING or UNAVAILABLE (as Triton reports it)."""
+    reason: str = ""
+
+
+class Engine:
+    """The models of one repository behind one API: loading, readiness, description, statistics, inference."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._models: dict[str, ServedModel] = {}
+        self._states: dict[str, ModelState] = {}
+        self.draining = False
+        self._tokenizer_pool = ThreadPoolExecutor(
+            max_workers=settings.tokenizer_threads, thread_name_prefix="tokenizer"
+        )
+
+    def discover(self) -> list[str]:
+        """Model folders in the repository; each starts LOADING."""
+        names = [directory.name for directory in model_directories(self.settings.model_repository)]
+        for name in names:
+            self._states[name] = ModelState(name, "", "LOADING")
+        return names
+
+    async def load(self, name: str) -> ModelInfo:
+        """Load and warm one model off the event loop; a failure marks it UNAVAILABLE and re-raises."""
+        try:
+            model = await asyncio.get_running_loop().run_in_executor(
+                None, load_model, self.settings.model_repository / name, self.settings, self._tokenizer_pool
+            )
+        except (RepositoryError, ExecutionError) as error:
+            self._states[name] = ModelState(name, "", "UNAVAILABLE", str(error))
+            raise
+        model.batcher.start()
+        self._models[name] = model
+        self._states[name] = ModelState(name, model.spec.version, "READY")
+        labels = model.metrics.labels.values()
+        metrics.MODEL_READY.labels(*labels).set(1)
+        for (provider, variant), count in Counter((i.provider, i.variant) for i in model.info.instances).items():
+            metrics.PROVIDER.labels(*labels, provider, variant).set(count)
+        return model.info
+
+    def models(self) -> list[ModelInfo]:
+        """Every loaded model, by name."""
+        return [model.info for _, model in sorted(self._models.items())]
+
+    def on_serving_change(self, name: str, listener: Callable[[bool], None]) -> None:
+        """Tell `listener(serving)` when the model loses, or gets back, its last working instance."""
+        self._models[name].batcher.on_serving_change = listener
+
+    @property
+    def ready(self) -> bool:
+        """Every discovered model is loaded and has an instance in service, and the server is not draining."""
+        loaded = bool(self._states) and all(state.state == "READY" for state in self._states.values())
+        return loaded and not self.draining and all(model.batcher.serving for model in self._models.values())
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        """That model (and version, if given) is loaded and in service, and the server is not draining."""
+        model = self._models.get(name)
+        return model is not None and version in ("", model.spec.version) and model.batcher.serving and not self.draining
+
+    def model(self, name: str, version: str = "") -> ModelInfo:
+        """What a served model is (its signature, batching and instances); NOT_FOUND or UNAVAILABLE otherwise."""
+        return self._get(name, version).info
+
+    def statistics(self, name: str = "", version: str = "") -> list[tuple[str, str, ModelStatistics]]:
+        """Triton's cumulative statistics (model, version, figures) of one model (and version), or of every model."""
+        models = [self._get(name, version)] if name else [model for _, model in sorted(self._models.items())]
+        return [(model.spec.name, model.spec.version, model.statistics) for model in models]
+
+    def index(self, ready_only: bool = False) -> list[ModelState]:
+        """Every model of the repository with its state (only READY ones if asked), by name."""
+        states = sorted(self._states.values(), key=lambda state: state.name)
+        return [state for state in states if state.state == "READY" or not ready_only]
+
+    def queue_depths(self) -> dict[tuple[str, str], int]:
+        """Each loaded model version's queue depth (read by the metrics thread: it copies the table first)."""
+        return {
+            (model.spec.name, model.spec.version): model.batcher.queue_depth for model in list(self._models.values())
+        }
+
+    def metrics_for(self, name: str, version: str) -> ModelMetrics:
+        """Metrics a request is counted in: its model's, or UNKNOWN_MODEL's for names not served."""
+        model = self._models.get(name)
+        if model is None or version not in ("", model.spec.version):
+            return metrics.of(metrics.UNKNOWN_MODEL)
+        return model.metrics
+
+    def _get(self, name: str, version: str) -> ServedModel:
+        model = self._models.get(name)
+        if model is None:
+            state = self._states.get(name)
+            if state is not None and state.state == "LOADING":
+                raise Unavailable(f"model {name} is loading")
+            if state is not None:
+                raise Unavailable(f"model {name} failed to load: {state.reason}")
+            raise NotFound(f"unknown model {name!r}")
+        if version not in ("", model.spec.version):
+            raise NotFound(f"model {name} has no version {version!r} (served: {model.spec.version})")
+        return model
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        """Count, check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError."""
+        model_metrics = self.metrics_for(request.model, request.version)
+        with metrics.TrackedRequest(model_metrics, request.deadline, request.received) as tracked:
+            model = self._get(request.model, request.version)
+            if self.draining:
+                raise Unavailable("the server is shutting down")
+            width = model.spec.hidden_size
+            if request.dimensions is not None and request.dimensions != width:
+                raise InvalidArgument(
+                    f"model {model.spec.name} gives {width} dimensions and cannot give {request.dimensions}:"
+                    " its embeddings are not trained to be shortened"
+                )
+            valid = validate(request.inputs, request.outputs, request.parameters, model.signature, request.row_limit)
+            work, prompt_tokens = await model.run(valid, request.deadline)
+            tracked.inferred(valid.rows, work.queue_s, work.compute_s)
+            return InferenceResult(model.spec.name, model.spec.version, request.id, work.outputs, prompt_tokens)
+
+    async def close(self, timeout_s: float) -> None:
+        """Drain every model's queue (bounded by timeout_s) and release the workers."""
+        self.draining = True
+        await asyncio.gather(*(model.batcher.close(timeout_s) for model in self._models.values()))
+        for model in self._models.values():
+            metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(0)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
