@@ -100,32 +100,31 @@ def _typed_data(tensor: pb.ModelInferRequest.InferInputTensor) -> list:
 def decode_infer_request(request: pb.ModelInferRequest, deadline: float | None = None) -> InferenceRequest:
     """A ModelInferRequest as the engine's request (raw data is not copied); `deadline`: the call's, monotonic."""
     received = time.perf_counter()
+    tensors = request.inputs
     raw_contents = request.raw_input_contents
+    inputs = []
     if raw_contents:
-        if len(raw_contents) != len(request.inputs):
+        if len(raw_contents) != len(tensors):
             raise InvalidArgument(
-                f"{len(raw_contents)} raw_input_contents for {len(request.inputs)} inputs; they must pair up"
+                f"{len(raw_contents)} raw_input_contents for {len(tensors)} inputs; they must pair up"
             )
-        carrying = [t.name for t in request.inputs if t.HasField("contents")]
-        if carrying:
-            raise InvalidArgument(f"input {carrying[0]} has contents although raw_input_contents are used")
-        inputs = tuple(
-            InputTensor(t.name, t.datatype, tuple(t.shape), raw, raw=True)
-            for t, raw in zip(request.inputs, raw_contents, strict=True)
-        )
+        for tensor, raw in zip(tensors, raw_contents, strict=True):
+            if tensor.HasField("contents"):
+                raise InvalidArgument(f"input {tensor.name} has contents although raw_input_contents are used")
+            inputs.append(InputTensor(tensor.name, tensor.datatype, tuple(tensor.shape), raw, True))
     else:
-        inputs = tuple(
-            InputTensor(t.name, t.datatype, tuple(t.shape), _typed_data(t), raw=False) for t in request.inputs
-        )
+        for tensor in tensors:
+            inputs.append(InputTensor(tensor.name, tensor.datatype, tuple(tensor.shape), _typed_data(tensor), False))
+    outputs = request.outputs
     return InferenceRequest(
-        model=request.model_name,
-        version=request.model_version,
-        id=request.id,
-        inputs=inputs,
-        outputs=tuple(output.name for output in request.outputs),
-        parameters=_parameters(request.parameters) if request.parameters else {},
-        deadline=deadline,
-        received=received,
+        request.model_name,
+        request.model_version,
+        request.id,
+        tuple(inputs),
+        tuple([output.name for output in outputs]) if outputs else (),
+        _parameters(request.parameters) if request.parameters else {},
+        deadline,
+        received,
     )
 
 

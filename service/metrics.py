@@ -215,11 +215,13 @@ class TrackedRequest:
         total_s = answered - self._received
         model_metrics = self._metrics
         model_metrics.inflight -= 1
-        if error is not None:
+        if error is None:
+            model_metrics.answered("OK", total_s)
+        else:
             reason = getattr(error, "reason", None)
             if reason is not None:
                 REJECTED.labels(reason).inc()
-        model_metrics.answered(status_of(error, self._deadline).name, total_s)
+            model_metrics.answered(status_of(error, self._deadline).name, total_s)
         model_statistics = model_metrics.statistics
         if model_statistics is None:
             return
