@@ -6,11 +6,11 @@ a request arrives or an instance finishes, and an instance is idle, a batch is f
 waiting rows of every queued request — the longest waiting row of the request at the head of the
 queue, then the waiting rows nearest its length (older requests first among equals), up to
 `max_batch_size` rows and `max_batch_tokens` padded tokens (rows x the batch's longest), none of
-them padded past twice its own length, waiting no longer than `max_queue_delay` after the oldest
-request arrived. Each batch is padded to its own
-longest row. A request larger than one batch (over `max_batch_size` rows) goes to the back of the
-queue after each batch it leads, so it is spread over batches by length while others are served
-between them; smaller requests lead in the order they came.
+them padded past twice its own length (or its length plus 32 tokens), waiting no longer than
+`max_queue_delay` after the oldest request arrived. Each batch is padded to its own longest row.
+A request larger than one batch (over `max_batch_size` rows) goes to the back of the queue after
+each batch it leads, so it is spread over batches by length while others are served between them;
+smaller requests lead in the order they came.
 
 Cancelled and expired requests leave the queue at once and their waiting rows never run; rows of
 theirs already in a running batch are discarded when it returns. Every batch resolves every one
@@ -42,11 +42,14 @@ log = logging.getLogger(__name__)
 SELECTION_WINDOW_BATCHES = 4
 """A batch is chosen among the waiting rows of the queue's first requests, up to this many batches' worth."""
 MAX_PADDING_FACTOR = 2
-"""No row of a batch is padded to more than this many times the (bucketed) length it would have alone.
+PADDING_SLACK_TOKENS = 32
+"""No row of a batch is padded past the larger of twice the (bucketed) length it would have alone and
+that length plus PADDING_SLACK_TOKENS.
 
-A padded encoder's cost grows with rows x padded length: on a CPU, [8, 12, 30] padded to 30 costs
-90 tokens where [8, 12] at 12 and [30] alone cost 54. With length buckets (CUDA) short rows share a
-bucket and batch together freely."""
+A padded encoder's cost grows with rows x padded length: on a CPU, [40, 60, 200] padded to 200 costs
+600 tokens where [40, 60] at 60 and [200] alone cost 320. Short rows batch together whatever their
+lengths: a batch also has a fixed cost (each operator's start, threads waking), which a few tokens of
+padding cost less than. With length buckets (CUDA), rows in one bucket batch together freely."""
 
 
 class Runner(Protocol):
@@ -233,7 +236,8 @@ def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tup
             if length <= longest:
                 break  # every later candidate needs at least as many tokens as this one
             continue
-        if padded > MAX_PADDING_FACTOR * policy.padded_length(narrower):
+        own = policy.padded_length(narrower)
+        if padded > max(MAX_PADDING_FACTOR * own, own + PADDING_SLACK_TOKENS):
             continue  # cheaper in a batch of its own length than padded this far
         chosen.append((item, row))
         shortest, longest = narrower, wider

@@ -396,16 +396,16 @@ async def test_others_are_served_between_the_batches_of_a_large_request() -> Non
     batcher = await make_batcher("between", [runner], max_batch_size=2, max_batch_tokens=1000)
     blocker = submit(batcher, [[1]])
     await runner.started()
-    large = submit(batcher, [[2] * 30] * 6)
+    large = submit(batcher, [[2] * 60] * 6)
     small = submit(batcher, [[3] * 5])
     await queued("between", 2)
     runner.release.set()
     await asyncio.gather(blocker, large, small)
     # The large request leads one batch, then goes to the back of the queue: the small one runs next
-    # (alone: the large rows would pad it six times over), and did not wait behind all of them.
-    assert runner.batches[1:] == [(2, 30), (1, 5), (2, 30), (2, 30)]
+    # (alone: the large rows would pad it twelve times over), and did not wait behind all of them.
+    assert runner.batches[1:] == [(2, 60), (1, 5), (2, 60), (2, 60)]
     assert (await small).outputs["embedding"].tolist() == [[15, 5]]
-    assert (await large).outputs["embedding"].tolist() == [[60, 30]] * 6
+    assert (await large).outputs["embedding"].tolist() == [[120, 60]] * 6
     await batcher.close(WAIT_S)
 
 
