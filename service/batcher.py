@@ -107,6 +107,7 @@ class WorkItem:
         "compute_s",
         "deadline",
         "enqueued_at",
+        "expiry",
         "future",
         "lengths",
         "outputs",
@@ -135,6 +136,8 @@ class WorkItem:
         """The outputs being filled in, once rows come back from more than one batch."""
         self.compute_s = 0.0
         self.batch_rows = 0
+        self.expiry: asyncio.TimerHandle | None = None
+        """The timer that fails the request at its deadline, while it has rows waiting."""
 
     @property
     def next_length(self) -> int:
@@ -257,7 +260,7 @@ class Batcher:
         self.policy = policy
         self._labels = labels.values()
         self._metrics = metrics.of(labels)
-        self._statistics = statistics.of(*self._labels)
+        self._statistics = statistics.TABLES.of(*self._labels, policy.max_batch_size)
         self._output_names = output_names
         self._runners = list(runners)
         self._pending: list[WorkItem] = []
@@ -277,7 +280,6 @@ class Batcher:
         self.on_serving_change: Callable[[bool], None] | None = None
         """Told False when every instance is stuck, True when one comes back."""
         metrics.QUEUE_CAPACITY.labels(*self._labels).set(policy.max_queue_size)
-        metrics.QUEUE_DEPTH.labels(*self._labels).set_function(lambda: self.queue_depth)
         metrics.STUCK_INSTANCES.labels(*self._labels).set(0)
 
     def start(self) -> None:
@@ -321,13 +323,13 @@ class Batcher:
         """Give back the place of an admitted request that will not be submitted."""
         self._admitted -= 1
 
-    async def submit(
+    def enqueue(
         self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
-    ) -> WorkResult:
-        """Queue a request's rows and wait for all of them.
+    ) -> WorkItem:
+        """Queue a request's rows; its `future` resolves with a WorkResult once all of them are back, or fails.
 
         `admitted`: its place was taken by `admit` (and is handed over here); otherwise it is
-        admitted now, or refused.
+        admitted now, or refused. A caller that goes away calls `cancel`.
         """
         if admitted:
             self._admitted -= 1
@@ -339,21 +341,33 @@ class Batcher:
         loop = self._loop
         item = WorkItem(rows, outputs, loop.create_future(), deadline)
         self._pending.append(item)
+        self._statistics.set_pending(len(self._pending))
         self._waiting_rows += len(item.waiting)
         if not self._dispatch_scheduled:
             # After the callbacks ready now: requests arriving in the same loop step batch together.
             self._dispatch_scheduled = True
             loop.call_soon(self._dispatch)
-        expiry = loop.call_at(deadline, self._expire, item) if deadline is not None else None
+        if deadline is not None:
+            item.expiry = loop.call_at(deadline, self._expire, item)
+        return item
+
+    def cancel(self, item: WorkItem) -> None:
+        """The caller went away (client cancelled, or its deadline passed): its waiting rows leave the queue now."""
+        self._leave(item, "expired" if past_deadline(item.deadline) else "cancelled")
+        if item.expiry is not None:
+            item.expiry.cancel()
+        item.future.cancel()
+
+    async def submit(
+        self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
+    ) -> WorkResult:
+        """Queue a request's rows and wait for all of them (see `enqueue`)."""
+        item = self.enqueue(rows, outputs, deadline, admitted)
         try:
             return await item.future
         except asyncio.CancelledError:
-            # The caller went away (client cancelled, or its gRPC deadline passed): leave the queue now.
-            self._leave(item, "expired" if past_deadline(deadline) else "cancelled")
+            self.cancel(item)
             raise
-        finally:
-            if expiry is not None:
-                expiry.cancel()
 
     def _expire(self, item: WorkItem) -> None:
         """A request's deadline passed with rows still waiting: it leaves the queue with DEADLINE_EXCEEDED.
@@ -378,6 +392,7 @@ class Batcher:
         self._waiting_rows -= len(item.waiting)
         item.waiting = []
         self._pending.remove(item)
+        self._statistics.set_pending(len(self._pending))
         return True
 
     async def close(self, timeout_s: float) -> None:
@@ -444,6 +459,7 @@ class Batcher:
             self._pending.append(leader)
         else:
             self._pending = [item for item in self._pending if item.waiting]
+        self._statistics.set_pending(len(self._pending))
         return groups
 
     def _start(self, instance: _Instance, groups: list[_Group]) -> None:
@@ -554,6 +570,8 @@ class Batcher:
         total_s = time.monotonic() - item.enqueued_at
         compute_total = min(item.compute_s, total_s)
         self._metrics.queue_duration.observe(total_s - compute_total)
+        if item.expiry is not None:
+            item.expiry.cancel()
         item.future.set_result(WorkResult(outputs, total_s - compute_total, compute_total, item.batch_rows))
 
     @staticmethod
@@ -616,6 +634,8 @@ class Batcher:
         """Fail requests: their waiting rows leave the queue, their running ones will be discarded."""
         for item in items:
             self._abandon(item)
+            if item.expiry is not None:
+                item.expiry.cancel()
             if not item.future.done():
                 item.future.set_exception(error)
 

@@ -25,12 +25,11 @@ import numpy as np
 
 from service import metrics
 from service.errors import InvalidArgument, NotFound, Unavailable
-from service.metrics import ModelMetrics
 from service.models import InstanceInfo, ModelInfo, ServedModel, load_model
 from service.repository import RepositoryError, model_directories
 from service.runtime import ExecutionError
 from service.settings import Settings
-from service.statistics import ModelStatistics
+from service.statistics import TABLES, ModelStatistics
 from service.validation import InputTensor, RowLimit, validate
 
 log = logging.getLogger(__name__)
@@ -159,25 +158,15 @@ class Engine:
     def statistics(self, name: str = "", version: str = "") -> list[tuple[str, str, ModelStatistics]]:
         """Triton's cumulative statistics (model, version, figures) of one model (and version), or of every model."""
         models = [self._get(name, version)] if name else [model for _, model in sorted(self._models.items())]
-        return [(model.spec.name, model.spec.version, model.statistics) for model in models]
+        return [
+            (model.spec.name, model.spec.version, TABLES.snapshot(model.spec.name, model.spec.version))
+            for model in models
+        ]
 
     def index(self, ready_only: bool = False) -> list[ModelState]:
         """Every model of the repository with its state (only READY ones if asked), by name."""
         states = sorted(self._states.values(), key=lambda state: state.name)
         return [state for state in states if state.state == "READY" or not ready_only]
-
-    def queue_depths(self) -> dict[tuple[str, str], int]:
-        """Each loaded model version's queue depth (read by the metrics thread: it copies the table first)."""
-        return {
-            (model.spec.name, model.spec.version): model.batcher.queue_depth for model in list(self._models.values())
-        }
-
-    def metrics_for(self, name: str, version: str) -> ModelMetrics:
-        """Metrics a request is counted in: its model's, or UNKNOWN_MODEL's for names not served."""
-        model = self._models.get(name)
-        if model is None or version not in ("", model.spec.version):
-            return metrics.of(metrics.UNKNOWN_MODEL)
-        return model.metrics
 
     def _get(self, name: str, version: str) -> ServedModel:
         model = self._models.get(name)
@@ -194,8 +183,14 @@ class Engine:
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Count, check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError."""
-        model_metrics = self.metrics_for(request.model, request.version)
-        with metrics.TrackedRequest(model_metrics, request.deadline, request.received) as tracked:
+        served = self._models.get(request.model)
+        if served is not None and request.version in ("", served.spec.version):
+            tracked = metrics.TrackedRequest(served.metrics, served.statistics, request.deadline, request.received)
+        else:
+            tracked = metrics.TrackedRequest(
+                metrics.of(metrics.UNKNOWN_MODEL), None, request.deadline, request.received
+            )
+        with tracked:
             model = self._get(request.model, request.version)
             if self.draining:
                 raise Unavailable("the server is shutting down")

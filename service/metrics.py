@@ -7,13 +7,16 @@ model and version.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from service import statistics
 from service.errors import status_of
+from service.statistics import TABLES, StatisticsTable, StatisticsTables
 
 # `*_created` timestamps double the series count and no dashboard or alert here reads them.
 disable_created_metrics()
@@ -98,20 +101,57 @@ DROPPED = Counter(
     "Queued requests dropped before running, by reason (cancelled, expired).",
     (*MODEL_LABELS, "reason"),
 )
-QUEUE_DEPTH = Gauge(f"{PREFIX}_queue_depth", "Requests waiting in the batching queue.", MODEL_LABELS)
-QUEUE_CAPACITY = Gauge(f"{PREFIX}_queue_capacity", "Requests the batching queue holds before rejecting.", MODEL_LABELS)
-INFLIGHT = Gauge(f"{PREFIX}_inflight_requests", "Inference requests received and not yet answered.", MODEL_LABELS)
+QUEUE_DEPTH = f"{PREFIX}_queue_depth"
+QUEUE_DEPTH_HELP = "Requests waiting in the batching queue."
+INFLIGHT = f"{PREFIX}_inflight_requests"
+INFLIGHT_HELP = "Inference requests received and not yet answered."
+# The engine's gauges: written by one process (the engine's), so "max" over processes is its value.
+QUEUE_CAPACITY = Gauge(
+    f"{PREFIX}_queue_capacity",
+    "Requests the batching queue holds before rejecting.",
+    MODEL_LABELS,
+    multiprocess_mode="max",
+)
 STUCK_INSTANCES = Gauge(
     f"{PREFIX}_stuck_instances",
     "Model instances whose run exceeded --max-batch-run-s and has not returned yet.",
     MODEL_LABELS,
+    multiprocess_mode="max",
 )
-MODEL_READY = Gauge(f"{PREFIX}_model_ready", "1 when the model is loaded and warmed up, else 0.", MODEL_LABELS)
+MODEL_READY = Gauge(
+    f"{PREFIX}_model_ready", "1 when the model is loaded and warmed up, else 0.", MODEL_LABELS, multiprocess_mode="max"
+)
 PROVIDER = Gauge(
     f"{PREFIX}_execution_provider_info",
     "Model instances running on each ONNX Runtime execution provider and variant.",
     (*MODEL_LABELS, "provider", "variant"),
+    multiprocess_mode="max",
 )
+
+
+class LiveGauges(Collector):
+    """encoder_inflight_requests and encoder_queue_depth, read from the statistics tables when scraped.
+
+    The counts live where the request path keeps them anyway (every process's tables, summed), so
+    the request path updates no gauge for them.
+    """
+
+    def __init__(self, tables: StatisticsTables) -> None:
+        self._tables = tables
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """One sample per model version of each gauge."""
+        inflight = GaugeMetricFamily(INFLIGHT, INFLIGHT_HELP, labels=MODEL_LABELS)
+        depth = GaugeMetricFamily(QUEUE_DEPTH, QUEUE_DEPTH_HELP, labels=MODEL_LABELS)
+        for model, version in self._tables.models():
+            snapshot = self._tables.snapshot(model, version)
+            inflight.add_metric([model, version], snapshot.inflight)
+            depth.add_metric([model, version], snapshot.pending)
+        yield inflight
+        yield depth
+
+
+REGISTRY.register(LiveGauges(TABLES))
 
 
 @dataclass(frozen=True)
@@ -134,18 +174,12 @@ class ModelMetrics:
     """One model version's labelled metric children, resolved once.
 
     `labels()` takes a lock and a dictionary lookup on every call; the request path instead uses
-    these children. Gauges that mirror a count the server keeps anyway (requests in flight, queue
-    depth) are read at scrape time, so the request path does not update them at all.
+    these children.
     """
 
     def __init__(self, labels: ModelLabels) -> None:
         values = labels.values()
         self.labels = labels
-        self.statistics = None if labels == UNKNOWN_MODEL else statistics.of(*values)
-        """Triton's statistics of the model (none for requests naming a model that is not served)."""
-        self.inflight = 0
-        """Inference requests received and not yet answered; encoder_inflight_requests reads it."""
-        INFLIGHT.labels(*values).set_function(lambda: self.inflight)
         self.tokenize_duration = TOKENIZE_DURATION.labels(*values)
         self.queue_duration = QUEUE_DURATION.labels(*values)
         self.compute_duration = COMPUTE_DURATION.labels(*values)
@@ -183,17 +217,24 @@ def of(labels: ModelLabels) -> ModelMetrics:
 class TrackedRequest:
     """Count one inference request: in flight while inside, then its status code and duration, and Triton's statistics.
 
-    The duration counts from `received` (time.perf_counter, when the front end received it);
-    `inferred` marks its rows' return (rows, queue and compute time). It counts in the statistics
-    as a success if `inferred` was called and no exception left the block, else as a failure. A
-    refusal that carries a `reason` (a limit or check) is also counted in
-    encoder_requests_rejected_total.
+    `statistics`: the model's table (None for a request naming a model that is not served). The
+    duration counts from `received` (time.perf_counter, when the front end received it); `inferred`
+    marks its rows' return (rows, queue and compute time). It counts in the statistics as a success
+    if `inferred` was called and no exception left the block, else as a failure. A refusal that
+    carries a `reason` (a limit or check) is also counted in encoder_requests_rejected_total.
     """
 
-    __slots__ = ("_compute_s", "_deadline", "_inferred", "_metrics", "_queue_s", "_received", "_rows")
+    __slots__ = ("_compute_s", "_deadline", "_inferred", "_metrics", "_queue_s", "_received", "_rows", "_statistics")
 
-    def __init__(self, model_metrics: ModelMetrics, deadline: float | None, received: float) -> None:
+    def __init__(
+        self,
+        model_metrics: ModelMetrics,
+        statistics: StatisticsTable | None,
+        deadline: float | None,
+        received: float,
+    ) -> None:
         self._metrics = model_metrics
+        self._statistics = statistics
         self._deadline = deadline
         """The caller's monotonic deadline: a cancellation at it is counted DEADLINE_EXCEEDED."""
         self._received = received
@@ -202,7 +243,8 @@ class TrackedRequest:
         self._queue_s = self._compute_s = 0.0
 
     def __enter__(self) -> TrackedRequest:
-        self._metrics.inflight += 1
+        if self._statistics is not None:
+            self._statistics.add_inflight(1)
         return self
 
     def inferred(self, rows: int, queue_s: float, compute_s: float) -> None:
@@ -213,20 +255,18 @@ class TrackedRequest:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
         answered = time.perf_counter()
         total_s = answered - self._received
-        model_metrics = self._metrics
-        model_metrics.inflight -= 1
         if error is None:
-            model_metrics.answered("OK", total_s)
+            self._metrics.answered("OK", total_s)
         else:
             reason = getattr(error, "reason", None)
             if reason is not None:
                 REJECTED.labels(reason).inc()
-            model_metrics.answered(status_of(error, self._deadline).name, total_s)
-        model_statistics = model_metrics.statistics
-        if model_statistics is None:
+            self._metrics.answered(status_of(error, self._deadline).name, total_s)
+        statistics = self._statistics
+        if statistics is None:
             return
+        statistics.add_inflight(-1)
         if error is None and self._inferred:
-            output_s = answered - self._inferred
-            model_statistics.record_success(self._rows, total_s, self._queue_s, self._compute_s, output_s)
+            statistics.record_success(self._rows, total_s, self._queue_s, self._compute_s, answered - self._inferred)
         else:
-            model_statistics.record_failure(total_s)
+            statistics.record_failure(total_s)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from service import metrics
+from service import metrics, statistics
 from service.batcher import Batcher, BatchingPolicy, WorkResult
 from service.errors import InvalidArgument
 from service.metrics import ModelLabels
@@ -74,7 +74,6 @@ class ServedModel:
         self.spec = spec
         self.runtimes = runtimes
         self.metrics = metrics.of(ModelLabels(spec.name, spec.version))
-        self.statistics = self.metrics.statistics
         self.tokenizer = (
             TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
             if spec.tokenizer_file is not None
@@ -91,6 +90,7 @@ class ServedModel:
             TextLimits(settings.max_text_bytes, settings.max_request_text_bytes),
         )
         self.batcher = Batcher(runtimes, self.policy, self.metrics.labels, OUTPUTS)
+        self.statistics = statistics.TABLES.of(spec.name, spec.version, self.policy.max_batch_size)
         instances = tuple(InstanceInfo(r.provider, r.variant, r.settings.cuda_device_id) for r in runtimes)
         self.info = ModelInfo(spec, self.signature, self.policy, instances)
 

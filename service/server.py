@@ -24,7 +24,7 @@ from service.proto import model_config_pb2 as mc
 from service.security import ApiKeys, ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
 from service.servicer import InferenceServicer
 from service.settings import Settings
-from service.statistics import TritonMetricsCollector
+from service.statistics import TABLES, TritonMetricsCollector
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class InferenceServer:
         if settings.http_port:
             await self._start_http_listener(files, keys)
         if settings.triton_metrics:
-            REGISTRY.register(TritonMetricsCollector(self.engine.queue_depths))
+            REGISTRY.register(TritonMetricsCollector(TABLES))
         self._metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host)
         self.metrics_port = self._metrics_server.server_port
         log.info(

@@ -14,7 +14,7 @@ import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from service import codec
-from service.statistics import ModelStatistics
+from service.statistics import StatisticsTables
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, start_server
 
@@ -157,13 +157,14 @@ def test_every_protocols_inferences_count_and_http_reads_the_same_statistics(ser
 
 
 def test_batch_statistics_by_executed_size_and_proto_fields() -> None:
-    statistics = ModelStatistics()
-    statistics.record_execution(4, 0.002)
-    statistics.record_execution(1, 0.001)
-    statistics.record_execution(4, 0.003)
-    statistics.record_success(rows=4, total_s=0.010, queue_s=0.004, compute_s=0.003, output_s=0.001)
-    statistics.record_failure(0.0005)
-    message = codec.model_statistics("model", "2", statistics)
+    tables = StatisticsTables()
+    table = tables.of("model", "2", max_batch_size=8)
+    table.record_execution(4, 0.002)
+    table.record_execution(1, 0.001)
+    table.record_execution(4, 0.003)
+    table.record_success(rows=4, total_s=0.010, queue_s=0.004, compute_s=0.003, output_s=0.001)
+    table.record_failure(0.0005)
+    message = codec.model_statistics("model", "2", tables.snapshot("model", "2"))
     assert (message.name, message.version, message.inference_count, message.execution_count) == ("model", "2", 4, 3)
     assert [(b.batch_size, b.compute_infer.count, b.compute_infer.ns) for b in message.batch_stats] == [
         (1, 1, 1_000_000),
