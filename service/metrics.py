@@ -139,6 +139,11 @@ class LiveGauges(Collector):
     def __init__(self, tables: StatisticsTables) -> None:
         self._tables = tables
 
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The two gauge families, without samples."""
+        yield GaugeMetricFamily(INFLIGHT, INFLIGHT_HELP, labels=MODEL_LABELS)
+        yield GaugeMetricFamily(QUEUE_DEPTH, QUEUE_DEPTH_HELP, labels=MODEL_LABELS)
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """One sample per model version of each gauge."""
         inflight = GaugeMetricFamily(INFLIGHT, INFLIGHT_HELP, labels=MODEL_LABELS)
@@ -151,7 +156,8 @@ class LiveGauges(Collector):
         yield depth
 
 
-REGISTRY.register(LiveGauges(TABLES))
+LIVE_GAUGES = LiveGauges(TABLES)
+REGISTRY.register(LIVE_GAUGES)
 
 
 @dataclass(frozen=True)

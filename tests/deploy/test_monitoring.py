@@ -25,7 +25,7 @@ def _server_series() -> set[str]:
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     names = set()
     for declared in vars(server_metrics).values():
-        if isinstance(declared, MetricWrapperBase):
+        if isinstance(declared, (MetricWrapperBase, server_metrics.LiveGauges)):
             for family in declared.describe():
                 names |= {family.name + suffix for suffix in suffixes[family.type]}
     return names
