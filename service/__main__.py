@@ -8,29 +8,55 @@ import sys
 
 import uvloop
 
+from service import processes
+from service.engine_role import run_engine
 from service.repository import RepositoryError
 from service.runtime import ExecutionError
-from service.server import serve
-from service.settings import SettingsError, load_settings
+from service.server import FrontendRole, serve
+from service.settings import Settings, SettingsError, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse settings, serve until signalled; configuration problems are one line and exit 2."""
-    try:
-        settings = load_settings(argv)
-    except SettingsError as error:
-        print(f"service: error: {error}", file=sys.stderr)
-        return 2
+    """Parse settings, serve until signalled; configuration problems are one line and exit 2.
+
+    With more than one front end this process supervises the others (service.processes); each of
+    them comes back here and runs its role.
+    """
+    child = processes.child_settings()
+    if child is None:
+        try:
+            settings = load_settings(argv)
+        except SettingsError as error:
+            print(f"service: error: {error}", file=sys.stderr)
+            return 2
+        role = "supervisor" if settings.resolved_frontends() > 1 else "server"
+    else:
+        role, settings, runtime = child
+        processes.prepare_child(role, runtime)
     logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=settings.log_level,
+        format=f"%(asctime)s %(levelname)s {'' if role == 'server' else f'[{role}] '}%(name)s: %(message)s",
+        stream=sys.stderr,
     )
+    if role == "supervisor":
+        return processes.Supervisor(settings).run()
     try:
         # uvloop: measured 65-110 us less server CPU per gRPC call than asyncio's own loop (README).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(serve(settings))
+            return runner.run(_serve(role, settings))
     except (RepositoryError, ExecutionError, OSError) as error:
         print(f"service: error: {error}", file=sys.stderr)
         return 2
+
+
+async def _serve(role: str, settings: Settings) -> int:
+    """Run one role until signalled: the whole server, the engine, or front end N."""
+    if role == "engine":
+        return await run_engine(settings, str(processes.runtime_folder() / processes.ENGINE_SOCKET))
+    if role.startswith("frontend"):
+        index = int(role.rsplit(maxsplit=1)[-1])
+        return await serve(settings, FrontendRole(index, str(processes.runtime_folder() / processes.ENGINE_SOCKET)))
+    return await serve(settings)
 
 
 if __name__ == "__main__":

@@ -111,26 +111,42 @@ class Engine:
         """Model folders in the repository; each starts LOADING."""
         names = [directory.name for directory in model_directories(self.settings.model_repository)]
         for name in names:
-            self._states[name] = ModelState(name, "", "LOADING")
+            self.set_state(name, "LOADING")
         return names
 
     async def load(self, name: str) -> ModelInfo:
-        """Load and warm one model off the event loop; a failure marks it UNAVAILABLE and re-raises."""
+        """Load and warm one model off the event loop and serve it; a failure marks it UNAVAILABLE and re-raises."""
         try:
             model = await asyncio.get_running_loop().run_in_executor(
                 None, load_model, self.settings.model_repository / name, self.settings, self._tokenizer_pool
             )
         except (RepositoryError, ExecutionError) as error:
-            self._states[name] = ModelState(name, "", "UNAVAILABLE", str(error))
+            self.set_state(name, "UNAVAILABLE", str(error))
             raise
-        model.batcher.start()
-        self._models[name] = model
-        self._states[name] = ModelState(name, model.spec.version, "READY")
+        self.add(model)
+        return model.info
+
+    def add(self, model: ServedModel) -> None:
+        """Serve a model (its queue started on the running loop): READY from now on."""
+        model.queue.start()
+        self._models[model.spec.name] = model
+        self.set_state(model.spec.name, "READY", version=model.spec.version)
         labels = model.metrics.labels.values()
         metrics.MODEL_READY.labels(*labels).set(1)
         for (provider, variant), count in Counter((i.provider, i.variant) for i in model.info.instances).items():
             metrics.PROVIDER.labels(*labels, provider, variant).set(count)
-        return model.info
+
+    def set_state(self, name: str, state: str, reason: str = "", version: str = "") -> None:
+        """A model's place in the repository index: LOADING, READY or UNAVAILABLE (with why)."""
+        self._states[name] = ModelState(name, version, state, reason)
+
+    def tokenizer_pool(self) -> ThreadPoolExecutor:
+        """The threads that tokenise large requests, for models served here."""
+        return self._tokenizer_pool
+
+    def served_names(self) -> list[str]:
+        """The names of the models served now."""
+        return sorted(self._models)
 
     def models(self) -> list[ModelInfo]:
         """Every loaded model, by name."""
@@ -138,26 +154,26 @@ class Engine:
 
     def on_serving_change(self, name: str, listener: Callable[[bool], None]) -> None:
         """Tell `listener(serving)` when the model loses, or gets back, its last working instance."""
-        self._models[name].batcher.on_serving_change = listener
+        self._models[name].queue.on_serving_change = listener
 
     @property
     def ready(self) -> bool:
         """Every discovered model is loaded and has an instance in service, and the server is not draining."""
         loaded = bool(self._states) and all(state.state == "READY" for state in self._states.values())
-        return loaded and not self.draining and all(model.batcher.serving for model in self._models.values())
+        return loaded and not self.draining and all(model.queue.serving for model in self._models.values())
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """That model (and version, if given) is loaded and in service, and the server is not draining."""
         model = self._models.get(name)
-        return model is not None and version in ("", model.spec.version) and model.batcher.serving and not self.draining
+        return model is not None and version in ("", model.spec.version) and model.queue.serving and not self.draining
 
     def model(self, name: str, version: str = "") -> ModelInfo:
         """What a served model is (its signature, batching and instances); NOT_FOUND or UNAVAILABLE otherwise."""
-        return self._get(name, version).info
+        return self.served(name, version).info
 
     def statistics(self, name: str = "", version: str = "") -> list[tuple[str, str, ModelStatistics]]:
         """Triton's cumulative statistics (model, version, figures) of one model (and version), or of every model."""
-        models = [self._get(name, version)] if name else [model for _, model in sorted(self._models.items())]
+        models = [self.served(name, version)] if name else [model for _, model in sorted(self._models.items())]
         return [
             (model.spec.name, model.spec.version, TABLES.snapshot(model.spec.name, model.spec.version))
             for model in models
@@ -168,7 +184,8 @@ class Engine:
         states = sorted(self._states.values(), key=lambda state: state.name)
         return [state for state in states if state.state == "READY" or not ready_only]
 
-    def _get(self, name: str, version: str) -> ServedModel:
+    def served(self, name: str, version: str = "") -> ServedModel:
+        """A served model by name (and version); NOT_FOUND or UNAVAILABLE otherwise."""
         model = self._models.get(name)
         if model is None:
             state = self._states.get(name)
@@ -191,7 +208,7 @@ class Engine:
                 metrics.of(metrics.UNKNOWN_MODEL), None, request.deadline, request.received
             )
         with tracked:
-            model = self._get(request.model, request.version)
+            model = self.served(request.model, request.version)
             if self.draining:
                 raise Unavailable("the server is shutting down")
             width = model.spec.hidden_size
@@ -208,7 +225,7 @@ class Engine:
     async def close(self, timeout_s: float) -> None:
         """Drain every model's queue (bounded by timeout_s) and release the workers."""
         self.draining = True
-        await asyncio.gather(*(model.batcher.close(timeout_s) for model in self._models.values()))
+        await asyncio.gather(*(model.queue.close(timeout_s) for model in self._models.values()))
         for model in self._models.values():
             metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(0)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

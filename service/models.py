@@ -1,19 +1,21 @@
-"""A served model: its runtimes behind a batcher, its tokenizer, and what the engine says about it."""
+"""A served model: what it is, its tokenizer, and the queue its rows run through (a batcher here, or the engine's)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from service import metrics, statistics
 from service.batcher import Batcher, BatchingPolicy, WorkResult
 from service.errors import InvalidArgument
 from service.metrics import ModelLabels
 from service.repository import OUTPUTS, ModelSpec, read_model
-from service.runtime import ExecutionSettings, ModelRuntime, create_instances
+from service.runtime import ExecutionSettings, create_instances
 from service.settings import Settings
 from service.token_rows import TokenRows
 from service.tokenizer import TextTokenizer
@@ -65,15 +67,75 @@ def batching_policy(spec: ModelSpec, settings: Settings, device: str) -> Batchin
     )
 
 
+class ModelQueue(Protocol):
+    """Where a served model's rows run: its batcher in this process, or the engine process's."""
+
+    on_serving_change: Callable[[bool], None] | None
+    """Told False when the model loses its last working instance, True when one comes back."""
+
+    def start(self) -> None:
+        """Start serving, on the running event loop."""
+        ...
+
+    @property
+    def serving(self) -> bool:
+        """Whether the model can run rows now (an instance in service)."""
+        ...
+
+    def admit(self) -> None:
+        """Take a queue place for a request about to be prepared, or refuse at once (ServiceError)."""
+        ...
+
+    def withdraw(self) -> None:
+        """Give back the place of an admitted request that will not be submitted."""
+        ...
+
+    async def submit(
+        self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
+    ) -> WorkResult:
+        """Run a request's rows and return each requested output, rows in the request's order."""
+        ...
+
+    async def close(self, timeout_s: float) -> None:
+        """Refuse new work, let accepted work finish (up to timeout_s), then stop."""
+        ...
+
+
+def warm_up_shapes(spec: ModelSpec, policy: BatchingPolicy) -> list[tuple[int, int]]:
+    """(rows, length) shapes the batcher can form: every bucketed length, then the largest batch.
+
+    Without length buckets (CPU) a short batch stands for the lengths. The largest batch, by
+    memory, is the longest length with as many rows as the token budget allows there (a batch of
+    longer rows holds fewer of them; a single row is always allowed).
+    """
+    longest = spec.max_sequence_length
+    if policy.length_bucket > 1:
+        lengths = sorted({policy.padded_length(n) for n in range(1, longest + 1, policy.length_bucket)})
+    else:
+        lengths = [min(8, longest)]
+    widest = policy.padded_length(longest)
+    largest_rows = max(1, min(policy.max_batch_size, policy.max_batch_tokens // widest))
+    return [(1, length) for length in lengths] + [(largest_rows, widest)]
+
+
 class ServedModel:
-    """One loaded model: its runtimes behind a batcher, and a tokenizer when it takes text."""
+    """One served model: what it is, its tokenizer when it takes text, and the queue its rows run through."""
 
     def __init__(
-        self, spec: ModelSpec, runtimes: list[ModelRuntime], settings: Settings, tokenizer_pool: ThreadPoolExecutor
+        self,
+        spec: ModelSpec,
+        policy: BatchingPolicy,
+        instances: tuple[InstanceInfo, ...],
+        queue: ModelQueue,
+        *,
+        settings: Settings,
+        tokenizer_pool: ThreadPoolExecutor,
     ) -> None:
         self.spec = spec
-        self.runtimes = runtimes
+        self.policy = policy
+        self.queue = queue
         self.metrics = metrics.of(ModelLabels(spec.name, spec.version))
+        self.statistics = statistics.TABLES.of(spec.name, spec.version, policy.max_batch_size)
         self.tokenizer = (
             TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
             if spec.tokenizer_file is not None
@@ -82,39 +144,13 @@ class ServedModel:
         self._tokenizer_pool = tokenizer_pool
         self._inline_tokenize_chars = settings.inline_tokenize_chars
         self._max_response_bytes = settings.max_response_bytes
-        self.policy = batching_policy(spec, settings, runtimes[0].device)
         self.signature = ModelSignature(
             spec,
             self.tokenizer is not None,
-            self.policy.max_batch_size,
+            policy.max_batch_size,
             TextLimits(settings.max_text_bytes, settings.max_request_text_bytes),
         )
-        self.batcher = Batcher(runtimes, self.policy, self.metrics.labels, OUTPUTS)
-        self.statistics = statistics.TABLES.of(spec.name, spec.version, self.policy.max_batch_size)
-        instances = tuple(InstanceInfo(r.provider, r.variant, r.settings.cuda_device_id) for r in runtimes)
-        self.info = ModelInfo(spec, self.signature, self.policy, instances)
-
-    def warm_up_shapes(self) -> list[tuple[int, int]]:
-        """(rows, length) shapes the batcher can form: every bucketed length, then the largest batch.
-
-        Without length buckets (CPU) a short batch stands for the lengths. The largest batch, by
-        memory, is the longest length with as many rows as the token budget allows there (a batch
-        of longer rows holds fewer of them; a single row is always allowed).
-        """
-        policy, longest = self.policy, self.spec.max_sequence_length
-        if policy.length_bucket > 1:
-            lengths = sorted({policy.padded_length(n) for n in range(1, longest + 1, policy.length_bucket)})
-        else:
-            lengths = [min(8, longest)]
-        widest = policy.padded_length(longest)
-        largest_rows = max(1, min(policy.max_batch_size, policy.max_batch_tokens // widest))
-        return [(1, length) for length in lengths] + [(largest_rows, widest)]
-
-    def warm_up(self) -> None:
-        """Run every served shape once on every instance (blocking); a failure is an ExecutionError."""
-        shapes = self.warm_up_shapes()
-        for runtime in self.runtimes:
-            runtime.warm_up(shapes)
+        self.info = ModelInfo(spec, self.signature, policy, instances)
 
     async def run(self, request: ValidRequest, deadline: float | None) -> tuple[WorkResult, int]:
         """Admit (or refuse at once), tokenise if needed, and wait for the request's rows: the result and its tokens.
@@ -124,7 +160,7 @@ class ServedModel:
         if request.timeout_s is not None:
             own_deadline = time.monotonic() + request.timeout_s
             deadline = own_deadline if deadline is None else min(deadline, own_deadline)
-        self.batcher.admit()
+        self.queue.admit()
         try:
             if request.texts is not None:
                 started = time.perf_counter()
@@ -134,9 +170,9 @@ class ServedModel:
                 rows = request.tokens
             self._check_response_size(rows, request.outputs)
         except BaseException:
-            self.batcher.withdraw()
+            self.queue.withdraw()
             raise
-        return await self.batcher.submit(rows, request.outputs, deadline, admitted=True), rows.real_tokens
+        return await self.queue.submit(rows, request.outputs, deadline, admitted=True), rows.real_tokens
 
     def _check_response_size(self, rows: TokenRows, outputs: tuple[str, ...]) -> None:
         """Refuse, before running it, a request whose answer would exceed --max-response-bytes."""
@@ -172,10 +208,18 @@ def execution_settings(settings: Settings) -> ExecutionSettings:
 
 
 def load_model(directory: Path, settings: Settings, tokenizer_pool: ThreadPoolExecutor) -> ServedModel:
-    """Read a model folder, create its instances and warm them up (blocking); RepositoryError or ExecutionError."""
+    """Read a model folder, create its instances behind a batcher here, warm them up (blocking).
+
+    RepositoryError or ExecutionError when it cannot be served. The batcher is started by the
+    caller, on its event loop.
+    """
     spec = read_model(directory)
     runtimes = create_instances(spec, execution_settings(settings), settings.instances)
-    model = ServedModel(spec, runtimes, settings, tokenizer_pool)
+    policy = batching_policy(spec, settings, runtimes[0].device)
     if settings.warmup:
-        model.warm_up()
-    return model
+        shapes = warm_up_shapes(spec, policy)
+        for runtime in runtimes:
+            runtime.warm_up(shapes)
+    batcher = Batcher(runtimes, policy, ModelLabels(spec.name, spec.version), OUTPUTS)
+    instances = tuple(InstanceInfo(r.provider, r.variant, r.settings.cuda_device_id) for r in runtimes)
+    return ServedModel(spec, policy, instances, batcher, settings=settings, tokenizer_pool=tokenizer_pool)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -18,9 +19,11 @@ from service.health import NOT_SERVING, SERVING, HealthService
 from service.http.app import HttpApp
 from service.http.listener import HttpListener
 from service.interceptor import ErrorInterceptor
+from service.ipc import EngineLink
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.proto import model_config_pb2 as mc
+from service.remote import RemoteModels
 from service.security import ApiKeys, ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
 from service.servicer import InferenceServicer
 from service.settings import Settings
@@ -33,6 +36,8 @@ OVERALL = ""
 CONNECTION_AGE_GRACE_S = 30
 RESPONSE_FRAMING_BYTES = 64 * 1024
 """Room for a response's protobuf fields around its output tensors (--max-response-bytes counts the tensors)."""
+ENGINE_CONNECT_RETRY_S = 0.05
+"""A front end started before the engine's socket was open tries again this often."""
 UNREQUESTED_CALL_TIMEOUT_S = 30
 """gRPC cancels a call its handlers have not picked up within this long (its own default, made explicit)."""
 
@@ -51,14 +56,15 @@ def reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
-def grpc_options(settings: Settings) -> list[tuple[str, int]]:
+def grpc_options(settings: Settings, reuse_port: bool = False) -> list[tuple[str, int]]:
     """Channel arguments: every limit gRPC itself enforces, set on purpose.
 
     gRPC core keeps calls that arrived before a handler could take them in its own queue, and
     past `grpc.server.max_pending_requests` (default 1000, hard limit 3000) it cancels them at
     random: a burst then gets CANCELLED, which clients do not retry. That queue is sized far above
     the model queue, so `--max-queue-size` is the bound that answers (RESOURCE_EXHAUSTED); streams
-    per connection are capped so one client cannot fill it.
+    per connection are capped so one client cannot fill it. `reuse_port`: several front-end
+    processes listen on the port, and the kernel spreads new connections among them.
     """
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -67,7 +73,7 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.server.max_pending_requests", settings.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", settings.max_pending_rpcs),
         ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_TIMEOUT_S),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     ]
     if settings.max_connection_age_s > 0:
         options += [
@@ -101,11 +107,24 @@ def _status(serving: bool) -> int:
     return SERVING if serving else NOT_SERVING
 
 
-class InferenceServer:
-    """The whole server: start() binds and loads; stop() drains and exits cleanly."""
+@dataclass(frozen=True)
+class FrontendRole:
+    """A front-end process of a server of several: which one, and where its engine process listens."""
 
-    def __init__(self, settings: Settings) -> None:
+    index: int
+    engine_socket: str
+
+
+class InferenceServer:
+    """The whole server (or one front end of it): start() binds and serves the models; stop() drains.
+
+    Alone, it loads the repository's models into its own engine. As a front end (`frontend`) it
+    shares its ports with the other front ends and serves the models the engine process announces.
+    """
+
+    def __init__(self, settings: Settings, frontend: FrontendRole | None = None) -> None:
         self.settings = settings
+        self.frontend = frontend
         self.engine = Engine(settings)
         self.health = HealthService()
         self.grpc_port = 0
@@ -119,16 +138,18 @@ class InferenceServer:
         self._http: HttpListener | None = None
         self._metrics_server = None
         self._background: set[asyncio.Task[None]] = set()
+        self._link: EngineLink | None = None
 
     async def start(self) -> None:
-        """Bind the ports (health NOT_SERVING), load and warm every model, then report SERVING."""
+        """Bind the ports (health NOT_SERVING), then serve each model as it is ready: SERVING once all are."""
         settings = self.settings
+        reuse_port = self.frontend is not None
         names = self.engine.discover()
         files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         self.tls = ReloadingTls(files) if files is not None else None
         keys = api_keys(settings.api_key_file)
         interceptor = ErrorInterceptor(keys)
-        self._server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
+        self._server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings, reuse_port))
         services = GenericHandlersOnly(self._server)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, services)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, services)
@@ -148,29 +169,31 @@ class InferenceServer:
             raise OSError(f"cannot bind gRPC port {address}")
         await self._server.start()
         if settings.health_port:
-            await self._start_health_listener()
+            await self._start_health_listener(reuse_port)
         if settings.http_port:
-            await self._start_http_listener(files, keys)
-        if settings.triton_metrics:
-            REGISTRY.register(TritonMetricsCollector(TABLES))
-        self._metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host)
-        self.metrics_port = self._metrics_server.server_port
+            await self._start_http_listener(files, keys, reuse_port)
+        if self.frontend is None:
+            if settings.triton_metrics:
+                REGISTRY.register(TritonMetricsCollector(TABLES))
+            self._metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host)
+            self.metrics_port = self._metrics_server.server_port
         log.info(
-            "gRPC on %s:%d (%s)%s, metrics on :%d/metrics%s",
+            "gRPC on %s:%d (%s)%s%s%s",
             settings.host,
             self.grpc_port,
             self._security_summary(),
             f", HTTP on :{self.http_port}" if self.http_port else "",
-            self.metrics_port,
+            f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",
             f", health on :{self.health_port}" if self.health_port else "",
         )
         if not names:
             log.warning("model repository %s holds no models", settings.model_repository)
+        if self.frontend is not None:
+            await self._connect(self.frontend)
+            return
         for name in names:
             started = time.perf_counter()
             model = await self.engine.load(name)
-            self.engine.on_serving_change(name, lambda serving, name=name: self._serving_changed(name, serving))
-            await self.health.set(name, SERVING)
             log.info(
                 "model %s version %s ready in %.1f s (%s, %s, batch <= %d rows / %d tokens, delay %d us)",
                 name,
@@ -182,40 +205,67 @@ class InferenceServer:
                 model.policy.max_batch_tokens,
                 model.policy.max_queue_delay_s * 1e6,
             )
-        await self.health.set(OVERALL, SERVING)
+            self._model_ready(name)
+
+    async def _connect(self, frontend: FrontendRole) -> None:
+        """Connect to the engine process (once its socket is open): its models are served as it announces them."""
+        models = RemoteModels(self.engine, self._model_ready)
+        while True:
+            try:
+                link = await EngineLink.connect(
+                    frontend.engine_socket, frontend.index, models.update, self._engine_lost
+                )
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(ENGINE_CONNECT_RETRY_S)
+                continue
+            self._link = models.link = link
+            return
+
+    def _engine_lost(self) -> None:
+        """The engine process is gone: nothing can be served (the supervisor stops the whole server)."""
+        if not self.engine.draining:
+            log.error("the engine process is gone")
+            self._publish({service: False for service in (OVERALL, *self.engine.served_names())})
+
+    def _model_ready(self, name: str) -> None:
+        """A model is served: its health (and the server's, once every model is) follow its instances."""
+        self.engine.on_serving_change(name, lambda serving: self._serving_changed(name, serving))
+        self._serving_changed(name, self.engine.model_ready(name))
 
     def _security_summary(self) -> str:
         transport = "plaintext" if self.tls is None else "mutual TLS" if self.tls.files.client_ca else "TLS"
         return transport + (", API keys" if self.settings.api_key_file else "")
 
-    async def _start_health_listener(self) -> None:
+    async def _start_health_listener(self, reuse_port: bool) -> None:
         """A plaintext port with only grpc.health.v1, for probes that cannot speak TLS (kubelet's)."""
         settings = self.settings
-        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{settings.host}:{settings.health_port}")
         if self.health_port == 0:
             raise OSError(f"cannot bind health port {settings.host}:{settings.health_port}")
         await self._health_server.start()
 
-    async def _start_http_listener(self, tls: TlsFiles | None, keys: ApiKeys | None) -> None:
+    async def _start_http_listener(self, tls: TlsFiles | None, keys: ApiKeys | None, reuse_port: bool) -> None:
         """The HTTP port: OpenAI's API and KServe v2 REST, with the gRPC port's TLS files and API keys."""
         settings = self.settings
         app = HttpApp(self.engine, keys, settings.max_message_bytes, settings.max_embedding_inputs)
         context = ReloadingSslContext(tls).context if tls is not None else None
-        self._http = HttpListener(app, settings.host, settings.http_port, context)
+        self._http = HttpListener(app, settings.host, settings.http_port, context, reuse_port)
         await self._http.start()
         self.http_port = self._http.port
 
     def _serving_changed(self, name: str, serving: bool) -> None:
         """A model lost (or got back) its last working instance: its health and the server's follow."""
-        if self.engine.draining:
-            return
-        overall = serving and self.engine.ready
+        if not self.engine.draining:
+            self._publish({name: serving, OVERALL: serving and self.engine.ready})
+
+    def _publish(self, statuses: dict[str, bool]) -> None:
+        """Set health statuses (SERVING or not) in the background."""
 
         async def publish() -> None:
-            await self.health.set(name, _status(serving))
-            await self.health.set(OVERALL, _status(overall))
+            for service, serving in statuses.items():
+                await self.health.set(service, _status(serving))
 
         task = asyncio.get_running_loop().create_task(publish())
         self._background.add(task)
@@ -239,12 +289,14 @@ class InferenceServer:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        if self._link is not None:
+            self._link.close()
         log.info("stopped")
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, frontend: FrontendRole | None = None) -> int:
     """Run until SIGTERM or SIGINT, then drain and return the exit status."""
-    server = InferenceServer(settings)
+    server = InferenceServer(settings, frontend)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

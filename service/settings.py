@@ -15,6 +15,11 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "ENCODER_"
+AUTO_SINGLE_PROCESS_CPUS = 2
+"""--frontends 0 serves from one process on this many CPUs or fewer (measured: the front end needs the
+second core the model would otherwise use)."""
+AUTO_CPUS_PER_FRONTEND = 4
+"""--frontends 0 runs one front end per this many CPUs above that."""
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
 
@@ -94,6 +99,14 @@ class Settings:
     length_bucket: int = field(
         default=0,
         metadata=_doc("pad batch length to a multiple of this (bounds distinct shapes); 0 = 32 on CUDA, 1 on CPU"),
+    )
+    frontends: int = field(
+        default=0,
+        metadata=_doc(
+            "front-end processes, each serving the gRPC and HTTP ports (protocols, keys, TLS, validation,"
+            " tokenising) beside one engine process that batches every front end's rows; 1 = one process, as a"
+            " plain server; 0 = automatic: 1 on up to 2 CPUs, else CPUs / 4 (the measured front-end share)"
+        ),
     )
     tokenizer_threads: int = field(default=1, metadata=_doc("worker threads that tokenise text"))
     inline_tokenize_chars: int = field(
@@ -219,6 +232,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
         non_negative = (
+            "frontends",
             "intra_op_threads",
             "max_batch_tokens",
             "cuda_device_id",
@@ -273,10 +287,19 @@ class Settings:
         return bool(self.tls_cert)
 
     def resolved_intra_op_threads(self) -> int:
-        """Threads per instance: the setting, or the CPUs this process may use split across instances."""
+        """Threads per instance: the setting, or the CPUs the model has (beside front ends) split across instances."""
         if self.intra_op_threads:
             return self.intra_op_threads
-        return max(1, available_cpus() // self.instances)
+        frontends = self.resolved_frontends()
+        model_cpus = available_cpus() - (frontends if frontends > 1 else 0)
+        return max(1, model_cpus // self.instances)
+
+    def resolved_frontends(self) -> int:
+        """Front-end processes: the setting, or the automatic choice for the CPUs this process may use."""
+        if self.frontends:
+            return self.frontends
+        cpus = available_cpus()
+        return 1 if cpus <= AUTO_SINGLE_PROCESS_CPUS else max(1, cpus // AUTO_CPUS_PER_FRONTEND)
 
 
 def available_cpus() -> int:

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from client.local_server import RunningServer, free_port, health_status
 from client.local_server import launch_server as launch_local_server
 from client.local_server import start_server as start_local_server
+from service.processes import children
 from service.runtime import cuda_unavailable_reason
 
 __all__ = [
@@ -26,12 +27,18 @@ __all__ = [
     "launch_server",
     "metric_samples",
     "metric_value",
+    "server_pids",
     "start_server",
     "wait_for_metric",
     "wait_for_queue_depth",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def server_pids(server: RunningServer) -> list[int]:
+    """The server's processes: the one started, and (a server of several) the engine and the front ends."""
+    return [server.process.pid, *children(server.process.pid)]
 
 
 def start_server(

@@ -15,8 +15,8 @@ from service.http.app import HttpApp
 BACKLOG = 2048
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket (OSError if the address is taken).
+def _listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A bound, listening TCP socket (OSError if the address is taken; shared with other processes if `reuse_port`).
 
     Made with protocol IPPROTO_TCP, not socket.create_server's 0: asyncio turns Nagle's algorithm
     off (TCP_NODELAY) on accepted connections only when the listener's protocol says TCP, and
@@ -28,6 +28,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     listening = socket.socket(family, kind, protocol)
     try:
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         listening.bind(address)
         listening.listen(BACKLOG)
     except OSError:
@@ -57,8 +59,11 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpListener:
     """The HTTP port: bound by start(), drained by stop() (open requests finish, idle connections close)."""
 
-    def __init__(self, app: HttpApp, host: str, port: int, tls: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, app: HttpApp, host: str, port: int, tls: ssl.SSLContext | None, reuse_port: bool = False
+    ) -> None:
         self._app = app
+        self._reuse_port = reuse_port
         self._host = host
         self._requested_port = port
         self._tls = tls
@@ -68,7 +73,7 @@ class HttpListener:
 
     async def start(self) -> None:
         """Bind (OSError if the port is taken) and serve in the background."""
-        listening = _listening_socket(self._host, self._requested_port)
+        listening = _listening_socket(self._host, self._requested_port, self._reuse_port)
         self.port = listening.getsockname()[1]
         tls = self._tls
         config = uvicorn.Config(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +12,10 @@ import pytest
 from service import codec, metrics
 from service.engine import Engine, InferenceRequest, InputTensor
 from service.errors import NotFound, Unavailable
-from service.models import ServedModel
+from service.models import batching_policy, warm_up_shapes
 from service.proto import model_config_pb2 as mc
 from service.repository import read_model
-from service.runtime import ExecutionError, ExecutionSettings, ModelRuntime
+from service.runtime import ExecutionError
 from service.settings import Settings
 from tests.conftest import TINY_MODEL
 from tests.servers import ROOT
@@ -71,9 +70,7 @@ async def test_bucketed_lengths_never_pass_the_models_maximum(tiny_repository: P
     """A bucket of 48 rounds 100 tokens up to 144, past the tiny model's 128 positions: capped at 128."""
     settings = Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, length_bucket=48)
     spec = read_model(tiny_repository / TINY_MODEL)
-    with ThreadPoolExecutor(1) as pool:
-        served = ServedModel(spec, [ModelRuntime(spec, ExecutionSettings(device="cpu"))], settings, pool)
-        assert served.warm_up_shapes()[:-1] == [(1, 48), (1, 96), (1, 128)]
+    assert warm_up_shapes(spec, batching_policy(spec, settings, "cpu"))[:-1] == [(1, 48), (1, 96), (1, 128)]
     engine = Engine(settings)
     engine.discover()
     try:
@@ -87,17 +84,12 @@ async def test_bucketed_lengths_never_pass_the_models_maximum(tiny_repository: P
 
 def test_warm_up_covers_the_bucketed_lengths_and_the_largest_batch(tiny_repository: Path) -> None:
     spec = read_model(tiny_repository / TINY_MODEL)
-    runtimes = [ModelRuntime(spec, ExecutionSettings(device="cpu"))]
-    pool = ThreadPoolExecutor(1)
-    try:
-        budget = Settings(device="cpu", length_bucket=32, max_batch_tokens=1024, max_batch_size=64)
-        shapes = ServedModel(spec, runtimes, budget, pool).warm_up_shapes()
-        assert shapes == [(1, 32), (1, 64), (1, 96), (1, 128), (8, 128)]
-        # A single row longer than the budget is still served, so it is warmed.
-        tight = Settings(device="cpu", max_batch_tokens=100)
-        assert ServedModel(spec, runtimes, tight, pool).warm_up_shapes() == [(1, 8), (1, 128)]
-    finally:
-        pool.shutdown()
+    budget = Settings(device="cpu", length_bucket=32, max_batch_tokens=1024, max_batch_size=64)
+    shapes = warm_up_shapes(spec, batching_policy(spec, budget, "cpu"))
+    assert shapes == [(1, 32), (1, 64), (1, 96), (1, 128), (8, 128)]
+    # A single row longer than the budget is still served, so it is warmed.
+    tight = Settings(device="cpu", max_batch_tokens=100)
+    assert warm_up_shapes(spec, batching_policy(spec, tight, "cpu")) == [(1, 8), (1, 128)]
 
 
 async def test_every_instance_is_reported_in_metrics_and_model_config(tiny_repository: Path) -> None:

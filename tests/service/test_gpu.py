@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from client import EmbeddingClient
 from export import parity
 from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
-from service.models import load_model
+from service.models import load_model, warm_up_shapes
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.proto import model_config_pb2 as mc
@@ -127,7 +127,7 @@ def test_cuda_warm_up_covers_the_bucketed_lengths(default_repository: Path) -> N
     with ThreadPoolExecutor(1) as pool:
         model = load_model(default_repository / DEFAULT_MODEL, settings, pool)
     assert model.info.instances[0].provider == CUDA and model.policy.length_bucket == 32
-    shapes = model.warm_up_shapes()
+    shapes = warm_up_shapes(model.spec, model.policy)
     assert [length for _, length in shapes[:-1]] == list(range(32, 257, 32))
     assert shapes[-1] == (min(model.policy.max_batch_size, model.policy.max_batch_tokens // 256), 256)
 

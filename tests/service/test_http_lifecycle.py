@@ -16,7 +16,14 @@ from grpc_health.v1 import health_pb2
 
 from service.settings import SettingsError, load_settings
 from tests.conftest import TINY_MODEL
-from tests.servers import RunningServer, free_port, health_status, start_server, wait_for_queue_depth
+from tests.servers import (
+    RunningServer,
+    free_port,
+    health_status,
+    server_pids,
+    start_server,
+    wait_for_queue_depth,
+)
 
 EXIT_TIMEOUT_S = 60
 """Bounds the wait for an exit that should come; a server that hangs fails the test instead of blocking it."""
@@ -33,16 +40,17 @@ def test_the_http_port_setting() -> None:
         load_settings(["--max-embedding-inputs", "0"])
 
 
-def listening_ports(pid: int) -> set[int]:
-    """TCP ports a process listens on: its socket inodes, looked up in /proc/net/tcp (state 0A is LISTEN)."""
+def listening_ports(server: RunningServer) -> set[int]:
+    """TCP ports the server's processes listen on: their socket inodes, looked up in /proc/net/tcp (0A is LISTEN)."""
     inodes = set()
-    for descriptor in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(descriptor)
-        except FileNotFoundError:  # closed by the server between listing and reading
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
+    for pid in server_pids(server):
+        for descriptor in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(descriptor)
+            except FileNotFoundError:  # closed by the server between listing and reading
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -56,9 +64,9 @@ def test_the_http_port_listens_and_port_zero_turns_it_off(
     tiny_server: RunningServer, tiny_repository: Path, tmp_path: Path
 ) -> None:
     served = {tiny_server.grpc_port, tiny_server.metrics_port}
-    assert listening_ports(tiny_server.process.pid) == served | {tiny_server.http_port}
+    assert listening_ports(tiny_server) == served | {tiny_server.http_port}
     with start_server(tiny_repository, tmp_path / "server.log", "--http-port", "0") as server:
-        assert listening_ports(server.process.pid) == {server.grpc_port, server.metrics_port}
+        assert listening_ports(server) == {server.grpc_port, server.metrics_port}
         assert "HTTP on" not in server.log()
 
 

@@ -1,0 +1,121 @@
+"""The engine process of a server of several processes: the models, their batchers, one socket for the front ends.
+
+It loads the repository's models as a lone server does, tells every front end each model's state
+(LOADING, READY with its batching and instances, UNAVAILABLE, in service or not), and runs the token
+rows the front ends send: rows from every front end join the same batches. A front end whose
+socket closes has its requests dropped, as a client that goes away does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from collections.abc import Callable
+
+from service.batcher import Batcher, WorkItem
+from service.engine import Engine
+from service.errors import ModelFailure, ServiceError
+from service.ipc import EngineConnection, EngineServer, Instance, ModelUpdate, Request
+from service.models import ModelInfo
+from service.repository import RepositoryError
+from service.runtime import ExecutionError
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class EngineRole:
+    """The engine's side of every front end's requests: rows into the batchers, outputs back."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.server = EngineServer(self._submit, self._cancel, self._lost)
+        self._items: dict[EngineConnection, dict[int, tuple[Batcher, WorkItem]]] = {}
+
+    def _submit(self, request: Request) -> None:
+        message, connection = request.message, request.connection
+        try:
+            queue = self.engine.served(message.model, message.version).queue
+            item = queue.enqueue(request.rows, message.outputs, message.deadline)
+        except ServiceError as error:
+            connection.fail(message.id, error)
+            return
+        self._items.setdefault(connection, {})[message.id] = (queue, item)
+        item.future.add_done_callback(lambda future: self._done(connection, message.id, future))
+
+    def _done(self, connection: EngineConnection, request_id: int, future: asyncio.Future) -> None:
+        self._items.get(connection, {}).pop(request_id, None)
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is None:
+            connection.answer(request_id, future.result())
+        elif isinstance(error, ServiceError):
+            connection.fail(request_id, error)
+        else:
+            log.error("request %d failed", request_id, exc_info=error)
+            connection.fail(request_id, ModelFailure("internal error; see the server log"))
+
+    def _cancel(self, connection: EngineConnection, request_id: int) -> None:
+        entry = self._items.get(connection, {}).pop(request_id, None)
+        if entry is not None:
+            queue, item = entry
+            queue.cancel(item)
+
+    def _lost(self, connection: EngineConnection) -> None:
+        for queue, item in self._items.pop(connection, {}).values():
+            queue.cancel(item)
+
+    def announce(self, name: str, state: str, reason: str = "", model: ModelInfo | None = None) -> None:
+        """Tell every front end a model's state."""
+        if model is None:
+            self.server.publish(ModelUpdate(name, "", state, reason, False, None, ()))
+            return
+        instances = tuple(Instance(i.provider, i.variant, i.cuda_device_id) for i in model.instances)
+        policy = dataclasses.asdict(model.policy)
+        serving = self.engine.model_ready(name)
+        self.server.publish(ModelUpdate(name, model.spec.version, state, reason, serving, policy, instances))
+
+    def serving_listener(self, name: str, model: ModelInfo) -> Callable[[bool], None]:
+        """What to do when a model loses, or gets back, its last working instance: tell the front ends."""
+        return lambda serving: self.announce(name, "READY", model=model)
+
+
+async def run_engine(settings: Settings, socket_path: str) -> int:
+    """Load the models, serve the front ends' rows until SIGTERM, then finish accepted work and exit."""
+    engine = Engine(settings)
+    role = EngineRole(engine)
+    await role.server.start(socket_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    names = engine.discover()
+    for name in names:
+        role.announce(name, "LOADING")
+    # Every front end is listening (NOT_SERVING) before the models load, as a lone server binds first.
+    waiting = asyncio.ensure_future(role.server.all_connected(settings.frontends))
+    await asyncio.wait((waiting, asyncio.ensure_future(stop.wait())), return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    for name in names if not stop.is_set() else ():
+        try:
+            model = await engine.load(name)
+        except (RepositoryError, ExecutionError) as error:
+            role.announce(name, "UNAVAILABLE", str(error))
+            raise
+        engine.on_serving_change(name, role.serving_listener(name, model))
+        role.announce(name, "READY", model=model)
+        log.info("model %s version %s ready (%s, %s)", name, model.spec.version, *_placement(model))
+    await stop.wait()
+    log.info("draining (up to %.0f s)", settings.drain_timeout_s)
+    await engine.close(settings.drain_timeout_s)
+    role.server.close()
+    log.info("stopped")
+    return 0
+
+
+def _placement(model: ModelInfo) -> tuple[str, str]:
+    first = model.instances[0]
+    return first.variant, first.provider

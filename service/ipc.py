@@ -1,0 +1,413 @@
+"""The engine's wire: front-end processes and the engine process over one Unix socket each.
+
+A frame is 8 bytes (the header's length and the payload's, u32 little-endian), a msgpack header
+(msgspec) holding a list of messages, then the payload: the raw bytes of every array those messages
+carry, one after another, in order. Token rows go in as int64 arrays, outputs come back as float32
+arrays: nothing is pickled. Each side sends what one turn of its event loop produced in one frame,
+so a busy server pays one write and one read for many requests.
+
+Chosen by measurement (`python -m client.ipc_bench`, 16 callers, one-row requests, CPU per request
+on each side on 2 vCPUs): this framing over uvloop's Unix socket cost 7 us (front end) and 4.5 us
+(engine); pyzmq DEALER/ROUTER cost 24 and 20 us with the same coalescing (its I/O thread hands
+every message over once more) and 130 and 120 us without.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from service import errors
+from service.batcher import WorkResult
+from service.errors import ServiceError, Unavailable
+from service.token_rows import TokenRows
+
+log = logging.getLogger(__name__)
+
+_FRAME = struct.Struct("<II")
+_INT64 = np.dtype("<i8")
+_FP32 = np.dtype("<f4")
+
+
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    """A front end's first message: which one it is."""
+
+    frontend: int
+
+
+class Submit(msgspec.Struct, tag=True, array_like=True):
+    """One request's token rows for a model; the payload holds input_ids, lengths, then mask and types if present."""
+
+    id: int
+    model: str
+    version: str
+    deadline: float | None
+    """time.monotonic (one clock for every process of the host), or None."""
+    outputs: tuple[str, ...]
+    width: int
+    rows: int
+    tokens: int
+    masked: bool
+    typed: bool
+
+
+class Cancel(msgspec.Struct, tag=True, array_like=True):
+    """The caller of a submitted request went away."""
+
+    id: int
+
+
+class Failure(msgspec.Struct, array_like=True):
+    """A typed error (service.errors) by class name, with its message and reason."""
+
+    kind: str
+    message: str
+    reason: str | None
+
+
+class Result(msgspec.Struct, tag=True, array_like=True):
+    """A request's answer: its outputs (float32, in the payload, in order) or its failure."""
+
+    id: int
+    failure: Failure | None
+    queue_s: float
+    compute_s: float
+    batch_rows: int
+    outputs: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+class Instance(msgspec.Struct, array_like=True):
+    """Where one model instance runs."""
+
+    provider: str
+    variant: str
+    cuda_device_id: int
+
+
+class ModelUpdate(msgspec.Struct, tag=True, array_like=True):
+    """A model's state in the engine: LOADING, READY (with its batching and instances) or UNAVAILABLE."""
+
+    name: str
+    version: str
+    state: str
+    reason: str
+    serving: bool
+    policy: dict[str, int | float] | None
+    """BatchingPolicy's fields, once READY."""
+    instances: tuple[Instance, ...]
+
+
+ToEngine = Hello | Submit | Cancel
+ToFrontend = Result | ModelUpdate
+_ENCODER = msgspec.msgpack.Encoder()
+_TO_ENGINE = msgspec.msgpack.Decoder(list[ToEngine])
+_TO_FRONTEND = msgspec.msgpack.Decoder(list[ToFrontend])
+_ERRORS = {
+    kind.__name__: kind for kind in vars(errors).values() if isinstance(kind, type) and issubclass(kind, ServiceError)
+}
+
+
+def failure_of(error: ServiceError) -> Failure:
+    """A typed error as it travels."""
+    return Failure(type(error).__name__, str(error), error.reason)
+
+
+def error_of(failure: Failure) -> ServiceError:
+    """The typed error a failure stands for."""
+    return _ERRORS.get(failure.kind, ServiceError)(failure.message, failure.reason)
+
+
+class _Outbox:
+    """Messages and payload buffers queued for one connection, written as one frame per loop turn."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._messages: list[msgspec.Struct] = []
+        self._buffers: list[bytes | memoryview] = []
+        self._scheduled = False
+
+    def close(self) -> None:
+        """Close the connection once what is queued is written."""
+        self._flush()
+        self._transport.close()
+
+    def put(self, message: msgspec.Struct, *buffers: bytes | memoryview) -> None:
+        self._messages.append(message)
+        self._buffers.extend(buffers)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if self._transport.is_closing():
+            self._messages.clear()
+            self._buffers.clear()
+            return
+        header = _ENCODER.encode(self._messages)
+        payload = b"".join(self._buffers)
+        self._messages.clear()
+        self._buffers.clear()
+        self._transport.write(b"".join((_FRAME.pack(len(header), len(payload)), header, payload)))
+
+
+class _Frames(asyncio.Protocol):
+    """Reads frames from a stream socket and hands each (header, payload) on, whole."""
+
+    def __init__(self) -> None:
+        self._received = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        received = self._received
+        received += data
+        start = 0
+        while len(received) - start >= _FRAME.size:
+            header_length, payload_length = _FRAME.unpack_from(received, start)
+            header_end = start + _FRAME.size + header_length
+            end = header_end + payload_length
+            if end > len(received):
+                break
+            self.frame(bytes(received[start + _FRAME.size : header_end]), bytes(received[header_end:end]))
+            start = end
+        if start:
+            del received[:start]
+
+    def frame(self, header: bytes, payload: bytes) -> None:
+        """One whole frame."""
+        raise NotImplementedError
+
+
+def _rows_buffers(rows: TokenRows) -> list[memoryview]:
+    buffers = [
+        memoryview(np.ascontiguousarray(rows.input_ids, _INT64)),
+        memoryview(np.ascontiguousarray(rows.lengths, _INT64)),
+    ]
+    for optional in (rows.attention_mask, rows.token_type_ids):
+        if optional is not None:
+            buffers.append(memoryview(np.ascontiguousarray(optional, _INT64)))
+    return buffers
+
+
+def rows_of(message: Submit, payload: bytes, offset: int) -> tuple[TokenRows, int]:
+    """A Submit's token rows from the payload at `offset` (views, no copy), and the offset after them."""
+    arrays = []
+    for count, present in ((message.tokens, True), (message.rows, True), (message.tokens, message.masked)):
+        if present:
+            arrays.append(np.frombuffer(payload, _INT64, count, offset))
+            offset += count * _INT64.itemsize
+    types = None
+    if message.typed:
+        types = np.frombuffer(payload, _INT64, message.tokens, offset)
+        offset += message.tokens * _INT64.itemsize
+    ids, lengths = arrays[0], arrays[1]
+    mask = arrays[2] if message.masked else None
+    return TokenRows(ids, lengths, message.width, mask, types), offset
+
+
+@dataclass(frozen=True)
+class Request:
+    """A submitted request as the engine side sees it: which connection asked, and for what."""
+
+    connection: EngineConnection
+    message: Submit
+    rows: TokenRows
+
+
+class EngineConnection(_Frames):
+    """The engine's end of one front end's socket."""
+
+    def __init__(self, server: EngineServer) -> None:
+        super().__init__()
+        self._server = server
+        self.outbox: _Outbox | None = None
+        self.frontend: int | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """A front end connected."""
+        self.outbox = _Outbox(transport)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        """The front end's socket closed (it stopped, or died)."""
+        self._server.lost(self)
+
+    def frame(self, header: bytes, payload: bytes) -> None:
+        """Submits, cancels and a hello from the front end."""
+        offset = 0
+        for message in _TO_ENGINE.decode(header):
+            if isinstance(message, Submit):
+                rows, offset = rows_of(message, payload, offset)
+                self._server.on_submit(Request(self, message, rows))
+            elif isinstance(message, Cancel):
+                self._server.on_cancel(self, message.id)
+            else:
+                self.frontend = message.frontend
+                self._server.hello(self)
+
+    def answer(self, request_id: int, result: WorkResult) -> None:
+        """Send a request's outputs back."""
+        buffers, shapes = [], []
+        for name, output in result.outputs.items():
+            array = np.ascontiguousarray(output, _FP32)
+            shapes.append((name, array.shape))
+            buffers.append(memoryview(array).cast("B"))
+        message = Result(request_id, None, result.queue_s, result.compute_s, result.batch_rows, tuple(shapes))
+        self.outbox.put(message, *buffers)
+
+    def fail(self, request_id: int, error: ServiceError) -> None:
+        """Send a request's failure back."""
+        self.outbox.put(Result(request_id, failure_of(error), 0.0, 0.0, 0, ()))
+
+    def update(self, update: ModelUpdate) -> None:
+        """Tell the front end a model's state."""
+        self.outbox.put(update)
+
+
+class EngineServer:
+    """The engine's listening socket: every front end's connection, and what to do with their messages."""
+
+    def __init__(
+        self,
+        on_submit: Callable[[Request], None],
+        on_cancel: Callable[[EngineConnection, int], None],
+        on_lost: Callable[[EngineConnection], None],
+    ) -> None:
+        self.on_submit = on_submit
+        self.on_cancel = on_cancel
+        self._on_lost = on_lost
+        self.connections: set[EngineConnection] = set()
+        self._updates: dict[str, ModelUpdate] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._introduced = asyncio.Event()
+
+    async def start(self, path: str) -> None:
+        """Listen on the socket path."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: EngineConnection(self), path)
+
+    def hello(self, connection: EngineConnection) -> None:
+        """A front end introduced itself: it hears every model's state, now and on each change."""
+        self.connections.add(connection)
+        for update in self._updates.values():
+            connection.update(update)
+        self._introduced.set()
+
+    async def all_connected(self, frontends: int) -> None:
+        """Return once `frontends` front ends have introduced themselves."""
+        while len(self.connections) < frontends:
+            self._introduced.clear()
+            await self._introduced.wait()
+
+    def publish(self, update: ModelUpdate) -> None:
+        """A model's state changed: every front end hears it (and every later one)."""
+        self._updates[update.name] = update
+        for connection in self.connections:
+            connection.update(update)
+
+    def lost(self, connection: EngineConnection) -> None:
+        """A front end's socket closed."""
+        self.connections.discard(connection)
+        self._on_lost(connection)
+
+    def close(self) -> None:
+        """Stop listening."""
+        if self._server is not None:
+            self._server.close()
+
+
+class EngineLink(_Frames):
+    """A front end's end of its socket to the engine: submit rows, await their outputs, hear model states."""
+
+    def __init__(self, on_update: Callable[[ModelUpdate], None], on_lost: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_update = on_update
+        self._on_lost = on_lost
+        self._outbox: _Outbox | None = None
+        self._pending: dict[int, asyncio.Future[WorkResult]] = {}
+        self._next_id = 0
+        self.connected = False
+
+    @classmethod
+    async def connect(
+        cls, path: str, frontend: int, on_update: Callable[[ModelUpdate], None], on_lost: Callable[[], None]
+    ) -> EngineLink:
+        """Connect to the engine's socket and introduce this front end."""
+        loop = asyncio.get_running_loop()
+        _, link = await loop.create_unix_connection(lambda: cls(on_update, on_lost), path)
+        link._outbox.put(Hello(frontend))
+        return link
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Connected to the engine."""
+        self._outbox = _Outbox(transport)
+        self.connected = True
+
+    def connection_lost(self, error: Exception | None) -> None:
+        """The engine's socket closed: every request waiting on it fails UNAVAILABLE."""
+        self.connected = False
+        gone = Unavailable("the engine process is gone; this server is stopping")
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(gone)
+        self._pending.clear()
+        self._on_lost()
+
+    def submit(
+        self, model: str, version: str, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None
+    ) -> tuple[int, asyncio.Future[WorkResult]]:
+        """Send a request's rows; the future resolves with its outputs (or its typed error)."""
+        if not self.connected:
+            raise Unavailable("the engine process is gone; this server is stopping")
+        self._next_id += 1
+        request_id = self._next_id
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        message = Submit(
+            request_id,
+            model,
+            version,
+            deadline,
+            outputs,
+            rows.width,
+            rows.rows,
+            len(rows.input_ids),
+            rows.attention_mask is not None,
+            rows.token_type_ids is not None,
+        )
+        self._outbox.put(message, *_rows_buffers(rows))
+        return request_id, future
+
+    def close(self) -> None:
+        """Close the socket (the front end has stopped)."""
+        if self._outbox is not None:
+            self._outbox.close()
+
+    def cancel(self, request_id: int) -> None:
+        """The caller went away: the engine drops what is left of the request."""
+        if self._pending.pop(request_id, None) is not None and self.connected:
+            self._outbox.put(Cancel(request_id))
+
+    def frame(self, header: bytes, payload: bytes) -> None:
+        """Results and model states from the engine."""
+        offset = 0
+        for message in _TO_FRONTEND.decode(header):
+            if isinstance(message, ModelUpdate):
+                self._on_update(message)
+                continue
+            future = self._pending.pop(message.id, None)
+            outputs = {}
+            for name, shape in message.outputs:
+                count = int(np.prod(shape))
+                outputs[name] = np.frombuffer(payload, _FP32, count, offset).reshape(shape)
+                offset += count * _FP32.itemsize
+            if future is None or future.done():  # cancelled meanwhile
+                continue
+            if message.failure is not None:
+                future.set_exception(error_of(message.failure))
+            else:
+                future.set_result(WorkResult(outputs, message.queue_s, message.compute_s, message.batch_rows))
