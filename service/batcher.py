@@ -39,7 +39,7 @@ from service.token_rows import TokenRows
 
 log = logging.getLogger(__name__)
 
-SELECTION_WINDOW_BATCHES = 4
+SELECTION_WINDOW_BATCHES = 2
 """A batch is chosen among the waiting rows of the queue's first requests, up to this many batches' worth."""
 MAX_PADDING_FACTOR = 2
 PADDING_SLACK_TOKENS = 32
@@ -225,7 +225,7 @@ def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tup
         candidates += [(abs(lengths[row] - target), first + i, item, row) for i, row in enumerate(rows)]
         if len(candidates) >= window:
             break
-    candidates.sort(key=lambda candidate: (candidate[0], candidate[1]))
+    candidates.sort()  # by distance, then age: (distance, order) never ties, so items are never compared
     chosen = [(anchor, anchor_row)]
     shortest = longest = target
     max_rows, max_tokens = policy.max_batch_size, policy.max_batch_tokens
@@ -569,7 +569,6 @@ class Batcher:
             outputs = item.results
         total_s = time.monotonic() - item.enqueued_at
         compute_total = min(item.compute_s, total_s)
-        self._metrics.queue_duration.observe(total_s - compute_total)
         if item.expiry is not None:
             item.expiry.cancel()
         item.future.set_result(WorkResult(outputs, total_s - compute_total, compute_total, item.batch_rows))

@@ -257,6 +257,7 @@ class TrackedRequest:
         """The request's rows are back, after `queue_s` queued and `compute_s` running."""
         self._inferred = time.perf_counter()
         self._rows, self._queue_s, self._compute_s = rows, queue_s, compute_s
+        self._metrics.queue_duration.observe(queue_s)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
         answered = time.perf_counter()

@@ -220,6 +220,11 @@ class StatisticsTables:
         return sorted(names)
 
 
+def table_snapshot(path: Path) -> ModelStatistics:
+    """One process's share of a model version's statistics, read from its table's file."""
+    return _summed([_read(path)])
+
+
 def _read(path: Path) -> list[int]:
     data = path.read_bytes()
     return memoryview(data[: len(data) // _SLOT * _SLOT]).cast("q").tolist()
