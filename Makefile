@@ -43,9 +43,17 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(PY) protos/generate.py --check
 
-# The venv's tools (kubectl, hadolint, perf_analyzer) come first on PATH.
+# The venv's tools (kubectl, hadolint, perf_analyzer) come first on PATH. The end-to-end suites then
+# run again against servers of two front-end processes and an engine process (ENCODER_FRONTENDS=2).
+MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py test_http_openai.py \
+	test_http_kserve.py test_http_security.py test_http_lifecycle.py test_security.py test_shutdown.py \
+	test_cancellation.py test_limits.py test_readiness.py test_statistics.py test_metrics.py test_row_batching.py)
+TEST_REPOSITORY := $(abspath .test-cache/default-repository)
 test: setup lint
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest
+	rm -rf .test-cache
+	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) $(PY) -m pytest
+	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_FRONTENDS=2 \
+		$(PY) -m pytest $(MULTIPROCESS_SUITES)
 
 protos: $(VENV)/.installed
 	$(PY) protos/generate.py
@@ -81,4 +89,4 @@ stress: $(VENV)/.installed
 	$(PY) -m client.stress --target 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics --output bench-results/stress
 
 clean:
-	rm -rf $(VENV) $(REPOSITORY) bench-results loadtest-results perf-results gpu-report .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(REPOSITORY) bench-results loadtest-results perf-results gpu-report .pytest_cache .ruff_cache .test-cache

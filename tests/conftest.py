@@ -18,6 +18,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY_MODEL = "tiny-text-encoder"
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
+SHARED_DEFAULT_REPOSITORY = "ENCODER_TEST_DEFAULT_REPOSITORY"
+"""Where `make test`'s pytest runs share one export of the default model (it takes minutes); unset: a temp folder."""
 TINY_CONFIG = EncoderConfig(vocab_size=30522, d_model=32, num_heads=2, num_layers=2, ffn_dim=64, max_positions=128)
 
 
@@ -70,7 +72,10 @@ def default_repository(tmp_path_factory: pytest.TempPathFactory, default_folder:
     shared CI machine a timing must not decide whether the suite can run (a test below checks
     that the bar refuses a variant, with a bar no machine meets).
     """
-    repository = tmp_path_factory.mktemp("default-repository")
+    shared = os.environ.get(SHARED_DEFAULT_REPOSITORY)
+    repository = Path(shared) if shared else tmp_path_factory.mktemp("default-repository")
+    if (repository / DEFAULT_MODEL / "config.pbtxt").is_file():
+        return repository  # exported by an earlier pytest run of the same `make test`
     options = ExportOptions(int8_min_speedup=0.0)
     export_model(load_checkpoint(default_folder, DEFAULT_MODEL), repository, options)
     return repository
