@@ -6,16 +6,18 @@ carry, one after another, in order. Token rows go in as int64 arrays, outputs co
 arrays: nothing is pickled. Each side sends what one turn of its event loop produced in one frame,
 so a busy server pays one write and one read for many requests.
 
-Chosen by measurement (`python -m client.ipc_bench`, 16 callers, one-row requests, CPU per request
-on each side on 2 vCPUs): this framing over uvloop's Unix socket cost 7 us (front end) and 4.5 us
-(engine); pyzmq DEALER/ROUTER cost 24 and 20 us with the same coalescing (its I/O thread hands
-every message over once more) and 130 and 120 us without.
+Chosen by measurement (`python -m client.ipc_bench`: 16 callers, one-row requests answered at
+once, the same messages built and read either way; CPU per request on each side, 2 vCPUs, two
+runs): these frames over uvloop's Unix socket cost 14-16 us in the front end and 12-14 us in the
+engine; pyzmq's DEALER/ROUTER, coalesced the same way, 19-26 and 17-22 us (its I/O thread hands
+every message over once more), and 98-123 and 111-122 us with one message per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,7 +152,7 @@ class _Outbox:
             self._messages.clear()
             self._buffers.clear()
             return
-        header = _ENCODER.encode(self._messages)
+        header = encode(self._messages)
         payload = b"".join(self._buffers)
         self._messages.clear()
         self._buffers.clear()
@@ -183,7 +185,25 @@ class _Frames(asyncio.Protocol):
         raise NotImplementedError
 
 
-def _rows_buffers(rows: TokenRows) -> list[memoryview]:
+def encode(messages: list[msgspec.Struct]) -> bytes:
+    """A frame's header: its messages."""
+    return _ENCODER.encode(messages)
+
+
+def to_engine(header: bytes) -> list[ToEngine]:
+    """The messages of a frame a front end sent."""
+    return _TO_ENGINE.decode(header)
+
+
+def to_frontend(header: bytes) -> list[ToFrontend]:
+    """The messages of a frame the engine sent."""
+    return _TO_FRONTEND.decode(header)
+
+
+def submit_message(
+    request_id: int, model: str, version: str, rows: TokenRows, outputs: tuple[str, ...], *, deadline: float | None
+) -> tuple[Submit, list[memoryview]]:
+    """A request's rows as they travel: the message and its arrays."""
     buffers = [
         memoryview(np.ascontiguousarray(rows.input_ids, _INT64)),
         memoryview(np.ascontiguousarray(rows.lengths, _INT64)),
@@ -191,7 +211,39 @@ def _rows_buffers(rows: TokenRows) -> list[memoryview]:
     for optional in (rows.attention_mask, rows.token_type_ids):
         if optional is not None:
             buffers.append(memoryview(np.ascontiguousarray(optional, _INT64)))
-    return buffers
+    message = Submit(
+        request_id,
+        model,
+        version,
+        deadline,
+        outputs,
+        rows.width,
+        rows.rows,
+        len(rows.input_ids),
+        rows.attention_mask is not None,
+        rows.token_type_ids is not None,
+    )
+    return message, buffers
+
+
+def result_message(request_id: int, result: WorkResult) -> tuple[Result, list[memoryview]]:
+    """A request's outputs as they travel back: the message and its float32 arrays."""
+    buffers, shapes = [], []
+    for name, output in result.outputs.items():
+        array = np.ascontiguousarray(output, _FP32)
+        shapes.append((name, array.shape))
+        buffers.append(memoryview(array).cast("B"))
+    return Result(request_id, None, result.queue_s, result.compute_s, result.batch_rows, tuple(shapes)), buffers
+
+
+def work_result(message: Result, payload: bytes, offset: int) -> tuple[WorkResult, int]:
+    """A Result's outputs from the payload at `offset` (views, no copy), and the offset after them."""
+    outputs = {}
+    for name, shape in message.outputs:
+        count = math.prod(shape)
+        outputs[name] = np.frombuffer(payload, _FP32, count, offset).reshape(shape)
+        offset += count * _FP32.itemsize
+    return WorkResult(outputs, message.queue_s, message.compute_s, message.batch_rows), offset
 
 
 def rows_of(message: Submit, payload: bytes, offset: int) -> tuple[TokenRows, int]:
@@ -239,7 +291,7 @@ class EngineConnection(_Frames):
     def frame(self, header: bytes, payload: bytes) -> None:
         """Submits, cancels and a hello from the front end."""
         offset = 0
-        for message in _TO_ENGINE.decode(header):
+        for message in to_engine(header):
             if isinstance(message, Submit):
                 rows, offset = rows_of(message, payload, offset)
                 self._server.on_submit(Request(self, message, rows))
@@ -251,12 +303,7 @@ class EngineConnection(_Frames):
 
     def answer(self, request_id: int, result: WorkResult) -> None:
         """Send a request's outputs back."""
-        buffers, shapes = [], []
-        for name, output in result.outputs.items():
-            array = np.ascontiguousarray(output, _FP32)
-            shapes.append((name, array.shape))
-            buffers.append(memoryview(array).cast("B"))
-        message = Result(request_id, None, result.queue_s, result.compute_s, result.batch_rows, tuple(shapes))
+        message, buffers = result_message(request_id, result)
         self.outbox.put(message, *buffers)
 
     def fail(self, request_id: int, error: ServiceError) -> None:
@@ -367,19 +414,8 @@ class EngineLink(_Frames):
         request_id = self._next_id
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        message = Submit(
-            request_id,
-            model,
-            version,
-            deadline,
-            outputs,
-            rows.width,
-            rows.rows,
-            len(rows.input_ids),
-            rows.attention_mask is not None,
-            rows.token_type_ids is not None,
-        )
-        self._outbox.put(message, *_rows_buffers(rows))
+        message, buffers = submit_message(request_id, model, version, rows, outputs, deadline=deadline)
+        self._outbox.put(message, *buffers)
         return request_id, future
 
     def close(self) -> None:
@@ -395,19 +431,15 @@ class EngineLink(_Frames):
     def frame(self, header: bytes, payload: bytes) -> None:
         """Results and model states from the engine."""
         offset = 0
-        for message in _TO_FRONTEND.decode(header):
+        for message in to_frontend(header):
             if isinstance(message, ModelUpdate):
                 self._on_update(message)
                 continue
+            result, offset = work_result(message, payload, offset)
             future = self._pending.pop(message.id, None)
-            outputs = {}
-            for name, shape in message.outputs:
-                count = int(np.prod(shape))
-                outputs[name] = np.frombuffer(payload, _FP32, count, offset).reshape(shape)
-                offset += count * _FP32.itemsize
             if future is None or future.done():  # cancelled meanwhile
                 continue
             if message.failure is not None:
                 future.set_exception(error_of(message.failure))
             else:
-                future.set_result(WorkResult(outputs, message.queue_s, message.compute_s, message.batch_rows))
+                future.set_result(result)
