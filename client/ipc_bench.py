@@ -30,7 +30,7 @@ import uvloop
 from client.local_server import process_cpu_seconds
 from service import ipc
 from service.batcher import WorkResult
-from service.ipc import EngineLink, EngineServer, Request, Submit
+from service.ipc import EngineLink, EngineServer, Submit
 from service.token_rows import TokenRows
 
 EMBEDDING = np.ones((1, 384), dtype=np.float32)
@@ -40,8 +40,8 @@ READY_TIMEOUT_S = 10
 
 def _ours_engine(path: str) -> None:
     async def main() -> None:
-        def answer(request: Request) -> None:
-            request.connection.answer(request.message.id, WorkResult({"embedding": EMBEDDING}, 0.0, 0.0, 1))
+        def answer(connection: ipc.EngineConnection, message: Submit, rows: TokenRows) -> None:
+            connection.answer(message.id, WorkResult({"embedding": EMBEDDING}, 0.0, 0.0, 1))
 
         server = EngineServer(answer, lambda connection, request_id: None, lambda connection: None)
         await server.start(path)

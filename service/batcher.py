@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -110,6 +110,7 @@ class WorkItem:
         "expiry",
         "future",
         "lengths",
+        "on_done",
         "outputs",
         "results",
         "rows",
@@ -138,6 +139,19 @@ class WorkItem:
         self.batch_rows = 0
         self.expiry: asyncio.TimerHandle | None = None
         """The timer that fails the request at its deadline, while it has rows waiting."""
+        self.on_done: Callable[[WorkItem], None] | None = None
+        """Called (on the loop, at once) when the batcher resolves the future, for callers that await nothing."""
+
+    def resolve(self, result: WorkResult | None, error: Exception | None = None) -> None:
+        """Settle the request: its result or its error; its expiry timer and `on_done` follow."""
+        if self.expiry is not None:
+            self.expiry.cancel()
+        if error is None:
+            self.future.set_result(result)
+        else:
+            self.future.set_exception(error)
+        if self.on_done is not None:
+            self.on_done(self)
 
     @property
     def next_length(self) -> int:
@@ -145,7 +159,7 @@ class WorkItem:
         return self.lengths[self.waiting[-1]]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Group:
     """One request's rows in a batch: which rows (ascending), from which position of the batch."""
 
@@ -220,26 +234,34 @@ def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tup
     window = policy.max_batch_size * SELECTION_WINDOW_BATCHES
     candidates: list[tuple[int, int, WorkItem, int]] = []
     for item in pending:
-        lengths, first = item.lengths, len(candidates)
         rows = item.waiting[:-1] if item is anchor else item.waiting
-        candidates += [(abs(lengths[row] - target), first + i, item, row) for i, row in enumerate(rows)]
+        if len(rows) == 1:  # most requests: one text
+            candidates.append((abs(item.lengths[rows[0]] - target), len(candidates), item, rows[0]))
+        else:
+            lengths, first = item.lengths, len(candidates)
+            candidates += [(abs(lengths[row] - target), first + i, item, row) for i, row in enumerate(rows)]
         if len(candidates) >= window:
             break
     candidates.sort()  # by distance, then age: (distance, order) never ties, so items are never compared
     chosen = [(anchor, anchor_row)]
     shortest = longest = target
-    max_rows, max_tokens = policy.max_batch_size, policy.max_batch_tokens
+    max_rows, max_tokens, padded_length = policy.max_batch_size, policy.max_batch_tokens, policy.padded_length
     for _, _, item, row in candidates:
         if len(chosen) >= max_rows:
             break
         length = item.lengths[row]
+        if length <= longest and length >= shortest:  # within the batch's range: it pads to the same length
+            if (len(chosen) + 1) * padded_length(longest) > max_tokens:
+                break  # every later candidate needs at least as many tokens as this one
+            chosen.append((item, row))
+            continue
         wider, narrower = max(longest, length), min(shortest, length)
-        padded = policy.padded_length(wider)
+        padded = padded_length(wider)
         if (len(chosen) + 1) * padded > max_tokens:
             if length <= longest:
                 break  # every later candidate needs at least as many tokens as this one
             continue
-        own = policy.padded_length(narrower)
+        own = padded_length(narrower)
         if padded > max(MAX_PADDING_FACTOR * own, own + PADDING_SLACK_TOKENS):
             continue  # cheaper in a batch of its own length than padded this far
         chosen.append((item, row))
@@ -324,12 +346,18 @@ class Batcher:
         self._admitted -= 1
 
     def enqueue(
-        self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
+        self,
+        rows: TokenRows,
+        outputs: tuple[str, ...],
+        deadline: float | None,
+        admitted: bool = False,
+        on_done: Callable[[WorkItem], None] | None = None,
     ) -> WorkItem:
         """Queue a request's rows; its `future` resolves with a WorkResult once all of them are back, or fails.
 
         `admitted`: its place was taken by `admit` (and is handed over here); otherwise it is
-        admitted now, or refused. A caller that goes away calls `cancel`.
+        admitted now, or refused. `on_done` is told as soon as the future is settled by the batcher.
+        A caller that goes away calls `cancel`.
         """
         if admitted:
             self._admitted -= 1
@@ -340,6 +368,7 @@ class Batcher:
             raise Unavailable("the model is shutting down")
         loop = self._loop
         item = WorkItem(rows, outputs, loop.create_future(), deadline)
+        item.on_done = on_done
         self._pending.append(item)
         self._statistics.set_pending(len(self._pending))
         self._waiting_rows += len(item.waiting)
@@ -376,7 +405,7 @@ class Batcher:
         deadline): the future is then already cancelled, and `submit` counts the request.
         """
         if not item.future.done() and self._leave(item, "expired"):
-            item.future.set_exception(DeadlineExceeded("the request's timeout passed while it was queued"))
+            item.resolve(None, DeadlineExceeded("the request's timeout passed while it was queued"))
 
     def _leave(self, item: WorkItem, reason: str) -> bool:
         """Drop a request's waiting rows, counting why; False if none were waiting (running or answered)."""
@@ -492,32 +521,49 @@ class Batcher:
             if item.future.done():
                 self._metrics.dropped("cancelled")
             else:
-                item.future.set_exception(DeadlineExceeded("the request's timeout passed while it was queued"))
+                item.resolve(None, DeadlineExceeded("the request's timeout passed while it was queued"))
                 self._metrics.dropped("expired")
 
     def _pad(self, groups: list[_Group]) -> tuple[dict[str, np.ndarray], int]:
-        """The batch's feed, every row right-padded to the batch's (bucketed) longest; and its real tokens."""
-        rows = [(group.item, row) for group in groups for row in group.rows]
-        longest = max(item.lengths[row] for item, row in rows)
-        shape = (len(rows), self.policy.padded_length(longest))
-        ids = np.full(shape, self.policy.pad_token_id, dtype=np.int64)
-        mask = np.zeros(shape, dtype=np.int64)
-        types = np.zeros(shape, dtype=np.int64)
-        real_tokens = 0
-        for position, (item, row) in enumerate(rows):
-            start, length = item.starts[row], item.lengths[row]
-            end = start + length
-            tokens = item.rows
-            ids[position, :length] = tokens.input_ids[start:end]
-            if tokens.attention_mask is None:
-                mask[position, :length] = 1
-                real_tokens += length
-            else:
-                mask[position, :length] = tokens.attention_mask[start:end]
-                real_tokens += int(np.count_nonzero(tokens.attention_mask[start:end]))
-            if tokens.token_type_ids is not None:
-                types[position, :length] = tokens.token_type_ids[start:end]
-        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}, real_tokens
+        """The batch's feed, every row right-padded to the batch's (bucketed) longest; and its real tokens.
+
+        Each array is filled in one step from the rows' tokens laid end to end: the positions kept
+        (row by row, up to each row's length) are the same, in the same order, as those tokens.
+        """
+        ids: list[np.ndarray] = []
+        lengths: list[int] = []
+        masked = typed = False
+        for group in groups:
+            item = group.item
+            tokens, starts, item_lengths = item.rows, item.starts, item.lengths
+            masked = masked or tokens.attention_mask is not None
+            typed = typed or tokens.token_type_ids is not None
+            for row in group.rows:
+                start, length = starts[row], item_lengths[row]
+                lengths.append(length)
+                ids.append(tokens.input_ids[start : start + length])
+        longest = max(lengths)
+        kept = np.arange(self.policy.padded_length(longest)) < np.array(lengths)[:, None]
+        feed_ids = np.full(kept.shape, self.policy.pad_token_id, dtype=np.int64)
+        feed_ids[kept] = ids[0] if len(ids) == 1 else np.concatenate(ids)
+        feed_mask = kept.astype(np.int64)
+        feed_types = np.zeros(kept.shape, dtype=np.int64)
+        if masked:
+            feed_mask[kept] = np.concatenate(list(self._each_row(groups, "attention_mask", 1)))
+        if typed:
+            feed_types[kept] = np.concatenate(list(self._each_row(groups, "token_type_ids", 0)))
+        real_tokens = int(np.count_nonzero(feed_mask)) if masked else sum(lengths)
+        return {"input_ids": feed_ids, "attention_mask": feed_mask, "token_type_ids": feed_types}, real_tokens
+
+    @staticmethod
+    def _each_row(groups: list[_Group], name: str, default: int) -> Iterator[np.ndarray]:
+        """Each row's values of one optional per-token array, in batch order (`default` where a request has none)."""
+        for group in groups:
+            item = group.item
+            values = getattr(item.rows, name)
+            for row in group.rows:
+                start, length = item.starts[row], item.lengths[row]
+                yield np.full(length, default, np.int64) if values is None else values[start : start + length]
 
     def _finished(self, batch: _Batch, results: dict[str, np.ndarray] | None, error: Exception | None) -> None:
         """A batch came back from its instance (on the loop): restart the instance, then answer its rows."""
@@ -569,9 +615,7 @@ class Batcher:
             outputs = item.results
         total_s = time.monotonic() - item.enqueued_at
         compute_total = min(item.compute_s, total_s)
-        if item.expiry is not None:
-            item.expiry.cancel()
-        item.future.set_result(WorkResult(outputs, total_s - compute_total, compute_total, item.batch_rows))
+        item.resolve(WorkResult(outputs, total_s - compute_total, compute_total, item.batch_rows))
 
     @staticmethod
     def _empty(like: np.ndarray, item: WorkItem) -> np.ndarray:
@@ -633,10 +677,8 @@ class Batcher:
         """Fail requests: their waiting rows leave the queue, their running ones will be discarded."""
         for item in items:
             self._abandon(item)
-            if item.expiry is not None:
-                item.expiry.cancel()
             if not item.future.done():
-                item.future.set_exception(error)
+                item.resolve(None, error)
 
 
 def _past(deadline: float | None, now: float) -> bool:

@@ -17,11 +17,12 @@ from collections.abc import Callable
 from service.batcher import Batcher, WorkItem
 from service.engine import Engine
 from service.errors import ModelFailure, ServiceError
-from service.ipc import EngineConnection, EngineServer, Instance, ModelUpdate, Request
+from service.ipc import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
 from service.models import ModelInfo
 from service.repository import RepositoryError
 from service.runtime import ExecutionError
 from service.settings import Settings
+from service.token_rows import TokenRows
 
 log = logging.getLogger(__name__)
 
@@ -32,26 +33,27 @@ class EngineRole:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.server = EngineServer(self._submit, self._cancel, self._lost)
-        self._items: dict[EngineConnection, dict[int, tuple[Batcher, WorkItem]]] = {}
+        self._items: dict[EngineConnection, dict[int, WorkItem]] = {}
+        """Each front end's requests in the batchers, by request id."""
+        self._requests: dict[WorkItem, tuple[EngineConnection, int, Batcher]] = {}
+        """Who asked for each request in the batchers, and which batcher holds it."""
 
-    def _submit(self, request: Request) -> None:
-        message, connection = request.message, request.connection
+    def _submit(self, connection: EngineConnection, message: Submit, rows: TokenRows) -> None:
         try:
             queue = self.engine.served(message.model, message.version).queue
-            item = queue.enqueue(request.rows, message.outputs, message.deadline)
+            item = queue.enqueue(rows, message.outputs, message.deadline, on_done=self._done)
         except ServiceError as error:
             connection.fail(message.id, error)
             return
-        self._items.setdefault(connection, {})[message.id] = (queue, item)
-        item.future.add_done_callback(lambda future: self._done(connection, message.id, future))
+        self._requests[item] = (connection, message.id, queue)
+        self._items.setdefault(connection, {})[message.id] = item
 
-    def _done(self, connection: EngineConnection, request_id: int, future: asyncio.Future) -> None:
-        self._items.get(connection, {}).pop(request_id, None)
-        if future.cancelled():
-            return
-        error = future.exception()
+    def _done(self, item: WorkItem) -> None:
+        connection, request_id, _ = self._requests.pop(item)
+        self._items[connection].pop(request_id, None)
+        error = item.future.exception()
         if error is None:
-            connection.answer(request_id, future.result())
+            connection.answer(request_id, item.future.result())
         elif isinstance(error, ServiceError):
             connection.fail(request_id, error)
         else:
@@ -59,13 +61,14 @@ class EngineRole:
             connection.fail(request_id, ModelFailure("internal error; see the server log"))
 
     def _cancel(self, connection: EngineConnection, request_id: int) -> None:
-        entry = self._items.get(connection, {}).pop(request_id, None)
-        if entry is not None:
-            queue, item = entry
+        item = self._items.get(connection, {}).pop(request_id, None)
+        if item is not None:
+            _, _, queue = self._requests.pop(item)
             queue.cancel(item)
 
     def _lost(self, connection: EngineConnection) -> None:
-        for queue, item in self._items.pop(connection, {}).values():
+        for item in self._items.pop(connection, {}).values():
+            _, _, queue = self._requests.pop(item)
             queue.cancel(item)
 
     def announce(self, name: str, state: str, reason: str = "", model: ModelInfo | None = None) -> None:

@@ -20,7 +20,6 @@ import logging
 import math
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -262,15 +261,6 @@ def rows_of(message: Submit, payload: bytes, offset: int) -> tuple[TokenRows, in
     return TokenRows(ids, lengths, message.width, mask, types), offset
 
 
-@dataclass(frozen=True)
-class Request:
-    """A submitted request as the engine side sees it: which connection asked, and for what."""
-
-    connection: EngineConnection
-    message: Submit
-    rows: TokenRows
-
-
 class EngineConnection(_Frames):
     """The engine's end of one front end's socket."""
 
@@ -294,7 +284,7 @@ class EngineConnection(_Frames):
         for message in to_engine(header):
             if isinstance(message, Submit):
                 rows, offset = rows_of(message, payload, offset)
-                self._server.on_submit(Request(self, message, rows))
+                self._server.on_submit(self, message, rows)
             elif isinstance(message, Cancel):
                 self._server.on_cancel(self, message.id)
             else:
@@ -320,7 +310,7 @@ class EngineServer:
 
     def __init__(
         self,
-        on_submit: Callable[[Request], None],
+        on_submit: Callable[[EngineConnection, Submit, TokenRows], None],
         on_cancel: Callable[[EngineConnection, int], None],
         on_lost: Callable[[EngineConnection], None],
     ) -> None:
