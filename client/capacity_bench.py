@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +46,8 @@ from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.repository import read_model
 from service.tokenizer import TextTokenizer
 
+ROUNDS = 3
+"""Each figure is the median of this many rounds (a shared machine's speed drifts from second to second)."""
 CONNECTIONS = 16
 IN_FLIGHT = 32
 SATURATION_IN_FLIGHT = 256
@@ -123,12 +126,15 @@ async def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[i
 
 
 def measure(server: RunningServer, protocol: str, seconds: float) -> Load:
-    """A protocol's requests/s and CPU per request of the front ends and of the engine."""
-    started = time.monotonic()
-    requests, cpu = uvloop.run(drive(server, protocol, seconds))
-    elapsed = time.monotonic() - started
-    frontends = sum(seconds for role, seconds in cpu.items() if role.startswith("frontend") or role == "server")
-    return Load(protocol, requests / elapsed, frontends / requests * 1e6, cpu.get("engine", 0.0) / requests * 1e6)
+    """A protocol's requests/s and CPU per request of the front ends and of the engine: medians of ROUNDS."""
+    rounds = []
+    for _ in range(ROUNDS):
+        started = time.monotonic()
+        requests, cpu = uvloop.run(drive(server, protocol, seconds / ROUNDS))
+        elapsed = time.monotonic() - started
+        frontends = sum(used for role, used in cpu.items() if role.startswith("frontend") or role == "server")
+        rounds.append((requests / elapsed, frontends / requests * 1e6, cpu.get("engine", 0.0) / requests * 1e6))
+    return Load(protocol, *(statistics.median(figures) for figures in zip(*rounds, strict=True)))
 
 
 async def _saturate(path: str, rows: object, seconds: float, engine_pid: int) -> float:
@@ -155,11 +161,12 @@ async def _saturate(path: str, rows: object, seconds: float, engine_pid: int) ->
 
 
 def engine_at_saturation(server: RunningServer, repository: Path, seconds: float) -> float:
-    """The engine's CPU microseconds per one-text request when it is kept full."""
+    """The engine's CPU microseconds per one-text request when it is kept full: the median of ROUNDS."""
     engine = roles(server)["engine"]
     spec = read_model(repository / TINY_MODEL)
     rows = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id).encode_rows([SENTENCE])
-    return uvloop.run(_saturate(engine_socket(engine), rows, seconds, engine))
+    path = engine_socket(engine)
+    return statistics.median(uvloop.run(_saturate(path, rows, seconds / ROUNDS, engine)) for _ in range(ROUNDS))
 
 
 def main(argv: list[str] | None = None) -> int:
