@@ -10,8 +10,8 @@ import uvloop
 
 from service import processes
 from service.engine_role import run_engine
+from service.errors import ExecutionError
 from service.repository import RepositoryError
-from service.runtime import ExecutionError
 from service.server import FrontendRole, serve
 from service.settings import Settings, SettingsError, load_settings
 

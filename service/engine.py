@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service import metrics
-from service.errors import InvalidArgument, NotFound, Unavailable
-from service.models import InstanceInfo, ModelInfo, ServedModel, load_model
+from service.errors import ExecutionError, InvalidArgument, NotFound, Unavailable
+from service.models import InstanceInfo, ModelInfo, ServedModel
 from service.repository import RepositoryError, model_directories
-from service.runtime import ExecutionError
 from service.settings import Settings
 from service.statistics import TABLES, ModelStatistics
 from service.validation import InputTensor, RowLimit, validate
@@ -116,6 +115,9 @@ class Engine:
 
     async def load(self, name: str) -> ModelInfo:
         """Load and warm one model off the event loop and serve it; a failure marks it UNAVAILABLE and re-raises."""
+        # Here, not at the top: front-end processes use this module and never load ONNX Runtime (~18 MB each).
+        from service.loading import load_model  # noqa: PLC0415
+
         try:
             model = await asyncio.get_running_loop().run_in_executor(
                 None, load_model, self.settings.model_repository / name, self.settings, self._tokenizer_pool

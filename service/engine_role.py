@@ -16,11 +16,10 @@ from collections.abc import Callable
 
 from service.batcher import Batcher, WorkItem
 from service.engine import Engine
-from service.errors import ModelFailure, ServiceError
+from service.errors import ExecutionError, ModelFailure, ServiceError
 from service.ipc import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
 from service.models import ModelInfo
 from service.repository import RepositoryError
-from service.runtime import ExecutionError
 from service.settings import Settings
 from service.token_rows import TokenRows
 

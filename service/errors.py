@@ -74,6 +74,10 @@ class ModelFailure(ServiceError):
     code = grpc.StatusCode.INTERNAL
 
 
+class ExecutionError(RuntimeError):
+    """At start: a model instance that cannot run as configured; the message says why, in one line (exit 2)."""
+
+
 def past_deadline(deadline: float | None) -> bool:
     """Whether a monotonic deadline has passed, within gRPC's clock slack (never, for no deadline)."""
     return deadline is not None and deadline - DEADLINE_CLOCK_SLACK_S <= time.monotonic()

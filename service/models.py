@@ -7,15 +7,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from service import metrics, statistics
-from service.batcher import Batcher, BatchingPolicy, WorkResult
+from service.batcher import BatchingPolicy, WorkResult
 from service.errors import InvalidArgument
 from service.metrics import ModelLabels
-from service.repository import OUTPUTS, ModelSpec, read_model
-from service.runtime import ExecutionSettings, create_instances
+from service.repository import ModelSpec
 from service.settings import Settings
 from service.token_rows import TokenRows
 from service.tokenizer import TextTokenizer
@@ -190,36 +188,3 @@ class ServedModel:
         if sum(map(len, texts)) <= self._inline_tokenize_chars:
             return self.tokenizer.encode_rows(texts)
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.tokenizer.encode_rows, texts)
-
-
-def execution_settings(settings: Settings) -> ExecutionSettings:
-    """Where and how the model's sessions run, from the server settings."""
-    return ExecutionSettings(
-        device=settings.device,
-        require_gpu=settings.require_gpu,
-        variant=settings.variant,
-        intra_op_threads=settings.resolved_intra_op_threads(),
-        allow_spinning=settings.allow_spinning,
-        cuda_device_id=settings.cuda_device_id,
-        gpu_mem_limit_bytes=settings.gpu_mem_limit_bytes,
-        arena_extend_strategy=settings.arena_extend_strategy,
-        cudnn_conv_algo_search=settings.cudnn_conv_algo_search,
-    )
-
-
-def load_model(directory: Path, settings: Settings, tokenizer_pool: ThreadPoolExecutor) -> ServedModel:
-    """Read a model folder, create its instances behind a batcher here, warm them up (blocking).
-
-    RepositoryError or ExecutionError when it cannot be served. The batcher is started by the
-    caller, on its event loop.
-    """
-    spec = read_model(directory)
-    runtimes = create_instances(spec, execution_settings(settings), settings.instances)
-    policy = batching_policy(spec, settings, runtimes[0].device)
-    if settings.warmup:
-        shapes = warm_up_shapes(spec, policy)
-        for runtime in runtimes:
-            runtime.warm_up(shapes)
-    batcher = Batcher(runtimes, policy, ModelLabels(spec.name, spec.version), OUTPUTS)
-    instances = tuple(InstanceInfo(r.provider, r.variant, r.settings.cuda_device_id) for r in runtimes)
-    return ServedModel(spec, policy, instances, batcher, settings=settings, tokenizer_pool=tokenizer_pool)

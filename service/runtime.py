@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from service.errors import ExecutionError
 from service.fidelity import (
     DEFAULT_VARIANTS,
     FidelityCheck,
@@ -51,10 +52,6 @@ _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
 log = logging.getLogger(__name__)
-
-
-class ExecutionError(RuntimeError):
-    """A model instance that cannot run as configured; the message says why, in one line."""
 
 
 class BatchContractError(RuntimeError):

@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from client import EmbeddingClient
 from export import parity
 from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
-from service.models import load_model, warm_up_shapes
+from service.loading import load_model
+from service.models import warm_up_shapes
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.proto import model_config_pb2 as mc

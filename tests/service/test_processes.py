@@ -154,3 +154,10 @@ def test_children_die_with_the_supervisor(tiny_repository: Path, tmp_path: Path)
         os.kill(by_role["supervisor"], signal.SIGKILL)
         server.process.wait(timeout=EXIT_TIMEOUT_S)
         wait_gone([pid for role, pid in by_role.items() if role != "supervisor"])
+
+
+def test_only_the_engine_maps_onnx_runtime(held_server: RunningServer) -> None:
+    mapped = {
+        role: "onnxruntime" in Path(f"/proc/{pid}/maps").read_text() for role, pid in roles(held_server).items()
+    }
+    assert mapped == {"supervisor": False, "engine": True, "frontend 1": False, "frontend 2": False}
