@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         except SettingsError as error:
             print(f"service: error: {error}", file=sys.stderr)
             return 2
-        role = "supervisor" if settings.resolved_frontends() > 1 else "server"
+        settings = dataclasses.replace(settings, frontends=processes.frontends(settings))
+        role = "supervisor" if settings.frontends > 1 else "server"
     else:
         role, settings, runtime = child
         processes.prepare_child(role, runtime)

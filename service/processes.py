@@ -58,6 +58,19 @@ POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
 
 
+def frontends(settings: Settings) -> int:
+    """How many front ends to run: `--frontends`, or the automatic choice for where the model will run."""
+    if settings.frontends:
+        return settings.frontends
+    on_cuda = False
+    if settings.device != "cpu" and settings.variant != "int8":
+        # Only to choose: the model is loaded by the engine process, which places it for itself.
+        from service.runtime import cuda_unavailable_reason  # noqa: PLC0415
+
+        on_cuda = cuda_unavailable_reason(settings.cuda_device_id) is None
+    return settings.resolved_frontends(on_cuda)
+
+
 def set_title(role: str) -> None:
     """Name this process's role in `ps` (`encoder-serve: engine`)."""
     import setproctitle  # noqa: PLC0415 - only processes of a server of several are renamed
@@ -154,7 +167,7 @@ class Supervisor:
                 reserved = _reserved_port(settings.host, port)
                 self._reserved.append(reserved)
                 ports[name] = reserved.getsockname()[1]
-        return dataclasses.replace(settings, frontends=settings.resolved_frontends(), **ports)
+        return dataclasses.replace(settings, **ports)
 
     def _metrics(self) -> None:
         """Serve /metrics: every process's figures (and, with --triton-metrics, Triton's), read when scraped."""
@@ -182,7 +195,7 @@ class Supervisor:
             except OSError as error:
                 print(f"service: error: {error}", file=sys.stderr)
                 return 2
-            frontends = settings.resolved_frontends()
+            frontends = settings.frontends
             self._spawn("engine", settings)
             for index in range(1, frontends + 1):
                 self._spawn(f"frontend {index}", settings)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from service import settings as settings_module
 from service.settings import Settings, SettingsError, load_settings
 
 
@@ -45,3 +46,22 @@ def test_bad_settings_name_the_setting(argv: list[str], environ: dict[str, str],
 def test_threads_split_available_cpus_across_instances() -> None:
     assert Settings(intra_op_threads=3).resolved_intra_op_threads() == 3
     assert Settings(instances=64).resolved_intra_op_threads() == 1
+
+
+@pytest.mark.parametrize(
+    ("cpus", "on_cuda", "frontends"),
+    [(2, False, 1), (8, False, 1), (16, False, 2), (64, False, 8), (2, True, 1), (4, True, 3), (16, True, 15)],
+)
+def test_automatic_front_ends_follow_the_cpus_and_where_the_model_runs(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, on_cuda: bool, frontends: int
+) -> None:
+    monkeypatch.setattr(settings_module, "available_cpus", lambda: cpus)
+    assert Settings().resolved_frontends(on_cuda) == frontends
+    assert Settings(frontends=5).resolved_frontends(on_cuda) == 5
+
+
+def test_front_ends_leave_the_model_the_other_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings_module, "available_cpus", lambda: 16)
+    assert Settings(frontends=4).resolved_intra_op_threads() == 12
+    assert Settings(frontends=4, instances=2).resolved_intra_op_threads() == 6
+    assert Settings(frontends=1).resolved_intra_op_threads() == 16  # one process: the model has every CPU
