@@ -264,9 +264,10 @@ def test_resources_and_threads(container: Manifest) -> None:
         thread_count = int(cpu_limit)
     else:
         thread_count = int(threads["value"])
-        assert thread_count == cpu_limit
     instances = int(env.get("ENCODER_INSTANCES", {"value": "1"})["value"])
-    assert instances * thread_count <= cpu_limit
+    frontends = int(env.get("ENCODER_FRONTENDS", {"value": "1"})["value"])
+    # One process: the model's threads take the limit. Several: the front ends take one CPU each.
+    assert instances * thread_count + (frontends if frontends > 1 else 0) == cpu_limit
 
 
 def test_device_and_image_per_variant(overlay: str, deployment: Manifest, container: Manifest) -> None:
