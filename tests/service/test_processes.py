@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import tritonclient.grpc as triton
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.processes import children
 from service.proto import grpc_service_pb2 as pb
@@ -139,13 +140,59 @@ def wait_gone(pids: list[int]) -> None:
 
 @pytest.mark.parametrize("role", ["engine", "frontend 2"])
 def test_a_process_that_dies_stops_the_whole_server_non_zero(tiny_repository: Path, tmp_path: Path, role: str) -> None:
-    with start_server(tiny_repository, tmp_path / "server.log", "--frontends", str(FRONTENDS)) as server:
+    with (
+        start_server(tiny_repository, tmp_path / "server.log", "--frontends", str(FRONTENDS)) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
         by_role = roles(server)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=EXIT_TIMEOUT_S)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         os.kill(by_role[role], signal.SIGKILL)
+        # A front end that outlives its engine (or its sibling) tells its watchers at once, then stops.
+        try:
+            status = next(watch).status
+        except grpc.RpcError as error:  # the watch ran on the front end that was killed
+            assert role != "engine" and error.code() == grpc.StatusCode.UNAVAILABLE
+        else:
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
         assert server.process.wait(timeout=EXIT_TIMEOUT_S) == 1
         wait_gone(list(by_role.values()))
         assert health_status(server.target, timeout_s=2) is None  # nothing answers on the port any more
     assert f"{role} exited with status -9: stopping the server" in server.log()
+
+
+def test_a_rewritten_key_file_reaches_every_front_end(tiny_repository: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("old-key\n")
+    flags = ("--frontends", str(FRONTENDS), "--api-key-file", str(keys))
+    with start_server(tiny_repository, tmp_path / "server.log", *flags) as server:
+        by_role = roles(server)
+        staging = keys.with_suffix(".new")
+        staging.write_text("new-key\n")
+        os.replace(staging, keys)
+        before = {role: answered_by(pid) for role, pid in by_role.items() if role.startswith("frontend")}
+        channels = [grpc.insecure_channel(server.target, OWN_CONNECTION) for _ in range(CONNECTIONS)]
+        try:
+            for channel in channels:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                accepted_new = refused_old = False
+                deadline = time.monotonic() + EXIT_TIMEOUT_S
+                while not (accepted_new and refused_old):
+                    assert time.monotonic() < deadline, "a front end never took up the new key file"
+                    try:
+                        stub.ModelInfer(text_request("x"), timeout=10, metadata=(("authorization", "Bearer new-key"),))
+                        accepted_new = True
+                        stub.ModelInfer(text_request("x"), timeout=10, metadata=(("authorization", "Bearer old-key"),))
+                    except grpc.RpcError as error:
+                        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+                        refused_old = accepted_new
+                        time.sleep(0.05)
+        finally:
+            for channel in channels:
+                channel.close()
+        after = {role: answered_by(pid) for role, pid in by_role.items() if role.startswith("frontend")}
+        assert all(after[role] > before[role] for role in after), (before, after)  # each front end was asked
 
 
 def test_children_die_with_the_supervisor(tiny_repository: Path, tmp_path: Path) -> None:
@@ -157,7 +204,5 @@ def test_children_die_with_the_supervisor(tiny_repository: Path, tmp_path: Path)
 
 
 def test_only_the_engine_maps_onnx_runtime(held_server: RunningServer) -> None:
-    mapped = {
-        role: "onnxruntime" in Path(f"/proc/{pid}/maps").read_text() for role, pid in roles(held_server).items()
-    }
+    mapped = {role: "onnxruntime" in Path(f"/proc/{pid}/maps").read_text() for role, pid in roles(held_server).items()}
     assert mapped == {"supervisor": False, "engine": True, "frontend 1": False, "frontend 2": False}
