@@ -11,14 +11,13 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnx
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from onnx import TensorProto, helper
+from onnx import helper
 from sentence_transformers import SentenceTransformer
 from tritonclient.grpc import service_pb2 as triton_pb
 from tritonclient.grpc import service_pb2_grpc as triton_grpc
@@ -30,6 +29,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.repository import FIDELITY_FILE
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL
+from tests.onnx_graphs import WIDTH, constant, save_token_graph
 from tests.servers import RunningServer, start_server, wait_for_queue_depth
 
 SENTENCES = ["A man is eating food.", "The new movie is awesome.", "Ein Hund läuft über die Wiese 🐕."]
@@ -347,42 +347,22 @@ def test_full_queue_and_oversized_message_are_resource_exhausted(tiny_repository
     assert server.process.returncode == 0
 
 
-def _constant(name: str, values: list[int]) -> onnx.NodeProto:
-    return helper.make_node(
-        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
-    )
-
-
 def _odd_length_fails_model(path: Path) -> None:
     """A model that runs for even sequence lengths and fails at run time for odd ones.
 
     embedding[b] = sum of row b's ids (repeated 32 times); the Reshape into pairs is what fails.
     """
-    inputs = [
-        helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"])
-        for name in ("input_ids", "attention_mask", "token_type_ids")
-    ]
     nodes = [
-        helper.make_node("Cast", ["input_ids"], ["ids"], to=TensorProto.FLOAT),
-        _constant("pairs", [0, -1, 2]),
+        constant("pairs", [0, -1, 2]),
         helper.make_node("Reshape", ["ids", "pairs"], ["paired"]),
-        _constant("row_axes", [1, 2]),
+        constant("row_axes", [1, 2]),
         helper.make_node("ReduceSum", ["paired", "row_axes"], ["row_sums"], keepdims=0),
-        _constant("column", [-1, 1]),
+        constant("column", [-1, 1]),
         helper.make_node("Reshape", ["row_sums", "column"], ["row_sums_2d"]),
-        _constant("widths", [1, 32]),
+        constant("widths", [1, WIDTH]),
         helper.make_node("Tile", ["row_sums_2d", "widths"], ["embedding"]),
-        _constant("last_axis", [-1]),
-        helper.make_node("Unsqueeze", ["ids", "last_axis"], ["ids_3d"]),
-        _constant("hidden_tiles", [1, 1, 32]),
-        helper.make_node("Tile", ["ids_3d", "hidden_tiles"], ["last_hidden_state"]),
     ]
-    outputs = [
-        helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", 32]),
-        helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", 32]),
-    ]
-    graph = helper.make_graph(nodes, "odd_fails", inputs, outputs)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+    save_token_graph(path, "odd_fails", nodes)
 
 
 def test_an_execution_failure_is_internal_for_that_request_only(repository_copy: Path, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnx
 import pytest
 from grpc_health.v1 import health_pb2
 from onnx import TensorProto, helper
@@ -22,6 +21,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.repository import FIDELITY_FILE
 from tests.conftest import TINY_MODEL
+from tests.onnx_graphs import WIDTH, constant, save_token_graph
 from tests.servers import health_status, start_server
 
 SLOW_ID = 29999
@@ -31,16 +31,8 @@ WAIT_S = 120
 """Bounds the wait for the slow run to return; a server that hangs fails the test instead of blocking it."""
 
 
-def _constant(name: str, values: list[int], kind: int = TensorProto.INT64) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, kind, [len(values)], values))
-
-
 def _slow_on_demand_model(path: Path) -> None:
     """embedding[b] = sum of row b's ids (x32); a Loop whose trip count is TURNS when ids[0][0] == SLOW_ID."""
-    inputs = [
-        helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"])
-        for name in ("input_ids", "attention_mask", "token_type_ids")
-    ]
     body = helper.make_graph(
         [
             helper.make_node("Identity", ["condition_in"], ["condition_out"]),
@@ -58,37 +50,27 @@ def _slow_on_demand_model(path: Path) -> None:
         ],
     )
     nodes = [
-        helper.make_node("Cast", ["input_ids"], ["ids"], to=TensorProto.FLOAT),
         # Trip count: TURNS if the first id is SLOW_ID, else 0.
-        _constant("first", [0]),
+        constant("first", [0]),
         helper.make_node("Flatten", ["input_ids"], ["flat"], axis=0),
         helper.make_node("Gather", ["flat", "first"], ["first_id"], axis=1),
-        _constant("slow_id", [SLOW_ID]),
+        constant("slow_id", [SLOW_ID]),
         helper.make_node("Equal", ["first_id", "slow_id"], ["is_slow"]),
         helper.make_node("Cast", ["is_slow"], ["is_slow_count"], to=TensorProto.INT64),
-        _constant("turns", [TURNS]),
+        constant("turns", [TURNS]),
         helper.make_node("Mul", ["is_slow_count", "turns"], ["trip_vector"]),
-        _constant("scalar", []),
+        constant("scalar", []),
         helper.make_node("Reshape", ["trip_vector", "scalar"], ["trip"]),
         helper.make_node("Constant", [], ["keep_going"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
-        _constant("zero", [0], TensorProto.FLOAT),
+        constant("zero", [0], TensorProto.FLOAT),
         helper.make_node("Loop", ["trip", "keep_going", "zero"], ["carried"], body=body),
-        _constant("row_axes", [1]),
+        constant("row_axes", [1]),
         helper.make_node("ReduceSum", ["ids", "row_axes"], ["row_sums"], keepdims=1),
         helper.make_node("Add", ["row_sums", "carried"], ["row_sums_kept"]),  # keeps the Loop in the graph
-        _constant("widths", [1, 32]),
+        constant("widths", [1, WIDTH]),
         helper.make_node("Tile", ["row_sums_kept", "widths"], ["embedding"]),
-        _constant("last_axis", [-1]),
-        helper.make_node("Unsqueeze", ["ids", "last_axis"], ["ids_3d"]),
-        _constant("hidden_tiles", [1, 1, 32]),
-        helper.make_node("Tile", ["ids_3d", "hidden_tiles"], ["last_hidden_state"]),
     ]
-    outputs = [
-        helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", 32]),
-        helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", 32]),
-    ]
-    graph = helper.make_graph(nodes, "slow_on_demand", inputs, outputs)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+    save_token_graph(path, "slow_on_demand", nodes)
 
 
 def token_request(ids: list[int]) -> pb.ModelInferRequest:
