@@ -13,6 +13,7 @@ from service import processes
 from service.engine_role import run_engine
 from service.errors import ExecutionError
 from service.repository import RepositoryError
+from service.security import SecurityError
 from service.server import FrontendRole, serve
 from service.settings import Settings, SettingsError, load_settings
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         # uvloop: measured 65-110 us less server CPU per gRPC call than asyncio's own loop (README).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(_serve(role, settings))
-    except (RepositoryError, ExecutionError, OSError) as error:
+    except (RepositoryError, ExecutionError, SecurityError, OSError) as error:
         print(f"service: error: {error}", file=sys.stderr)
         return 2
 

@@ -42,6 +42,20 @@ def _read(path: Path) -> bytes:
         raise SecurityError(f"cannot read {path}: {error.strerror}") from error
 
 
+def _check_pair(files: TlsFiles) -> None:
+    """The certificate and key are PEM that OpenSSL loads, and the key is the certificate's."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(files.cert, files.key)
+    except (OSError, ssl.SSLError) as error:
+        raise SecurityError(f"{files.cert} and {files.key} cannot be used: {_reason(error)}") from error
+
+
+def _reason(error: OSError | ssl.SSLError) -> str:
+    """OpenSSL's reason in words ("key values mismatch"), else the error as Python gives it."""
+    reason = getattr(error, "reason", None)
+    return reason.lower().replace("_", " ") if isinstance(reason, str) else str(error)
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     """The PEM files of the server's TLS setup."""
@@ -81,6 +95,8 @@ class ReloadingTls:
         cert, key = _read(self.files.cert), _read(self.files.key)
         if b"-----BEGIN" not in cert or b"-----BEGIN" not in key:
             raise SecurityError(f"{self.files.cert} and {self.files.key} must be PEM files")
+        # gRPC takes any pair and fails later, at bind ("Failed to bind") or at every handshake.
+        _check_pair(self.files)
         client_ca = _read(self.files.client_ca) if self.files.client_ca is not None else None
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
 
@@ -136,7 +152,7 @@ class ReloadingSslContext:
                 context.load_verify_locations(cafile=self.files.client_ca)
                 context.verify_mode = ssl.CERT_REQUIRED
         except (OSError, ssl.SSLError) as error:
-            raise SecurityError(f"{self.files.cert} and {self.files.key} cannot be used: {error}") from error
+            raise SecurityError(f"{self.files.cert} and {self.files.key} cannot be used: {_reason(error)}") from error
         return context
 
     def current(self) -> ssl.SSLContext:

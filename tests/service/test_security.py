@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,3 +257,44 @@ def test_security_settings_come_from_the_environment(tmp_path: Path) -> None:
     settings = load_settings([], environ={"ENCODER_API_KEY_FILE": str(keys), "ENCODER_HEALTH_PORT": "8003"})
     assert settings.api_key_file == str(keys)
     assert settings.health_port == 8003
+
+
+def _unusable_files(folder: Path, pki: Pki, kind: str) -> list[str]:
+    """Arguments naming security files the server cannot use, written into folder."""
+    cert, key = folder / "tls.crt", folder / "tls.key"
+    pki.write_server_files(cert, key)
+    if kind == "key of another certificate":
+        pki.client_cert.private_key_pem.write_to_path(str(key))
+    elif kind == "certificate not PEM":
+        cert.write_bytes(b"not a certificate")
+    else:
+        keys = folder / "keys"
+        keys.write_text("# every key was revoked\n\n")
+        return ["--api-key-file", str(keys)]
+    return ["--tls-cert", str(cert), "--tls-key", str(key)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("key of another certificate", "cannot be used: key values mismatch"),
+        ("certificate not PEM", "must be PEM files"),
+        ("key file of comments only", "holds no key"),
+    ],
+)
+def test_unusable_security_files_stop_the_server_with_one_line_and_exit_2(
+    tiny_repository: Path, tmp_path: Path, pki: Pki, kind: str, message: str
+) -> None:
+    command = [
+        sys.executable, "-m", "service",
+        "--model-repository", str(tiny_repository),
+        "--host", "127.0.0.1",
+        "--grpc-port", str(free_port()),
+        "--metrics-port", str(free_port()),
+        *_unusable_files(tmp_path, pki, kind),
+    ]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert finished.returncode == 2, finished.stderr
+    assert "Traceback" not in finished.stderr, finished.stderr
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("service: error:")]
+    assert len(errors) == 1 and message in errors[0], finished.stderr
