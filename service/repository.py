@@ -13,7 +13,7 @@ Serving facts that Triton has no field for live in `parameters` (string values).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from google.protobuf import text_format
 
@@ -138,6 +138,13 @@ def _check_signature(config: mc.ModelConfig, source: Path) -> tuple[tuple[str, .
     return names, embedding_dims[0]
 
 
+def _inside(folder: Path, name: str, source: Path) -> Path:
+    """folder/name, where name (from config.pbtxt) is a relative path that stays inside folder."""
+    if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+        raise RepositoryError(f"{source}: file {name!r} must be a path inside the model's folder")
+    return folder / name
+
+
 def read_model(directory: Path) -> ModelSpec:
     """Read and validate one model folder of a repository."""
     source = directory / CONFIG_FILE
@@ -154,10 +161,10 @@ def read_model(directory: Path) -> ModelSpec:
     input_names, hidden_size = _check_signature(config, source)
     version = latest_version(directory)
     variants = {
-        key[len(P_VARIANT_PREFIX) :]: directory / version / value.string_value
+        key[len(P_VARIANT_PREFIX) :]: _inside(directory / version, value.string_value, source)
         for key, value in config.parameters.items()
         if key.startswith(P_VARIANT_PREFIX)
-    } or {"fp32": directory / version / (config.default_model_filename or VARIANT_FILES["fp32"])}
+    } or {"fp32": _inside(directory / version, config.default_model_filename or VARIANT_FILES["fp32"], source)}
     for variant, path in variants.items():
         if not path.is_file():
             raise RepositoryError(f"{source}: variant {variant} file {path} does not exist")
@@ -170,7 +177,7 @@ def read_model(directory: Path) -> ModelSpec:
         if variant not in variants:
             raise RepositoryError(f"{source}: preferred variant {variant!r} for {device} is not published")
     tokenizer_name = _parameter(config, P_TOKENIZER, source, "")
-    tokenizer_file = directory / tokenizer_name if tokenizer_name else None
+    tokenizer_file = _inside(directory, tokenizer_name, source) if tokenizer_name else None
     if tokenizer_file is not None and not tokenizer_file.is_file():
         raise RepositoryError(f"{source}: tokenizer file {tokenizer_file} does not exist")
     return ModelSpec(
@@ -194,7 +201,11 @@ def read_model(directory: Path) -> ModelSpec:
 
 
 def model_directories(root: Path) -> list[Path]:
-    """Model folders of a repository: the sub-folders holding a config.pbtxt, by name."""
+    """Model folders of a repository: the sub-folders holding a config.pbtxt, by name.
+
+    Hidden folders are not models: a publish interrupted between its renames leaves the model it
+    replaced as `.retired-<name>-...`, and editors and `kubectl cp` leave their own.
+    """
     if not root.is_dir():
         raise RepositoryError(f"model repository {root} is not a directory")
-    return sorted(p for p in root.iterdir() if (p / CONFIG_FILE).is_file())
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / CONFIG_FILE).is_file())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -211,6 +212,10 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SettingsError(f"{item.name} must be a finite number, got {value}")
         for name in ("grpc_port", "http_port", "metrics_port", "health_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from service.engine import Engine, InferenceRequest, InputTensor
 from service.errors import NotFound, Unavailable
 from service.models import batching_policy, warm_up_shapes
 from service.proto import model_config_pb2 as mc
-from service.repository import read_model
+from service.repository import RepositoryError, read_model
 from service.runtime import ExecutionError
 from service.settings import Settings
 from tests.conftest import TINY_MODEL
@@ -123,3 +124,24 @@ def test_contradictory_device_settings_are_refused_at_start(
     command = [sys.executable, "-m", "service", "--model-repository", str(tiny_repository), *flags]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert (result.returncode, result.stderr.strip()) == (2, f"service: error: {message}")
+
+
+def test_hidden_folders_of_the_repository_are_not_models(repository_copy: Path) -> None:
+    # What a publish interrupted between its renames leaves behind: the replaced model, hidden.
+    shutil.copytree(repository_copy / TINY_MODEL, repository_copy / f".retired-{TINY_MODEL}-staging")
+    assert Engine(Settings(model_repository=repository_copy, device="cpu")).discover() == [TINY_MODEL]
+
+
+@pytest.mark.parametrize(
+    ("written", "named"),
+    [
+        ('string_value: "model.onnx"', 'string_value: "../../../../etc/hostname"'),
+        ('string_value: "tokenizer.json"', 'string_value: "/etc/hostname"'),
+    ],
+)
+def test_files_named_outside_the_model_folder_are_refused(repository_copy: Path, written: str, named: str) -> None:
+    config = repository_copy / TINY_MODEL / "config.pbtxt"
+    assert written in config.read_text()
+    config.write_text(config.read_text().replace(written, named))
+    with pytest.raises(RepositoryError, match="must be a path inside the model's folder"):
+        read_model(repository_copy / TINY_MODEL)

@@ -36,6 +36,9 @@ def test_flags_beat_environment_which_beats_defaults() -> None:
         ([], {"ENCODER_WARMUP": "maybe"}, "ENCODER_WARMUP must be a boolean"),
         (["--max-queue-delay-us", "-5"], {}, "max_queue_delay_us must be >= 0"),
         (["--drain-timeout-s", "-1"], {}, "drain_timeout_s must be >= 0"),
+        (["--drain-timeout-s", "nan"], {}, "drain_timeout_s must be a finite number, got nan"),
+        ([], {"ENCODER_MAX_BATCH_RUN_S": "inf"}, "max_batch_run_s must be a finite number, got inf"),
+        ([], {"ENCODER_MAX_CONNECTION_AGE_S": "-Infinity"}, "max_connection_age_s must be a finite number"),
     ],
 )
 def test_bad_settings_name_the_setting(argv: list[str], environ: dict[str, str], message: str) -> None:
