@@ -39,6 +39,8 @@ BINARY = "application/octet-stream"
 UNMATCHED = "unmatched"
 CLIENT_CLOSED = "499"
 """The status label of requests whose client left before the answer (nginx's code for it; nothing is sent)."""
+RETRY_AFTER_S = b"1"
+"""Retry-After (seconds) on 429 (queue full) and 503 (draining, model unavailable)."""
 OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
 """Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
 UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send the header 'Authorization: Bearer <key>'"
@@ -269,6 +271,9 @@ class HttpApp:
             headers.append((b"allow", ", ".join(error.allowed).encode()))
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
+        if status in (429, 503):
+            # Queue full or draining: worth another try soon (on this pod or, behind a Service, another).
+            headers.append((b"retry-after", RETRY_AFTER_S))
         if status == 413:
             # The rest of an oversized body is never read: close the connection rather than parse it.
             headers.append((b"connection", b"close"))

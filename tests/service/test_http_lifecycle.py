@@ -87,12 +87,19 @@ def test_a_taken_http_port_is_a_one_line_startup_error(tiny_repository: Path) ->
 
 
 def request(server: RunningServer, method: str, path: str, payload: object = None) -> tuple[int, bytes]:
+    status, _, content = request_with_headers(server, method, path, payload)
+    return status, content
+
+
+def request_with_headers(
+    server: RunningServer, method: str, path: str, payload: object = None
+) -> tuple[int, http.client.HTTPMessage, bytes]:
     connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
     try:
         body = None if payload is None else json.dumps(payload)
         connection.request(method, path, body, {"Content-Type": "application/json"})
         response = connection.getresponse()
-        return response.status, response.read()
+        return response.status, response.headers, response.read()
     finally:
         connection.close()
 
@@ -119,8 +126,10 @@ def test_sigterm_drains_http_with_grpc(tiny_repository: Path, tmp_path: Path) ->
             server.terminate()
             wait_until_not_serving(server)
             # Draining: new work over HTTP is refused 503 by both APIs.
-            status, content = request(server, "POST", "/v1/embeddings", {"model": TINY_MODEL, "input": "late"})
+            late_embedding = {"model": TINY_MODEL, "input": "late"}
+            status, headers, content = request_with_headers(server, "POST", "/v1/embeddings", late_embedding)
             assert status == 503 and "shutting down" in json.loads(content)["error"]["message"]
+            assert headers["retry-after"] == "1"
             late = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["late"]}]}
             status, content = request(server, "POST", f"/v2/models/{TINY_MODEL}/infer", late)
             assert status == 503 and "shutting down" in json.loads(content)["error"]

@@ -227,6 +227,7 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_takes_its_request_wit
         with pytest.raises(openai.RateLimitError, match="queue full") as refused:
             sdk(held_server).embeddings.create(model=TINY_MODEL, input="one too many")
         assert refused.value.body["code"] == "queue_full"
+        assert refused.value.response.headers["retry-after"] == "1"
     finally:
         for connection in waiting:
             connection.close()
