@@ -23,30 +23,35 @@ SHARED_DEFAULT_REPOSITORY = "ENCODER_TEST_DEFAULT_REPOSITORY"
 TINY_CONFIG = EncoderConfig(vocab_size=30522, d_model=32, num_heads=2, num_layers=2, ffn_dim=64, max_positions=128)
 
 
+DEVICE_MARKERS = ("gpu", "no_gpu")
+"""Markers of tests that run only where a CUDA device is usable (gpu), or only where none is (no_gpu)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked gpu where ONNX Runtime cannot create a CUDA session."""
+    """Skip tests marked gpu where ONNX Runtime cannot create a CUDA session, and no_gpu where it can."""
     if cuda_usable():
-        return
-    skip = pytest.mark.skip(reason="needs a usable CUDA device (CUDAExecutionProvider)")
+        marker, skip = "no_gpu", pytest.mark.skip(reason="checks a machine without a usable CUDA device")
+    else:
+        marker, skip = "gpu", pytest.mark.skip(reason="needs a usable CUDA device (CUDAExecutionProvider)")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
+        if item.get_closest_marker(marker) is not None:
             item.add_marker(skip)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
-    """Under CI (CI=true) a skipped test fails, unless it is marked gpu: every real part must run there."""
+    """Under CI (CI=true) a skipped test fails, unless a device marker skipped it: every real part must run there."""
     outcome = yield
     report = outcome.get_result()
     if (
         report.skipped
         and os.environ.get("CI") == "true"
         and not hasattr(report, "wasxfail")
-        and item.get_closest_marker("gpu") is None
+        and not any(item.get_closest_marker(marker) for marker in DEVICE_MARKERS)
     ):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = f"skipped under CI, where only gpu-marked tests may skip: {reason}"
+        report.longrepr = f"skipped under CI, where only gpu- or no_gpu-marked tests may skip: {reason}"
 
 
 @pytest.fixture(scope="session")

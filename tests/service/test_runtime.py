@@ -39,7 +39,7 @@ from service.runtime import (
     target_device,
 )
 from tests.conftest import DEFAULT_MODEL, TINY_CONFIG, TINY_MODEL
-from tests.servers import ROOT, cuda_usable
+from tests.servers import ROOT
 
 CPU_SETTINGS = ExecutionSettings(device="cpu", intra_op_threads=1)
 
@@ -74,7 +74,7 @@ def test_device_choice_is_made_before_any_session() -> None:
         target_device(ExecutionSettings(require_gpu=True, variant="int8"), None)
 
 
-@pytest.mark.skipif(cuda_usable(), reason="checks the reason given on a machine without a usable GPU")
+@pytest.mark.no_gpu
 def test_the_reason_cuda_cannot_be_used_is_ours_and_concrete() -> None:
     reason = cuda_unavailable_reason(0)
     assert reason is not None
@@ -131,7 +131,7 @@ def test_required_cosine_is_the_variant_bar_and_the_rule_for_defaults() -> None:
     assert required_cosine("int8", chosen_by_default=False) == VARIANT_MIN_COSINE["int8"]
 
 
-@pytest.mark.skipif(cuda_usable(), reason="checks the fallback on a machine without a usable GPU")
+@pytest.mark.no_gpu
 def test_without_a_gpu_auto_falls_back_to_cpu_and_require_gpu_refuses_with_the_reason(
     default_repository: Path,
 ) -> None:
