@@ -13,7 +13,7 @@ from service import processes
 from service.engine_role import run_engine
 from service.errors import ExecutionError
 from service.repository import RepositoryError
-from service.security import SecurityError
+from service.security import SecurityError, check_files
 from service.server import FrontendRole, serve
 from service.settings import Settings, SettingsError, load_settings
 
@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if role == "supervisor":
+        try:
+            check_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca, settings.api_key_file)
+        except SecurityError as error:
+            print(f"service: error: {error}", file=sys.stderr)
+            return 2
         return processes.Supervisor(settings).run()
     try:
         # uvloop: measured 65-110 us less server CPU per gRPC call than asyncio's own loop (README).

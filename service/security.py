@@ -237,3 +237,15 @@ def tls_files(cert: str, key: str, client_ca: str) -> TlsFiles | None:
 def api_keys(path: str) -> ApiKeys | None:
     """The API keys from settings (an empty path means no keys needed)."""
     return ApiKeys(Path(path)) if path else None
+
+
+def check_files(cert: str, key: str, client_ca: str, api_key_file: str) -> None:
+    """Load every security file named in settings once, raising SecurityError if one cannot be used.
+
+    A supervisor checks before it starts its front ends, so a bad file is one error, not one per process.
+    """
+    files = tls_files(cert, key, client_ca)
+    if files is not None:
+        ReloadingTls(files)
+        ReloadingSslContext(files)
+    api_keys(api_key_file)
