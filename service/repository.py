@@ -140,7 +140,8 @@ def _check_signature(config: mc.ModelConfig, source: Path) -> tuple[tuple[str, .
 
 def _inside(folder: Path, name: str, source: Path) -> Path:
     """folder/name, where name (from config.pbtxt) is a relative path that stays inside folder."""
-    if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts:
         raise RepositoryError(f"{source}: file {name!r} must be a path inside the model's folder")
     return folder / name
 

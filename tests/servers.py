@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -39,6 +41,19 @@ ROOT = Path(__file__).resolve().parent.parent
 def server_pids(server: RunningServer) -> list[int]:
     """The server's processes: the one started, and (a server of several) the engine and the front ends."""
     return [server.process.pid, *children(server.process.pid)]
+
+
+def failed_start(repository: Path, *arguments: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run a server on loopback ports that is expected to stop at start; its exit status and output."""
+    command = [
+        sys.executable, "-m", "service",
+        "--model-repository", str(repository),
+        "--host", "127.0.0.1",
+        "--grpc-port", str(free_port()),
+        "--metrics-port", str(free_port()),
+        *arguments,
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
 def start_server(

@@ -6,8 +6,6 @@ import http.client
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from service.settings import SettingsError, load_settings
 from tests.conftest import TINY_MODEL
 from tests.servers import (
     RunningServer,
-    free_port,
+    failed_start,
     health_status,
     server_pids,
     start_server,
@@ -73,15 +71,7 @@ def test_the_http_port_listens_and_port_zero_turns_it_off(
 def test_a_taken_http_port_is_a_one_line_startup_error(tiny_repository: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        command = [
-            sys.executable, "-m", "service",
-            "--model-repository", str(tiny_repository),
-            "--host", "127.0.0.1",
-            "--grpc-port", str(free_port()),
-            "--metrics-port", str(free_port()),
-            "--http-port", str(port),
-        ]  # fmt: skip
-        finished = subprocess.run(command, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S, check=False)
+        finished = failed_start(tiny_repository, "--http-port", str(port), timeout_s=EXIT_TIMEOUT_S)
     assert finished.returncode == 2
     assert "service: error:" in finished.stderr and "Address already in use" in finished.stderr
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +25,7 @@ from service.security import KEY_CHECK_INTERVAL_S
 from service.settings import SettingsError, load_settings
 from tests.conftest import TINY_MODEL
 from tests.pki import Pki
-from tests.servers import RunningServer, free_port, start_server
+from tests.servers import RunningServer, failed_start, free_port, start_server
 
 KEY = "k-0123456789abcdef"
 
@@ -291,15 +289,7 @@ def _unusable_files(folder: Path, pki: Pki, kind: str) -> list[str]:
 def test_unusable_security_files_stop_the_server_with_one_line_and_exit_2(
     tiny_repository: Path, tmp_path: Path, pki: Pki, kind: str, message: str
 ) -> None:
-    command = [
-        sys.executable, "-m", "service",
-        "--model-repository", str(tiny_repository),
-        "--host", "127.0.0.1",
-        "--grpc-port", str(free_port()),
-        "--metrics-port", str(free_port()),
-        *_unusable_files(tmp_path, pki, kind),
-    ]  # fmt: skip
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    finished = failed_start(tiny_repository, *_unusable_files(tmp_path, pki, kind))
     assert finished.returncode == 2, finished.stderr
     assert "Traceback" not in finished.stderr, finished.stderr
     errors = [line for line in finished.stderr.splitlines() if line.startswith("service: error:")]
