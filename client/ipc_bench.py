@@ -43,7 +43,7 @@ def _ours_engine(path: str) -> None:
         def answer(connection: ipc.EngineConnection, message: Submit, rows: TokenRows) -> None:
             connection.answer(message.id, WorkResult({"embedding": EMBEDDING}, 0.0, 0.0, 1))
 
-        server = EngineServer(answer, lambda connection, request_id: None, lambda connection: None)
+        server = EngineServer(answer, lambda connection, request_id: None, lambda connection: None, lambda: None)
         await server.start(path)
         await asyncio.Event().wait()
 

@@ -295,6 +295,8 @@ class Batcher:
         self._dispatch_scheduled = False
         self._delay_timer: asyncio.TimerHandle | None = None
         self._closing = False
+        self._flushing = False
+        """Draining: queued rows run at once, without waiting for fuller batches."""
         self._stopped = False
         self._admitted = 0
         """Requests admitted and not yet queued (being tokenised): they hold a queue place."""
@@ -329,6 +331,11 @@ class Batcher:
         Every admitted request is then either submitted (`submit(..., admitted=True)`) or
         `withdraw`n.
         """
+        self.check_room()
+        self._admitted += 1
+
+    def check_room(self) -> None:
+        """Refuse at once (ServiceError) what `admit` would refuse now; takes no place."""
         if self._closing:
             raise Unavailable("the model is shutting down")
         if not self.serving:
@@ -339,7 +346,6 @@ class Batcher:
                 f"queue full: {waiting} requests waiting (--max-queue-size {self.policy.max_queue_size}); retry later",
                 "queue_full",
             )
-        self._admitted += 1
 
     def withdraw(self) -> None:
         """Give back the place of an admitted request that will not be submitted."""
@@ -425,10 +431,14 @@ class Batcher:
         return True
 
     async def close(self, timeout_s: float) -> None:
-        """Refuse new work, let queued and running batches finish (up to timeout_s), then stop."""
+        """Refuse new work, let admitted, queued and running requests finish (up to timeout_s), then stop.
+
+        Admitted requests not yet queued (being tokenised) are accepted work: the drain waits for them too.
+        """
         self._closing = True
+        self.flush()
         deadline = time.monotonic() + timeout_s
-        while (self._pending or self._running) and time.monotonic() < deadline:
+        while (self._pending or self._running or self._admitted) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self._stopped = True
         if self._delay_timer is not None:
@@ -436,6 +446,12 @@ class Batcher:
         self._fail(list(self._pending), Unavailable("the server shut down before this request ran"))
         for instance in self._instances:
             instance.stop()
+
+    def flush(self) -> None:
+        """From now on, run queued rows without waiting out max_queue_delay for fuller batches (a drain)."""
+        if not self._flushing:
+            self._flushing = True
+            self._dispatch()
 
     def _dispatch(self) -> None:
         """Hand batches to idle instances while rows wait, waiting out max_queue_delay for fuller ones."""
@@ -448,7 +464,7 @@ class Batcher:
                 self._drop_dead()
                 if not self._pending:
                     return
-                if self.policy.max_queue_delay_s > 0 and not self._full():
+                if self.policy.max_queue_delay_s > 0 and not self._flushing and not self._full():
                     oldest = min(item.enqueued_at for item in self._pending)
                     wait_s = oldest + self.policy.max_queue_delay_s - time.monotonic()
                     if wait_s > 0:

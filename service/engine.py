@@ -20,11 +20,13 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from service import metrics
-from service.errors import ExecutionError, InvalidArgument, NotFound, Unavailable
+from service.answers import INLINE_ENCODE_BYTES, AnswerBudget
+from service.errors import ExecutionError, InvalidArgument, NotFound, ServiceError, Unavailable
 from service.models import InstanceInfo, ModelInfo, ServedModel
 from service.repository import RepositoryError, model_directories
 from service.settings import Settings
@@ -32,6 +34,7 @@ from service.statistics import TABLES, ModelStatistics
 from service.validation import InputTensor, RowLimit, validate
 
 log = logging.getLogger(__name__)
+Encoded = TypeVar("Encoded")
 
 __all__ = [
     "Engine",
@@ -68,6 +71,8 @@ class InferenceRequest:
     """The front end's own bound on its rows; None = the model's max_batch_size."""
     dimensions: int | None = None
     """Embedding width asked for (OpenAI's `dimensions`); None = the model's own."""
+    value_bytes: dict[str, float] = field(default_factory=dict)
+    """Bytes one value of an output takes as the front end will send it, by output name; 4 (raw float32) if absent."""
 
 
 @dataclass(slots=True)
@@ -81,6 +86,8 @@ class InferenceResult:
     """Requested output name -> float32 array, in the order requested."""
     prompt_tokens: int
     """Real (unpadded) tokens of the request's sequences, special tokens included (OpenAI's `usage`)."""
+    answer_bytes: int = 0
+    """The answer's size as sent, counted in flight until the front end calls `Engine.answered` with it."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,10 @@ class Engine:
         self._models: dict[str, ServedModel] = {}
         self._states: dict[str, ModelState] = {}
         self.draining = False
+        self.answers = AnswerBudget(
+            settings.max_response_bytes, settings.max_answer_bytes_in_flight // max(1, settings.frontends)
+        )
+        """This process's answers in flight: its share of --max-answer-bytes-in-flight."""
         self._tokenizer_pool = ThreadPoolExecutor(
             max_workers=settings.tokenizer_threads, thread_name_prefix="tokenizer"
         )
@@ -200,6 +211,16 @@ class Engine:
             raise NotFound(f"model {name} has no version {version!r} (served: {model.spec.version})")
         return model
 
+    def check_room(self, name: str, version: str = "") -> None:
+        """Refuse at once, before a request is read, what its model's queue would refuse now (ServiceError)."""
+        model = self.served(name, version)
+        try:
+            model.queue.check_room()
+        except ServiceError as error:
+            if error.reason is not None:
+                metrics.REJECTED.labels(error.reason).inc()
+            raise
+
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Count, check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError."""
         served = self._models.get(request.model)
@@ -211,8 +232,6 @@ class Engine:
             )
         with tracked:
             model = self.served(request.model, request.version)
-            if self.draining:
-                raise Unavailable("the server is shutting down")
             width = model.spec.hidden_size
             if request.dimensions is not None and request.dimensions != width:
                 raise InvalidArgument(
@@ -220,13 +239,45 @@ class Engine:
                     " its embeddings are not trained to be shortened"
                 )
             valid = validate(request.inputs, request.outputs, request.parameters, model.signature, request.row_limit)
-            work, prompt_tokens = await model.run(valid, request.deadline)
+            work, prompt_tokens, answer_bytes = await model.run(
+                valid, request.deadline, request.value_bytes, self.answers
+            )
             tracked.inferred(valid.rows, work.queue_s, work.compute_s)
-            return InferenceResult(model.spec.name, model.spec.version, request.id, work.outputs, prompt_tokens)
+            return InferenceResult(
+                model.spec.name, model.spec.version, request.id, work.outputs, prompt_tokens, answer_bytes
+            )
+
+    async def encode(self, result: InferenceResult, encode: Callable[[], Encoded]) -> Encoded:
+        """Encode an answer: a small one on the event loop, a large one on a worker thread (the loop keeps serving).
+
+        If encoding fails or is cancelled, the answer's bytes leave the budget.
+        """
+        try:
+            if result.answer_bytes <= INLINE_ENCODE_BYTES:
+                return encode()
+            return await asyncio.to_thread(encode)
+        except BaseException:
+            self.answered(result)
+            raise
+
+    def answered(self, result: InferenceResult) -> None:
+        """The front end handed the answer to its transport (or gave up on it): its bytes leave the budget."""
+        self.answers.release(result.answer_bytes)
+        result.answer_bytes = 0
+
+    def drain(self) -> None:
+        """Start draining: not ready from now on, and queued work runs without waiting for fuller batches.
+
+        Requests that reach the engine meanwhile are still taken: the transports stop accepting new
+        ones themselves, and what they accepted is answered.
+        """
+        self.draining = True
+        for model in self._models.values():
+            model.queue.flush()
 
     async def close(self, timeout_s: float) -> None:
-        """Drain every model's queue (bounded by timeout_s) and release the workers."""
-        self.draining = True
+        """Drain every model's queue (bounded by timeout_s), then refuse new work and release the workers."""
+        self.drain()
         await asyncio.gather(*(model.queue.close(timeout_s) for model in self._models.values()))
         for model in self._models.values():
             metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(0)

@@ -14,6 +14,7 @@ import logging
 import signal
 from collections.abc import Callable
 
+from service import metrics
 from service.batcher import Batcher, WorkItem
 from service.engine import Engine
 from service.errors import ExecutionError, ModelFailure, ServiceError
@@ -31,7 +32,7 @@ class EngineRole:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.server = EngineServer(self._submit, self._cancel, self._lost)
+        self.server = EngineServer(self._submit, self._cancel, self._lost, self._flush)
         self._items: dict[EngineConnection, dict[int, WorkItem]] = {}
         """Each front end's requests in the batchers, by request id."""
         self._requests: dict[WorkItem, tuple[EngineConnection, int, Batcher]] = {}
@@ -65,6 +66,11 @@ class EngineRole:
             _, _, queue = self._requests.pop(item)
             queue.cancel(item)
 
+    def _flush(self) -> None:
+        """A front end is draining, so is the server: queued rows run without waiting for fuller batches."""
+        for name in self.engine.served_names():
+            self.engine.served(name).queue.flush()
+
     def _lost(self, connection: EngineConnection) -> None:
         for item in self._items.pop(connection, {}).values():
             _, _, queue = self._requests.pop(item)
@@ -90,6 +96,7 @@ async def run_engine(settings: Settings, socket_path: str) -> int:
     engine = Engine(settings)
     role = EngineRole(engine)
     await role.server.start(socket_path)
+    lag = asyncio.ensure_future(metrics.watch_event_loop_lag())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -114,6 +121,7 @@ async def run_engine(settings: Settings, socket_path: str) -> int:
     log.info("draining (up to %.0f s)", settings.drain_timeout_s)
     await engine.close(settings.drain_timeout_s)
     role.server.close()
+    lag.cancel()
     log.info("stopped")
     return 0
 

@@ -44,6 +44,12 @@ class Overloaded(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class TooLarge(ServiceError):
+    """The answer asked for is larger than the server sends in one response: refused before running."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class Unavailable(ServiceError):
     """Not ready yet, or draining for shutdown."""
 

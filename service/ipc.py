@@ -64,6 +64,10 @@ class Cancel(msgspec.Struct, tag=True, array_like=True):
     id: int
 
 
+class Drain(msgspec.Struct, tag=True, array_like=True):
+    """The front end is draining: queued rows are to run without waiting for fuller batches."""
+
+
 class Failure(msgspec.Struct, array_like=True):
     """A typed error (service.errors) by class name, with its message and reason."""
 
@@ -104,7 +108,7 @@ class ModelUpdate(msgspec.Struct, tag=True, array_like=True):
     instances: tuple[Instance, ...]
 
 
-ToEngine = Hello | Submit | Cancel
+ToEngine = Hello | Submit | Cancel | Drain
 ToFrontend = Result | ModelUpdate
 _ENCODER = msgspec.msgpack.Encoder()
 _TO_ENGINE = msgspec.msgpack.Decoder(list[ToEngine])
@@ -279,7 +283,7 @@ class EngineConnection(_Frames):
         self._server.lost(self)
 
     def frame(self, header: bytes, payload: bytes) -> None:
-        """Submits, cancels and a hello from the front end."""
+        """Submits, cancels, a drain and a hello from the front end."""
         offset = 0
         for message in to_engine(header):
             if isinstance(message, Submit):
@@ -287,6 +291,8 @@ class EngineConnection(_Frames):
                 self._server.on_submit(self, message, rows)
             elif isinstance(message, Cancel):
                 self._server.on_cancel(self, message.id)
+            elif isinstance(message, Drain):
+                self._server.on_drain()
             else:
                 self.frontend = message.frontend
                 self._server.hello(self)
@@ -313,9 +319,11 @@ class EngineServer:
         on_submit: Callable[[EngineConnection, Submit, TokenRows], None],
         on_cancel: Callable[[EngineConnection, int], None],
         on_lost: Callable[[EngineConnection], None],
+        on_drain: Callable[[], None],
     ) -> None:
         self.on_submit = on_submit
         self.on_cancel = on_cancel
+        self.on_drain = on_drain
         self._on_lost = on_lost
         self.connections: set[EngineConnection] = set()
         self._updates: dict[str, ModelUpdate] = {}
@@ -412,6 +420,11 @@ class EngineLink(_Frames):
         """Close the socket (the front end has stopped)."""
         if self._outbox is not None:
             self._outbox.close()
+
+    def drain(self) -> None:
+        """Tell the engine this front end drains: it runs queued rows without waiting for fuller batches."""
+        if self.connected:
+            self._outbox.put(Drain())
 
     def cancel(self, request_id: int) -> None:
         """The caller went away: the engine drops what is left of the request."""

@@ -6,6 +6,7 @@ model and version.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,8 +61,8 @@ REQUEST_DURATION = Histogram(
 REJECTED = Counter(
     f"{PREFIX}_requests_rejected",
     "Requests refused at a limit or check before any work, by reason (queue_full, text_too_large,"
-    " request_text_too_large, response_too_large, unauthenticated, no_instance; over HTTP also"
-    " message_too_large, too_many_inputs).",
+    " request_text_too_large, response_too_large, answer_budget, unauthenticated, no_instance; over HTTP also"
+    " message_too_large, too_many_inputs, http_concurrency).",
     ("reason",),
 )
 HTTP_REQUESTS = Counter(
@@ -126,6 +127,29 @@ PROVIDER = Gauge(
     "Model instances running on each ONNX Runtime execution provider and variant.",
     (*MODEL_LABELS, "provider", "variant"),
     multiprocess_mode="max",
+)
+
+# Gauges each front-end process writes for itself: the server's figure is their sum.
+ANSWER_BYTES = Gauge(
+    f"{PREFIX}_answer_bytes_in_flight",
+    "Bytes of answers (as sent) accepted and not yet handed to the transport (--max-answer-bytes-in-flight).",
+    multiprocess_mode="livesum",
+)
+ANSWER_BYTES_CAPACITY = Gauge(
+    f"{PREFIX}_answer_bytes_capacity",
+    "Bytes of answers the server may hold in flight before refusing more (--max-answer-bytes-in-flight).",
+    multiprocess_mode="livesum",
+)
+HTTP_REQUESTS_ACTIVE = Gauge(
+    f"{PREFIX}_http_requests_active",
+    "HTTP requests being read, run or answered (--max-concurrent-http-requests).",
+    multiprocess_mode="livesum",
+)
+EVENT_LOOP_LAG = Histogram(
+    f"{PREFIX}_event_loop_lag_seconds",
+    "How late a timer of the event loop fires, sampled every 100 ms in every process: the wait a health check or"
+    " a new request meets before any of its work starts.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 
 
@@ -277,3 +301,14 @@ class TrackedRequest:
             statistics.record_success(self._rows, total_s, self._queue_s, self._compute_s, answered - self._inferred)
         else:
             statistics.record_failure(total_s)
+
+
+LOOP_LAG_INTERVAL_S = 0.1
+
+
+async def watch_event_loop_lag(interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+    """Observe, every interval, how late the running event loop wakes a sleeping task (until cancelled)."""
+    while True:
+        expected = time.monotonic() + interval_s
+        await asyncio.sleep(interval_s)
+        EVENT_LOOP_LAG.observe(max(0.0, time.monotonic() - expected))

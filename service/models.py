@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from service import metrics, statistics
+from service.answers import RAW_VALUE_BYTES, AnswerBudget
 from service.batcher import BatchingPolicy, WorkResult
-from service.errors import InvalidArgument
 from service.metrics import ModelLabels
 from service.repository import ModelSpec
 from service.settings import Settings
@@ -84,6 +85,10 @@ class ModelQueue(Protocol):
         """Take a queue place for a request about to be prepared, or refuse at once (ServiceError)."""
         ...
 
+    def check_room(self) -> None:
+        """Refuse at once (ServiceError) what `admit` would refuse now, taking no place."""
+        ...
+
     def withdraw(self) -> None:
         """Give back the place of an admitted request that will not be submitted."""
         ...
@@ -92,6 +97,10 @@ class ModelQueue(Protocol):
         self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
     ) -> WorkResult:
         """Run a request's rows and return each requested output, rows in the request's order."""
+        ...
+
+    def flush(self) -> None:
+        """From now on, run queued rows without waiting out max_queue_delay for fuller batches (a drain)."""
         ...
 
     async def close(self, timeout_s: float) -> None:
@@ -141,7 +150,6 @@ class ServedModel:
         )
         self._tokenizer_pool = tokenizer_pool
         self._inline_tokenize_chars = settings.inline_tokenize_chars
-        self._max_response_bytes = settings.max_response_bytes
         self.signature = ModelSignature(
             spec,
             self.tokenizer is not None,
@@ -150,10 +158,14 @@ class ServedModel:
         )
         self.info = ModelInfo(spec, self.signature, policy, instances)
 
-    async def run(self, request: ValidRequest, deadline: float | None) -> tuple[WorkResult, int]:
-        """Admit (or refuse at once), tokenise if needed, and wait for the request's rows: the result and its tokens.
+    async def run(
+        self, request: ValidRequest, deadline: float | None, value_bytes: dict[str, float], answers: AnswerBudget
+    ) -> tuple[WorkResult, int, int]:
+        """Admit (or refuse at once), tokenise if needed, budget the answer, and wait for the request's rows.
 
-        Small texts are tokenised inline, larger ones on a worker.
+        Returns the result, the request's real tokens and the answer's bytes as sent, which stay
+        counted in `answers` until the front end releases them. Small texts are tokenised inline,
+        larger ones on a worker.
         """
         if request.timeout_s is not None:
             own_deadline = time.monotonic() + request.timeout_s
@@ -166,23 +178,22 @@ class ServedModel:
                 self.metrics.tokenize_duration.observe(time.perf_counter() - started)
             else:
                 rows = request.tokens
-            self._check_response_size(rows, request.outputs)
+            answer_bytes = answers.reserve(self._answer_size(rows, request.outputs, value_bytes))
         except BaseException:
             self.queue.withdraw()
             raise
-        return await self.queue.submit(rows, request.outputs, deadline, admitted=True), rows.real_tokens
+        try:
+            work = await self.queue.submit(rows, request.outputs, deadline, admitted=True)
+        except BaseException:
+            answers.release(answer_bytes)
+            raise
+        return work, rows.real_tokens, answer_bytes
 
-    def _check_response_size(self, rows: TokenRows, outputs: tuple[str, ...]) -> None:
-        """Refuse, before running it, a request whose answer would exceed --max-response-bytes."""
+    def _answer_size(self, rows: TokenRows, outputs: tuple[str, ...], value_bytes: dict[str, float]) -> int:
+        """Bytes the requested outputs take as the front end sends them (values x each one's bytes)."""
         hidden = self.spec.hidden_size
-        floats = {"embedding": rows.rows * hidden, "last_hidden_state": rows.rows * rows.width * hidden}
-        size = 4 * sum(floats[name] for name in outputs)
-        if size > self._max_response_bytes:
-            raise InvalidArgument(
-                f"the requested outputs would take {size} bytes, over the limit of {self._max_response_bytes} bytes"
-                " per response (--max-response-bytes); request fewer rows or only the embedding",
-                "response_too_large",
-            )
+        values = {"embedding": rows.rows * hidden, "last_hidden_state": rows.rows * rows.width * hidden}
+        return math.ceil(sum(values[name] * value_bytes.get(name, RAW_VALUE_BYTES) for name in outputs))
 
     async def _tokenize(self, texts: list[str]) -> TokenRows:
         if sum(map(len, texts)) <= self._inline_tokenize_chars:

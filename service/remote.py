@@ -53,6 +53,10 @@ class RemoteQueue:
 
     def admit(self) -> None:
         """Refuse at once while draining or with no instance in service; the engine checks the queue bound."""
+        self.check_room()
+
+    def check_room(self) -> None:
+        """Refuse at once while draining or with no instance in service; takes no place."""
         if self._closing:
             raise Unavailable("the model is shutting down")
         if not self._serving:
@@ -74,6 +78,10 @@ class RemoteQueue:
             raise
         finally:
             self._inflight -= 1
+
+    def flush(self) -> None:
+        """Ask the engine to run queued rows without waiting for fuller batches (it then does so for every model)."""
+        self._link.drain()
 
     async def close(self, timeout_s: float) -> None:
         """Refuse new work and wait (up to timeout_s) until every request sent to the engine is answered."""

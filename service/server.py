@@ -6,7 +6,9 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -14,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import REGISTRY, start_http_server
 
+from service import metrics
 from service.engine import Engine
 from service.health import NOT_SERVING, SERVING, HealthService
 from service.http.app import HttpApp
@@ -143,6 +146,8 @@ class InferenceServer:
     async def start(self) -> None:
         """Bind the ports (health NOT_SERVING), then serve each model as it is ready: SERVING once all are."""
         settings = self.settings
+        self._in_background(metrics.watch_event_loop_lag())
+        metrics.ANSWER_BYTES_CAPACITY.set(self.engine.answers.max_in_flight_bytes)
         reuse_port = self.frontend is not None
         names = self.engine.discover()
         files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
@@ -249,7 +254,13 @@ class InferenceServer:
     async def _start_http_listener(self, tls: TlsFiles | None, keys: ApiKeys | None, reuse_port: bool) -> None:
         """The HTTP port: OpenAI's API and KServe v2 REST, with the gRPC port's TLS files and API keys."""
         settings = self.settings
-        app = HttpApp(self.engine, keys, settings.max_message_bytes, settings.max_embedding_inputs)
+        app = HttpApp(
+            self.engine,
+            keys,
+            settings.max_message_bytes,
+            settings.max_embedding_inputs,
+            max(1, settings.max_concurrent_http_requests // max(1, settings.frontends)),
+        )
         context = ReloadingSslContext(tls).context if tls is not None else None
         self._http = HttpListener(app, settings.host, settings.http_port, context, reuse_port)
         await self._http.start()
@@ -267,23 +278,33 @@ class InferenceServer:
             for service, serving in statuses.items():
                 await self.health.set(service, _status(serving))
 
-        task = asyncio.get_running_loop().create_task(publish())
+        self._in_background(publish())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a task of the server's own, kept referenced until it ends (or the server stops it)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def stop(self) -> None:
-        """Drain: NOT_SERVING, refuse new inferences, answer accepted ones, then close within the grace period."""
+        """Drain: NOT_SERVING; the ports stop taking requests (gRPC's GOAWAY); accepted ones are answered; close.
+
+        Every request the transports accepted before they stopped is answered, those queued without
+        waiting for fuller batches; what is still running when --drain-timeout-s ends is cancelled.
+        """
         deadline = time.monotonic() + self.settings.drain_timeout_s
         await self.health.enter_graceful_shutdown()
-        self.engine.draining = True
+        self.engine.drain()
         self._servicer.streams.close()  # open streams answer what they accepted, then end
+        await self.health.end_watches()  # they saw NOT_SERVING: they must not hold the grace period
         log.info("draining (up to %.0f s)", self.settings.drain_timeout_s)
-        await self.engine.close(max(0.0, deadline - time.monotonic()))
-        await self.health.end_watches()  # inferences are answered: open Watches must not hold the grace period
+        transports = []
         if self._server is not None:
-            await self._server.stop(grace=max(0.0, deadline - time.monotonic()))
+            transports.append(self._server.stop(grace=max(0.0, deadline - time.monotonic())))
         if self._http is not None:
-            await self._http.stop(max(0.0, deadline - time.monotonic()))
+            transports.append(self._http.stop(max(0.0, deadline - time.monotonic())))
+        await asyncio.gather(*transports)
+        await self.engine.close(max(0.0, deadline - time.monotonic()))
         if self._health_server is not None:
             await self._health_server.stop(grace=0)
         if self._metrics_server is not None:
@@ -291,6 +312,8 @@ class InferenceServer:
             self._metrics_server.server_close()
         if self._link is not None:
             self._link.close()
+        for task in list(self._background):
+            task.cancel()
         log.info("stopped")
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import NoReturn
 
 import grpc
 
 from service import codec
-from service.engine import Engine
+from service.engine import Engine, InferenceResult
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.streaming import MAX_INFLIGHT_PER_STREAM, InferenceStreams
@@ -71,7 +72,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Decode, run through the engine, encode the requested outputs."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        return await self.infer(request, deadline)
+        response, result = await self._answer(request, deadline)
+        # The answer's bytes stay counted until gRPC has sent it (or the call ended otherwise).
+        context.add_done_callback(lambda _: self.engine.answered(result))
+        return response
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -81,9 +85,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             yield response
 
     async def infer(self, request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelInferResponse:
-        """One inference, for ModelInfer and for each message of a stream: decode, one engine call, encode."""
+        """One inference of a stream: its answer leaves the budget once encoded.
+
+        A stream's answers not yet sent are bounded by --max-stream-inflight instead.
+        """
+        response, result = await self._answer(request, deadline)
+        self.engine.answered(result)
+        return response
+
+    async def _answer(
+        self, request: pb.ModelInferRequest, deadline: float | None
+    ) -> tuple[pb.ModelInferResponse, InferenceResult]:
+        """Decode, one engine call, encode (a large answer off the event loop)."""
         result = await self.engine.infer(codec.decode_infer_request(request, deadline))
-        return codec.encode_infer_response(result)
+        return await self.engine.encode(result, partial(codec.encode_infer_response, result)), result
 
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext

@@ -141,8 +141,25 @@ class Settings:
     max_response_bytes: int = field(
         default=32 * 1024 * 1024,
         metadata=_doc(
-            "largest response, bytes: requests whose outputs would be larger are refused INVALID_ARGUMENT before"
-            " running (last_hidden_state of 64 x 256 tokens x 384 floats is 24 MiB)"
+            "largest answer, bytes as sent (4 per value raw, up to 16 as JSON): larger ones are refused"
+            " RESOURCE_EXHAUSTED (HTTP 413) before running (last_hidden_state of 64 x 256 tokens x 384 values is"
+            " 24 MiB raw, 96 MiB as JSON)"
+        ),
+    )
+    max_answer_bytes_in_flight: int = field(
+        default=256 * 1024 * 1024,
+        metadata=_doc(
+            "answers (bytes as sent) the server holds between accepting a request and handing its answer to the"
+            " transport, shared evenly by the front ends; past it requests are refused RESOURCE_EXHAUSTED (HTTP 429)"
+            " until some are sent. A quarter of the 1 GiB memory budget: an answer costs about twice its size while"
+            " it is encoded"
+        ),
+    )
+    max_concurrent_http_requests: int = field(
+        default=512,
+        metadata=_doc(
+            "HTTP requests the server reads, runs or answers at once, shared evenly by the front ends; more are"
+            " answered 429 with Retry-After before their body is read"
         ),
     )
     max_text_bytes: int = field(
@@ -225,6 +242,8 @@ class Settings:
             "tokenizer_threads",
             "max_message_bytes",
             "max_response_bytes",
+            "max_answer_bytes_in_flight",
+            "max_concurrent_http_requests",
             "max_text_bytes",
             "max_request_text_bytes",
             "max_embedding_inputs",

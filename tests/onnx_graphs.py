@@ -6,13 +6,20 @@ nodes from `ids`, the input ids as floats) and `last_hidden_state` (each id repe
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import onnx
 from onnx import TensorProto, helper
 
+from service.proto import grpc_service_pb2 as pb
+
 WIDTH = 32
 """Embedding width of every graph here."""
+SLOW_ID = 29999
+"""The first token id that makes `slow_on_demand_model` slow."""
+TURNS = 4_000_000
+"""Loop turns of the slow input by default: seconds of ONNX Runtime's time."""
 
 
 def constant(name: str, values: list[int], kind: int = TensorProto.INT64) -> onnx.NodeProto:
@@ -40,3 +47,55 @@ def save_token_graph(path: Path, name: str, nodes: list[onnx.NodeProto]) -> None
     ]
     graph = helper.make_graph(every_node, name, inputs, outputs)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+
+
+def slow_on_demand_model(path: Path, turns: int = TURNS) -> None:
+    """embedding[b] = sum of row b's ids (x32); a Loop whose trip count is `turns` when ids[0][0] == SLOW_ID."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["condition_in"], ["condition_out"]),
+            helper.make_node("Identity", ["carried_in"], ["carried_out"]),
+        ],
+        "turn",
+        [
+            helper.make_tensor_value_info("turn", TensorProto.INT64, []),
+            helper.make_tensor_value_info("condition_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("carried_in", TensorProto.FLOAT, [1]),
+        ],
+        [
+            helper.make_tensor_value_info("condition_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("carried_out", TensorProto.FLOAT, [1]),
+        ],
+    )
+    nodes = [
+        # Trip count: TURNS if the first id is SLOW_ID, else 0.
+        constant("first", [0]),
+        helper.make_node("Flatten", ["input_ids"], ["flat"], axis=0),
+        helper.make_node("Gather", ["flat", "first"], ["first_id"], axis=1),
+        constant("slow_id", [SLOW_ID]),
+        helper.make_node("Equal", ["first_id", "slow_id"], ["is_slow"]),
+        helper.make_node("Cast", ["is_slow"], ["is_slow_count"], to=TensorProto.INT64),
+        constant("turns", [turns]),
+        helper.make_node("Mul", ["is_slow_count", "turns"], ["trip_vector"]),
+        constant("scalar", []),
+        helper.make_node("Reshape", ["trip_vector", "scalar"], ["trip"]),
+        helper.make_node("Constant", [], ["keep_going"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
+        constant("zero", [0], TensorProto.FLOAT),
+        helper.make_node("Loop", ["trip", "keep_going", "zero"], ["carried"], body=body),
+        constant("row_axes", [1]),
+        helper.make_node("ReduceSum", ["ids", "row_axes"], ["row_sums"], keepdims=1),
+        helper.make_node("Add", ["row_sums", "carried"], ["row_sums_kept"]),  # keeps the Loop in the graph
+        constant("widths", [1, WIDTH]),
+        helper.make_node("Tile", ["row_sums_kept", "widths"], ["embedding"]),
+    ]
+    save_token_graph(path, "slow_on_demand", nodes)
+
+
+def token_request(model: str, ids: list[int]) -> pb.ModelInferRequest:
+    """A ModelInfer of one row of token ids (all attended), asking for the embedding."""
+    request = pb.ModelInferRequest(model_name=model)
+    for name, values in (("input_ids", ids), ("attention_mask", [1] * len(ids))):
+        request.inputs.add(name=name, datatype="INT64", shape=[1, len(ids)])
+        request.raw_input_contents.append(struct.pack(f"<{len(ids)}q", *values))
+    request.outputs.add(name="embedding")
+    return request

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service import codec, metrics
-from service.engine import Engine
-from service.errors import InvalidArgument, NotFound, ServiceError, Unauthenticated
+from service.engine import Engine, InferenceResult
+from service.errors import InvalidArgument, NotFound, Overloaded, ServiceError, Unauthenticated
 from service.http import kserve, openai
 from service.http.errors import (
     INTERNAL_MESSAGE,
@@ -79,6 +79,8 @@ class Response:
     body: bytes = b""
     content_type: str | None = JSON
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    answer: InferenceResult | None = None
+    """The inference answered, whose bytes the engine counts in flight until the body is sent."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,17 @@ class HttpApp:
     """The HTTP port's ASGI application over the same engine and API keys as the gRPC port."""
 
     def __init__(
-        self, engine: Engine, api_keys: ApiKeys | None, max_body_bytes: int, max_embedding_inputs: int
+        self,
+        engine: Engine,
+        api_keys: ApiKeys | None,
+        max_body_bytes: int,
+        max_embedding_inputs: int,
+        max_concurrent_requests: int,
     ) -> None:
         self.engine = engine
+        self.max_concurrent_requests = max_concurrent_requests
+        self.active_requests = 0
+        """Requests being read, run or answered now (OPEN_ROUTES' excepted)."""
         self._metadata = json.dumps(kserve.proto_json(codec.server_metadata())).encode()
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
@@ -183,22 +193,44 @@ class HttpApp:
             return
         path, method = scope["path"], scope["method"]
         route, params, handlers = self._route(path)
+        counted = route not in OPEN_ROUTES  # the probes' answers are never refused for load
+        if counted:
+            self.active_requests += 1
+            metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
+        response = None
         try:
-            response = await self._answer(scope, receive, route, params, handlers)
-        except _Disconnected:
-            metrics.HTTP_REQUESTS.labels(route, CLIENT_CLOSED).inc()
-            return
-        except ServiceError as error:
-            response = self._error(path, error)
-        except Exception:
-            log.exception("unhandled error answering %s %s", method, path)
-            response = self._error(path, ServiceError(INTERNAL_MESSAGE))
-        metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
-        headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
-        if response.content_type is not None:
-            headers.append((b"content-type", response.content_type.encode()))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await send({"type": "http.response.body", "body": response.body})
+            try:
+                if counted and self.active_requests > self.max_concurrent_requests:
+                    self._over_concurrency()
+                response = await self._answer(scope, receive, route, params, handlers)
+            except _Disconnected:
+                metrics.HTTP_REQUESTS.labels(route, CLIENT_CLOSED).inc()
+                return
+            except ServiceError as error:
+                response = self._error(path, error)
+            except Exception:
+                log.exception("unhandled error answering %s %s", method, path)
+                response = self._error(path, ServiceError(INTERNAL_MESSAGE))
+            metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
+            headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
+            if response.content_type is not None:
+                headers.append((b"content-type", response.content_type.encode()))
+            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            await send({"type": "http.response.body", "body": response.body})
+        finally:
+            if response is not None and response.answer is not None:
+                self.engine.answered(response.answer)  # sent, or never will be
+            if counted:
+                self.active_requests -= 1
+                metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
+
+    def _over_concurrency(self) -> None:
+        metrics.REJECTED.labels("http_concurrency").inc()
+        raise Overloaded(
+            f"{self.active_requests - 1} HTTP requests are being served, the most this server takes at once"
+            " (--max-concurrent-http-requests); retry later",
+            "http_concurrency",
+        )
 
     async def _answer(
         self, scope: Scope, receive: Receive, route: str, params: dict[str, str], handlers: dict[str, Handler]
@@ -221,6 +253,9 @@ class HttpApp:
                 raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
         if method != "POST":
             return await handler(Call(params, headers, b""))
+        if route.endswith("/infer"):
+            # The model is named by the path: a full queue answers before the body is read or parsed.
+            self.engine.check_room(params["name"], params["version"])
         body = await self._read_body(headers, receive)
         # Cancelling the handler when the client goes away drops its queued work, as for gRPC.
         work = asyncio.ensure_future(handler(Call(params, headers, body)))
@@ -282,7 +317,8 @@ class HttpApp:
     async def _embeddings(self, call: Call) -> Response:
         _check_body_form(call.headers, (JSON,))
         payload = _json(call.body)
-        return Response(200, await openai.embeddings(self.engine, payload, self.max_embedding_inputs))
+        body, result = await openai.embeddings(self.engine, payload, self.max_embedding_inputs)
+        return Response(200, body, answer=result)
 
     async def _openai_models(self, call: Call) -> Response:
         return Response(200, openai.models_list(self.engine, self.created))
@@ -340,7 +376,9 @@ class HttpApp:
         )
         payload = _json(json_part)
         rest = kserve.parse_infer(payload, binary, call.path_params["name"], call.path_params["version"], received)
-        body, json_length = kserve.encode_outputs(rest, await self.engine.infer(rest.request))
+        result = await self.engine.infer(rest.request)
+        body, json_length = await self.engine.encode(result, lambda: kserve.encode_outputs(rest, result))
         if json_length is None:
-            return Response(200, body)
-        return Response(200, body, BINARY, [(kserve.HEADER_LENGTH.encode(), str(json_length).encode())])
+            return Response(200, body, answer=result)
+        header = (kserve.HEADER_LENGTH.encode(), str(json_length).encode())
+        return Response(200, body, BINARY, [header], answer=result)

@@ -9,6 +9,7 @@ from service.errors import (
     NotFound,
     Overloaded,
     ServiceError,
+    TooLarge,
     Unauthenticated,
     Unavailable,
     Unimplemented,
@@ -28,12 +29,13 @@ class UnsupportedMediaType(InvalidArgument):
 
 
 TOO_LARGE_REASONS = frozenset({"message_too_large", "text_too_large", "request_text_too_large", "too_many_inputs"})
-"""Refusals of what the request carries (body, texts, inputs): 413. A response over its limit stays 400."""
+"""Refusals of what the request carries (body, texts, inputs): 413, as is an answer over its limit (TooLarge)."""
 
 _STATUS_BY_ERROR: tuple[tuple[type[ServiceError], int], ...] = (
     (MethodNotAllowed, 405),
     (UnsupportedMediaType, 415),
     (InvalidArgument, 400),
+    (TooLarge, 413),
     (Unauthenticated, 401),
     (NotFound, 404),
     (Overloaded, 429),

@@ -9,18 +9,20 @@ written in JSON as Triton writes them.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from service.answers import JSON_VALUE_BYTES, RAW_VALUE_BYTES
 from service.engine import InferenceRequest, InferenceResult, InputTensor
 from service.errors import InvalidArgument
+from service.repository import OUTPUTS
 
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_OUTPUT = "binary_data_output"
@@ -197,6 +199,10 @@ def parse_infer(payload: object, binary: memoryview, name: str, version: str, re
     if offset != len(binary):
         raise InvalidArgument(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size")
     outputs, binary_outputs = _outputs(fields["outputs"]) if "outputs" in fields else ((), {})
+    value_bytes = {
+        output: RAW_VALUE_BYTES if binary_outputs.get(output, binary_by_default) else JSON_VALUE_BYTES
+        for output in outputs or OUTPUTS
+    }
     request = InferenceRequest(
         model=name,
         version=version,
@@ -205,6 +211,7 @@ def parse_infer(payload: object, binary: memoryview, name: str, version: str, re
         outputs=outputs,
         parameters=values,
         received=received,
+        value_bytes=value_bytes,
     )
     return RestInferRequest(request, binary_outputs, binary_by_default)
 
@@ -219,13 +226,13 @@ def encode_outputs(rest: RestInferRequest, result: InferenceResult) -> tuple[byt
             tensor["parameters"] = {"binary_data_size": array.nbytes}
             chunks.append(array.tobytes())
         else:
-            tensor["data"] = array.ravel().tolist()
+            tensor["data"] = array.ravel()  # each value written in its shortest exact float32 form
         tensors.append(tensor)
     answer: dict[str, object] = {"model_name": result.model, "model_version": result.version}
     if result.id:
         answer["id"] = result.id
     answer["outputs"] = tensors
-    header = json.dumps(answer, separators=(",", ":")).encode()
+    header = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)

@@ -13,8 +13,10 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
-from service.engine import Engine, InferenceRequest, InputTensor, RowLimit
+from service.answers import BASE64_VALUE_BYTES, JSON_VALUE_BYTES
+from service.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
 from service.errors import InvalidArgument
 from service.validation import TEXT_INPUT
 
@@ -70,26 +72,30 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
 
 
 def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tokens: int) -> bytes:
+    rows = np.ascontiguousarray(vectors, dtype=_FLOAT32)
     if request.encoding_format == "base64":
-        rows = np.ascontiguousarray(vectors, dtype=_FLOAT32)
         embeddings: list[object] = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     else:
-        embeddings = vectors.tolist()
+        embeddings = list(rows)  # float32 rows, each value written in its shortest exact form
     body = {
         "object": "list",
         "data": [{"object": "embedding", "index": index, "embedding": item} for index, item in enumerate(embeddings)],
         "model": request.model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
-    return json.dumps(body, separators=(",", ":")).encode()
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-async def embeddings(engine: Engine, payload: object, max_inputs: int) -> bytes:
-    """Answer a /v1/embeddings body: its texts as the engine's request, the one engine call, OpenAI's answer."""
+async def embeddings(engine: Engine, payload: object, max_inputs: int) -> tuple[bytes, InferenceResult]:
+    """Answer a /v1/embeddings body: its texts as the engine's request, the one engine call, OpenAI's answer.
+
+    The result comes back with the body: its bytes stay in the engine's budget until the body is sent.
+    """
     request = parse_embeddings(payload)
     # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
     elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
     texts = InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False)
+    value_bytes = BASE64_VALUE_BYTES if request.encoding_format == "base64" else JSON_VALUE_BYTES
     result = await engine.infer(
         InferenceRequest(
             model=request.model,
@@ -97,9 +103,11 @@ async def embeddings(engine: Engine, payload: object, max_inputs: int) -> bytes:
             outputs=("embedding",),
             row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
             dimensions=request.dimensions,
+            value_bytes={"embedding": value_bytes},
         )
     )
-    return _embeddings_body(result.outputs["embedding"], request, result.prompt_tokens)
+    vectors = result.outputs["embedding"]
+    return await engine.encode(result, lambda: _embeddings_body(vectors, request, result.prompt_tokens)), result
 
 
 def _model_card(name: str, created: int) -> dict[str, object]:

@@ -111,6 +111,20 @@ async def test_each_request_gets_exactly_its_own_rows() -> None:
     await batcher.close(WAIT_S)
 
 
+async def test_a_drain_waits_for_requests_admitted_and_still_being_prepared() -> None:
+    """A request admitted before the drain (its texts still on the tokenizer thread) is answered, not refused."""
+    batcher = await make_batcher("drain-admitted", [FakeRunner()])
+    batcher.admit()
+    closing = asyncio.ensure_future(batcher.close(WAIT_S))
+    await asyncio.sleep(0)  # the drain has begun, and found the queue empty
+    with pytest.raises(Unavailable):
+        batcher.admit()  # new work is refused
+    assert not closing.done()
+    result = await batcher.submit(tokens([[3, 4]]), OUTPUTS, None, admitted=True)
+    assert result.outputs["embedding"].tolist() == [[7, 2]]
+    await closing
+
+
 async def test_multi_row_requests_and_output_subsets() -> None:
     batcher = await make_batcher("subsets", [FakeRunner()])
     first = batcher.submit(tokens([[1, 2, 3], [4, 5, 0]]), ("embedding",), None)

@@ -98,7 +98,7 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(stub) -> None:
 def test_outputs_over_the_response_limit_are_refused_before_running(limited_server, stub) -> None:
     sentence = "a sentence long enough that its hidden states outgrow a four kilobyte answer " * 2
     error = refusal(stub, text_request(sentence, output="last_hidden_state"))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "per response (--max-response-bytes)" in error.details()
     assert counter(limited_server, "encoder_requests_rejected_total", reason="response_too_large") >= 1
     assert len(stub.ModelInfer(text_request(sentence), timeout=10).raw_output_contents) == 1
