@@ -39,6 +39,8 @@ from service.token_rows import TokenRows
 
 log = logging.getLogger(__name__)
 
+EXECUTION_FAILED = "model execution failed for this request's batch; see the server log"
+"""What a client is told when its batch fails: the cause (paths, library internals) goes to the log only."""
 SELECTION_WINDOW_BATCHES = 2
 """A batch is chosen among the waiting rows of the queue's first requests, up to this many batches' worth."""
 MAX_PADDING_FACTOR = 2
@@ -511,9 +513,9 @@ class Batcher:
         """Pad a batch and hand it to an instance, under a watchdog of max_batch_run_s."""
         try:
             feed, real_tokens = self._pad(groups)
-        except Exception as error:
+        except Exception:
             log.exception("padding a batch of %d requests failed", len(groups))
-            self._fail([group.item for group in groups], ModelFailure(f"model execution failed: {error}"))
+            self._fail([group.item for group in groups], ModelFailure(EXECUTION_FAILED))
             self._idle.append(instance)
             return
         batch = _Batch(groups, instance, feed, time.monotonic(), real_tokens)
@@ -594,7 +596,7 @@ class Batcher:
         items = [group.item for group in batch.groups]
         if error is not None:
             log.error("model execution failed for a batch of %d requests", len(items), exc_info=error)
-            self._fail(items, ModelFailure(f"model execution failed: {error}"))
+            self._fail(items, ModelFailure(EXECUTION_FAILED))
             return
         try:
             compute_s = time.monotonic() - batch.started
@@ -603,9 +605,9 @@ class Batcher:
             for group in batch.groups:
                 if not group.item.future.done():  # a cancelled or failed request's rows are discarded
                     self._answer(group, results, compute_s, rows)
-        except Exception as raised:  # a fault here fails this batch's requests only
+        except Exception:  # a fault here fails this batch's requests only
             log.exception("handing back a batch of %d requests failed", len(items))
-            self._fail(items, ModelFailure(f"model execution failed: {raised}"))
+            self._fail(items, ModelFailure(EXECUTION_FAILED))
 
     def _answer(self, group: _Group, results: dict[str, np.ndarray], compute_s: float, batch_rows: int) -> None:
         """Hand a request its rows from this batch; resolve it once all of its rows are back."""

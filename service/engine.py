@@ -205,7 +205,8 @@ class Engine:
             if state is not None and state.state == "LOADING":
                 raise Unavailable(f"model {name} is loading")
             if state is not None:
-                raise Unavailable(f"model {name} failed to load: {state.reason}")
+                # The reason (paths, library messages) is the log's and the repository index's, not every caller's.
+                raise Unavailable(f"model {name} failed to load; see the server log or the repository index")
             raise NotFound(f"unknown model {name!r}")
         if version not in ("", model.spec.version):
             raise NotFound(f"model {name} has no version {version!r} (served: {model.spec.version})")
