@@ -19,7 +19,7 @@ import orjson
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from service.answers import JSON_VALUE_BYTES, RAW_VALUE_BYTES
+from service.answers import JSON_VALUE_BYTES, RAW_VALUE_BYTES, json_values
 from service.engine import InferenceRequest, InferenceResult, InputTensor
 from service.errors import InvalidArgument
 from service.repository import OUTPUTS
@@ -226,13 +226,13 @@ def encode_outputs(rest: RestInferRequest, result: InferenceResult) -> tuple[byt
             tensor["parameters"] = {"binary_data_size": array.nbytes}
             chunks.append(array.tobytes())
         else:
-            tensor["data"] = array.ravel()  # each value written in its shortest exact float32 form
+            tensor["data"] = json_values(array)
         tensors.append(tensor)
     answer: dict[str, object] = {"model_name": result.model, "model_version": result.version}
     if result.id:
         answer["id"] = result.id
     answer["outputs"] = tensors
-    header = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    header = orjson.dumps(answer)
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)

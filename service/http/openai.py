@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from service.answers import BASE64_VALUE_BYTES, JSON_VALUE_BYTES
+from service.answers import BASE64_VALUE_BYTES, JSON_VALUE_BYTES, json_values
 from service.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
 from service.errors import InvalidArgument
 from service.validation import TEXT_INPUT
@@ -76,14 +76,14 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
     if request.encoding_format == "base64":
         embeddings: list[object] = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     else:
-        embeddings = list(rows)  # float32 rows, each value written in its shortest exact form
+        embeddings = [json_values(row) for row in rows]
     body = {
         "object": "list",
         "data": [{"object": "embedding", "index": index, "embedding": item} for index, item in enumerate(embeddings)],
         "model": request.model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    return orjson.dumps(body)
 
 
 async def embeddings(engine: Engine, payload: object, max_inputs: int) -> tuple[bytes, InferenceResult]:
