@@ -87,7 +87,8 @@ perf-analyzer: $(VENV)/.installed system-packages $(MODEL_FILE)
 
 # Hostile phases against a running server (make serve in another shell); report in bench-results/stress/.
 stress: $(VENV)/.installed
-	$(PY) -m client.stress --target 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics --output bench-results/stress
+	$(PY) -m client.stress --target 127.0.0.1:8001 --http-target 127.0.0.1:8000 --metrics-url http://127.0.0.1:8002/metrics \
+		--output bench-results/stress
 
 clean:
 	rm -rf $(VENV) $(REPOSITORY) bench-results loadtest-results perf-results gpu-report .pytest_cache .ruff_cache .test-cache

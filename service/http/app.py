@@ -41,6 +41,8 @@ CLIENT_CLOSED = "499"
 """The status label of requests whose client left before the answer (nginx's code for it; nothing is sent)."""
 RETRY_AFTER_S = b"1"
 """Retry-After (seconds) on 429 (queue full) and 503 (draining, model unavailable)."""
+SEND_PART_BYTES = 256 * 1024
+"""A large body is sent in parts of this size (see HttpApp._send_body)."""
 OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
 """Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
 UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send the header 'Authorization: Bearer <key>'"
@@ -216,13 +218,29 @@ class HttpApp:
             if response.content_type is not None:
                 headers.append((b"content-type", response.content_type.encode()))
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
-            await send({"type": "http.response.body", "body": response.body})
+            await self._send_body(send, response.body)
         finally:
             if response is not None and response.answer is not None:
                 self.engine.answered(response.answer)  # sent, or never will be
             if counted:
                 self.active_requests -= 1
                 metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
+
+    @staticmethod
+    async def _send_body(send: Send, body: bytes) -> None:
+        """Send a body; a large one in parts, each once the connection has taken most of the one before.
+
+        uvicorn waits for a slow reader before a write, never after one: the last send returns once
+        the body is in the connection's buffer. Written in parts and closed with an empty part, a
+        large answer is out of the buffer (all but its last part) when this returns, so it stays in
+        the answer budget while a client that reads slowly holds it.
+        """
+        if len(body) <= SEND_PART_BYTES:
+            await send({"type": "http.response.body", "body": body})
+            return
+        for start in range(0, len(body), SEND_PART_BYTES):
+            await send({"type": "http.response.body", "body": body[start : start + SEND_PART_BYTES], "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
     def _over_concurrency(self) -> None:
         metrics.REJECTED.labels("http_concurrency").inc()

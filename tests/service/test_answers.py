@@ -27,7 +27,7 @@ import pytest
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from tests.conftest import TINY_CONFIG, TINY_MODEL
+from tests.conftest import DEFAULT_MODEL, TINY_CONFIG, TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, start_server, wait_for_metric
 
 SENTENCE = "a sentence long enough that its hidden states take a few kilobytes once they are written out as JSON"
@@ -209,3 +209,35 @@ def test_every_process_observes_its_event_loop_lag(tiny_server: RunningServer) -
     while metric_value(metric_samples(tiny_server), "encoder_event_loop_lag_seconds_count") < before + 2:
         assert time.monotonic() < deadline, "the event loop's lag is not observed"
         time.sleep(0.05)
+
+
+def test_an_http_answer_a_client_does_not_read_stays_in_the_budget(default_server: RunningServer) -> None:
+    """Written in parts, an answer leaves the budget only once the connection has taken it, not when it is queued."""
+    texts = [" ".join(["word"] * 300) for _ in range(8)]  # 8 rows of 256 tokens
+    body = json.dumps(
+        {
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [len(texts)], "data": texts}],
+            "outputs": [{"name": "last_hidden_state"}],
+        }
+    ).encode()
+    as_json = len(texts) * 256 * 384 * 16  # the answer's size as counted: 12 MiB, far past what sockets buffer
+    head = f"POST /v2/models/{DEFAULT_MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    answered = {"model": DEFAULT_MODEL, "version": "1", "code": "OK"}
+    before = metric_value(metric_samples(default_server), "encoder_requests_total", **answered)
+    readers = []
+    try:
+        for _ in range(2):
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
+            reader.connect(("127.0.0.1", default_server.http_port))
+            reader.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            readers.append(reader)
+        # The engine has answered both (their answers are written): the bytes are still counted.
+        wait_for_metric(default_server, "encoder_requests_total", before + 2, timeout_s=120, **answered)
+        samples = metric_samples(default_server)
+        assert metric_value(samples, "encoder_answer_bytes_in_flight") == 2 * as_json
+        assert metric_value(samples, "encoder_http_requests_active") == 2
+    finally:
+        for reader in readers:
+            reader.close()
+    wait_for_metric(default_server, "encoder_answer_bytes_in_flight", 0)
