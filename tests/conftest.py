@@ -14,13 +14,18 @@ from export.pipeline import ExportOptions, export_model
 from tests.servers import RunningServer, cuda_usable, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY_MODEL = "tiny-text-encoder"
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 SHARED_DEFAULT_REPOSITORY = "ENCODER_TEST_DEFAULT_REPOSITORY"
 """Where `make test`'s pytest runs share one export of the default model (it takes minutes); unset: a temp folder."""
 TINY_CONFIG = EncoderConfig(vocab_size=30522, d_model=32, num_heads=2, num_layers=2, ffn_dim=64, max_positions=128)
+INT8_PROMISED_COSINE = 0.997
+"""The README's promise for int8: cosine >= 0.997 to the model on the gate sentences (export/data/sentences.txt).
+
+Tests of int8 on those sentences hold it to this. The export's gate (0.99) is looser, and so are tests
+of inputs the promise is not about (left-padded or holed rows, one-word texts: README measured 0.995).
+"""
 
 
 DEVICE_MARKERS = ("gpu", "no_gpu")

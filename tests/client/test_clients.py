@@ -9,7 +9,7 @@ import pytest
 from client import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError
 from client.loadtest.corpus import load_corpus
 from tests.conftest import TINY_MODEL
-from tests.servers import RunningServer
+from tests.servers import RunningServer, metric_samples, metric_value, wait_for_metric
 
 TEXTS = list(load_corpus("short")[:5]) + list(load_corpus("long")[:2])
 DIMENSION = 32
@@ -68,11 +68,31 @@ async def test_unknown_model_is_not_found(tiny_server: RunningServer) -> None:
     assert caught.value.code == grpc.StatusCode.NOT_FOUND
 
 
-async def test_deadline_shorter_than_the_batching_delay_is_exceeded(slow_server: RunningServer) -> None:
+def test_deadline_shorter_than_the_batching_delay_is_exceeded(slow_server: RunningServer) -> None:
+    labels = {"model": TINY_MODEL, "version": "1"}
+    before = metric_samples(slow_server)
     client = EmbeddingClient(slow_server.target, model=TINY_MODEL, timeout_s=0.2)
     with client, pytest.raises(EmbeddingError) as caught:
         client.embed(["a request that waits in the batcher"])
     assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The deadline reached the server: it took the request out of its queue before the batch ran
+    # (1 s on) and answered it DEADLINE_EXCEEDED, which it can only know from the call's deadline
+    # (a client that merely went away is counted CANCELLED).
+    exceeded = metric_value(before, "encoder_requests_total", code="DEADLINE_EXCEEDED", **labels)
+    wait_for_metric(slow_server, "encoder_requests_total", exceeded + 1, code="DEADLINE_EXCEEDED", **labels)
+    after = metric_samples(slow_server)
+
+    def change(name: str, **extra: str) -> float:
+        return metric_value(after, name, **labels, **extra) - metric_value(before, name, **labels, **extra)
+
+    assert (
+        change("encoder_requests_dropped_total", reason="expired")
+        + change("encoder_requests_dropped_total", reason="cancelled")
+        == 1
+    )
+    assert change("encoder_requests_total", code="CANCELLED") == 0
+    assert change("encoder_sequences_total") == 0  # the model never ran it
+    assert after[("encoder_queue_depth", tuple(sorted(labels.items())))] == 0  # and the queue is empty again
 
 
 def test_empty_input_is_refused_before_sending(tiny_server: RunningServer) -> None:

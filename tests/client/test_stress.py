@@ -5,7 +5,8 @@ cannot drain a burst as fast as it arrives: the bursts go far past the queue. Wh
 demands of the server is asserted here: every request answered, never UNKNOWN or INTERNAL, bursts
 refused with RESOURCE_EXHAUSTED rather than CANCELLED (after the deadline storm and the
 cancellations too), nothing left in flight, and a normal request served at the end; and of the
-suite: its JSON, PNG and table, with the server's RSS watched.
+suite: its JSON, PNG and table, with the server's RSS watched. The suite's tallies are checked
+against the server's own counts, and its verdict against a server whose model fails every run.
 """
 
 from __future__ import annotations
@@ -13,17 +14,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from onnx import helper
 
 from client import EmbeddingClient
 from client.stress import PHASE_NAMES
 from client.stress.__main__ import main
+from service.repository import FIDELITY_FILE
 from tests.conftest import TINY_MODEL
-from tests.servers import ROOT, RunningServer, free_port, start_server
+from tests.onnx_graphs import WIDTH, constant, save_token_graph
+from tests.servers import ROOT, MetricSamples, RunningServer, free_port, metric_samples, start_server
 
 QUEUE_BOUND = 16
 BATCH_DELAY_US = 200_000
@@ -52,18 +57,40 @@ def stress_server(tiny_repository: Path, tmp_path_factory: pytest.TempPathFactor
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def stress_run(stress_server: RunningServer, tmp_path_factory: pytest.TempPathFactory) -> StressRun:
-    output_dir = tmp_path_factory.mktemp("stress-results")
+def run_stress(server: RunningServer, output_dir: Path, *arguments: str) -> StressRun:
+    """`python -m client.stress --quick` against a server, and the one JSON report it wrote."""
     command = [
-        *(sys.executable, "-m", "client.stress", "--target", stress_server.target, "--model", TINY_MODEL),
-        *("--quick", "--metrics-url", stress_server.metrics_url, "--safety-timeout-s", "60"),
-        *("--output", str(output_dir)),
+        *(sys.executable, "-m", "client.stress", "--target", server.target, "--model", TINY_MODEL),
+        *("--quick", "--metrics-url", server.metrics_url, "--safety-timeout-s", "60"),
+        *("--output", str(output_dir), *arguments),
     ]
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     json_paths = list(output_dir.glob("stress-*.json"))
     assert len(json_paths) == 1, f"exit {finished.returncode}: {finished.stderr[-2000:]}"
     return StressRun(finished, json.loads(json_paths[0].read_text()), output_dir)
+
+
+@pytest.fixture(scope="module")
+def stress_run(stress_server: RunningServer, tmp_path_factory: pytest.TempPathFactory) -> StressRun:
+    return run_stress(stress_server, tmp_path_factory.mktemp("stress-results"))
+
+
+def answered_by_code(samples: MetricSamples) -> Counter[str]:
+    """encoder_requests_total by status code, as the server counts the inference requests it answered."""
+    counts: Counter[str] = Counter()
+    for (name, labels), value in samples.items():
+        if name == "encoder_requests_total":
+            counts[dict(labels)["code"]] += int(value)
+    return counts
+
+
+def tallied_by_code(run: StressRun) -> Counter[str]:
+    """Every inference request the suite reports, by outcome: each phase's (gRPC inferences here) and each probe's."""
+    counts: Counter[str] = Counter()
+    for phase in run.document["phases"]:
+        counts.update(phase["outcomes"])
+    counts.update(code for _, _, code in run.document["probes"])
+    return counts
 
 
 def test_every_phase_ran_and_every_request_was_answered(stress_run: StressRun) -> None:
@@ -100,6 +127,54 @@ def test_every_phase_passed_and_left_nothing_in_flight(stress_run: StressRun) ->
         assert phase["unexpected"] == {}, (phase["name"], phase["unexpected"], phase["notes"])
     assert stress_run.document["passed"] is True
     assert stress_run.finished.returncode == 0, stress_run.finished.stdout[-3000:]
+
+
+def test_a_bursts_tallies_are_what_the_server_counted(stress_server: RunningServer, tmp_path: Path) -> None:
+    before = answered_by_code(metric_samples(stress_server))
+    run = run_stress(stress_server, tmp_path, "--phases", "burst_one_channel")
+    after = metric_samples(stress_server)
+    answered = answered_by_code(after) - before
+    # Code by code, the requests the suite tallied (the burst, the final request, every probe) are
+    # the ones the server says it answered: none lost, none counted twice, none given another status.
+    assert answered == tallied_by_code(run)
+    assert answered["RESOURCE_EXHAUSTED"] > 0 and answered["OK"] > 0, answered
+    assert run.phase("burst_one_channel")["outcomes"]["RESOURCE_EXHAUSTED"] <= answered["RESOURCE_EXHAUSTED"]
+    # Nothing left in flight or queued, as read by this test from the server itself.
+    labels = (("model", TINY_MODEL), ("version", "1"))
+    assert after[("encoder_inflight_requests", labels)] == after[("encoder_queue_depth", labels)] == 0
+    assert run.document["passed"] is True and run.finished.returncode == 0
+
+
+def _model_that_always_fails(path: Path) -> None:
+    """A graph that loads and fails every run: the ids are reshaped into rows of 1000 tokens (128 at most)."""
+    nodes = [
+        constant("thousands", [0, -1, 1000]),
+        helper.make_node("Reshape", ["ids", "thousands"], ["grouped"]),
+        constant("row_axes", [1, 2]),
+        helper.make_node("ReduceSum", ["grouped", "row_axes"], ["row_sums"], keepdims=0),
+        constant("column", [-1, 1]),
+        helper.make_node("Reshape", ["row_sums", "column"], ["row_sums_2d"]),
+        constant("widths", [1, WIDTH]),
+        helper.make_node("Tile", ["row_sums_2d", "widths"], ["embedding"]),
+    ]
+    save_token_graph(path, "always_fails", nodes)
+
+
+def test_a_server_whose_model_fails_gets_a_failing_verdict(repository_copy: Path, tmp_path: Path) -> None:
+    _model_that_always_fails(repository_copy / TINY_MODEL / "1" / "model.onnx")
+    (repository_copy / TINY_MODEL / FIDELITY_FILE).unlink(missing_ok=True)  # references of the real model
+    flags = ("--no-warmup", "--device", "cpu")
+    with start_server(repository_copy, tmp_path / "server.log", *flags) as server:
+        run = run_stress(server, tmp_path / "results", "--phases", "baseline")
+        answered = answered_by_code(metric_samples(server))
+    # The server failed every inference, and the suite saw each failure as the server reported it.
+    assert set(answered) == {"INTERNAL"}, answered
+    assert answered == tallied_by_code(run)
+    assert run.phase("final_request")["outcomes"] == {"INTERNAL": 1}
+    assert run.phase("final_request")["unexpected"] == {"INTERNAL": 1}
+    assert run.phase("final_request")["passed"] is False
+    assert run.document["passed"] is False
+    assert run.finished.returncode == 1, run.finished.stderr[-2000:]
 
 
 def test_the_final_request_succeeded_and_the_server_still_serves(

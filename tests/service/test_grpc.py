@@ -24,11 +24,11 @@ from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
 from export.parity import read_sentences
-from service.fidelity import DEFAULT_VARIANTS, VARIANT_MIN_COSINE, required_cosine
+from service.fidelity import DEFAULT_VARIANTS, required_cosine
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.repository import FIDELITY_FILE
-from tests.conftest import DEFAULT_MODEL, TINY_MODEL
+from tests.conftest import DEFAULT_MODEL, INT8_PROMISED_COSINE, TINY_MODEL
 from tests.onnx_graphs import WIDTH, constant, save_token_graph
 from tests.servers import RunningServer, start_server, wait_for_queue_depth
 
@@ -192,7 +192,7 @@ def test_the_default_variant_meets_the_fidelity_rule(
     assert cosines.min() >= required_cosine(variant, chosen_by_default=True), (variant, cosines.min(), worst[:60])
 
 
-def test_int8_when_asked_for_meets_its_own_bar(
+def test_int8_when_asked_for_keeps_the_readme_promise(
     default_repository: Path, sentence_transformers_embeddings: tuple[list[str], np.ndarray], tmp_path: Path
 ) -> None:
     # Pinned to the CPU: int8 is a CPU variant (its quantised operators have no CUDA kernels).
@@ -201,7 +201,9 @@ def test_int8_when_asked_for_meets_its_own_bar(
         assert served_variant(server) == "int8"
         cosines = served_cosines(server, sentence_transformers_embeddings)
     worst = sentence_transformers_embeddings[0][int(cosines.argmin())]
-    assert cosines.min() >= VARIANT_MIN_COSINE["int8"], (cosines.min(), worst[:60])
+    # The gate sentences as served, against the model as its users run it: what the README promises
+    # (stricter than the 0.99 the server checks int8 against at load).
+    assert cosines.min() >= INT8_PROMISED_COSINE, (cosines.min(), worst[:60])
     assert cosines.mean() >= 0.995
 
 

@@ -70,18 +70,20 @@ def refusal(stub, request) -> grpc.RpcError:
 
 
 def test_a_text_over_the_per_text_limit_is_refused_by_name(limited_server, stub) -> None:
+    before = counter(limited_server, "encoder_requests_rejected_total", reason="text_too_large")
     error = refusal(stub, text_request("short", "x" * 1001))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details() == ("input text[1] is 1001 bytes, over the limit of 1000 bytes per text (--max-text-bytes)")
-    assert counter(limited_server, "encoder_requests_rejected_total", reason="text_too_large") >= 1
+    assert counter(limited_server, "encoder_requests_rejected_total", reason="text_too_large") == before + 1
     assert len(stub.ModelInfer(text_request("x" * 1000), timeout=10).raw_output_contents) == 1
 
 
 def test_texts_over_the_per_request_total_are_refused_by_name(limited_server, stub) -> None:
+    before = counter(limited_server, "encoder_requests_rejected_total", reason="request_text_too_large")
     error = refusal(stub, text_request(*["y" * 800] * 4))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "total 3200 bytes, over the limit of 3000 bytes per request (--max-request-text-bytes)" in error.details()
-    assert counter(limited_server, "encoder_requests_rejected_total", reason="request_text_too_large") >= 1
+    assert counter(limited_server, "encoder_requests_rejected_total", reason="request_text_too_large") == before + 1
 
 
 def test_a_message_over_the_size_limit_is_resource_exhausted(stub) -> None:
@@ -97,10 +99,11 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(stub) -> None:
 
 def test_outputs_over_the_response_limit_are_refused_before_running(limited_server, stub) -> None:
     sentence = "a sentence long enough that its hidden states outgrow a four kilobyte answer " * 2
+    before = counter(limited_server, "encoder_requests_rejected_total", reason="response_too_large")
     error = refusal(stub, text_request(sentence, output="last_hidden_state"))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "per response (--max-response-bytes)" in error.details()
-    assert counter(limited_server, "encoder_requests_rejected_total", reason="response_too_large") >= 1
+    assert counter(limited_server, "encoder_requests_rejected_total", reason="response_too_large") == before + 1
     assert len(stub.ModelInfer(text_request(sentence), timeout=10).raw_output_contents) == 1
 
 

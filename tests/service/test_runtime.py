@@ -7,6 +7,7 @@ the CUDA side of the same logic is in test_gpu.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 import subprocess
@@ -33,9 +34,7 @@ from service.runtime import (
     ModelRuntime,
     choose_variant,
     create_instances,
-    cuda_provider_options,
     cuda_unavailable_reason,
-    session_options,
     target_device,
 )
 from tests.conftest import DEFAULT_MODEL, TINY_CONFIG, TINY_MODEL
@@ -85,25 +84,93 @@ def test_the_reason_cuda_cannot_be_used_is_ours_and_concrete() -> None:
     ), reason
 
 
-def test_threads_spin_only_when_allowed_and_only_while_a_run_is_under_way() -> None:
-    still = session_options(ExecutionSettings(intra_op_threads=2))
-    assert still.intra_op_num_threads == 2
-    assert still.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    assert still.get_session_config_entry("session.inter_op.allow_spinning") == "0"
-    spinning = session_options(ExecutionSettings(allow_spinning=True))
-    assert spinning.get_session_config_entry("session.intra_op.allow_spinning") == "1"
-    assert spinning.get_session_config_entry("session.force_spinning_stop") == "1"
+OBSERVE_THREADS = """
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from service.repository import read_model
+from service.runtime import ExecutionSettings, ModelRuntime
 
 
-def test_cuda_options_carry_the_memory_settings_and_keep_fp32_exact() -> None:
-    options = cuda_provider_options(
-        ExecutionSettings(cuda_device_id=1, gpu_mem_limit_bytes=2**30, arena_extend_strategy="kNextPowerOfTwo")
+def tasks():
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def cpu_ticks(tid):
+    text = Path(f"/proc/self/task/{tid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+model, threads, spinning = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+rounds, runs, idle_s = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+before = tasks()
+settings = ExecutionSettings(device="cpu", intra_op_threads=threads, allow_spinning=spinning)
+runtime = ModelRuntime(read_model(model), settings)
+workers = sorted(tasks() - before)
+feed = {
+    "input_ids": np.full((1, 8), 2023, dtype=np.int64),
+    "attention_mask": np.ones((1, 8), dtype=np.int64),
+    "token_type_ids": np.zeros((1, 8), dtype=np.int64),
+}
+running = idle = 0
+for _ in range(rounds):
+    started = sum(cpu_ticks(tid) for tid in workers)
+    for _ in range(runs):
+        runtime.run(feed, ("embedding",))
+    ran = sum(cpu_ticks(tid) for tid in workers)
+    time.sleep(idle_s)
+    running, idle = running + ran - started, idle + sum(cpu_ticks(tid) for tid in workers) - ran
+print(json.dumps({"workers": len(workers), "running": running, "idle": idle}))
+"""
+"""A fresh process (so that no other thread starts meanwhile) creates a ModelRuntime and reports the
+threads its session started, and the CPU clock ticks (10 ms) those threads used during rounds of runs
+and during the idle wait after each round."""
+ROUNDS = 6
+TINY_RUNS = 500
+"""Runs of the tiny model a round: 3000 in all, about half a second, for tens of ticks of spinning."""
+IDLE_S = 0.2
+"""The wait measured after each round's last run (ONNX Runtime's own default keeps spinning into it)."""
+
+
+def observe_threads(tiny_repository: Path, threads: int, *, spinning: bool) -> dict[str, int]:
+    """Workers the session of a `threads`-thread instance started, and the ticks they used running and idle."""
+    model = str(tiny_repository / TINY_MODEL)
+    arguments = [model, str(threads), "1" if spinning else "0", str(ROUNDS), str(TINY_RUNS), str(IDLE_S)]
+    finished = subprocess.run(
+        [sys.executable, "-c", OBSERVE_THREADS, *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
-    assert options["device_id"] == "1"
-    assert options["gpu_mem_limit"] == str(2**30)
-    assert options["arena_extend_strategy"] == "kNextPowerOfTwo"
-    assert options["use_tf32"] == "0"
-    assert "gpu_mem_limit" not in cuda_provider_options(ExecutionSettings())
+    assert finished.returncode == 0, finished.stderr
+    return json.loads(finished.stdout)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_an_instance_runs_on_the_intra_op_threads_asked_for(tiny_repository: Path, threads: int) -> None:
+    # ONNX Runtime's intra-op pool is the calling thread and threads - 1 workers (left to its default,
+    # one per core); sequential execution starts no inter-op pool beside it.
+    assert observe_threads(tiny_repository, threads, spinning=False)["workers"] == threads - 1
+
+
+def test_threads_spin_only_when_allowed_and_only_while_a_run_is_under_way(tiny_repository: Path) -> None:
+    still = observe_threads(tiny_repository, 2, spinning=False)
+    spinning = observe_threads(tiny_repository, 2, spinning=True)
+    assert still["workers"] == spinning["workers"] == 1
+    # While runs are under way a worker that may spin busy-waits for work between operators; one that
+    # may not sleeps there (measured: about 45 against 10 ticks, the 10 being work it was given).
+    assert spinning["running"] > 2 * still["running"], (still, spinning)
+    # Once a round's last run has returned, neither burns any CPU (without force_spinning_stop, a
+    # worker allowed to spin went on for 20-30 ticks over these waits).
+    assert still["idle"] == spinning["idle"] == 0, (still, spinning)
 
 
 def test_default_variant_follows_the_fidelity_rule(default_repository: Path) -> None:

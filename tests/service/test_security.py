@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import trustme
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from tritonclient.utils import InferenceServerException
 
 from service.proto import grpc_service_pb2 as pb
@@ -25,7 +27,7 @@ from service.security import KEY_CHECK_INTERVAL_S
 from service.settings import SettingsError, load_settings
 from tests.conftest import TINY_MODEL
 from tests.pki import Pki
-from tests.servers import RunningServer, failed_start, free_port, start_server
+from tests.servers import RunningServer, failed_start, free_port, metric_samples, metric_value, start_server
 
 KEY = "k-0123456789abcdef"
 
@@ -190,9 +192,18 @@ def test_api_keys_guard_every_inference_service_method(keyed_server, method: str
 
 def test_health_and_reflection_stay_open_with_api_keys(keyed_server) -> None:
     server, _ = keyed_server
-    with grpc.insecure_channel(server.target) as channel:
+    with grpc.insecure_channel(server.target) as channel:  # no key on this channel
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-    assert status == health_pb2.HealthCheckResponse.SERVING
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        # Reflection lists the services and describes them (grpcurl's `list` and `describe`).
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= set(database.get_services())
+        described = descriptor_pool.DescriptorPool(database).FindServiceByName("inference.GRPCInferenceService")
+        assert described.FindMethodByName("ModelInfer").input_type.full_name == "inference.ModelInferRequest"
+        # On the same channel, the inference service itself still wants the key.
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(text_request(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_tritonclient_sends_the_key_as_a_header(keyed_server) -> None:
@@ -233,10 +244,12 @@ def test_a_rewritten_key_file_takes_effect_without_a_restart(keyed_server) -> No
 
 def test_unauthenticated_calls_are_counted(keyed_server) -> None:
     server, _ = keyed_server
-    with pytest.raises(grpc.RpcError):
-        call(server, "ModelInfer", text_request())
-    metrics = __import__("urllib.request").request.urlopen(server.metrics_url, timeout=5).read().decode()
-    assert 'encoder_requests_rejected_total{reason="unauthenticated"}' in metrics
+    before = metric_value(metric_samples(server), "encoder_requests_rejected_total", reason="unauthenticated")
+    for metadata in ((), (("authorization", "Bearer wrong"),)):
+        with pytest.raises(grpc.RpcError):
+            call(server, "ModelInfer", text_request(), metadata)
+    after = metric_value(metric_samples(server), "encoder_requests_rejected_total", reason="unauthenticated")
+    assert after - before == 2
 
 
 @pytest.mark.parametrize(
