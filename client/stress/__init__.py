@@ -1,9 +1,10 @@
 """Stress suite for a running encoder server: hostile load, precise statuses, and a server still serving.
 
-Overload, huge inputs, deadline storms, cancellation, slow readers and malformed messages.
+Overload, huge inputs, deadline storms, cancellation, slow readers, oversized answers, slow readers of big
+answers, a stream across connection recycles and malformed messages.
 
     config = StressConfig(target="127.0.0.1:8001", scale=0.05)
-    result = asyncio.run(run_suite(config))      # SuiteResult: per-phase outcomes, probe, RSS
+    result = asyncio.run(run_suite(config))      # SuiteResult: per-phase outcomes, probe, health, RSS, loop lag
     print(format_table(result)); write_reports(Path("out"), "stress", result)
 
 `python -m client.stress --help` runs it from the command line.

@@ -1,13 +1,16 @@
 """`python -m client.stress`: hostile load against a running server, phase by phase, with a verdict.
 
 Phases: baseline, burst_one_channel, burst_many_channels, huge_texts, deadline_storm, cancellation,
-slow_readers, malformed, burst_after (the queue bound must still hold), then one normal request
-that must succeed. Per phase: outcomes by gRPC status, requests accepted but never answered (must
-be 0), p50/p99 of a small probe request sent alongside, and the server's RSS (from /proc, when
-the server runs on this machine). After each phase the suite waits until the server reports
-nothing in flight or queued (--metrics-url) and its CPU is idle. Results: a table on stdout, JSON
-and a PNG in --output. Exit status 0 when every phase passed, 1 when one did not, 2 on bad use or
-an unusable target, 130 if interrupted. UNKNOWN, INTERNAL and unanswered requests always fail.
+slow_readers, oversized_answers, slow_readers_big_answers, stream_recycle, malformed, burst_after
+(the queue bound must still hold), then one normal request that must succeed. Per phase: outcomes
+by gRPC status (HTTP ones as `HTTP 413`), requests accepted but never answered (must be 0), p50/p99
+of a small probe request and p50/p99/max of a health check sent alongside, the server's RSS (from
+/proc, when the server runs on this machine), and with --metrics-url its largest event-loop lag and
+its refusals by reason. After each phase the suite waits until the server reports nothing in flight
+or queued (--metrics-url) and its CPU is idle. The answer phases' HTTP halves need --http-target.
+Results: a table on stdout, JSON and a PNG in --output. Exit status 0 when every phase passed, 1
+when one did not, 2 on bad use or an unusable target, 130 if interrupted. UNKNOWN, INTERNAL and
+unanswered requests always fail.
 """
 
 from __future__ import annotations
@@ -57,7 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--safety-timeout-s", type=float, default=60.0, help="no response by then = accepted but never answered"
     )
     parser.add_argument("--server-pid", type=int, help="the server's process id, for its RSS (found from the port)")
-    parser.add_argument("--metrics-url", help="the server's /metrics URL: in-flight and queued must return to 0")
+    parser.add_argument(
+        "--metrics-url", help="the server's /metrics URL: in-flight and queued must return to 0; loop lag, refusals"
+    )
+    parser.add_argument(
+        "--http-target", help="HOST:PORT of the server's HTTP port (KServe v2 REST), for the answer phases' HTTP halves"
+    )
+    parser.add_argument(
+        "--stream-seconds",
+        type=float,
+        help="how long stream_recycle keeps sending (default 20 s x scale); above the server's --max-connection-age-s"
+        " to see its streams recycled",
+    )
     parser.add_argument(
         "--settle-timeout-s", type=float, default=15.0, help="longest wait after a phase for the server to settle"
     )
@@ -91,7 +105,9 @@ def config_from_args(args: argparse.Namespace) -> StressConfig:
         safety_timeout_s=args.safety_timeout_s,
         server_pid=args.server_pid,
         metrics_url=args.metrics_url,
+        http_target=args.http_target,
         settle_timeout_s=args.settle_timeout_s,
+        stream_seconds=args.stream_seconds,
         phases=_phases(args.phases),
         seed=args.seed,
     )

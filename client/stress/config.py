@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from client import DEFAULT_MODEL
 from client.protocol import ClientSecurity
+from client.stress.rawh2 import split_target
 
 QUICK_SCALE = 0.05
 """`--quick`: every count and hold time scaled down to this share (a run of well under a minute)."""
@@ -31,9 +32,16 @@ class StressConfig:
     server_pid: int | None = None
     """The server's process, for its RSS; found from the port when the target is on this machine."""
     metrics_url: str | None = None
-    """The server's /metrics: after each phase, wait for its in-flight and queue gauges to reach 0."""
+    """The server's /metrics: after each phase, wait for its in-flight and queue gauges to reach 0, and
+    read its event-loop lag and refusals."""
+    http_target: str | None = None
+    """host:port of the server's HTTP port (KServe v2 REST): without it, the HTTP halves of the
+    answer phases are skipped."""
     settle_timeout_s: float = 15.0
     """Longest wait after a phase for those gauges to reach 0 and the server's CPU to go idle."""
+    stream_seconds: float | None = None
+    """How long the stream phase keeps sending (None: 20 s times `scale`, at least 2 s); to see a
+    stream outlive its connection, longer than the server's --max-connection-age-s."""
     phases: tuple[str, ...] | None = None
     """Phases to run, in the suite's order (None: all); the final normal request always runs."""
     seed: int = 0
@@ -49,6 +57,10 @@ class StressConfig:
                 raise StressConfigError(f"{name} must be positive, got {value:g}")
         if self.server_pid is not None and self.server_pid <= 0:
             raise StressConfigError(f"server_pid must be positive, got {self.server_pid}")
+        if self.http_target is not None and split_target(self.http_target) is None:
+            raise StressConfigError(f"http_target must be host:port, got {self.http_target!r}")
+        if self.stream_seconds is not None and not (math.isfinite(self.stream_seconds) and self.stream_seconds > 0):
+            raise StressConfigError(f"stream_seconds must be positive, got {self.stream_seconds:g}")
 
     def count(self, full: int, minimum: int = 1) -> int:
         """A phase's count at this scale (`full` at scale 1), at least `minimum`."""
@@ -68,7 +80,9 @@ class StressConfig:
             "safety_timeout_s": self.safety_timeout_s,
             "server_pid": self.server_pid,
             "metrics_url": self.metrics_url,
+            "http_target": self.http_target,
             "settle_timeout_s": self.settle_timeout_s,
+            "stream_seconds": self.stream_seconds,
             "phases": None if self.phases is None else list(self.phases),
             "seed": self.seed,
         }

@@ -1,9 +1,11 @@
-"""What the stress suite watches while it runs: a small probe request and the server's memory.
+"""What the stress suite watches while it runs: a small probe request, a health check and the server's memory.
 
-Both run in a separate process (spawned, so it shares no gRPC state with the load), so the probe's
+They run in a separate process (spawned, so it shares no gRPC state with the load), so the probe's
 latency is the server's, not the load generator's own event loop stalling under thousands of
 calls. Times are `time.monotonic()`, one clock for every process on the machine. The probe can be
-paused, so that checking the server's in-flight gauges after a phase does not count the probe.
+paused, so that checking the server's in-flight gauges after a phase does not count the probe. The
+health check (grpc.health.v1, as kubelet sends it: no API key) never waits on the model, so its
+latency is the server's event loop and transport alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import MAX_MESSAGE_BYTES
 from client.local_server import process_cpu_seconds
@@ -35,7 +38,10 @@ _START_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Probe:
-    """One probe request: when it was sent, how long it took, and its status name."""
+    """One probe request or health check: when it was sent, how long it took, and its status name.
+
+    A health check that is answered but not SERVING has that status as its code (NOT_SERVING...).
+    """
 
     sent_at: float
     latency_s: float
@@ -179,13 +185,33 @@ def _probe_loop(settings: MonitorSettings, signals: _Signals, probes: list[Probe
             signals.stop.wait(max(0.0, sent_at + settings.probe_interval_s - time.monotonic()))
 
 
+def _health_loop(settings: MonitorSettings, stop: multiprocessing.synchronize.Event, checks: list[Probe]) -> None:
+    request = health_pb2.HealthCheckRequest(service="")
+    serving = health_pb2.HealthCheckResponse.SERVING
+    with settings.security.channel(settings.target, [("grpc.enable_retries", 0)]) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not stop.is_set():
+            sent_at = time.monotonic()
+            try:
+                status = stub.Check(request, timeout=settings.probe_timeout_s).status
+                code = "OK" if status == serving else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as error:
+                code = error.code().name
+            checks.append(Probe(sent_at, time.monotonic() - sent_at, code))
+            stop.wait(max(0.0, sent_at + settings.probe_interval_s - time.monotonic()))
+
+
 def _monitor_main(
     settings: MonitorSettings, connection: multiprocessing.connection.Connection, signals: _Signals
 ) -> None:
-    """The monitor process: probe and sample until told to stop, then send everything back."""
+    """The monitor process: probe, check health and sample until told to stop, then send everything back."""
     probes: list[Probe] = []
+    checks: list[Probe] = []
     samples: list[RssSample] = []
-    threads = [threading.Thread(target=_probe_loop, args=(settings, signals, probes), daemon=True)]
+    threads = [
+        threading.Thread(target=_probe_loop, args=(settings, signals, probes), daemon=True),
+        threading.Thread(target=_health_loop, args=(settings, signals.stop, checks), daemon=True),
+    ]
     if settings.server_pid is not None:
         args = (settings.server_pid, settings.rss_interval_s, signals.stop, samples)
         threads.append(threading.Thread(target=_sample_rss, args=args, daemon=True))
@@ -197,12 +223,12 @@ def _monitor_main(
     signals.stop.set()
     for thread in threads:
         thread.join(settings.probe_timeout_s + 5)
-    connection.send((probes, samples))
+    connection.send((probes, checks, samples))
     connection.close()
 
 
 class Monitor:
-    """The probe and memory sampler in a child process: `start()`, run the load, then `stop()`."""
+    """The probe, health check and memory sampler in a child process: `start()`, run the load, then `stop()`."""
 
     def __init__(self, settings: MonitorSettings) -> None:
         self.settings = settings
@@ -233,16 +259,16 @@ class Monitor:
         """Send probes again."""
         self._signals.probing.set()
 
-    def stop(self) -> tuple[list[Probe], list[RssSample]]:
-        """Stop probing and sampling; every probe and RSS sample taken."""
+    def stop(self) -> tuple[list[Probe], list[Probe], list[RssSample]]:
+        """Stop probing and sampling; every probe, health check and RSS sample taken."""
         self._connection.send("stop")
         wait_s = self.settings.probe_timeout_s + 10
         if not self._connection.poll(wait_s):
             self._process.kill()
             raise RuntimeError("the probe process did not report")
-        probes, samples = self._connection.recv()
+        probes, checks, samples = self._connection.recv()
         self._process.join(wait_s)
-        return probes, samples
+        return probes, checks, samples
 
     def kill(self) -> None:
         """End the process at once (after an error)."""

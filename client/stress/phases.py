@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,9 +23,10 @@ import grpc
 from client import MAX_MESSAGE_BYTES
 from client.loadtest.corpus import load_corpus
 from client.protocol import channel_options, text_request
-from client.stress import nonsense, rawh2
+from client.stress import nonsense, rawh1, rawh2
 from client.stress.config import StressConfig
 from client.stress.result import UNANSWERED, Tally
+from client.stress.streams import STREAM_RECYCLED, StreamSender
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -46,6 +49,16 @@ HUGE_TEXT_CHARS = 100_000
 HUGE_BATCHES = (64, 8, 1)
 """Texts per huge-text request, in turn: far past, near and under a few-MiB message limit."""
 READY_TIMEOUT_S = 30.0
+OVERSIZED_TEXTS = 64
+"""Texts (~200-word passages, 256 tokens each once truncated) per oversized-answer request: as JSON, every
+output of 64 x 256 tokens x 384 values is ~100 MB; raw, last_hidden_state alone 24 MiB."""
+OVERSIZED_DEADLINE_S = 2.0
+"""Deadline of the oversized phase's gRPC requests: a refusal takes milliseconds, a run of 64 x 256 tokens seconds."""
+BIG_ANSWER_TEXTS = 32
+"""Texts per gRPC request of the slow readers with big answers: last_hidden_state of 32 x 256 x 384 is 12 MiB raw."""
+BIG_JSON_ANSWER_TEXTS = 8
+"""Texts per HTTP request of the slow readers: last_hidden_state of 8 x 256 x 384 is 12 MiB as JSON (budgeted at
+16 bytes a value), for a quarter of the model's time."""
 
 
 @dataclass
@@ -62,16 +75,35 @@ class StressContext:
         """Call metadata (the API key)."""
         return self.config.security.metadata()
 
-    def channel(self, *, own_connection: bool = False) -> grpc.aio.Channel:
-        """A channel without retries (each attempt counts); `own_connection` gives it its own TCP connection."""
+    def channel_options(self, *, own_connection: bool = False) -> list[tuple[str, object]]:
+        """Options of a channel without retries (each attempt counts); `own_connection`: its own TCP connection."""
         options = [*channel_options(self.config.target, MAX_MESSAGE_BYTES), ("grpc.enable_retries", 0)]
         if own_connection:
             options.append(("grpc.use_local_subchannel_pool", 1))
-        return self.config.security.aio_channel(self.config.target, options)
+        return options
+
+    def channel(self, *, own_connection: bool = False) -> grpc.aio.Channel:
+        """An asyncio channel with those options."""
+        return self.config.security.aio_channel(self.config.target, self.channel_options(own_connection=own_connection))
 
     def text_request(self, corpus: str, texts: int, outputs: Sequence[str] = ("embedding",)) -> pb.ModelInferRequest:
         """A request of `texts` texts drawn from a shipped corpus."""
         return text_request(self.config.model, self.rng.choices(load_corpus(corpus), k=texts), outputs)
+
+    def http_request(self, texts: Sequence[str], outputs: Sequence[dict[str, object]] = ()) -> bytes:
+        """A KServe v2 REST infer request of texts (every output, as JSON, unless `outputs` names some)."""
+        text_input = {"name": "text", "datatype": "BYTES", "shape": [len(texts)], "data": list(texts)}
+        payload: dict[str, object] = {"inputs": [text_input]}
+        if outputs:
+            payload["outputs"] = list(outputs)
+        assert self.config.http_target is not None
+        return rawh1.request_bytes(
+            "POST",
+            f"/v2/models/{self.config.model}/infer",
+            self.config.http_target,
+            json.dumps(payload).encode(),
+            self.config.security.metadata(),
+        )
 
 
 async def outcome_of(call: grpc.aio.UnaryUnaryCall, safety_timeout_s: float) -> str:
@@ -255,6 +287,136 @@ async def slow_readers(context: StressContext, tally: Tally) -> None:
         tally.add_all(outcomes)
 
 
+async def _http_outcomes(work: Awaitable[str]) -> str:
+    """An HTTP request's outcome; UNAVAILABLE when it could not even connect (UNANSWERED: not in time)."""
+    try:
+        return await work
+    except asyncio.TimeoutError:
+        return UNANSWERED
+    except OSError:
+        return "UNAVAILABLE"
+
+
+async def oversized_answers(context: StressContext, tally: Tally) -> None:
+    """Requests of 64 long texts whose answers would be ~100 MB as KServe JSON (and 24 MiB as gRPC raw).
+
+    Over the response limit, each is refused once its texts are tokenised, before the model runs.
+    The gRPC requests carry a deadline: 24 MiB is within the default 32 MiB limit, and a request the
+    server accepts is given up (DEADLINE_EXCEEDED) rather than run in full.
+    """
+    texts = context.rng.choices(load_corpus("long"), k=OVERSIZED_TEXTS)
+    safety = context.config.safety_timeout_s
+    grpc_message = text_request(context.config.model, texts, ("last_hidden_state",))
+    grpc_total = context.config.count(8, minimum=4)
+    grpc_numbers = itertools.count()
+    tally.notes.append(
+        f"{grpc_total} gRPC requests for last_hidden_state with a {OVERSIZED_DEADLINE_S:g} s deadline, 4 at a time"
+    )
+
+    async def grpc_client(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+        while next(grpc_numbers) < grpc_total:
+            call = stub.ModelInfer(grpc_message, timeout=OVERSIZED_DEADLINE_S, metadata=context.metadata)
+            tally.add(await outcome_of(call, safety))
+
+    address = None if context.config.http_target is None else rawh2.split_target(context.config.http_target)
+    http_total = context.config.count(40, minimum=4)
+    http_numbers = itertools.count()
+    if address is None:
+        tally.notes.append("HTTP skipped: no --http-target")
+    else:
+        http_message = context.http_request(texts)
+        tally.notes.append(f"{http_total} KServe REST requests of every output as JSON, 4 at a time")
+
+    async def http_client() -> None:
+        while address is not None and next(http_numbers) < http_total:
+            work = rawh1.status(*address, context.config.security, http_message, safety_timeout_s=safety)
+            tally.add(await _http_outcomes(work))
+
+    channels = [context.channel(own_connection=True) for _ in range(4)]
+    try:
+        await asyncio.gather(
+            *(grpc_client(pb_grpc.GRPCInferenceServiceStub(channel)) for channel in channels),
+            *(http_client() for _ in range(4)),
+        )
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
+
+
+async def slow_readers_big_answers(context: StressContext, tally: Tally) -> None:
+    """Clients that ask for 12 MiB answers (last_hidden_state, raw or JSON) and never read them, past the budget.
+
+    All are sent at once, so the server's answer budget is reserved (on admission, before the model
+    runs) by the first ones and refuses the rest. Each client leaves at the end of its hold, which
+    cancels what the server has not answered yet (PENDING): the model's time is bounded by the hold.
+    """
+    safety = context.config.safety_timeout_s
+    hold_s = context.config.seconds(10.0)
+    works: list[Awaitable[list[str]]] = []
+    address = rawh2.split_target(context.config.target)
+    if address is None:
+        tally.notes.append("gRPC skipped: needs a host:port target")
+    else:
+        connections, streams = context.config.count(16, minimum=2), 2
+        messages = [
+            context.text_request("long", BIG_ANSWER_TEXTS, outputs=("last_hidden_state",)).SerializeToString()
+            for _ in range(streams)
+        ]
+        tally.notes.append(f"gRPC: {connections} connections x {streams} calls with a zero window, held {hold_s:g} s")
+        for _ in range(connections):
+            reader = rawh2.slow_reader(
+                *address,
+                context.config.security,
+                method=MODEL_INFER,
+                messages=messages,
+                hold_s=hold_s,
+                safety_timeout_s=safety,
+                leave_after_hold=True,
+            )
+            works.append(_raw_outcomes(reader, streams))
+    address = None if context.config.http_target is None else rawh2.split_target(context.config.http_target)
+    if address is None:
+        tally.notes.append("HTTP skipped: no --http-target")
+    else:
+        readers = context.config.count(16, minimum=2)
+        texts = context.rng.choices(load_corpus("long"), k=BIG_JSON_ANSWER_TEXTS)
+        message = context.http_request(texts, [{"name": "last_hidden_state"}])
+        tally.notes.append(f"HTTP/1.1: {readers} JSON answers, status line read, held {hold_s:g} s")
+        for _ in range(readers):
+            reader = rawh1.status(
+                *address,
+                context.config.security,
+                message,
+                safety_timeout_s=safety,
+                hold_s=hold_s,
+                leave_after_hold=True,
+            )
+            works.append(_as_list(_http_outcomes(reader)))
+    for outcomes in await asyncio.gather(*works):
+        tally.add_all(outcomes)
+
+
+async def stream_recycle(context: StressContext, tally: Tally) -> None:
+    """A ModelStreamInfer stream kept sending past the server's connection age: reopened, every request answered."""
+    duration_s = context.config.stream_seconds or context.config.seconds(20.0, minimum=2.0)
+    options = context.channel_options(own_connection=True)
+    with context.config.security.channel(context.config.target, options) as channel:
+        sender = StreamSender(
+            pb_grpc.GRPCInferenceServiceStub(channel),
+            context.config.model,
+            context.metadata,
+            context.rng,
+            safety_timeout_s=context.config.safety_timeout_s,
+            tally=tally,
+        )
+        await asyncio.to_thread(sender.run, time.monotonic() + duration_s)
+    tally.notes.append(
+        f"{duration_s:g} s on {sender.streams} streams, {sender.recycled} ended by the server to be reopened;"
+        f" {sender.resent} requests sent again"
+    )
+    if sender.first_error is not None:
+        tally.notes.append(f"first error answer: {' '.join(sender.first_error.split())[:200]}")
+
+
 async def malformed(context: StressContext, tally: Tally) -> None:
     """Bytes that are not protobuf, protobuf that is nonsense, damaged requests, and non-HTTP/2 connections."""
     rng = context.rng
@@ -329,6 +491,13 @@ PHASES = (
     Phase("deadline_storm", frozenset({*_REJECTED, "DEADLINE_EXCEEDED"}), deadline_storm),
     Phase("cancellation", frozenset({*_REJECTED, "CANCELLED"}), cancellation),
     Phase("slow_readers", frozenset({rawh2.HELD, rawh2.REFUSED, rawh2.RESET, rawh2.CLOSED}), slow_readers),
+    Phase("oversized_answers", frozenset({*_REJECTED, "DEADLINE_EXCEEDED", "HTTP 413", "HTTP 429"}), oversized_answers),
+    Phase(
+        "slow_readers_big_answers",
+        frozenset({rawh2.HELD, rawh2.REFUSED, rawh2.RESET, rawh2.CLOSED, rawh2.PENDING, "HTTP 200", "HTTP 429"}),
+        slow_readers_big_answers,
+    ),
+    Phase("stream_recycle", frozenset({"OK", STREAM_RECYCLED}), stream_recycle),
     Phase(
         "malformed",
         frozenset({*_REJECTED, "INVALID_ARGUMENT", "NOT_FOUND", "UNIMPLEMENTED", "DEADLINE_EXCEEDED", rawh2.CLOSED}),

@@ -34,6 +34,8 @@ RESET = "RST_STREAM"
 """Outcome: the server reset the stream (for example past its concurrent-stream limit)."""
 CLOSED = "CONNECTION_CLOSED"
 """Outcome: the server closed the connection."""
+PENDING = "PENDING"
+"""Outcome: accepted, still queued or running when the client left at the end of its hold (which cancels it)."""
 
 
 def _integer(value: int) -> bytes:
@@ -88,13 +90,14 @@ def split_target(target: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def _ssl_context(security: ClientSecurity) -> ssl.SSLContext | None:
+def ssl_context(security: ClientSecurity, alpn: str) -> ssl.SSLContext | None:
+    """A client TLS context offering one application protocol (`h2`, `http/1.1`); None without TLS."""
     if not security.uses_tls:
         return None
     context = ssl.create_default_context(cafile=None if security.ca_file is None else str(security.ca_file))
     if security.cert_file is not None and security.key_file is not None:
         context.load_cert_chain(str(security.cert_file), str(security.key_file))
-    context.set_alpn_protocols(["h2"])
+    context.set_alpn_protocols([alpn])
     return context
 
 
@@ -105,12 +108,14 @@ class RawConnection:
     host: str
     port: int
     security: ClientSecurity
+    alpn: str = "h2"
+    """The application protocol offered in the TLS handshake."""
     reader: asyncio.StreamReader | None = None
     writer: asyncio.StreamWriter | None = None
 
     async def open(self) -> None:
         """Connect (and handshake, with TLS)."""
-        context = _ssl_context(self.security)
+        context = ssl_context(self.security, self.alpn)
         server_hostname = (self.security.server_name or self.host) if context is not None else None
         self.reader, self.writer = await asyncio.open_connection(
             self.host, self.port, ssl=context, server_hostname=server_hostname
@@ -128,6 +133,11 @@ class RawConnection:
             self.writer.close()
             with contextlib.suppress(OSError, ssl.SSLError):
                 await self.writer.wait_closed()
+
+    def abort(self) -> None:
+        """Drop the connection at once, unsent and unread bytes with it (no TLS close_notify exchange)."""
+        if self.writer is not None:
+            self.writer.transport.abort()
 
     async def read_frame(self) -> tuple[int, int, int, bytes] | None:
         """(type, flags, stream id, payload) of the next frame, or None once the server closed."""
@@ -150,12 +160,15 @@ async def slow_reader(
     messages: Sequence[bytes],
     hold_s: float,
     safety_timeout_s: float,
+    leave_after_hold: bool = False,
 ) -> list[str]:
     """Send unary calls on one connection whose window stays 0; never read a response message.
 
     Holds the connection for `hold_s`, and until every stream got its first response frame or
     `safety_timeout_s` passed; returns each stream's outcome (HELD, TRAILERS_ONLY, RST_STREAM,
-    CONNECTION_CLOSED, or UNANSWERED when nothing came back).
+    CONNECTION_CLOSED, or UNANSWERED when nothing came back). With `leave_after_hold`, the
+    connection closes once `hold_s` has passed whatever came back: a stream without any response
+    frame by then is PENDING.
     """
     connection = RawConnection(host, port, security)
     await asyncio.wait_for(connection.open(), safety_timeout_s)
@@ -171,13 +184,16 @@ async def slow_reader(
     hold_until = loop.time() + hold_s
     try:
         await connection.send(data)
-        await asyncio.wait_for(_watch(connection, stream_ids, outcomes), safety_timeout_s)
+        watch_s = max(0.0, hold_until - loop.time()) if leave_after_hold else safety_timeout_s
+        await asyncio.wait_for(_watch(connection, stream_ids, outcomes), watch_s)
         await asyncio.sleep(max(0.0, hold_until - loop.time()))
     except asyncio.TimeoutError:
         pass
     finally:
-        await connection.close()
-    return [outcomes.get(stream_id, "UNANSWERED") for stream_id in stream_ids]
+        # Not a graceful close: with TLS it would wait (up to 30 s) for a close_notify the server may never send.
+        connection.abort()
+    missing = PENDING if leave_after_hold else "UNANSWERED"
+    return [outcomes.get(stream_id, missing) for stream_id in stream_ids]
 
 
 async def _watch(connection: RawConnection, stream_ids: Sequence[int], outcomes: dict[int, str]) -> None:

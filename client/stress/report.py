@@ -1,4 +1,4 @@
-"""The stress suite's results out: a table on stdout, JSON, and a PNG of memory and probe latency over time."""
+"""The stress suite's results out: a table on stdout, JSON, and a PNG of memory and latencies over time."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ _HEADINGS = (
     "unexpected",
     "probe p50 ms",
     "probe p99 ms",
+    "health ms p50/p99/max",
+    "loop lag <= s",
     "RSS MiB start/max/end",
     "left",
     "settle s",
@@ -34,6 +36,7 @@ def _number(value: float | None) -> str:
 
 def _row(phase: PhaseResult) -> list[str]:
     rss = "-" if phase.rss is None else f"{phase.rss.start_mib:.0f}/{phase.rss.max_mib:.0f}/{phase.rss.end_mib:.0f}"
+    health = "/".join(_number(value) for value in (phase.health.p50_ms, phase.health.p99_ms, phase.health.max_ms))
     left = "-" if phase.leftover is None else "/".join(f"{value:g}" for value in phase.leftover.values())
     return [
         phase.name,
@@ -43,6 +46,8 @@ def _row(phase: PhaseResult) -> list[str]:
         str(sum(phase.unexpected.values())),
         _number(phase.probe.p50_ms),
         _number(phase.probe.p99_ms),
+        health,
+        "-" if phase.loop_lag_max_s is None else f"{phase.loop_lag_max_s:g}",
         rss,
         left,
         f"{phase.settle_s:.1f}",
@@ -58,21 +63,27 @@ def format_table(result: SuiteResult) -> str:
     for phase in result.phases:
         details = [", ".join(f"{code} {count}" for code, count in phase.outcomes.items()) or "no requests"]
         details += list(phase.notes)
-        if phase.probe.outcomes.keys() - {"OK"}:
-            details.append("probe: " + ", ".join(f"{code} {count}" for code, count in phase.probe.outcomes.items()))
+        if phase.refusals:
+            details.append(
+                "server refused: " + ", ".join(f"{reason} {count}" for reason, count in phase.refusals.items())
+            )
+        for kind, stats in (("probe", phase.probe), ("health", phase.health)):
+            if stats.outcomes.keys() - {"OK"}:
+                details.append(f"{kind}: " + ", ".join(f"{code} {count}" for code, count in stats.outcomes.items()))
         if phase.unexpected:
             details.append("UNEXPECTED: " + ", ".join(f"{code} {count}" for code, count in phase.unexpected.items()))
         lines.append(f"{phase.name}: " + "; ".join(details))
     lines.append(
-        "left: in-flight/queued requests the server still reported after the phase; settle s: until it"
-        " reported none and its CPU went idle"
+        "health: grpc.health.v1 Check latency; loop lag <= s: the bucket bound of the server's largest event-loop"
+        " lag during the phase and its settling (encoder_event_loop_lag_seconds); left: in-flight/queued requests"
+        " the server still reported after the phase; settle s: until it reported none and its CPU went idle"
     )
     lines.append("PASSED" if result.passed else "FAILED")
     return "\n".join(lines)
 
 
 def plot(path: Path, result: SuiteResult) -> None:
-    """Server RSS (top) and probe latency (bottom) over time, phases shaded and named."""
+    """Server RSS (top) and probe and health-check latency (bottom) over time, phases shaded and named."""
     figure = Figure(figsize=(11, 7), layout="constrained")
     FigureCanvasAgg(figure)
     memory, latency = figure.subplots(2, 1, sharex=True)
@@ -95,14 +106,17 @@ def plot(path: Path, result: SuiteResult) -> None:
     memory.set_ylim(bottom=0)
     ok = [(p.sent_at, p.latency_s * 1e3) for p in result.probes if p.code == "OK"]
     failed = [(p.sent_at, p.latency_s * 1e3) for p in result.probes if p.code != "OK"]
+    health = [(c.sent_at, c.latency_s * 1e3) for c in result.health if c.code == "OK"]
     if ok:
         latency.scatter(*zip(*ok, strict=True), s=4, color="C0", label="probe OK")
+    if health:
+        latency.scatter(*zip(*health, strict=True), s=4, color="C2", label="health check")
     if failed:
         latency.scatter(*zip(*failed, strict=True), s=12, marker="x", color="C3", label="probe failed")
     latency.set_yscale("log")
-    latency.set_ylabel("probe latency (ms)")
+    latency.set_ylabel("latency (ms)")
     latency.set_xlabel("time since the suite started (s)")
-    if ok or failed:
+    if ok or health or failed:
         latency.legend(loc="upper right")
     figure.suptitle(
         f"stress: {result.config.model} at {result.config.target} ({'PASSED' if result.passed else 'FAILED'})"

@@ -20,7 +20,7 @@ MIB = 1024 * 1024
 
 @dataclass
 class Tally:
-    """Outcomes of one phase's requests, by gRPC status name (or UNANSWERED and the raw-socket outcomes)."""
+    """Outcomes of one phase's requests: gRPC status names, `HTTP 413`..., UNANSWERED, raw-socket and stream ones."""
 
     outcomes: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
@@ -36,7 +36,7 @@ class Tally:
 
 @dataclass(frozen=True)
 class ProbeStats:
-    """The small probe request during one phase."""
+    """The small probe request (or the health check) during one phase."""
 
     sent: int
     outcomes: dict[str, int]
@@ -87,8 +87,16 @@ class PhaseResult:
     """Outcomes this phase may produce; anything else is unexpected."""
     notes: tuple[str, ...]
     probe: ProbeStats
+    health: ProbeStats
+    """The health check (grpc.health.v1), sent alongside as the probe is."""
     rss: RssStats | None
     """None when the server's process cannot be watched."""
+    loop_lag_max_s: float | None
+    """The server's largest event-loop lag during the phase and its settling, as the smallest bucket bound of
+    encoder_event_loop_lag_seconds it was within (inf: over the largest); None without --metrics-url or samples."""
+    refusals: dict[str, int] | None
+    """Requests the server refused during the phase and its settling, by reason, the probe's included
+    (encoder_requests_rejected_total); None without --metrics-url."""
     leftover: dict[str, float] | None
     """In-flight and queued requests the server still reported after the phase, once settled
     (None without --metrics-url)."""
@@ -109,11 +117,12 @@ class PhaseResult:
 
     @property
     def unexpected(self) -> dict[str, int]:
-        """Outcomes outside the allowed ones (failures included), and probe failures."""
+        """Outcomes outside the allowed ones (failures included), and probe and health-check failures."""
         found = {code: count for code, count in self.outcomes.items() if code not in self.allowed}
-        for code, count in self.probe.outcomes.items():
-            if code in FAILURES:
-                found[f"probe {code}"] = count
+        for kind, stats in (("probe", self.probe), ("health", self.health)):
+            for code, count in stats.outcomes.items():
+                if code in FAILURES:
+                    found[f"{kind} {code}"] = count
         return found
 
     @property
