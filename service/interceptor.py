@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -16,33 +18,79 @@ from service.security import ApiKeys
 log = logging.getLogger(__name__)
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamBehaviour = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]
+Deserializer = Callable[[bytes], Any] | None
 PROTECTED_PREFIX = "/inference.GRPCInferenceService/"
 """Methods that need an API key when keys are configured (health and reflection stay open)."""
 UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send metadata 'authorization: Bearer <key>'"
+INTERNAL_MESSAGE = "internal error; see the server log"
 
 
-def _abort_on_error(behaviour: Behaviour, deserializer: Callable[[bytes], Any] | None) -> Behaviour:
-    """The handler, taking the raw request bytes: parsing and every failure end in a precise status.
+def _parsed(raw: bytes, deserializer: Deserializer) -> Any:
+    """The method's message from its bytes; bytes that are not one raise InvalidArgument.
 
-    grpc's own deserialisation failure would surface as UNKNOWN before any handler runs, so the
-    message is parsed here: bytes that are not the method's message get INVALID_ARGUMENT.
+    grpc's own deserialisation failure would surface as UNKNOWN, so handlers take raw bytes and
+    messages are parsed here.
     """
+    try:
+        return deserializer(raw) if deserializer is not None else raw
+    except DecodeError as error:
+        raise InvalidArgument(f"the request is not a valid message for this method: {error}") from error
+
+
+async def _abort_with_status(error: Exception, behaviour: object, context: grpc.aio.ServicerContext) -> None:
+    """End the call with the error's status: a ServiceError's own, INTERNAL (logged) for anything else."""
+    if isinstance(error, ServiceError):
+        await context.abort(error.code, str(error))
+    log.error("unhandled error in %s", getattr(behaviour, "__qualname__", behaviour), exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+def _abort_on_error(behaviour: Behaviour, deserializer: Deserializer) -> Behaviour:
+    """The handler, taking the raw request bytes: parsing and every failure end in a precise status."""
 
     async def guarded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            try:
-                request = deserializer(raw) if deserializer is not None else raw
-            except DecodeError as error:
-                raise InvalidArgument(f"the request is not a valid message for this method: {error}") from error
-            return await behaviour(request, context)
-        except ServiceError as error:
-            await context.abort(error.code, str(error))
+            return await behaviour(_parsed(raw, deserializer), context)
         except grpc.aio.AbortError:
             raise
-        except Exception:
-            log.exception("unhandled error in %s", getattr(behaviour, "__qualname__", behaviour))
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+        except Exception as error:
+            await _abort_with_status(error, behaviour, context)
         return None  # unreachable: abort raises
+
+    return guarded
+
+
+class _ParsedMessages:
+    """A stream's raw messages, each parsed as it is read.
+
+    One that does not parse raises InvalidArgument, and the stream can still be read on: the
+    handler decides whether that ends the call (then mapped here) or only answers that message.
+    """
+
+    def __init__(self, raw: AsyncIterator[bytes], deserializer: Deserializer) -> None:
+        self._raw = aiter(raw)
+        self._deserializer = deserializer
+
+    def __aiter__(self) -> _ParsedMessages:
+        return self
+
+    async def __anext__(self) -> Any:
+        return _parsed(await anext(self._raw), self._deserializer)
+
+
+def _abort_stream_on_error(behaviour: StreamBehaviour, deserializer: Deserializer) -> StreamBehaviour:
+    """A request-streaming handler (an async generator), taking raw messages: every failure ends in a precise status."""
+
+    async def guarded(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async with aclosing(behaviour(_ParsedMessages(raw_requests, deserializer), context)) as responses:
+                async for response in responses:
+                    yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:
+            await _abort_with_status(error, behaviour, context)
 
     return guarded
 
@@ -74,8 +122,10 @@ def _authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """The one door of every RPC: checks the API key (when keys are set), then maps errors to statuses.
 
-    ServiceError (and anything unexpected) becomes a gRPC status for every unary method; a
-    protected method called without an accepted key gets UNAUTHENTICATED before its handler runs.
+    ServiceError (and anything unexpected) becomes a gRPC status for every unary method and every
+    asynchronous bidirectional stream (ModelStreamInfer), whose handlers take raw bytes and get
+    their messages parsed here; a protected method called without an accepted key gets
+    UNAUTHENTICATED before its handler runs.
     """
 
     def __init__(self, api_keys: ApiKeys | None = None) -> None:
@@ -98,6 +148,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             if handler.unary_unary is not None:
                 wrapped = grpc.unary_unary_rpc_method_handler(
                     _abort_on_error(handler.unary_unary, handler.request_deserializer),
+                    request_deserializer=None,
+                    response_serializer=handler.response_serializer,
+                )
+            elif handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+                wrapped = grpc.stream_stream_rpc_method_handler(
+                    _abort_stream_on_error(handler.stream_stream, handler.request_deserializer),
                     request_deserializer=None,
                     response_serializer=handler.response_serializer,
                 )

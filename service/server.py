@@ -37,6 +37,14 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 OVERALL = ""
 CONNECTION_AGE_GRACE_S = 30
+"""After a connection's GOAWAY, how long its calls may go on beyond --max-connection-age-s (more than a
+ModelStreamInfer stream lasts): more than streaming.ANSWER_WINDOW_S, so a stream begun just before its
+connection's GOAWAY sends its last answers before gRPC closes the connection."""
+STREAM_AGE_SHARE = 0.8
+"""A ModelStreamInfer stream ends this share of --max-connection-age-s after it began. gRPC sends GOAWAY at
+0.9-1.1 times the age (its jitter), and closes a connection past GOAWAY as soon as its last stream ends:
+a client still writing then gets a reset and may lose the stream's status and last answers. A stream begun
+as its connection opened (as clients do) thus ends a tenth of the age before that, on a healthy connection."""
 RESPONSE_FRAMING_BYTES = 64 * 1024
 """Room for a response's protobuf fields around its output tensors (--max-response-bytes counts the tensors)."""
 ENGINE_CONNECT_RETRY_S = 0.05
@@ -81,7 +89,10 @@ def grpc_options(settings: Settings, reuse_port: bool = False) -> list[tuple[str
     if settings.max_connection_age_s > 0:
         options += [
             ("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
-            ("grpc.max_connection_age_grace_ms", CONNECTION_AGE_GRACE_S * 1000),
+            (
+                "grpc.max_connection_age_grace_ms",
+                int((settings.max_connection_age_s + CONNECTION_AGE_GRACE_S) * 1000),
+            ),
         ]
     return options
 
@@ -136,7 +147,9 @@ class InferenceServer:
         self.http_port = 0
         self.tls = None
         self._server: grpc.aio.Server | None = None
-        self._servicer = InferenceServicer(self.engine, settings.max_stream_inflight)
+        self._servicer = InferenceServicer(
+            self.engine, settings.max_stream_inflight, settings.max_connection_age_s * STREAM_AGE_SHARE
+        )
         self._health_server: grpc.aio.Server | None = None
         self._http: HttpListener | None = None
         self._metrics_server = None

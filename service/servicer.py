@@ -30,11 +30,13 @@ def _unsupported(method: str) -> Callable[..., Awaitable[NoReturn]]:
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Thin protocol layer over the engine; errors become statuses in service.interceptor."""
 
-    def __init__(self, engine: Engine, max_stream_inflight: int = MAX_INFLIGHT_PER_STREAM) -> None:
+    def __init__(
+        self, engine: Engine, max_stream_inflight: int = MAX_INFLIGHT_PER_STREAM, max_stream_age_s: float | None = None
+    ) -> None:
         self.engine = engine
         self._metadata = codec.server_metadata()
-        self.streams = InferenceStreams(self.infer, max_stream_inflight)
-        """Open ModelStreamInfer streams; the server closes them when it drains."""
+        self.streams = InferenceStreams(self.infer, max_stream_inflight, max_stream_age_s)
+        """Open ModelStreamInfer streams: each ends by itself at `max_stream_age_s`, all when the server drains."""
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext

@@ -3,6 +3,8 @@
 Requests range from nearly right (text and token forms with the wrong shape, size or values) to
 nonsense (unknown datatypes and names, dimensions like 2**62 or negative ones, raw and typed
 contents mixed, parameters of every kind); raw bytes that are not protobuf at all are sent too.
+ModelStreamInfer gets both kinds as messages of a stream: each is answered in its place, in order,
+and the stream ends OK.
 Each call has no deadline of its own: a request the server never answers is caught by the
 bounded wait on its future, not hidden behind the client's DEADLINE_EXCEEDED.
 """
@@ -15,6 +17,7 @@ import struct
 import grpc
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -250,6 +253,70 @@ def test_bytes_that_are_not_protobuf_get_precise_statuses(channel: grpc.Channel)
         code, _ = answer(raw_call, payload)
         event(code.name)
         assert code in PRECISE, f"{code.name} for {payload!r}"
+
+    one()
+    assert_still_serving(channel)
+
+
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+STREAM_FUZZ = settings(FUZZ, max_examples=40)
+
+
+def stream_answers(call: grpc.StreamStreamMultiCallable, messages: list[object]) -> list[object]:
+    """Send a whole stream and read every answer; fails unless the stream ends OK within ANSWER_WAIT_S."""
+    try:
+        return list(call(iter(messages), timeout=ANSWER_WAIT_S))
+    except grpc.RpcError as error:
+        pytest.fail(f"the stream ended {error.code().name}: {error.details()} for {messages!r:.500}")
+
+
+def test_fuzzed_stream_requests_are_each_answered_in_order_and_the_stream_goes_on(channel: grpc.Channel) -> None:
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+    @STREAM_FUZZ
+    @given(requests=st.lists(coherent_text_requests() | coherent_token_requests() | infer_requests(), max_size=4))
+    def one(requests: list[pb.ModelInferRequest]) -> None:
+        answers = stream_answers(stub.ModelStreamInfer, requests)
+        assert [a.infer_response.id for a in answers] == [r.id for r in requests]
+        for request, streamed in zip(requests, answers, strict=True):
+            event("OK" if not streamed.error_message else "error_message")
+            assert "internal error" not in streamed.error_message, f"for {request!r:.500}"
+            if not streamed.error_message:
+                assert_consistent(request, streamed.infer_response)
+
+    one()
+    assert_still_serving(channel)
+
+
+def test_stream_messages_that_are_not_protobuf_are_answered_in_place_and_the_stream_goes_on(
+    channel: grpc.Channel,
+) -> None:
+    # Each message gets one answer in its place, whatever its bytes: one that does not parse is
+    # refused in `error_message` (no id: it has none), and the valid request after it is answered.
+    raw_stream = channel.stream_stream(STREAM_METHOD)  # identity serializers: raw bytes both ways
+    valid = text_request(TINY_MODEL, ["after the garbage"])
+    valid.id = "valid"
+
+    @settings(FUZZ, max_examples=60)
+    @given(payloads=st.lists(st.binary(min_size=1, max_size=200), min_size=1, max_size=4))
+    def one(payloads: list[bytes]) -> None:
+        answers = [
+            pb.ModelStreamInferResponse.FromString(raw)
+            for raw in stream_answers(raw_stream, [*payloads, valid.SerializeToString()])
+        ]
+        assert len(answers) == len(payloads) + 1
+        for payload, streamed in zip(payloads, answers, strict=False):
+            try:
+                pb.ModelInferRequest.FromString(payload)
+            except DecodeError:
+                event("not protobuf")
+                assert streamed.error_message.startswith("the request is not a valid message"), streamed
+                assert streamed.infer_response == pb.ModelInferResponse()
+            else:
+                event("parses")
+                assert "internal error" not in streamed.error_message
+        assert answers[-1].infer_response.id == "valid" and not answers[-1].error_message
+        assert answers[-1].infer_response.outputs[0].name == "embedding"
 
     one()
     assert_still_serving(channel)

@@ -1,9 +1,11 @@
-"""ModelStreamInfer over real gRPC: order and ids, per-message errors, flow control, and the drain."""
+"""ModelStreamInfer over real gRPC: order and ids, per-message errors, flow control, the drain and the age bound."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
@@ -12,13 +14,32 @@ import pytest
 import tritonclient.grpc as triton
 
 from client.protocol import output_array, text_request, token_request
+from service.errors import Overloaded
+from service.interceptor import INTERNAL_MESSAGE, ErrorInterceptor, StreamBehaviour
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.streaming import DRAINING_MESSAGE, MAX_INFLIGHT_PER_STREAM
+from service.server import STREAM_AGE_SHARE, grpc_options
+from service.settings import Settings
+from service.streaming import (
+    ANSWER_WINDOW_S,
+    MAX_INFLIGHT_PER_STREAM,
+    STREAM_ENDED_MESSAGE,
+    UNANSWERED_MESSAGE,
+    InferenceStreams,
+)
 from tests.conftest import TINY_MODEL
-from tests.servers import RunningServer, start_server, wait_for_metric, wait_for_queue_depth
+from tests.servers import (
+    RunningServer,
+    metric_samples,
+    metric_value,
+    start_server,
+    wait_for_metric,
+    wait_for_queue_depth,
+)
 
 LABELS = {"model": TINY_MODEL, "version": "1"}
+MAX_AGED_STREAM_REQUESTS = 50_000
+"""Bounds the requests one test stream sends; far more than a tiny model answers within the age tested."""
 
 
 def _with_id(request: pb.ModelInferRequest, request_id: str) -> pb.ModelInferRequest:
@@ -161,7 +182,7 @@ def test_drain_answers_accepted_messages_then_ends_the_stream(tiny_repository: P
         with pytest.raises(grpc.RpcError) as ended:
             responses.extend(call)
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert ended.value.details() == DRAINING_MESSAGE
+        assert ended.value.details() == STREAM_ENDED_MESSAGE
         assert server.stop() == 0
     finally:
         release.set()
@@ -169,3 +190,156 @@ def test_drain_answers_accepted_messages_then_ends_the_stream(tiny_repository: P
         server.stop()
     assert [r.infer_response.id for r in responses] == [f"accepted-{i}" for i in range(accepted)]
     assert all(r.error_message == "" and r.infer_response.raw_output_contents for r in responses)
+
+
+def test_a_stream_past_its_connections_age_answers_every_accepted_request_then_ends(
+    tiny_repository: Path, tmp_path: Path
+) -> None:
+    """A client sends without pause past its connection's age: the server stops reading at the stream's age,
+    answers all it accepted, and ends the stream UNAVAILABLE; the model ran exactly the requests answered.
+    """
+    server = start_server(tiny_repository, tmp_path / "server.log", "--max-connection-age-s", "3")
+    stream_over = threading.Event()
+    sent: list[str] = []
+
+    def requests() -> Iterator[pb.ModelInferRequest]:
+        for index in range(MAX_AGED_STREAM_REQUESTS):
+            if stream_over.is_set():
+                return
+            sent.append(f"aged-{index}")
+            yield _with_id(text_request(TINY_MODEL, [f"aged text {index}"]), sent[-1])
+
+    # A connection of its own, opened for the stream (gRPC would share one opened earlier to the same port).
+    channel = grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])
+    responses = []
+    try:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        ran_before = metric_value(metric_samples(server), "encoder_requests_total", code="OK", **LABELS)
+        call = stub.ModelStreamInfer(requests(), timeout=120)
+        with pytest.raises(grpc.RpcError) as ended:
+            responses.extend(call)
+        stream_over.set()
+        outcome = (ended.value.code(), ended.value.details())
+        assert outcome == (grpc.StatusCode.UNAVAILABLE, STREAM_ENDED_MESSAGE), f"the stream ended {outcome}"
+        ran = metric_value(metric_samples(server), "encoder_requests_total", code="OK", **LABELS) - ran_before
+        assert ran == len(responses) > 0  # every request that reached the model was answered
+        assert [r.infer_response.id for r in responses] == sent[: len(responses)]
+        assert all(r.error_message == "" for r in responses)
+
+        again = [_with_id(text_request(TINY_MODEL, [f"new stream {i}"]), f"again-{i}") for i in range(3)]
+        answers = list(stub.ModelStreamInfer(iter(again), timeout=30))
+        assert [(a.infer_response.id, a.error_message) for a in answers] == [(f"again-{i}", "") for i in range(3)]
+    finally:
+        stream_over.set()
+        channel.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("max_connection_age_s", [0.5, 3, 300, 3600])
+def test_a_connection_outlives_every_stream_begun_on_it(max_connection_age_s: float) -> None:
+    # A stream may begin just before its connection's GOAWAY: the grace after it must cover the
+    # stream's age and its answer window, with time left to send the last answers.
+    options = dict(grpc_options(Settings(max_connection_age_s=max_connection_age_s)))
+    grace_s = options["grpc.max_connection_age_grace_ms"] / 1000
+    assert grace_s >= max_connection_age_s * STREAM_AGE_SHARE + ANSWER_WINDOW_S + 5
+
+
+@asynccontextmanager
+async def stream_door(behaviour: StreamBehaviour) -> AsyncIterator[grpc.aio.StreamStreamMultiCallable]:
+    """ModelStreamInfer served by `behaviour` behind the error door, on a loopback port: its client call."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        behaviour,
+        request_deserializer=pb.ModelInferRequest.FromString,
+        response_serializer=pb.ModelStreamInferResponse.SerializeToString,
+    )
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {"ModelStreamInfer": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer
+    finally:
+        await server.stop(grace=None)
+
+
+async def test_an_aged_stream_answers_a_request_it_cannot_finish_in_time_with_an_error() -> None:
+    stuck_cancelled = asyncio.Event()
+
+    async def infer(request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelInferResponse:
+        if request.id.startswith("stuck"):
+            try:
+                await asyncio.Event().wait()  # never answered
+            except asyncio.CancelledError:
+                stuck_cancelled.set()
+                raise
+        return pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+
+    streams = InferenceStreams(infer, max_inflight=4, max_age_s=1.0, answer_window_s=0.2)
+
+    async def model_stream_infer(
+        requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        async for response in streams.serve(requests, context):
+            yield response
+
+    ids = ["fast-0", "stuck-1", "fast-2"]
+    client_done = asyncio.Event()
+
+    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        for request_id in ids:
+            yield pb.ModelInferRequest(model_name="fake", id=request_id)
+        await client_done.wait()  # the client keeps its side open: only the server ends the stream
+
+    answers = []
+    async with stream_door(model_stream_infer) as model_stream_call:
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for answer in model_stream_call(requests()):
+                    answers.append(answer)
+        finally:
+            client_done.set()
+    assert (ended.value.code(), ended.value.details()) == (grpc.StatusCode.UNAVAILABLE, STREAM_ENDED_MESSAGE)
+    assert [(a.infer_response.id, a.error_message) for a in answers] == [
+        ("fast-0", ""),
+        ("stuck-1", UNANSWERED_MESSAGE),
+        ("fast-2", ""),
+    ]
+    assert stuck_cancelled.is_set()
+
+
+@pytest.mark.parametrize(
+    ("failure", "status", "details"),
+    [
+        (RuntimeError("a bug in the stream"), grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE),
+        (Overloaded("too busy"), grpc.StatusCode.RESOURCE_EXHAUSTED, "too busy"),
+    ],
+)
+async def test_the_door_gives_a_failing_stream_a_precise_status(
+    failure: Exception, status: grpc.StatusCode, details: str
+) -> None:
+    async def failing(
+        requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        async for request in requests:
+            yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id=request.id))
+            raise failure
+
+    client_done = asyncio.Event()
+
+    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        yield pb.ModelInferRequest(id="first")
+        await client_done.wait()  # no write races the server's end (grpc.aio would report that as INTERNAL)
+
+    answers = []
+    async with stream_door(failing) as model_stream_call:
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for answer in model_stream_call(requests()):
+                    answers.append(answer)
+        finally:
+            client_done.set()
+    assert [a.infer_response.id for a in answers] == ["first"]
+    assert (ended.value.code(), ended.value.details()) == (status, details)
