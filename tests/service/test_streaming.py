@@ -265,6 +265,30 @@ async def stream_door(behaviour: StreamBehaviour) -> AsyncIterator[grpc.aio.Stre
         await server.stop(grace=None)
 
 
+async def answers_until_ended(
+    behaviour: StreamBehaviour, ids: list[str], model: str = ""
+) -> tuple[list[pb.ModelStreamInferResponse], grpc.aio.AioRpcError]:
+    """Send requests with these ids over a stream served by `behaviour`, keeping the client's side open
+    (so no write races the server's end, which grpc.aio would report as INTERNAL): the answers, and how
+    the server ended the stream."""
+    client_done = asyncio.Event()
+
+    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        for request_id in ids:
+            yield pb.ModelInferRequest(model_name=model, id=request_id)
+        await client_done.wait()
+
+    answers = []
+    async with stream_door(behaviour) as model_stream_call:
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for answer in model_stream_call(requests()):
+                    answers.append(answer)
+        finally:
+            client_done.set()
+    return answers, ended.value
+
+
 async def test_an_aged_stream_answers_a_request_it_cannot_finish_in_time_with_an_error() -> None:
     stuck_cancelled = asyncio.Event()
 
@@ -285,23 +309,8 @@ async def test_an_aged_stream_answers_a_request_it_cannot_finish_in_time_with_an
         async for response in streams.serve(requests, context):
             yield response
 
-    ids = ["fast-0", "stuck-1", "fast-2"]
-    client_done = asyncio.Event()
-
-    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
-        for request_id in ids:
-            yield pb.ModelInferRequest(model_name="fake", id=request_id)
-        await client_done.wait()  # the client keeps its side open: only the server ends the stream
-
-    answers = []
-    async with stream_door(model_stream_infer) as model_stream_call:
-        try:
-            with pytest.raises(grpc.aio.AioRpcError) as ended:
-                async for answer in model_stream_call(requests()):
-                    answers.append(answer)
-        finally:
-            client_done.set()
-    assert (ended.value.code(), ended.value.details()) == (grpc.StatusCode.UNAVAILABLE, STREAM_ENDED_MESSAGE)
+    answers, ended = await answers_until_ended(model_stream_infer, ["fast-0", "stuck-1", "fast-2"], "fake")
+    assert (ended.code(), ended.details()) == (grpc.StatusCode.UNAVAILABLE, STREAM_ENDED_MESSAGE)
     assert [(a.infer_response.id, a.error_message) for a in answers] == [
         ("fast-0", ""),
         ("stuck-1", UNANSWERED_MESSAGE),
@@ -327,19 +336,6 @@ async def test_the_door_gives_a_failing_stream_a_precise_status(
             yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id=request.id))
             raise failure
 
-    client_done = asyncio.Event()
-
-    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
-        yield pb.ModelInferRequest(id="first")
-        await client_done.wait()  # no write races the server's end (grpc.aio would report that as INTERNAL)
-
-    answers = []
-    async with stream_door(failing) as model_stream_call:
-        try:
-            with pytest.raises(grpc.aio.AioRpcError) as ended:
-                async for answer in model_stream_call(requests()):
-                    answers.append(answer)
-        finally:
-            client_done.set()
+    answers, ended = await answers_until_ended(failing, ["first"])
     assert [a.infer_response.id for a in answers] == ["first"]
-    assert (ended.value.code(), ended.value.details()) == (status, details)
+    assert (ended.code(), ended.details()) == (status, details)
