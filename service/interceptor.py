@@ -122,10 +122,10 @@ def _authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """The one door of every RPC: checks the API key (when keys are set), then maps errors to statuses.
 
-    ServiceError (and anything unexpected) becomes a gRPC status for every unary method and every
-    asynchronous bidirectional stream (ModelStreamInfer), whose handlers take raw bytes and get
-    their messages parsed here; a protected method called without an accepted key gets
-    UNAUTHENTICATED before its handler runs.
+    ServiceError (and anything unexpected) becomes a gRPC status for every unary method, every
+    server stream written with context.write (health's Watch) and every asynchronous bidirectional
+    stream (ModelStreamInfer), whose handlers take raw bytes and get their messages parsed here; a
+    protected method called without an accepted key gets UNAUTHENTICATED before its handler runs.
     """
 
     def __init__(self, api_keys: ApiKeys | None = None) -> None:
@@ -148,6 +148,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             if handler.unary_unary is not None:
                 wrapped = grpc.unary_unary_rpc_method_handler(
                     _abort_on_error(handler.unary_unary, handler.request_deserializer),
+                    request_deserializer=None,
+                    response_serializer=handler.response_serializer,
+                )
+            elif handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
+                # A server stream written with context.write (health's Watch): parsed and mapped like a unary call.
+                wrapped = grpc.unary_stream_rpc_method_handler(
+                    _abort_on_error(handler.unary_stream, handler.request_deserializer),
                     request_deserializer=None,
                     response_serializer=handler.response_serializer,
                 )

@@ -258,6 +258,15 @@ def test_bytes_that_are_not_protobuf_get_precise_statuses(channel: grpc.Channel)
     assert_still_serving(channel)
 
 
+def test_a_health_watch_of_bytes_that_are_not_protobuf_is_invalid_argument(channel: grpc.Channel) -> None:
+    raw_watch = channel.unary_stream("/grpc.health.v1.Health/Watch")  # identity serializers: raw bytes
+    with pytest.raises(grpc.RpcError) as refused:
+        list(raw_watch(b"\xff\xff\xff", timeout=ANSWER_WAIT_S))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid message" in refused.value.details()
+    assert_still_serving(channel)
+
+
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 STREAM_FUZZ = settings(FUZZ, max_examples=40)
 
