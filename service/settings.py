@@ -20,6 +20,8 @@ CPUS_PER_FRONTEND_ON_CPU = 8
 """--frontends 0 with the model on the CPU: one front end per this many CPUs (one process below twice
 that). Measured: a one-sentence request costs ~0.8 ms of front-end CPU over gRPC and ~5.8 ms of
 model CPU (all-MiniLM-L6-v2 fp32, batches of 32), so the front end needs about 1/8 of the CPUs."""
+MAX_CONNECTION_AGE_S = 2_000_000
+"""gRPC takes the connection age and its grace (the age + 30 s) as 32-bit milliseconds: ~2.1 million s at most."""
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
 
@@ -129,7 +131,10 @@ class Settings:
         default=30.0, metadata=_doc("on SIGTERM, how long accepted requests may take to finish")
     )
     max_connection_age_s: float = field(
-        default=300.0, metadata=_doc("close client connections after this long so they rebalance; 0 = never")
+        default=300.0,
+        metadata=_doc(
+            f"close client connections after this long so they rebalance; 0 = never; at most {MAX_CONNECTION_AGE_S}"
+        ),
     )
     max_message_bytes: int = field(
         default=2 * 1024 * 1024,
@@ -271,10 +276,7 @@ class Settings:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_queue_delay_us < -1:
-            raise SettingsError(
-                f"max_queue_delay_us must be >= 0 (or -1 for the model's), got {self.max_queue_delay_us}"
-            )
+        self._check_special_bounds()
         self._check_security()
         for item in dataclasses.fields(self):
             choices = item.metadata.get("choices")
@@ -283,6 +285,18 @@ class Settings:
                     f"{item.name} must be one of {', '.join(choices)}, got {getattr(self, item.name)!r}"
                 )
         self._check_device()
+
+    def _check_special_bounds(self) -> None:
+        """Bounds that are not a plain sign."""
+        if self.max_connection_age_s > MAX_CONNECTION_AGE_S:
+            raise SettingsError(
+                f"max_connection_age_s must be at most {MAX_CONNECTION_AGE_S} (gRPC takes it, and the age plus its"
+                f" grace, as 32-bit milliseconds), got {self.max_connection_age_s}"
+            )
+        if self.max_queue_delay_us < -1:
+            raise SettingsError(
+                f"max_queue_delay_us must be >= 0 (or -1 for the model's), got {self.max_queue_delay_us}"
+            )
 
     def _check_device(self) -> None:
         """Refuse device settings that contradict each other rather than quietly serve on the CPU."""

@@ -39,6 +39,7 @@ def test_flags_beat_environment_which_beats_defaults() -> None:
         (["--drain-timeout-s", "nan"], {}, "drain_timeout_s must be a finite number, got nan"),
         ([], {"ENCODER_MAX_BATCH_RUN_S": "inf"}, "max_batch_run_s must be a finite number, got inf"),
         ([], {"ENCODER_MAX_CONNECTION_AGE_S": "-Infinity"}, "max_connection_age_s must be a finite number"),
+        (["--max-connection-age-s", "2200000"], {}, "max_connection_age_s must be at most 2000000"),
     ],
 )
 def test_bad_settings_name_the_setting(argv: list[str], environ: dict[str, str], message: str) -> None:
