@@ -60,9 +60,12 @@ RUN uv pip install --python /opt/venv/bin/python ".[server]"
 # Runtime.
 FROM ${BASE} AS runtime
 
+# ENCODER_HEALTH_PORT: probes (kubelet's, the HEALTHCHECK below) get a plaintext grpc.health.v1
+# listener of their own, which never queues behind inference calls and needs no TLS.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    ENCODER_HEALTH_PORT=8003
 
 COPY --from=venv /opt/python /opt/python
 COPY --from=venv /opt/venv /opt/venv
@@ -75,8 +78,7 @@ RUN groupadd --system --gid 10001 encoder \
     && useradd --system --no-log-init --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin encoder
 USER 10001:10001
 
-# HTTP (OpenAI API, KServe v2 REST), gRPC, metrics, and the plaintext health listener that
-# --health-port 8003 opens (for probes that cannot speak TLS when --tls-cert is set).
+# HTTP (OpenAI API, KServe v2 REST), gRPC, metrics, and the plaintext health listener (8003).
 EXPOSE 8000 8001 8002 8003
 
 # Model loading and warm-up happen before the health service reports SERVING.

@@ -36,7 +36,7 @@ export: $(VENV)/.installed
 
 SERVE_FLAGS ?=
 serve: $(VENV)/.installed $(MODEL_FILE)
-	$(PY) -m service --model-repository $(REPOSITORY) $(SERVE_FLAGS)
+	$(PY) -m service --model-repository $(REPOSITORY) --health-port 8003 $(SERVE_FLAGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
@@ -87,8 +87,8 @@ perf-analyzer: $(VENV)/.installed system-packages $(MODEL_FILE)
 
 # Hostile phases against a running server (make serve in another shell); report in bench-results/stress/.
 stress: $(VENV)/.installed
-	$(PY) -m client.stress --target 127.0.0.1:8001 --http-target 127.0.0.1:8000 --metrics-url http://127.0.0.1:8002/metrics \
-		--output bench-results/stress
+	$(PY) -m client.stress --target 127.0.0.1:8001 --http-target 127.0.0.1:8000 --health-target 127.0.0.1:8003 \
+		--metrics-url http://127.0.0.1:8002/metrics --output bench-results/stress
 
 clean:
 	rm -rf $(VENV) $(REPOSITORY) bench-results loadtest-results perf-results gpu-report .pytest_cache .ruff_cache .test-cache

@@ -4,10 +4,11 @@ Phases: baseline, burst_one_channel, burst_many_channels, huge_texts, deadline_s
 slow_readers, oversized_answers, slow_readers_big_answers, stream_recycle, malformed, burst_after
 (the queue bound must still hold), then one normal request that must succeed. Per phase: outcomes
 by gRPC status (HTTP ones as `HTTP 413`), requests accepted but never answered (must be 0), p50/p99
-of a small probe request and p50/p99/max of a health check sent alongside, the server's RSS (from
-/proc, when the server runs on this machine), and with --metrics-url its largest event-loop lag and
-its refusals by reason. After each phase the suite waits until the server reports nothing in flight
-or queued (--metrics-url) and its CPU is idle. The answer phases' HTTP halves need --http-target.
+of a small probe request and p50/p99/max of a health check sent alongside (to --health-target, the
+server's plaintext health port, when given), the server's RSS (from /proc, when the server runs on
+this machine), and with --metrics-url its largest event-loop lag and its refusals by reason. After
+each phase the suite waits until the server reports nothing in flight or queued (--metrics-url) and
+its CPU is idle. The answer phases' HTTP halves need --http-target.
 Results: a table on stdout, JSON and a PNG in --output. Exit status 0 when every phase passed, 1
 when one did not, 2 on bad use or an unusable target, 130 if interrupted. UNKNOWN, INTERNAL and
 unanswered requests always fail.
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-target", help="HOST:PORT of the server's HTTP port (KServe v2 REST), for the answer phases' HTTP halves"
     )
     parser.add_argument(
+        "--health-target",
+        help="HOST:PORT of the server's plaintext health port (--health-port), where probes go; default: --target",
+    )
+    parser.add_argument(
         "--stream-seconds",
         type=float,
         help="how long stream_recycle keeps sending (default 20 s x scale); above the server's --max-connection-age-s"
@@ -106,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> StressConfig:
         server_pid=args.server_pid,
         metrics_url=args.metrics_url,
         http_target=args.http_target,
+        health_target=args.health_target,
         settle_timeout_s=args.settle_timeout_s,
         stream_seconds=args.stream_seconds,
         phases=_phases(args.phases),

@@ -37,6 +37,9 @@ class StressConfig:
     http_target: str | None = None
     """host:port of the server's HTTP port (KServe v2 REST): without it, the HTTP halves of the
     answer phases are skipped."""
+    health_target: str | None = None
+    """host:port of the server's plaintext health port (its --health-port, where kubelet's probes go):
+    the health check is sent there; without it, to `target` with the load's security."""
     settle_timeout_s: float = 15.0
     """Longest wait after a phase for those gauges to reach 0 and the server's CPU to go idle."""
     stream_seconds: float | None = None
@@ -59,6 +62,8 @@ class StressConfig:
             raise StressConfigError(f"server_pid must be positive, got {self.server_pid}")
         if self.http_target is not None and split_target(self.http_target) is None:
             raise StressConfigError(f"http_target must be host:port, got {self.http_target!r}")
+        if self.health_target is not None and split_target(self.health_target) is None:
+            raise StressConfigError(f"health_target must be host:port, got {self.health_target!r}")
         if self.stream_seconds is not None and not (math.isfinite(self.stream_seconds) and self.stream_seconds > 0):
             raise StressConfigError(f"stream_seconds must be positive, got {self.stream_seconds:g}")
 
@@ -81,6 +86,7 @@ class StressConfig:
             "server_pid": self.server_pid,
             "metrics_url": self.metrics_url,
             "http_target": self.http_target,
+            "health_target": self.health_target,
             "settle_timeout_s": self.settle_timeout_s,
             "stream_seconds": self.stream_seconds,
             "phases": None if self.phases is None else list(self.phases),

@@ -64,6 +64,8 @@ class MonitorSettings:
     model: str
     security: ClientSecurity
     server_pid: int | None
+    health_target: str | None = None
+    """The server's plaintext health port; None: health is checked on `target`, with `security`."""
     probe_interval_s: float = 0.05
     """Time from one probe's start to the next one's, at least (probes are sequential)."""
     probe_timeout_s: float = 10.0
@@ -188,7 +190,12 @@ def _probe_loop(settings: MonitorSettings, signals: _Signals, probes: list[Probe
 def _health_loop(settings: MonitorSettings, stop: multiprocessing.synchronize.Event, checks: list[Probe]) -> None:
     request = health_pb2.HealthCheckRequest(service="")
     serving = health_pb2.HealthCheckResponse.SERVING
-    with settings.security.channel(settings.target, [("grpc.enable_retries", 0)]) as channel:
+    options = [("grpc.enable_retries", 0)]
+    if settings.health_target is None:
+        channel = settings.security.channel(settings.target, options)
+    else:
+        channel = grpc.insecure_channel(settings.health_target, options)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while not stop.is_set():
             sent_at = time.monotonic()

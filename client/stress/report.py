@@ -74,7 +74,8 @@ def format_table(result: SuiteResult) -> str:
             details.append("UNEXPECTED: " + ", ".join(f"{code} {count}" for code, count in phase.unexpected.items()))
         lines.append(f"{phase.name}: " + "; ".join(details))
     lines.append(
-        "health: grpc.health.v1 Check latency; loop lag <= s: the bucket bound of the server's largest event-loop"
+        "health: grpc.health.v1 Check latency (on --health-target when given, as kubelet probes);"
+        " loop lag <= s: the bucket bound of the server's largest event-loop"
         " lag during the phase and its settling (encoder_event_loop_lag_seconds); left: in-flight/queued requests"
         " the server still reported after the phase; settle s: until it reported none and its CPU went idle"
     )

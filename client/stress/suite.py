@@ -254,7 +254,7 @@ async def run_suite(config: StressConfig) -> SuiteResult:
     if pid is None:
         logger.warning("server process unknown (give --server-pid): no RSS figures")
     context = StressContext(config, random.Random(config.seed), queue_bound)
-    monitor = Monitor(MonitorSettings(config.target, config.model, config.security, pid))
+    monitor = Monitor(MonitorSettings(config.target, config.model, config.security, pid, config.health_target))
     monitor.start()
     try:
         windows = await _run_phases(context, _selected(config), monitor, pid)

@@ -22,7 +22,14 @@ from client.stress.result import Tally
 from client.stress.streams import STREAM_RECYCLED
 from tests.client.conftest import Pki
 from tests.conftest import TINY_MODEL
-from tests.servers import MetricSamples, RunningServer, metric_samples, start_server, wait_for_metric
+from tests.servers import (
+    MetricSamples,
+    RunningServer,
+    free_port,
+    metric_samples,
+    start_server,
+    wait_for_metric,
+)
 
 MAX_RESPONSE_BYTES = 768 * 1024
 ANSWER_BUDGET_BYTES = 3 * 512 * 1024
@@ -35,12 +42,15 @@ LOOP_LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 @pytest.fixture(scope="module")
 def answers_server(tiny_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("stress-phases-server") / "server.log"
+    health_port = free_port()
     server = start_server(
         tiny_repository,
         log_path,
         *("--max-response-bytes", str(MAX_RESPONSE_BYTES)),
         *("--max-answer-bytes-in-flight", str(ANSWER_BUDGET_BYTES)),
         *("--max-connection-age-s", str(CONNECTION_AGE_S)),
+        *("--health-port", str(health_port)),
+        health_target=f"127.0.0.1:{health_port}",
     )
     try:
         yield server
@@ -144,9 +154,27 @@ async def test_the_suite_reports_loop_lag_health_and_refusals_per_phase(answers_
     assert document["health"] and document["config"]["http_target"] == f"127.0.0.1:{answers_server.http_port}"
 
 
+async def test_health_is_checked_where_the_health_target_says(answers_server: RunningServer) -> None:
+    """On the server's plaintext health port when given (as kubelet probes); a port nobody serves fails every check."""
+    on_health_port = await run_suite(
+        _config(answers_server, phases=("baseline",), health_target=answers_server.health_target)
+    )
+    assert answers_server.health_target != answers_server.target
+    phase = on_health_port.phases[0]
+    assert phase.health.sent > 0 and phase.health.outcomes.keys() == {"OK"}
+    assert on_health_port.to_dict()["config"]["health_target"] == answers_server.health_target
+    nowhere = await run_suite(_config(answers_server, phases=("baseline",), health_target=f"127.0.0.1:{free_port()}"))
+    phase = nowhere.phases[0]
+    assert phase.health.sent > 0 and phase.health.outcomes.keys() == {"UNAVAILABLE"}
+    # The load and the probe still went to the gRPC port.
+    assert phase.probe.outcomes.keys() == {"OK"}
+
+
 def test_a_bad_or_unreachable_http_target_exits_2(answers_server: RunningServer, capsys: pytest.CaptureFixture) -> None:
     assert main(["--target", answers_server.target, "--http-target", "no-port"]) == 2
     assert "http_target must be host:port" in capsys.readouterr().err
+    assert main(["--target", answers_server.target, "--health-target", "8003"]) == 2
+    assert "health_target must be host:port" in capsys.readouterr().err
     assert main(["--target", answers_server.target, "--stream-seconds", "0"]) == 2
     assert "stream_seconds must be positive" in capsys.readouterr().err
     # The gRPC port given as the HTTP one: it does not answer HTTP/1.1's readiness route with 200.

@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 8000
 GRPC_PORT = 8001
 METRICS_PORT = 8002
-HEALTH_PORT = 8003  # the plaintext grpc.health.v1 listener that components/tls turns on
+HEALTH_PORT = 8003  # the plaintext grpc.health.v1 listener the kubelet probes
 DEFAULT_DRAIN_TIMEOUT_S = 30
 NAMESPACE = "encoder"
 # Custom resources: kubernetes-validate has no schema for them (their operators' CRDs define it).
@@ -109,12 +109,9 @@ def test_schema_validation_catches_a_misspelt_field(renders: dict[str, list[Mani
         kubernetes_validate.validate(broken, SCHEMA_VERSIONS[0], strict=True)
 
 
-def test_container_ports_are_the_server_defaults(container: Manifest, tls: bool) -> None:
+def test_container_ports_are_the_server_defaults(container: Manifest) -> None:
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
-    expected = {"http": HTTP_PORT, "grpc": GRPC_PORT, "metrics": METRICS_PORT}
-    if tls:
-        expected["health"] = HEALTH_PORT
-    assert ports == expected
+    assert ports == {"http": HTTP_PORT, "grpc": GRPC_PORT, "metrics": METRICS_PORT, "health": HEALTH_PORT}
     # The defaults are used: an override here would have to move every port below with it.
     assert not {"ENCODER_HTTP_PORT", "ENCODER_GRPC_PORT", "ENCODER_METRICS_PORT"} & set(_env(container))
 
@@ -162,19 +159,18 @@ def test_server_accepts_the_settings(
     assert bool(settings.tls_cert) == bool(settings.tls_key) == tls
     assert bool(settings.tls_client_ca) == ("mtls" in components)
     assert bool(settings.api_key_file) == ("api-key" in components)
-    # The kubelet's probes speak plaintext gRPC: to the main port without TLS, else to the health port.
-    probe_port = settings.health_port if tls else settings.grpc_port
-    assert probe_port == (HEALTH_PORT if tls else GRPC_PORT)
+    # The kubelet's probes go to the server's plaintext health port, with or without TLS on the others.
+    assert settings.health_port == HEALTH_PORT
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == probe_port, probe
+        assert container[probe]["grpc"]["port"] == settings.health_port, probe
 
 
 @pytest.mark.parametrize("probe", ["startupProbe", "readinessProbe", "livenessProbe"])
-def test_native_grpc_probes(container: Manifest, tls: bool, probe: str) -> None:
+def test_native_grpc_probes(container: Manifest, probe: str) -> None:
     spec = container[probe]
     assert set(spec) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}
-    # Native gRPC probes cannot speak TLS: with TLS they use the plaintext health listener.
-    assert spec["grpc"]["port"] == (HEALTH_PORT if tls else GRPC_PORT)
+    # The plaintext health listener: no TLS to speak, and no queue of inference calls to wait behind.
+    assert spec["grpc"]["port"] == HEALTH_PORT
     assert spec["grpc"].get("service", "") == ""
 
 
@@ -438,7 +434,7 @@ def test_network_policy(by_kind: dict[str, list[Manifest]], deployment: Manifest
     for rule in spec["ingress"]:
         for port in rule["ports"]:
             sources_by_port.setdefault(port["port"], []).extend(rule["from"])
-    # The health port (with TLS) is not opened to any pod: the kubelet reaches it from the node.
+    # The health port is not opened to any pod: the kubelet reaches it from the node.
     assert set(sources_by_port) == {HTTP_PORT, GRPC_PORT, METRICS_PORT}
     assert sources_by_port[HTTP_PORT] == sources_by_port[GRPC_PORT] == [{"namespaceSelector": {}}]
     assert sources_by_port[METRICS_PORT] == [
