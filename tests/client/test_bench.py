@@ -16,13 +16,15 @@ from client.bench import (
     Ingestion,
     Plan,
     _cpu_per_call,
+    _ingest,
     call_cpu,
     ingestion_ceiling,
     ingestion_config,
     target_lines,
 )
-from client.loadtest import Level, LevelResult, Workload, run_level
+from client.loadtest import LevelResult, Workload
 from client.local_server import process_cpu_seconds
+from client.protocol import text_request
 from tests.conftest import TINY_CONFIG, TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value
 
@@ -108,9 +110,15 @@ def test_ingestion_sends_chunks_of_every_length_and_the_ceiling_runs_exactly_the
     words = sorted(len(text.split()) for request in workload.requests for text in request.texts)
     assert all(request.sequences == 32 for request in workload.requests)
     assert words[0] < 40 and words[-1] > 200  # spread as document chunks are
-    result = asyncio.run(run_level(config, Level("closed", 4), workload))
-    assert result.succeeded and not result.failed
-    assert result.sequences_per_s == result.throughput_rps * 32
+    requests = [text_request(TINY_MODEL, request.texts) for request in workload.requests]
+    # Every request sent once by 4 callers, timed whole: every text is answered, each request once.
+    seconds, answered_texts, latencies_ms = asyncio.run(_ingest(tiny_server.target, requests, 4))
+    assert answered_texts == 32 * len(workload.requests) and len(latencies_ms) == len(workload.requests)
+    assert 0 < max(latencies_ms) <= seconds * 1e3
+    # A request the server refuses is not counted as answered.
+    refused = text_request("no-such-model", ["a text"])
+    _, answered_texts, latencies_ms = asyncio.run(_ingest(tiny_server.target, [refused, requests[0]], 1))
+    assert answered_texts == 32 and len(latencies_ms) == 1
     texts = [text for request in workload.requests for text in request.texts]
     assert ingestion_ceiling(plan, texts) > 0
 
