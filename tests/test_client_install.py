@@ -7,16 +7,15 @@ embeds a sentence from the running server, outside this checkout.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from client import EmbeddingClient
 from tests.conftest import TINY_MODEL
-from tests.servers import ROOT, RunningServer
+from tests.installs import copy_project_source, fresh_environment, pip_install
+from tests.servers import RunningServer
 
 SERVER_ONLY = ("onnxruntime", "onnxruntime-gpu", "tokenizers", "torch", "prometheus-client", "grpcio-reflection")
 PROBE = """
@@ -35,23 +34,10 @@ SENTENCE = "A man is eating food."
 
 
 def test_client_installs_without_the_runtime_and_embeds(tiny_server: RunningServer, tmp_path: Path) -> None:
-    source = tmp_path / "source"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    for package in ("client", "service", "export"):
-        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    source = copy_project_source(tmp_path / "source")
     environment = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(environment)], check=True, timeout=120)
-    python = environment / "bin" / "python"
-    install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert install.returncode == 0, install.stderr
+    python = fresh_environment(environment)
+    pip_install(python, str(source))
 
     probe = subprocess.run(
         [python, "-c", PROBE, tiny_server.target, TINY_MODEL, SENTENCE],
