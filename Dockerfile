@@ -62,9 +62,13 @@ FROM ${BASE} AS runtime
 
 # ENCODER_HEALTH_PORT: probes (kubelet's, the HEALTHCHECK below) get a plaintext grpc.health.v1
 # listener of their own, which never queues behind inference calls and needs no TLS.
+# ORT_DISABLE_TELEMETRY: ONNX Runtime (1.29+ on Linux) otherwise starts its remote telemetry at import
+# and writes a device ID and an event store under $HOME/.cache, which is read-only here (it warns, then
+# keeps the ID in memory); a server in someone's cluster sends nothing to anyone.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    ORT_DISABLE_TELEMETRY=1 \
     ENCODER_HEALTH_PORT=8003
 
 COPY --from=venv /opt/python /opt/python
