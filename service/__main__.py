@@ -9,7 +9,7 @@ import sys
 
 import uvloop
 
-from service import processes
+from service import processes, tracing
 from service.engine_role import run_engine
 from service.errors import ExecutionError
 from service.repository import RepositoryError
@@ -44,10 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     if role == "supervisor":
         try:
             check_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca, settings.api_key_file)
-        except SecurityError as error:
+            tracing.check(settings)  # one error line here, not one per process
+        except (SecurityError, SettingsError) as error:
             print(f"service: error: {error}", file=sys.stderr)
             return 2
         return processes.Supervisor(settings).run()
+    try:
+        tracing.configure(settings, role)  # each process its own tracer provider (or none: off)
+    except SettingsError as error:
+        print(f"service: error: {error}", file=sys.stderr)
+        return 2
     try:
         # uvloop: measured 65-110 us less server CPU per gRPC call than asyncio's own loop (README).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -55,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RepositoryError, ExecutionError, SecurityError, OSError) as error:
         print(f"service: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        tracing.shutdown()
 
 
 async def _serve(role: str, settings: Settings) -> int:

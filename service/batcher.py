@@ -28,14 +28,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from service import metrics, statistics
+from service import metrics, statistics, tracing
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable, past_deadline
 from service.metrics import ModelLabels
 from service.token_rows import TokenRows
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, SpanContext
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +120,22 @@ class WorkItem:
         "results",
         "rows",
         "starts",
+        "trace",
         "unanswered",
         "waiting",
     )
 
     def __init__(
-        self, rows: TokenRows, outputs: tuple[str, ...], future: asyncio.Future[WorkResult], deadline: float | None
+        self,
+        rows: TokenRows,
+        outputs: tuple[str, ...],
+        future: asyncio.Future[WorkResult],
+        deadline: float | None,
+        trace: SpanContext | None = None,
     ) -> None:
         self.rows = rows
+        self.trace = trace
+        """The request's span context (while tracing is on): its batches' spans link to it."""
         self.outputs = outputs
         self.future = future
         self.deadline = deadline
@@ -180,6 +191,8 @@ class _Batch:
     started: float
     real_tokens: int
     watchdog: asyncio.TimerHandle | None = None
+    span: Span | None = None
+    """The batch's trace span, while tracing is on and a request in it is sampled."""
     overran: bool = False
     """Set when the run exceeded max_batch_run_s (its requests were failed, its instance retired)."""
 
@@ -360,12 +373,14 @@ class Batcher:
         deadline: float | None,
         admitted: bool = False,
         on_done: Callable[[WorkItem], None] | None = None,
+        *,
+        trace: SpanContext | None = None,
     ) -> WorkItem:
         """Queue a request's rows; its `future` resolves with a WorkResult once all of them are back, or fails.
 
         `admitted`: its place was taken by `admit` (and is handed over here); otherwise it is
         admitted now, or refused. `on_done` is told as soon as the future is settled by the batcher.
-        A caller that goes away calls `cancel`.
+        A caller that goes away calls `cancel`. `trace`: the request's span context, for its batches' spans.
         """
         if admitted:
             self._admitted -= 1
@@ -375,7 +390,7 @@ class Batcher:
         if self._stopped:
             raise Unavailable("the model is shutting down")
         loop = self._loop
-        item = WorkItem(rows, outputs, loop.create_future(), deadline)
+        item = WorkItem(rows, outputs, loop.create_future(), deadline, trace)
         item.on_done = on_done
         self._pending.append(item)
         self._statistics.set_pending(len(self._pending))
@@ -396,10 +411,15 @@ class Batcher:
         item.future.cancel()
 
     async def submit(
-        self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
+        self,
+        rows: TokenRows,
+        outputs: tuple[str, ...],
+        deadline: float | None,
+        admitted: bool = False,
+        trace: SpanContext | None = None,
     ) -> WorkResult:
         """Queue a request's rows and wait for all of them (see `enqueue`)."""
-        item = self.enqueue(rows, outputs, deadline, admitted)
+        item = self.enqueue(rows, outputs, deadline, admitted, trace=trace)
         try:
             return await item.future
         except asyncio.CancelledError:
@@ -519,6 +539,10 @@ class Batcher:
             self._idle.append(instance)
             return
         batch = _Batch(groups, instance, feed, time.monotonic(), real_tokens)
+        if tracing.ON:
+            rows, length = feed["input_ids"].shape
+            traces = [group.item.trace for group in groups]
+            batch.span = tracing.start_batch(self._labels, traces, rows, rows * length, real_tokens)
         batch.watchdog = self._loop.call_later(self.policy.max_batch_run_s, self._overran, batch)
         self._running.add(batch)
         wanted = {name for group in groups for name in group.item.outputs}
@@ -587,6 +611,8 @@ class Batcher:
         """A batch came back from its instance (on the loop): restart the instance, then answer its rows."""
         self._running.discard(batch)
         batch.watchdog.cancel()
+        if batch.span is not None:
+            tracing.end_batch(batch.span, error)
         if batch.overran:
             self._returned(batch.instance)
         else:

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from service import metrics
+from service import metrics, tracing
 from service.answers import INLINE_ENCODE_BYTES, AnswerBudget
 from service.errors import ExecutionError, InvalidArgument, NotFound, ServiceError, Unavailable
 from service.models import InstanceInfo, ModelInfo, ServedModel
@@ -222,8 +222,11 @@ class Engine:
                 metrics.REJECTED.labels(error.reason).inc()
             raise
 
-    async def infer(self, request: InferenceRequest) -> InferenceResult:
-        """Count, check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError."""
+    async def infer(self, request: InferenceRequest, trace: tracing.RequestTrace | None = None) -> InferenceResult:
+        """Count, check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError.
+
+        `trace`: the request's span (while tracing is on), which gets the stages from here on.
+        """
         served = self._models.get(request.model)
         if served is not None and request.version in ("", served.spec.version):
             tracked = metrics.TrackedRequest(served.metrics, served.statistics, request.deadline, request.received)
@@ -231,6 +234,8 @@ class Engine:
             tracked = metrics.TrackedRequest(
                 metrics.of(metrics.UNKNOWN_MODEL), None, request.deadline, request.received
             )
+        if trace is not None:
+            trace.describe(request.model, request.version)
         with tracked:
             model = self.served(request.model, request.version)
             width = model.spec.hidden_size
@@ -239,11 +244,16 @@ class Engine:
                     f"model {model.spec.name} gives {width} dimensions and cannot give {request.dimensions}:"
                     " its embeddings are not trained to be shortened"
                 )
-            valid = validate(request.inputs, request.outputs, request.parameters, model.signature, request.row_limit)
+            with tracing.stage(trace, "validate"):
+                valid = validate(
+                    request.inputs, request.outputs, request.parameters, model.signature, request.row_limit
+                )
             work, prompt_tokens, answer_bytes = await model.run(
-                valid, request.deadline, request.value_bytes, self.answers
+                valid, request.deadline, request.value_bytes, self.answers, trace
             )
             tracked.inferred(valid.rows, work.queue_s, work.compute_s)
+            if trace is not None:
+                trace.answered(valid.rows, prompt_tokens, work.batch_rows)
             return InferenceResult(
                 model.spec.name, model.spec.version, request.id, work.outputs, prompt_tokens, answer_bytes
             )

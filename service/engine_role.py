@@ -14,7 +14,7 @@ import logging
 import signal
 from collections.abc import Callable
 
-from service import metrics
+from service import metrics, tracing
 from service.batcher import Batcher, WorkItem
 from service.engine import Engine
 from service.errors import ExecutionError, ModelFailure, ServiceError
@@ -41,7 +41,9 @@ class EngineRole:
     def _submit(self, connection: EngineConnection, message: Submit, rows: TokenRows) -> None:
         try:
             queue = self.engine.served(message.model, message.version).queue
-            item = queue.enqueue(rows, message.outputs, message.deadline, on_done=self._done)
+            item = queue.enqueue(
+                rows, message.outputs, message.deadline, on_done=self._done, trace=tracing.from_wire(message.trace)
+            )
         except ServiceError as error:
             connection.fail(message.id, error)
             return

@@ -56,6 +56,8 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     tokens: int
     masked: bool
     typed: bool
+    trace: bytes | None = None
+    """The request's span context (service.tracing.to_wire) while tracing is on: 25 bytes."""
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -204,7 +206,14 @@ def to_frontend(header: bytes) -> list[ToFrontend]:
 
 
 def submit_message(
-    request_id: int, model: str, version: str, rows: TokenRows, outputs: tuple[str, ...], *, deadline: float | None
+    request_id: int,
+    model: str,
+    version: str,
+    rows: TokenRows,
+    outputs: tuple[str, ...],
+    *,
+    deadline: float | None,
+    trace: bytes | None = None,
 ) -> tuple[Submit, list[memoryview]]:
     """A request's rows as they travel: the message and its arrays."""
     buffers = [
@@ -225,6 +234,7 @@ def submit_message(
         len(rows.input_ids),
         rows.attention_mask is not None,
         rows.token_type_ids is not None,
+        trace,
     )
     return message, buffers
 
@@ -403,16 +413,23 @@ class EngineLink(_Frames):
         self._on_lost()
 
     def submit(
-        self, model: str, version: str, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None
+        self,
+        model: str,
+        version: str,
+        rows: TokenRows,
+        outputs: tuple[str, ...],
+        deadline: float | None,
+        *,
+        trace: bytes | None = None,
     ) -> tuple[int, asyncio.Future[WorkResult]]:
-        """Send a request's rows; the future resolves with its outputs (or its typed error)."""
+        """Send a request's rows (and its span context); the future resolves with its outputs or its typed error."""
         if not self.connected:
             raise Unavailable("the engine process is gone; this server is stopping")
         self._next_id += 1
         request_id = self._next_id
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        message, buffers = submit_message(request_id, model, version, rows, outputs, deadline=deadline)
+        message, buffers = submit_message(request_id, model, version, rows, outputs, deadline=deadline, trace=trace)
         self._outbox.put(message, *buffers)
         return request_id, future
 

@@ -102,6 +102,12 @@ DROPPED = Counter(
     "Queued requests dropped before running, by reason (cancelled, expired).",
     (*MODEL_LABELS, "reason"),
 )
+TRACE_SPANS_DROPPED = Counter(
+    f"{PREFIX}_trace_spans_dropped",
+    "Trace spans dropped instead of exported, by reason (queue_full: the exporter's queue, OTEL_BSP_MAX_QUEUE_SIZE,"
+    " was full; export_failed: the OTLP receiver did not take them). Requests never wait for the exporter.",
+    ("reason",),
+)
 QUEUE_DEPTH = f"{PREFIX}_queue_depth"
 QUEUE_DEPTH_HELP = "Requests waiting in the batching queue."
 INFLIGHT = f"{PREFIX}_inflight_requests"

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from service import metrics, statistics
+from service import metrics, statistics, tracing
 from service.answers import RAW_VALUE_BYTES, AnswerBudget
 from service.batcher import BatchingPolicy, WorkResult
 from service.metrics import ModelLabels
@@ -19,6 +19,9 @@ from service.settings import Settings
 from service.token_rows import TokenRows
 from service.tokenizer import TextTokenizer
 from service.validation import ModelSignature, TextLimits, ValidRequest
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 # Defaults that depend on the device (settings of 0 mean "auto").
 CUDA_LENGTH_BUCKET = 32
@@ -94,9 +97,17 @@ class ModelQueue(Protocol):
         ...
 
     async def submit(
-        self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
+        self,
+        rows: TokenRows,
+        outputs: tuple[str, ...],
+        deadline: float | None,
+        admitted: bool = False,
+        trace: SpanContext | None = None,
     ) -> WorkResult:
-        """Run a request's rows and return each requested output, rows in the request's order."""
+        """Run a request's rows and return each requested output, rows in the request's order.
+
+        `trace`: the request's span context (while tracing is on): the span of a batch its rows run in links to it.
+        """
         ...
 
     def flush(self) -> None:
@@ -159,13 +170,18 @@ class ServedModel:
         self.info = ModelInfo(spec, self.signature, policy, instances)
 
     async def run(
-        self, request: ValidRequest, deadline: float | None, value_bytes: dict[str, float], answers: AnswerBudget
+        self,
+        request: ValidRequest,
+        deadline: float | None,
+        value_bytes: dict[str, float],
+        answers: AnswerBudget,
+        trace: tracing.RequestTrace | None = None,
     ) -> tuple[WorkResult, int, int]:
         """Admit (or refuse at once), tokenise if needed, budget the answer, and wait for the request's rows.
 
         Returns the result, the request's real tokens and the answer's bytes as sent, which stay
         counted in `answers` until the front end releases them. Small texts are tokenised inline,
-        larger ones on a worker.
+        larger ones on a worker. `trace`: the request's span (while tracing is on), for the tokenize and queue stages.
         """
         if request.timeout_s is not None:
             own_deadline = time.monotonic() + request.timeout_s
@@ -174,7 +190,8 @@ class ServedModel:
         try:
             if request.texts is not None:
                 started = time.perf_counter()
-                rows = await self._tokenize(request.texts)
+                with tracing.stage(trace, "tokenize"):
+                    rows = await self._tokenize(request.texts)
                 self.metrics.tokenize_duration.observe(time.perf_counter() - started)
             else:
                 rows = request.tokens
@@ -183,7 +200,12 @@ class ServedModel:
             self.queue.withdraw()
             raise
         try:
-            work = await self.queue.submit(rows, request.outputs, deadline, admitted=True)
+            if trace is None:
+                work = await self.queue.submit(rows, request.outputs, deadline, admitted=True)
+            else:
+                work = await trace.queued(
+                    self.queue.submit(rows, request.outputs, deadline, admitted=True, trace=trace.span_context)
+                )
         except BaseException:
             answers.release(answer_bytes)
             raise

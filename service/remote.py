@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from service.batcher import BatchingPolicy, WorkResult
 from service.engine import Engine
@@ -20,6 +21,10 @@ from service.ipc import EngineLink, ModelUpdate
 from service.models import InstanceInfo, ServedModel
 from service.repository import read_model
 from service.token_rows import TokenRows
+from service.tracing import to_wire
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +71,19 @@ class RemoteQueue:
         """Nothing to give back: places are taken in the engine."""
 
     async def submit(
-        self, rows: TokenRows, outputs: tuple[str, ...], deadline: float | None, admitted: bool = False
+        self,
+        rows: TokenRows,
+        outputs: tuple[str, ...],
+        deadline: float | None,
+        admitted: bool = False,
+        trace: SpanContext | None = None,
     ) -> WorkResult:
-        """Send the rows to the engine and wait for their outputs; a caller that goes away cancels them there."""
-        request_id, future = self._link.submit(self._model, self._version, rows, outputs, deadline)
+        """Send the rows to the engine and wait for their outputs; a caller that goes away cancels them there.
+
+        `trace` (the request's span context) goes with them, for the span of the batch they run in.
+        """
+        wire = to_wire(trace)
+        request_id, future = self._link.submit(self._model, self._version, rows, outputs, deadline, trace=wire)
         self._inflight += 1
         try:
             return await future

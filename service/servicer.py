@@ -9,7 +9,7 @@ from typing import NoReturn
 
 import grpc
 
-from service import codec
+from service import codec, tracing
 from service.engine import Engine, InferenceResult
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -74,7 +74,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Decode, run through the engine, encode the requested outputs."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        response, result = await self._answer(request, deadline)
+        with tracing.grpc_request("ModelInfer", context, deadline) as trace:
+            response, result = await self._answer(request, deadline, trace)
         # The answer's bytes stay counted until gRPC has sent it (or the call ended otherwise).
         context.add_done_callback(lambda _: self.engine.answered(result))
         return response
@@ -86,21 +87,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async for response in self.streams.serve(request_iterator, context):
             yield response
 
-    async def infer(self, request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelInferResponse:
+    async def infer(
+        self, request: pb.ModelInferRequest, deadline: float | None, stream: grpc.aio.ServicerContext | None = None
+    ) -> pb.ModelInferResponse:
         """One inference of a stream: its answer leaves the budget once encoded.
 
-        A stream's answers not yet sent are bounded by --max-stream-inflight instead.
+        A stream's answers not yet sent are bounded by --max-stream-inflight instead. `stream`: the
+        stream's call, whose metadata may carry the caller's trace (given while tracing is on).
         """
-        response, result = await self._answer(request, deadline)
+        with tracing.grpc_request("ModelStreamInfer", stream, deadline) as trace:
+            response, result = await self._answer(request, deadline, trace)
         self.engine.answered(result)
         return response
 
     async def _answer(
-        self, request: pb.ModelInferRequest, deadline: float | None
+        self, request: pb.ModelInferRequest, deadline: float | None, trace: tracing.RequestTrace | None
     ) -> tuple[pb.ModelInferResponse, InferenceResult]:
         """Decode, one engine call, encode (a large answer off the event loop)."""
-        result = await self.engine.infer(codec.decode_infer_request(request, deadline))
-        return await self.engine.encode(result, partial(codec.encode_infer_response, result)), result
+        with tracing.stage(trace, "decode"):
+            decoded = codec.decode_infer_request(request, deadline)
+        result = await self.engine.infer(decoded, trace)
+        with tracing.stage(trace, "encode"):
+            return await self.engine.encode(result, partial(codec.encode_infer_response, result)), result
 
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext

@@ -229,6 +229,14 @@ class Settings:
         default=0,
         metadata=_doc("plaintext port serving only grpc.health.v1, for probes that cannot speak TLS; 0 = none"),
     )
+    otlp_endpoint: str = field(
+        default="",
+        metadata=_doc(
+            "OTLP receiver for OpenTelemetry traces (e.g. http://collector:4317 for grpc, http://collector:4318 for"
+            " http/protobuf, as OTEL_EXPORTER_OTLP_PROTOCOL says); '' = OTEL_EXPORTER_OTLP_ENDPOINT if set, else no"
+            " tracing. The other OTEL_* variables (service name, sampler, headers) apply; see docs/tracing.md"
+        ),
+    )
     log_level: str = field(
         default="INFO", metadata=_doc("logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     )

@@ -31,12 +31,14 @@ client resends what was not answered on a new stream.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from service import tracing
 from service.errors import ServiceError, Unavailable
 from service.proto import grpc_service_pb2 as pb
 
@@ -53,7 +55,9 @@ STREAM_ENDED_MESSAGE = (
 UNANSWERED_MESSAGE = "not answered before this stream had to end: send it again on a new stream"
 
 Infer = Callable[[pb.ModelInferRequest, float | None], Awaitable[pb.ModelInferResponse]]
-"""One inference (request, monotonic deadline or None) -> response; raises ServiceError."""
+"""One inference (request, monotonic deadline or None) -> response; raises ServiceError.
+
+While tracing is on it is also given `stream=` the stream's call, whose metadata may carry the caller's trace."""
 
 
 class InferenceStreams:
@@ -99,11 +103,12 @@ class InferenceStreams:
             raise Unavailable(STREAM_ENDED_MESSAGE)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
+        infer = functools.partial(self._infer, stream=context) if tracing.ON else self._infer
         slots = asyncio.Semaphore(self._max_inflight)
         answers: asyncio.Queue[asyncio.Future[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
         running: set[asyncio.Task[pb.ModelStreamInferResponse]] = set()
         loop = asyncio.get_running_loop()
-        reader = loop.create_task(self._read(requests, deadline, slots, answers, running))
+        reader = loop.create_task(self._read(requests, deadline, slots, answers, running, infer=infer))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
         timers = []
@@ -132,6 +137,8 @@ class InferenceStreams:
         slots: asyncio.Semaphore,
         answers: asyncio.Queue[asyncio.Future[pb.ModelStreamInferResponse] | None],
         running: set[asyncio.Task[pb.ModelStreamInferResponse]],
+        *,
+        infer: Infer,
     ) -> None:
         """Take a request whenever a slot is free; each starts at once and queues its answer in order.
 
@@ -151,17 +158,20 @@ class InferenceStreams:
                     continue
                 if request is None:
                     return
-                answer = loop.create_task(self._answer(request, deadline))
+                answer = loop.create_task(self._answer(infer, request, deadline))
                 running.add(answer)
                 answer.add_done_callback(running.discard)
                 answers.put_nowait(answer)
         finally:
             answers.put_nowait(None)
 
-    async def _answer(self, request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelStreamInferResponse:
+    @staticmethod
+    async def _answer(
+        infer: Infer, request: pb.ModelInferRequest, deadline: float | None
+    ) -> pb.ModelStreamInferResponse:
         """One request's answer: its response, or its error in error_message with its id."""
         try:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, deadline))
+            return pb.ModelStreamInferResponse(infer_response=await infer(request, deadline))
         except ServiceError as error:
             message = str(error)
         except asyncio.CancelledError:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service import codec, metrics
+from service import codec, metrics, tracing
 from service.engine import Engine, InferenceResult
 from service.errors import InvalidArgument, NotFound, Overloaded, ServiceError, Unauthenticated
 from service.http import kserve, openai
@@ -45,6 +45,8 @@ SEND_PART_BYTES = 256 * 1024
 """A large body is sent in parts of this size (see HttpApp._send_body)."""
 OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
 """Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
+TRACED_ROUTES = frozenset({"/v1/embeddings", "/v2/models/{name}/infer"})
+"""Routes whose requests get a trace span while tracing is on: the inferences."""
 UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send the header 'Authorization: Bearer <key>'"
 _MODEL_PATH = re.compile(
     r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/stats|/infer)?"
@@ -92,6 +94,8 @@ class Call:
     path_params: dict[str, str]
     headers: dict[bytes, bytes]
     body: bytes
+    trace: tracing.RequestTrace | None = None
+    """The request's span, while tracing is on and the route is traced."""
 
 
 Handler = Callable[[Call], Awaitable[Response]]
@@ -200,11 +204,12 @@ class HttpApp:
             self.active_requests += 1
             metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
         response = None
+        trace = tracing.http_request(method, route, scope["headers"]) if route in TRACED_ROUTES else None
         try:
             try:
                 if counted and self.active_requests > self.max_concurrent_requests:
                     self._over_concurrency()
-                response = await self._answer(scope, receive, route, params, handlers)
+                response = await self._answer(scope, receive, route, params, handlers, trace=trace)
             except _Disconnected:
                 metrics.HTTP_REQUESTS.labels(route, CLIENT_CLOSED).inc()
                 return
@@ -220,6 +225,8 @@ class HttpApp:
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             await self._send_body(send, response.body)
         finally:
+            if trace is not None:
+                trace.end_http(int(CLIENT_CLOSED) if response is None else response.status)
             if response is not None and response.answer is not None:
                 self.engine.answered(response.answer)  # sent, or never will be
             if counted:
@@ -251,7 +258,14 @@ class HttpApp:
         )
 
     async def _answer(
-        self, scope: Scope, receive: Receive, route: str, params: dict[str, str], handlers: dict[str, Handler]
+        self,
+        scope: Scope,
+        receive: Receive,
+        route: str,
+        params: dict[str, str],
+        handlers: dict[str, Handler],
+        *,
+        trace: tracing.RequestTrace | None,
     ) -> Response:
         method = scope["method"]
         if not handlers:
@@ -276,7 +290,7 @@ class HttpApp:
             self.engine.check_room(params["name"], params["version"])
         body = await self._read_body(headers, receive)
         # Cancelling the handler when the client goes away drops its queued work, as for gRPC.
-        work = asyncio.ensure_future(handler(Call(params, headers, body)))
+        work = asyncio.ensure_future(handler(Call(params, headers, body, trace)))
         gone = asyncio.ensure_future(_disconnect(receive))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -333,9 +347,10 @@ class HttpApp:
         return Response(status, json.dumps(body).encode(), headers=headers)
 
     async def _embeddings(self, call: Call) -> Response:
-        _check_body_form(call.headers, (JSON,))
-        payload = _json(call.body)
-        body, result = await openai.embeddings(self.engine, payload, self.max_embedding_inputs)
+        with tracing.stage(call.trace, "decode"):
+            _check_body_form(call.headers, (JSON,))
+            request = openai.parse_embeddings(_json(call.body))
+        body, result = await openai.embeddings(self.engine, request, self.max_embedding_inputs, call.trace)
         return Response(200, body, answer=result)
 
     async def _openai_models(self, call: Call) -> Response:
@@ -387,15 +402,18 @@ class HttpApp:
 
     async def _infer(self, call: Call) -> Response:
         received = time.perf_counter()
-        header_length = call.headers.get(kserve.HEADER_LENGTH.encode())
-        _check_body_form(call.headers, (None, JSON, BINARY))
-        json_part, binary = kserve.split_body(
-            call.body, None if header_length is None else header_length.decode("latin-1")
-        )
-        payload = _json(json_part)
-        rest = kserve.parse_infer(payload, binary, call.path_params["name"], call.path_params["version"], received)
-        result = await self.engine.infer(rest.request)
-        body, json_length = await self.engine.encode(result, lambda: kserve.encode_outputs(rest, result))
+        with tracing.stage(call.trace, "decode"):
+            header_length = call.headers.get(kserve.HEADER_LENGTH.encode())
+            _check_body_form(call.headers, (None, JSON, BINARY))
+            json_part, binary = kserve.split_body(
+                call.body, None if header_length is None else header_length.decode("latin-1")
+            )
+            payload = _json(json_part)
+            name, version = call.path_params["name"], call.path_params["version"]
+            rest = kserve.parse_infer(payload, binary, name, version, received)
+        result = await self.engine.infer(rest.request, call.trace)
+        with tracing.stage(call.trace, "encode"):
+            body, json_length = await self.engine.encode(result, lambda: kserve.encode_outputs(rest, result))
         if json_length is None:
             return Response(200, body, answer=result)
         header = (kserve.HEADER_LENGTH.encode(), str(json_length).encode())

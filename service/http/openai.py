@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from service import tracing
 from service.answers import BASE64_VALUE_BYTES, JSON_VALUE_BYTES, json_values
 from service.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
 from service.errors import InvalidArgument
@@ -86,12 +87,14 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
     return orjson.dumps(body)
 
 
-async def embeddings(engine: Engine, payload: object, max_inputs: int) -> tuple[bytes, InferenceResult]:
-    """Answer a /v1/embeddings body: its texts as the engine's request, the one engine call, OpenAI's answer.
+async def embeddings(
+    engine: Engine, request: EmbeddingsRequest, max_inputs: int, trace: tracing.RequestTrace | None = None
+) -> tuple[bytes, InferenceResult]:
+    """Answer a /v1/embeddings request (`parse_embeddings`): its texts to the engine in one call, OpenAI's answer.
 
     The result comes back with the body: its bytes stay in the engine's budget until the body is sent.
+    `trace`: the request's span (while tracing is on).
     """
-    request = parse_embeddings(payload)
     # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
     elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
     texts = InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False)
@@ -104,10 +107,13 @@ async def embeddings(engine: Engine, payload: object, max_inputs: int) -> tuple[
             row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
             dimensions=request.dimensions,
             value_bytes={"embedding": value_bytes},
-        )
+        ),
+        trace,
     )
     vectors = result.outputs["embedding"]
-    return await engine.encode(result, lambda: _embeddings_body(vectors, request, result.prompt_tokens)), result
+    with tracing.stage(trace, "encode"):
+        body = await engine.encode(result, lambda: _embeddings_body(vectors, request, result.prompt_tokens))
+    return body, result
 
 
 def _model_card(name: str, created: int) -> dict[str, object]:
