@@ -12,7 +12,7 @@ MODEL_FILE  := $(REPOSITORY)/$(MODEL)/config.pbtxt
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[server,export,client,test]'
+	$(PY) -m pip install --quiet -e '.[server,export,tools,test]'
 	touch $@
 
 # Debian packages (need root): prometheus (promtool and a server) for the monitoring tests, and
@@ -76,18 +76,18 @@ bench: $(VENV)/.installed $(MODEL_FILE)
 
 # Drive a running server (make serve in another shell): closed-loop sweep, report in loadtest-results/.
 loadtest: $(VENV)/.installed
-	$(PY) -m client.loadtest --target 127.0.0.1:8001 --concurrency 1,8,32,64 --duration-s 20
+	$(PY) -m tools.loadtest --target 127.0.0.1:8001 --concurrency 1,8,32,64 --duration-s 20
 
 # Triton's perf_analyzer against a running server (make serve in another shell): token ids, texts and
 # texts over --streaming on gRPC, token ids and texts over HTTP, at each concurrency; figures on
 # stdout, CSVs in perf-results/.
 perf-analyzer: $(VENV)/.installed system-packages $(MODEL_FILE)
-	$(PY) -m client.perf_analyzer --target 127.0.0.1:8001 --http-target 127.0.0.1:8000 --model $(MODEL) --repository $(REPOSITORY) \
+	$(PY) -m tools.perf_analyzer --target 127.0.0.1:8001 --http-target 127.0.0.1:8000 --model $(MODEL) --repository $(REPOSITORY) \
 		--concurrency 1,8,32 --output-dir perf-results
 
 # Hostile phases against a running server (make serve in another shell); report in bench-results/stress/.
 stress: $(VENV)/.installed
-	$(PY) -m client.stress --target 127.0.0.1:8001 --http-target 127.0.0.1:8000 --health-target 127.0.0.1:8003 \
+	$(PY) -m tools.stress --target 127.0.0.1:8001 --http-target 127.0.0.1:8000 --health-target 127.0.0.1:8003 \
 		--metrics-url http://127.0.0.1:8002/metrics --output bench-results/stress
 
 clean:

@@ -8,15 +8,8 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from client.protocol import (
-    ClientSecurity,
-    EmbeddingError,
-    SecurityError,
-    batches,
-    channel_options,
-    output_array,
-    text_request,
-)
+from client.protocol import EmbeddingError, batches, channel_options, output_array, text_request
+from service.client_security import ClientSecurity, SecurityError
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncEmbeddingClient", "ClientSecurity", "EmbeddingClient", "EmbeddingError", "SecurityError"]

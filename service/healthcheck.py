@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.protocol import ClientSecurity, SecurityError, add_security_arguments, security_from_args
+from service.client_security import ClientSecurity, SecurityError, add_security_arguments, security_from_args
 
 
 def default_target(environ: dict[str, str]) -> str:

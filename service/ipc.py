@@ -6,7 +6,7 @@ carry, one after another, in order. Token rows go in as int64 arrays, outputs co
 arrays: nothing is pickled. Each side sends what one turn of its event loop produced in one frame,
 so a busy server pays one write and one read for many requests.
 
-Chosen by measurement (`python -m client.ipc_bench`: 16 callers, one-row requests answered at
+Chosen by measurement (`python -m tools.ipc_bench`: 16 callers, one-row requests answered at
 once, the same messages built and read either way; CPU per request on each side, 2 vCPUs, two
 runs): these frames over uvloop's Unix socket cost 14-16 us in the front end and 12-14 us in the
 engine; pyzmq's DEALER/ROUTER, coalesced the same way, 19-26 and 17-22 us (its I/O thread hands

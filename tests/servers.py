@@ -1,4 +1,4 @@
-"""Real servers for the tests (see client.local_server), and whether a GPU is usable here."""
+"""Real servers for the tests (see tools.local_server), and whether a GPU is usable here."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.local_server import RunningServer, free_port, health_status
-from client.local_server import launch_server as launch_local_server
-from client.local_server import start_server as start_local_server
 from service.processes import children
 from service.runtime import cuda_unavailable_reason
+from tools.local_server import RunningServer, free_port, health_status
+from tools.local_server import launch_server as launch_local_server
+from tools.local_server import start_server as start_local_server
 
 __all__ = [
     "ROOT",

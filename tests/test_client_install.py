@@ -18,6 +18,8 @@ from tests.installs import copy_project_source, fresh_environment, pip_install
 from tests.servers import RunningServer
 
 SERVER_ONLY = ("onnxruntime", "onnxruntime-gpu", "tokenizers", "torch", "prometheus-client", "grpcio-reflection")
+CLIENT_MODULES = {"client", "client.protocol", "service", "service.client_security"}
+"""What `import client` may load of this project: the SDK, its channel settings, and the stubs (service.proto)."""
 PROBE = """
 import importlib.util, json, sys
 from importlib import metadata
@@ -27,6 +29,10 @@ print(json.dumps({
     "distributions": sorted(d.metadata["Name"].lower() for d in metadata.distributions()),
     "importable": [m for m in ("onnxruntime", "tokenizers", "torch") if importlib.util.find_spec(m)],
     "client_from": importlib.util.find_spec("client").origin,
+    "tools_installed": importlib.util.find_spec("tools") is not None,
+    "project_modules": sorted(
+        m for m in sys.modules if m.split(".")[0] in ("client", "service", "export", "tools")
+    ),
     "embedding": embedding.tolist(),
 }))
 """
@@ -53,5 +59,9 @@ def test_client_installs_without_the_runtime_and_embeds(tiny_server: RunningServ
     assert not set(SERVER_ONLY) & set(found["distributions"]), found["distributions"]
     assert found["importable"] == []
     assert Path(found["client_from"]).is_relative_to(environment)
+    # The tools are installed beside the SDK, and the SDK loads none of them, nor the serving runtime.
+    assert found["tools_installed"]
+    loaded = set(found["project_modules"])
+    assert loaded - {m for m in loaded if m.startswith("service.proto")} == CLIENT_MODULES, loaded
     expected = EmbeddingClient(tiny_server.target, model=TINY_MODEL).embed([SENTENCE])
     np.testing.assert_allclose(np.array(found["embedding"], dtype=np.float32), expected, atol=1e-6)

@@ -31,11 +31,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from client import EmbeddingClient
-from client.local_server import RunningServer, free_port, health_status
 from tests.conftest import DEFAULT_MODEL
 from tests.deploy.test_dockerfile import DOCKERFILE, Stage, _command, _parse
 from tests.installs import copy_project_source, fresh_environment, pip_install
 from tests.servers import ROOT, server_pids
+from tools.local_server import RunningServer, free_port, health_status
 
 EMBEDDING_DIMENSION = 384
 """all-MiniLM-L6-v2's."""
@@ -306,5 +306,5 @@ def test_the_image_runtime_serves_as_its_user_from_read_only_paths_without_torch
         assert failure not in messages, messages
     modules = imported_modules(log)
     assert {"service.server", "onnxruntime", "tokenizers"} <= modules, "no import log: nothing below is checked"
-    for package in ("torch", "export", "client"):
+    for package in ("torch", "export", "client", "tools"):
         assert not of_package(modules, package), f"the server imported {sorted(of_package(modules, package))}"

@@ -22,9 +22,9 @@ from locust import User, constant, events, task
 from locust.argument_parser import LocustArgumentParser
 
 from client import DEFAULT_MODEL, EmbeddingClient, EmbeddingError
-from client.loadtest.config import parse_mix
-from client.loadtest.corpus import load_corpus
-from client.protocol import security_from_env
+from service.client_security import security_from_env
+from tools.loadtest.config import parse_mix
+from tools.loadtest.corpus import load_corpus
 
 # gRPC's blocking calls must yield to Locust's gevent loop, or one user would stall all the others.
 grpc_gevent.init_gevent()

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from client import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError
-from client.loadtest.corpus import load_corpus
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, wait_for_metric
+from tools.loadtest.corpus import load_corpus
 
 TEXTS = list(load_corpus("short")[:5]) + list(load_corpus("long")[:2])
 DIMENSION = 32

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from client.loadtest.corpus import load_corpus
 from service.fidelity import cosines
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL
 from tests.servers import RunningServer, start_server
+from tools.loadtest.corpus import load_corpus
 
 MIXED = [*load_corpus("short")[:4], *load_corpus("chunks")[:4]]
 """Sentences and document chunks of 8-240 words: rows of very different lengths in one request."""

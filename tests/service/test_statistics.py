@@ -13,11 +13,11 @@ import tritonclient.grpc as triton
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from client.loadtest.corpus import load_corpus
 from service import codec
 from service.statistics import StatisticsTables
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, start_server
+from tools.loadtest.corpus import load_corpus
 
 PASSAGE_REQUESTS = 4
 

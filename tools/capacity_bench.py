@@ -1,0 +1,217 @@
+"""Node capacity of a server of several processes, projected from each process's CPU time per request.
+
+    python -m tools.capacity_bench [--frontends 2] [--seconds 8] [--output FILE]
+
+A tiny random encoder (exported here by the real exporter) served by `--frontends N` front-end
+processes and one engine process. For one-text requests over gRPC (ModelInfer) and over HTTP
+(OpenAI /v1/embeddings), clients in this process keep 32 requests in flight over 16 connections
+(the kernel spreads them over the front ends); each server process's CPU time as the kernel counts
+it (user + system, every thread, /proc) over the requests answered gives:
+
+- F: the front ends' CPU per request (all front ends together, per request);
+- E: the engine's CPU per request, at that load and at saturation (this process then connects to
+  the engine's socket as one more front end would and keeps 256 tokenised requests in flight, so
+  the engine batches as it would behind a node full of front ends).
+
+Projected capacity of a 16-core node: min(1 / E at saturation, 15 / F): one core for the engine,
+fifteen for front ends. Targets: >= 15,000 requests/s, E <= 60 us. For comparison, one process
+(`--frontends 1`) is measured the same way: its CPU per request, the model's included, all on one
+event loop whatever the node has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import uvloop
+
+from export.checkpoint import default_model_folder, random_checkpoint
+from export.pipeline import ExportOptions, export_model
+from service.ipc import EngineLink
+from service.processes import ENGINE_SOCKET, TITLE, children
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.repository import read_model
+from service.tokenizer import TextTokenizer
+from tools.bench import TINY_CONFIG, TINY_MODEL
+from tools.local_server import RunningServer, process_cpu_seconds, start_server
+from tools.protocols_bench import SENTENCE, HttpConnection, closed_loop, grpc_request, http_requests
+
+ROUNDS = 3
+"""Each figure is the median of this many rounds (a shared machine's speed drifts from second to second)."""
+CONNECTIONS = 16
+IN_FLIGHT = 32
+SATURATION_IN_FLIGHT = 256
+NODE_CORES = 16
+TARGET_CAPACITY = 15_000
+TARGET_ENGINE_US = 60.0
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+@dataclass(frozen=True)
+class Load:
+    """One protocol's load: requests answered, and each role's CPU microseconds per request."""
+
+    protocol: str
+    requests_per_s: float
+    frontend_us: float
+    engine_us: float
+
+
+def roles(server: RunningServer) -> dict[str, int]:
+    """The server's processes by role (`engine`, `frontend 1`, ...; `server` for a lone process)."""
+    pids = [server.process.pid, *children(server.process.pid)]
+    named = {}
+    for pid in pids:
+        title = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[0]
+        named[title.removeprefix(f"{TITLE}: ") if title.startswith(TITLE) else "server"] = pid
+    return named
+
+
+def engine_socket(pid: int) -> str:
+    """The path of the Unix socket the engine process listens on (its descriptors, looked up in /proc/net/unix)."""
+    inodes = set()
+    for descriptor in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(descriptor)
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[6] in inodes and fields[7].endswith(f"/{ENGINE_SOCKET}"):
+            return fields[7]
+    raise RuntimeError(f"process {pid} listens on no {ENGINE_SOCKET}")
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    return {role: process_cpu_seconds(pid) for role, pid in pids.items()}
+
+
+async def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[int, dict[str, float]]:
+    """IN_FLIGHT one-text requests over CONNECTIONS connections: requests answered, CPU seconds per role."""
+    if protocol == "grpc":
+        channels = [grpc.aio.insecure_channel(server.target, OWN_CONNECTION) for _ in range(CONNECTIONS)]
+        stubs = [pb_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
+        request = grpc_request(TINY_MODEL)
+        calls = [lambda stub=stubs[i % CONNECTIONS]: stub.ModelInfer(request) for i in range(IN_FLIGHT)]
+    else:
+        payload = http_requests(TINY_MODEL)["openai-float"]
+        connections = [await HttpConnection.open(server.http_port) for _ in range(IN_FLIGHT)]
+        calls = [lambda connection=connection: connection.post(payload) for connection in connections]
+    try:
+        await asyncio.gather(*(call() for call in calls))
+        pids = roles(server)
+        before = _cpu(pids)
+        requests, _, _ = await closed_loop(calls, seconds)
+        after = _cpu(pids)
+    finally:
+        if protocol == "grpc":
+            for channel in channels:
+                await channel.close()
+        else:
+            for connection in connections:
+                connection.close()
+    return requests, {role: after[role] - before[role] for role in pids}
+
+
+def measure(server: RunningServer, protocol: str, seconds: float) -> Load:
+    """A protocol's requests/s and CPU per request of the front ends and of the engine: medians of ROUNDS."""
+    rounds = []
+    for _ in range(ROUNDS):
+        started = time.monotonic()
+        requests, cpu = uvloop.run(drive(server, protocol, seconds / ROUNDS))
+        elapsed = time.monotonic() - started
+        frontends = sum(used for role, used in cpu.items() if role.startswith("frontend") or role == "server")
+        rounds.append((requests / elapsed, frontends / requests * 1e6, cpu.get("engine", 0.0) / requests * 1e6))
+    return Load(protocol, *(statistics.median(figures) for figures in zip(*rounds, strict=True)))
+
+
+async def _saturate(path: str, rows: object, seconds: float, engine_pid: int) -> float:
+    link = await EngineLink.connect(path, 0, lambda update: None, lambda: None)
+    done = 0
+
+    async def caller() -> None:
+        nonlocal done
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            _, future = link.submit(TINY_MODEL, "", rows, ("embedding",), None)
+            await future
+            done += 1
+
+    for _ in range(100):
+        _, future = link.submit(TINY_MODEL, "", rows, ("embedding",), None)
+        await future
+    done = 0
+    before = process_cpu_seconds(engine_pid)
+    await asyncio.gather(*(caller() for _ in range(SATURATION_IN_FLIGHT)))
+    used = process_cpu_seconds(engine_pid) - before
+    link.close()
+    return used / done * 1e6
+
+
+def engine_at_saturation(server: RunningServer, repository: Path, seconds: float) -> float:
+    """The engine's CPU microseconds per one-text request when it is kept full: the median of ROUNDS."""
+    engine = roles(server)["engine"]
+    spec = read_model(repository / TINY_MODEL)
+    rows = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id).encode_rows([SENTENCE])
+    path = engine_socket(engine)
+    return statistics.median(uvloop.run(_saturate(path, rows, seconds / ROUNDS, engine)) for _ in range(ROUNDS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, project, print (and with --output, save) the figures."""
+    parser = argparse.ArgumentParser(prog="python -m tools.capacity_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--frontends", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--output", type=Path)
+    arguments = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        repository = Path(scratch) / "repository"
+        checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_model_folder())
+        export_model(checkpoint, repository, ExportOptions(variants=("fp32",), threads=1))
+        flags = ("--frontends", str(arguments.frontends))
+        with start_server(repository, Path(scratch) / "server.log", *flags) as server:
+            loads = [measure(server, protocol, arguments.seconds) for protocol in ("grpc", "openai")]
+            saturated = engine_at_saturation(server, repository, arguments.seconds)
+        with start_server(repository, Path(scratch) / "single.log", "--frontends", "1") as single:
+            alone = [measure(single, protocol, arguments.seconds) for protocol in ("grpc", "openai")]
+    lines = [f"{arguments.frontends} front ends + engine, tiny model, one-text requests, {IN_FLIGHT} in flight:"]
+    figures = {"frontends": arguments.frontends, "engine_us_at_saturation": round(saturated, 1), "protocols": {}}
+    for load, lone in zip(loads, alone, strict=True):
+        capacity = min(1e6 / saturated, (NODE_CORES - 1) * 1e6 / load.frontend_us)
+        figures["protocols"][load.protocol] = {
+            **asdict(load),
+            "projected_16_core_requests_per_s": round(capacity),
+            "one_process_us": round(lone.frontend_us, 1),
+        }
+        verdict = "met" if capacity >= TARGET_CAPACITY else "MISSED"
+        lines.append(
+            f"  {load.protocol}: {load.requests_per_s:.0f} req/s here; front ends {load.frontend_us:.0f} us/req,"
+            f" engine {load.engine_us:.0f} us/req at this load, {saturated:.1f} us/req at saturation ->"
+            f" 16 cores: min(1/{saturated:.1f} us, 15/{load.frontend_us:.0f} us) = {capacity:,.0f} req/s"
+            f" (target >= {TARGET_CAPACITY:,}: {verdict}); one process: {lone.frontend_us:.0f} us/req"
+        )
+    lines.append(
+        f"  engine CPU per request at saturation {saturated:.1f} us (target <= {TARGET_ENGINE_US:g} us:"
+        f" {'met' if saturated <= TARGET_ENGINE_US else 'MISSED'})"
+    )
+    print("\n".join(lines))
+    if arguments.output:
+        arguments.output.parent.mkdir(parents=True, exist_ok=True)
+        arguments.output.write_text(json.dumps({**figures, "lines": lines}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
