@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from service import metrics, tracing
+from service import metrics, tenants, tracing
 from service.answers import INLINE_ENCODE_BYTES, AnswerBudget
 from service.errors import ExecutionError, InvalidArgument, NotFound, ServiceError, Unavailable
 from service.models import InstanceInfo, ModelInfo, ServedModel
@@ -225,18 +225,25 @@ class Engine:
     async def infer(self, request: InferenceRequest, trace: tracing.RequestTrace | None = None) -> InferenceResult:
         """Count, check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError.
 
-        `trace`: the request's span (while tracing is on), which gets the stages from here on.
+        `trace`: the request's span (while tracing is on), which gets the stages from here on. The caller's
+        tenant (service.tenants, set where its API key was checked) is held to its limits and charged its tokens.
         """
+        tenant = tenants.CURRENT.get()
+        tenant_metrics = None if tenant is None else tenant.metrics
         served = self._models.get(request.model)
         if served is not None and request.version in ("", served.spec.version):
-            tracked = metrics.TrackedRequest(served.metrics, served.statistics, request.deadline, request.received)
+            tracked = metrics.TrackedRequest(
+                served.metrics, served.statistics, request.deadline, request.received, tenant_metrics
+            )
         else:
             tracked = metrics.TrackedRequest(
-                metrics.of(metrics.UNKNOWN_MODEL), None, request.deadline, request.received
+                metrics.of(metrics.UNKNOWN_MODEL), None, request.deadline, request.received, tenant_metrics
             )
         if trace is not None:
             trace.describe(request.model, request.version)
         with tracked:
+            if tenant is not None:
+                tenant.admit()
             model = self.served(request.model, request.version)
             width = model.spec.hidden_size
             if request.dimensions is not None and request.dimensions != width:
@@ -252,6 +259,8 @@ class Engine:
                 valid, request.deadline, request.value_bytes, self.answers, trace
             )
             tracked.inferred(valid.rows, work.queue_s, work.compute_s)
+            if tenant is not None:
+                tenant.charge(prompt_tokens)
             if trace is not None:
                 trace.answered(valid.rows, prompt_tokens, work.batch_rows)
             return InferenceResult(

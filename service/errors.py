@@ -44,6 +44,15 @@ class Overloaded(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class OverLimit(Overloaded):
+    """A tenant over one of its limits (service.tenants): refused until its bucket has refilled."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
+        super().__init__(message, reason)
+        self.retry_after_s = retry_after_s
+        """Whole seconds until the limit lets a request of the tenant in again (HTTP's Retry-After)."""
+
+
 class TooLarge(ServiceError):
     """The answer asked for is larger than the server sends in one response: refused before running."""
 

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from service import metrics
+from service import metrics, tenants
 from service.errors import InvalidArgument, ServiceError, Unauthenticated
 from service.security import ApiKeys
 
@@ -167,10 +167,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             denied = _denying(handler) if method.startswith(PROTECTED_PREFIX) else None
             cached = self._wrapped[method] = (wrapped, denied)
         wrapped, denied = cached
-        if (
-            denied is not None
-            and self._api_keys is not None
-            and not self._api_keys.accepts(_authorization(handler_call_details.invocation_metadata))
-        ):
-            return denied
+        if denied is not None and self._api_keys is not None:
+            tenant = self._api_keys.tenant(_authorization(handler_call_details.invocation_metadata))
+            if tenant is None:
+                return denied
+            # grpc.aio runs the interceptor and then the handler in the call's one task: the engine reads it there.
+            tenants.CURRENT.set(tenant)
         return wrapped

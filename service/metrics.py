@@ -61,9 +61,27 @@ REQUEST_DURATION = Histogram(
 REJECTED = Counter(
     f"{PREFIX}_requests_rejected",
     "Requests refused at a limit or check before any work, by reason (queue_full, text_too_large,"
-    " request_text_too_large, response_too_large, answer_budget, unauthenticated, no_instance; over HTTP also"
-    " message_too_large, too_many_inputs, http_concurrency).",
+    " request_text_too_large, response_too_large, answer_budget, unauthenticated, no_instance, tenant_requests,"
+    " tenant_tokens; over HTTP also message_too_large, too_many_inputs, http_concurrency).",
     ("reason",),
+)
+# Tenants (service.tenants, docs/tenants.md): the label's values are the tenants of --api-key-file only.
+TENANT_REQUESTS = Counter(
+    f"{PREFIX}_tenant_requests",
+    "Inference requests answered for each tenant of --api-key-file, by gRPC status code (as encoder_requests_total).",
+    ("tenant", "code"),
+)
+TENANT_PROMPT_TOKENS = Counter(
+    f"{PREFIX}_tenant_prompt_tokens",
+    "Prompt tokens of each tenant's answered inference requests, counted by the model's tokenizer (special tokens"
+    " included, no padding): what its tokens_per_minute limit is charged.",
+    ("tenant",),
+)
+TENANT_REJECTED = Counter(
+    f"{PREFIX}_tenant_requests_rejected",
+    "Inference requests refused because their tenant was over one of its limits, by limit (requests_per_second,"
+    " tokens_per_minute).",
+    ("tenant", "limit"),
 )
 HTTP_REQUESTS = Counter(
     f"{PREFIX}_http_requests",
@@ -250,6 +268,41 @@ def of(labels: ModelLabels) -> ModelMetrics:
     return model_metrics
 
 
+class TenantMetrics:
+    """One tenant's labelled metric children, resolved once (as ModelMetrics)."""
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = tenant
+        self.prompt_tokens = TENANT_PROMPT_TOKENS.labels(tenant)
+        self._answered: dict[str, Any] = {}
+        self._rejected: dict[str, Any] = {}
+
+    def answered(self, code: str) -> None:
+        """Count one of the tenant's requests answered, with its status code's name."""
+        child = self._answered.get(code)
+        if child is None:
+            child = self._answered[code] = TENANT_REQUESTS.labels(self.tenant, code)
+        child.inc()
+
+    def rejected(self, limit: str) -> None:
+        """Count one of the tenant's requests refused at one of its limits."""
+        child = self._rejected.get(limit)
+        if child is None:
+            child = self._rejected[limit] = TENANT_REJECTED.labels(self.tenant, limit)
+        child.inc()
+
+
+_BY_TENANT: dict[str, TenantMetrics] = {}
+
+
+def of_tenant(tenant: str) -> TenantMetrics:
+    """The metric children of a tenant, resolved on first use."""
+    tenant_metrics = _BY_TENANT.get(tenant)
+    if tenant_metrics is None:
+        tenant_metrics = _BY_TENANT[tenant] = TenantMetrics(tenant)
+    return tenant_metrics
+
+
 class TrackedRequest:
     """Count one inference request: in flight while inside, then its status code and duration, and Triton's statistics.
 
@@ -257,10 +310,21 @@ class TrackedRequest:
     duration counts from `received` (time.perf_counter, when the front end received it); `inferred`
     marks its rows' return (rows, queue and compute time). It counts in the statistics as a success
     if `inferred` was called and no exception left the block, else as a failure. A refusal that
-    carries a `reason` (a limit or check) is also counted in encoder_requests_rejected_total.
+    carries a `reason` (a limit or check) is also counted in encoder_requests_rejected_total. `tenant`: the
+    metrics of the caller's tenant (API keys on), which count it too.
     """
 
-    __slots__ = ("_compute_s", "_deadline", "_inferred", "_metrics", "_queue_s", "_received", "_rows", "_statistics")
+    __slots__ = (
+        "_compute_s",
+        "_deadline",
+        "_inferred",
+        "_metrics",
+        "_queue_s",
+        "_received",
+        "_rows",
+        "_statistics",
+        "_tenant",
+    )
 
     def __init__(
         self,
@@ -268,8 +332,10 @@ class TrackedRequest:
         statistics: StatisticsTable | None,
         deadline: float | None,
         received: float,
+        tenant: TenantMetrics | None = None,
     ) -> None:
         self._metrics = model_metrics
+        self._tenant = tenant
         self._statistics = statistics
         self._deadline = deadline
         """The caller's monotonic deadline: a cancellation at it is counted DEADLINE_EXCEEDED."""
@@ -293,12 +359,15 @@ class TrackedRequest:
         answered = time.perf_counter()
         total_s = answered - self._received
         if error is None:
-            self._metrics.answered("OK", total_s)
+            code = "OK"
         else:
             reason = getattr(error, "reason", None)
             if reason is not None:
                 REJECTED.labels(reason).inc()
-            self._metrics.answered(status_of(error, self._deadline).name, total_s)
+            code = status_of(error, self._deadline).name
+        self._metrics.answered(code, total_s)
+        if self._tenant is not None:
+            self._tenant.answered(code)
         statistics = self._statistics
         if statistics is None:
             return

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import grpc
 
+from service.tenants import KeyFile, Tenant, parse_key_file
+
 log = logging.getLogger(__name__)
 
 BEARER = "bearer "
@@ -176,30 +178,50 @@ class ReloadingSslContext:
             connection.context = latest
 
 
-class ApiKeys:
-    """The accepted API keys, one per line of a file, re-read (at most once a second) when it changes.
+def read_key_file(path: Path) -> tuple[KeyFile, tuple[int, int, int]]:
+    """What an API key file says, and its stamp; SecurityError if it cannot be used (the message quotes no key)."""
+    try:
+        stamp = _stamp(path)
+    except OSError as error:
+        raise SecurityError(f"cannot read API key file {path}: {error.strerror}") from error
+    text = _read(path).decode("utf-8", errors="replace")
+    try:
+        return parse_key_file(path.name, text), stamp
+    except ValueError as error:
+        raise SecurityError(f"API key file {path} {error}") from error
 
-    Blank lines and lines starting with # are ignored. Keys are compared in constant time and never
-    logged.
+
+class ApiKeys:
+    """The accepted API keys and their tenants, from a file re-read (at most once a second) when it changes.
+
+    The file is one key per line (blank lines and lines starting with # ignored; every key is the
+    tenant `default`'s, unlimited) or a TOML file of tenants with their keys and limits (service.tenants,
+    docs/tenants.md). Keys are compared in constant time and never logged. A file that cannot be used
+    is an error at start; on reload it is logged and the previous keys stay. `share`: the part of each
+    tenant's limits this process enforces (1/--frontends). A tenant whose limits a reload leaves as they
+    were keeps its buckets; one whose limits changed starts afresh (full) under the new ones.
     """
 
-    def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, path: Path, share: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
+        self.share = share
         self._clock = clock
         self._lock = threading.Lock()
-        self._keys, self._stamp = self._load()
+        self._keys: tuple[tuple[bytes, Tenant], ...] = ()
+        self._tenants: dict[str, Tenant] = {}
+        self._stamp = self._load()
         self._checked_at = clock()
 
-    def _load(self) -> tuple[tuple[bytes, ...], tuple[int, int, int]]:
-        try:
-            stamp = _stamp(self.path)
-        except OSError as error:
-            raise SecurityError(f"cannot read API key file {self.path}: {error.strerror}") from error
-        lines = _read(self.path).decode("utf-8", errors="replace").splitlines()
-        keys = tuple(line.strip().encode() for line in lines if line.strip() and not line.lstrip().startswith("#"))
-        if not keys:
-            raise SecurityError(f"API key file {self.path} holds no key")
-        return keys, stamp
+    def _load(self) -> tuple[int, int, int]:
+        """Read the file and take its keys and tenants; its stamp. SecurityError (nothing taken) if unusable."""
+        described, stamp = read_key_file(self.path)
+        tenants = {}
+        for name, limits in described.tenants.items():
+            kept = self._tenants.get(name)
+            tenants[name] = kept if kept is not None and kept.limits == limits else Tenant(name, limits, self.share)
+        self._tenants = tenants
+        self._keys = tuple((key, tenants[name]) for key, name in described.keys)
+        return stamp
 
     def _refresh(self) -> None:
         now = self._clock()
@@ -210,21 +232,28 @@ class ApiKeys:
             try:
                 if _stamp(self.path) == self._stamp:
                     return
-                self._keys, self._stamp = self._load()
+                self._stamp = self._load()
             except (OSError, SecurityError) as error:
-                log.warning("API keys not reloaded, keeping the previous ones: %s", error)
+                log.error("API keys not reloaded, keeping the previous ones: %s", error)
                 return
-            log.info("API keys reloaded from %s (%d keys)", self.path, len(self._keys))
+            log.info("API keys reloaded from %s (%d keys, %d tenants)", self.path, len(self._keys), len(self._tenants))
+
+    def tenant(self, authorization: str | None) -> Tenant | None:
+        """The tenant whose key an `authorization` header value carries as `Bearer <key>`; None: not accepted."""
+        self._refresh()
+        if authorization is None or authorization[: len(BEARER)].lower() != BEARER:
+            return None
+        offered = authorization[len(BEARER) :].strip().encode()
+        # Compare with every key, so the time taken does not tell which one (or whether any) matched.
+        found = None
+        for key, tenant in self._keys:
+            if hmac.compare_digest(offered, key):
+                found = tenant
+        return found
 
     def accepts(self, authorization: str | None) -> bool:
         """Whether an `authorization` header value carries an accepted `Bearer` key."""
-        self._refresh()
-        if authorization is None or authorization[: len(BEARER)].lower() != BEARER:
-            return False
-        offered = authorization[len(BEARER) :].strip().encode()
-        # Compare with every key, so the time taken does not tell which one (or whether any) matched.
-        matches = [hmac.compare_digest(offered, key) for key in self._keys]
-        return any(matches)
+        return self.tenant(authorization) is not None
 
 
 def tls_files(cert: str, key: str, client_ca: str) -> TlsFiles | None:
@@ -234,9 +263,9 @@ def tls_files(cert: str, key: str, client_ca: str) -> TlsFiles | None:
     return TlsFiles(Path(cert), Path(key), Path(client_ca) if client_ca else None)
 
 
-def api_keys(path: str) -> ApiKeys | None:
-    """The API keys from settings (an empty path means no keys needed)."""
-    return ApiKeys(Path(path)) if path else None
+def api_keys(path: str, share: float = 1.0) -> ApiKeys | None:
+    """The API keys from settings (an empty path means no keys needed); `share` of each tenant's limits."""
+    return ApiKeys(Path(path), share) if path else None
 
 
 def check_files(cert: str, key: str, client_ca: str, api_key_file: str) -> None:
@@ -248,4 +277,5 @@ def check_files(cert: str, key: str, client_ca: str, api_key_file: str) -> None:
     if files is not None:
         ReloadingTls(files)
         ReloadingSslContext(files)
-    api_keys(api_key_file)
+    if api_key_file:
+        read_key_file(Path(api_key_file))

@@ -165,7 +165,8 @@ class InferenceServer:
         names = self.engine.discover()
         files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         self.tls = ReloadingTls(files) if files is not None else None
-        keys = api_keys(settings.api_key_file)
+        # Each front end holds every tenant to its share of the limits (the kernel spreads connections among them).
+        keys = api_keys(settings.api_key_file, 1 / max(1, settings.frontends))
         interceptor = ErrorInterceptor(keys)
         self._server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings, reuse_port))
         services = GenericHandlersOnly(self._server)

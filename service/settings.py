@@ -222,7 +222,8 @@ class Settings:
         default="",
         metadata=_doc(
             "file of API keys, one per line: every RPC but grpc.health.v1, and every HTTP request but /v2/health/*,"
-            " needs 'authorization: Bearer <key>'; re-read when it changes"
+            " needs 'authorization: Bearer <key>'; re-read when it changes. Or a TOML file of tenants, each with"
+            " its keys and limits (docs/tenants.md)"
         ),
     )
     health_port: int = field(

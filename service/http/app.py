@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service import codec, metrics, tracing
+from service import codec, metrics, tenants, tracing
 from service.engine import Engine, InferenceResult
-from service.errors import InvalidArgument, NotFound, Overloaded, ServiceError, Unauthenticated
+from service.errors import InvalidArgument, NotFound, OverLimit, Overloaded, ServiceError, Unauthenticated
 from service.http import kserve, openai
 from service.http.errors import (
     INTERNAL_MESSAGE,
@@ -280,9 +280,11 @@ class HttpApp:
         headers = dict(scope["headers"])
         if self.api_keys is not None and route not in OPEN_ROUTES:
             authorization = headers.get(b"authorization")
-            if not self.api_keys.accepts(None if authorization is None else authorization.decode("latin-1")):
+            tenant = self.api_keys.tenant(None if authorization is None else authorization.decode("latin-1"))
+            if tenant is None:
                 metrics.REJECTED.labels("unauthenticated").inc()
                 raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+            tenants.CURRENT.set(tenant)  # this request's task, and its handler's (a copy of its context)
         if method != "POST":
             return await handler(Call(params, headers, b""))
         if route.endswith("/infer"):
@@ -338,7 +340,10 @@ class HttpApp:
             headers.append((b"allow", ", ".join(error.allowed).encode()))
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
-        if status in (429, 503):
+        if isinstance(error, OverLimit):
+            # A tenant over its limit: when its bucket lets it in again.
+            headers.append((b"retry-after", str(error.retry_after_s).encode()))
+        elif status in (429, 503):
             # Queue full or draining: worth another try soon (on this pod or, behind a Service, another).
             headers.append((b"retry-after", RETRY_AFTER_S))
         if status == 413:
