@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service: error: {error}", file=sys.stderr)
         return 2
     try:
-        # uvloop: measured 65-110 us less server CPU per gRPC call than asyncio's own loop (README).
+        # uvloop: measured 65-110 us less server CPU per gRPC call than asyncio's own loop (docs/benchmarks.md).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(_serve(role, settings))
     except (RepositoryError, ExecutionError, SecurityError, OSError) as error:

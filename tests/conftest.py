@@ -33,7 +33,7 @@ INT8_PROMISED_COSINE = 0.997
 """The README's promise for int8: cosine >= 0.997 to the model on the gate sentences (export/data/sentences.txt).
 
 Tests of int8 on those sentences hold it to this. The export's gate (0.99) is looser, and so are tests
-of inputs the promise is not about (left-padded or holed rows, one-word texts: README measured 0.995).
+of inputs the promise is not about (left-padded or holed rows, one-word texts: docs/export.md measured 0.995).
 """
 
 

@@ -458,7 +458,7 @@ def test_overlays_keep_every_base_object(renders: dict[str, list[Manifest]]) -> 
 
 
 MEMORY_BUDGET_GIB = 1.0
-"""The server's RSS budget with the default model on the CPU (README, "Limits and security": peak 0.64 GiB)."""
+"""The server's RSS budget with the default model on the CPU (docs/operations.md, "Memory budget": peak 0.64 GiB)."""
 
 
 def _gibibytes(quantity: str) -> float:
