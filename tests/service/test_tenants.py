@@ -52,6 +52,11 @@ keys = ["k-capped-http"]
 requests_per_second = 0.001
 requests_burst = 2
 
+[tenants.streamer]
+keys = ["k-streamer"]
+requests_per_second = 0.001
+requests_burst = 2
+
 [tenants.metered]
 keys = ["k-metered"]
 tokens_per_minute = 0.06
@@ -182,6 +187,7 @@ def test_a_tenants_file_names_each_keys_tenant_and_its_limits() -> None:
     assert dict((key.decode(), tenant) for key, tenant in described.keys) == {
         "k-capped": "capped",
         "k-capped-http": "capped-http",
+        "k-streamer": "streamer",
         "k-metered": "metered",
         "k-usage-1": "usage",
         "k-usage-2": "usage",
@@ -362,6 +368,25 @@ def test_a_tenant_over_its_requests_limit_gets_429_with_retry_after_over_http(te
         samples, "encoder_tenant_requests_rejected_total", tenant="capped-http", limit="requests_per_second"
     )
     assert rejected == 2
+
+
+def test_each_request_of_a_stream_counts_against_the_limit(tenants_server: RunningServer) -> None:
+    requests = []
+    for number in range(4):
+        request = text_request(f"message {number}")
+        request.id = f"m{number}"
+        requests.append(request)
+    with grpc.insecure_channel(tenants_server.target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        metadata = (("authorization", "Bearer k-streamer"),)
+        responses = list(stub.ModelStreamInfer(iter(requests), timeout=30, metadata=metadata))
+    assert [response.infer_response.id for response in responses] == ["m0", "m1", "m2", "m3"]
+    assert [response.error_message for response in responses[:2]] == ["", ""]
+    for response in responses[2:]:
+        assert response.error_message.startswith("tenant 'streamer' is over its 0.001 requests/s limit")
+    samples = metric_samples(tenants_server)
+    assert metric_value(samples, "encoder_tenant_requests_total", tenant="streamer", code="OK") == 2
+    assert metric_value(samples, "encoder_tenant_requests_total", tenant="streamer", code="RESOURCE_EXHAUSTED") == 2
 
 
 def test_a_tenant_whose_tokens_are_spent_is_refused_until_they_refill(tenants_server: RunningServer) -> None:
