@@ -9,6 +9,7 @@ import pytest
 
 from service import settings_reference
 from service.settings import Settings
+from tests.deploy.test_monitoring import METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -72,6 +73,23 @@ def test_a_stale_reference_is_caught(tmp_path: Path) -> None:
     assert settings_reference.main(["--check", "--output", str(stale)]) == 1
     assert settings_reference.main(["--output", str(stale)]) == 0
     assert settings_reference.main(["--check", "--output", str(stale)]) == 0
+
+
+def documented_metrics(path: Path) -> set[str]:
+    """Metric names in the first cell of a document's tables (`encoder_x_total{label}`, `a`, `b` ...)."""
+    names = set()
+    for line in path.read_text().splitlines():
+        if line.startswith("| `encoder_"):
+            first_cell = line.split("|")[1]
+            names |= {
+                re.sub(r"_(total|bucket|sum|count)$", "", name) for name in re.findall(r"`(encoder_\w+)", first_cell)
+            }
+    return names
+
+
+def test_every_metric_the_server_declares_is_in_the_metrics_table() -> None:
+    documented = documented_metrics(ROOT / "docs" / "operations.md")
+    assert documented >= METRICS, f"not in docs/operations.md's metrics table: {sorted(METRICS - documented)}"
 
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=lambda path: str(path.relative_to(ROOT)))
