@@ -6,7 +6,7 @@ a request arrives or an instance finishes, and an instance is idle, a batch is f
 waiting rows of every queued request — the longest waiting row of the request at the head of the
 queue, then the waiting rows nearest its length (older requests first among equals), up to
 `max_batch_size` rows and `max_batch_tokens` padded tokens (rows x the batch's longest), none of
-them padded past twice its own length (or its length plus 32 tokens), waiting no longer than
+them padded far past its own length (the policy's padding factor and slack), waiting no longer than
 `max_queue_delay` after the oldest request arrived. Each batch is padded to its own longest row.
 A request larger than one batch (over `max_batch_size` rows) goes to the back of the queue after
 each batch it leads, so it is spread over batches by length while others are served between them;
@@ -46,15 +46,6 @@ EXECUTION_FAILED = "model execution failed for this request's batch; see the ser
 """What a client is told when its batch fails: the cause (paths, library internals) goes to the log only."""
 SELECTION_WINDOW_BATCHES = 2
 """A batch is chosen among the waiting rows of the queue's first requests, up to this many batches' worth."""
-MAX_PADDING_FACTOR = 2
-PADDING_SLACK_TOKENS = 32
-"""No row of a batch is padded past the larger of twice the (bucketed) length it would have alone and
-that length plus PADDING_SLACK_TOKENS.
-
-A padded encoder's cost grows with rows x padded length: on a CPU, [40, 60, 200] padded to 200 costs
-600 tokens where [40, 60] at 60 and [200] alone cost 320. Short rows batch together whatever their
-lengths: a batch also has a fixed cost (each operator's start, threads waking), which a few tokens of
-padding cost less than. With length buckets (CUDA), rows in one bucket batch together freely."""
 
 
 class Runner(Protocol):
@@ -84,6 +75,15 @@ class BatchingPolicy:
     """A run taking longer fails its requests and retires its instance until it returns."""
     max_length: int = 0
     """Bucketed lengths never exceed this (the model's max_sequence_length); 0 = no cap."""
+    max_padding_factor: float = 2.0
+    padding_slack_tokens: int = 32
+    """No row of a batch is padded past the larger of max_padding_factor times the (bucketed) length it
+    would have alone and that length plus padding_slack_tokens.
+
+    A padded encoder's cost grows with rows x padded length: [40, 60, 200] padded to 200 costs 600
+    tokens where [40, 60] at 60 and [200] alone cost 320. Short rows batch together whatever their
+    lengths: a batch also has a fixed cost (each operator's start, threads waking), which a few tokens
+    of padding cost less than. With length buckets (CUDA), rows in one bucket batch together freely."""
 
     def padded_length(self, longest: int) -> int:
         """The length a batch whose longest row is `longest` is padded to: bucketed, capped at max_length."""
@@ -277,7 +277,7 @@ def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tup
                 break  # every later candidate needs at least as many tokens as this one
             continue
         own = padded_length(narrower)
-        if padded > max(MAX_PADDING_FACTOR * own, own + PADDING_SLACK_TOKENS):
+        if padded > max(policy.max_padding_factor * own, own + policy.padding_slack_tokens):
             continue  # cheaper in a batch of its own length than padded this far
         chosen.append((item, row))
         shortest, longest = narrower, wider

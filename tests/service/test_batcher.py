@@ -405,6 +405,24 @@ async def test_a_request_over_the_token_budget_is_spread_over_batches_by_length(
     await batcher.close(WAIT_S)
 
 
+@pytest.mark.parametrize(
+    ("factor", "slack", "expected"),
+    [(2.0, 32, [(2, 100), (2, 20)]), (1.25, 16, [(1, 100), (1, 70), (2, 20)])],
+)
+async def test_how_far_a_row_may_be_padded_is_the_policys(
+    factor: float, slack: int, expected: list[tuple[int, int]]
+) -> None:
+    """70 tokens padded to 100 is within twice its length, not within 1.25 times (nor 70 + 16)."""
+    runner = FakeRunner()
+    name = f"padding-{factor}"
+    batcher = await make_batcher(name, [runner], max_padding_factor=factor, padding_slack_tokens=slack)
+    rows = [[1] * 100, [2] * 70, [3] * 20, [4] * 12]
+    result = await batcher.submit(tokens(rows), OUTPUTS, None)
+    assert result.outputs["embedding"].tolist() == [[sum(row), len(row)] for row in rows]
+    assert runner.batches == expected
+    await batcher.close(WAIT_S)
+
+
 async def test_others_are_served_between_the_batches_of_a_large_request() -> None:
     runner = FakeRunner()
     runner.release.clear()

@@ -94,7 +94,7 @@ def test_a_request_over_the_token_budget_is_spread_over_batches_by_length(
         client = triton.InferenceServerClient(server.target)
         texts = [words(88), words(8), words(78), words(10), words(68), words(6)]  # 90, 10, 80, 12, 70, 8 tokens
         answer = embed(client, TINY_MODEL, texts)
-        # Longest first, within 200 padded tokens and no row padded past twice its length: (90, 80), (70),
+        # Longest first, within 200 padded tokens and no row padded far past its length: (90, 80), (70),
         # then the three short rows together.
         assert batch_sizes(client, TINY_MODEL) == {2: 1, 1: 1, 3: 1}
         alone = np.concatenate([embed(client, TINY_MODEL, [text]) for text in texts])
