@@ -34,6 +34,8 @@ SENTENCE = "A short sentence about serving encoders over two protocols."
 PROTOCOLS = ("grpc", "openai-base64", "openai-float", "kserve-rest")
 
 Call = Callable[[], Awaitable[None]]
+CPU_CONNECTIONS = 16
+"""Connections model_infer_cpu spreads its callers over."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,31 @@ async def closed_loop(calls: list[Call], seconds: float) -> tuple[int, float, fl
     started = time.perf_counter()
     await asyncio.gather(*(worker(call) for call in calls))
     return len(latencies), time.perf_counter() - started, 1e3 * statistics.median(latencies)
+
+
+async def model_infer_cpu(
+    server: RunningServer, model: str, in_flight: int, seconds: float, metadata: tuple[tuple[str, str], ...] = ()
+) -> tuple[int, float, float]:
+    """One-sentence ModelInfer callers in closed loops: (requests answered, the server's CPU seconds, p50 ms).
+
+    `in_flight` callers over up to CPU_CONNECTIONS connections of their own, each call made once to
+    warm up before the server's CPU time is read.
+    """
+    connections = min(in_flight, CPU_CONNECTIONS)
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(server.target, options) for _ in range(connections)]
+    stubs = [pb_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
+    request = grpc_request(model)
+    calls = [lambda stub=stubs[i % connections]: stub.ModelInfer(request, metadata=metadata) for i in range(in_flight)]
+    try:
+        await asyncio.gather(*(call() for call in calls))
+        before = process_cpu_seconds(server.process.pid)
+        requests, _, p50_ms = await closed_loop(calls, seconds)
+        used = process_cpu_seconds(server.process.pid) - before
+    finally:
+        for channel in channels:
+            await channel.close()
+    return requests, used, p50_ms
 
 
 async def measure(server: RunningServer, model: str, protocol: str, concurrency: int, seconds: float) -> Measurement:

@@ -14,24 +14,19 @@ time (user + system, every thread, /proc) over the requests answered, the median
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import grpc
 import uvloop
 
 from export.checkpoint import default_model_folder, random_checkpoint
 from export.pipeline import ExportOptions, export_model
-from service.proto import grpc_service_pb2_grpc as pb_grpc
 from tools.bench import TINY_CONFIG, TINY_MODEL
-from tools.local_server import RunningServer, process_cpu_seconds, start_server
-from tools.protocols_bench import closed_loop, grpc_request
+from tools.local_server import start_server
+from tools.protocols_bench import model_infer_cpu
 
-CONNECTIONS = 16
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 KEY = "bench-key-7"
 TENANTS = 10
 
@@ -46,23 +41,8 @@ def _tenants_file() -> str:
     return "\n".join(tables)
 
 
-async def _drive(server: RunningServer, key: str | None, in_flight: int, seconds: float) -> tuple[int, float, float]:
-    """`in_flight` callers in closed loops: requests answered, the server's CPU seconds, p50 ms."""
-    connections = min(in_flight, CONNECTIONS)
-    channels = [grpc.aio.insecure_channel(server.target, OWN_CONNECTION) for _ in range(connections)]
-    stubs = [pb_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
-    request = grpc_request(TINY_MODEL)
-    metadata = (("authorization", f"Bearer {key}"),) if key is not None else ()
-    calls = [lambda stub=stubs[i % connections]: stub.ModelInfer(request, metadata=metadata) for i in range(in_flight)]
-    try:
-        await asyncio.gather(*(call() for call in calls))
-        before = process_cpu_seconds(server.process.pid)
-        requests, _, p50_ms = await closed_loop(calls, seconds)
-        used = process_cpu_seconds(server.process.pid) - before
-    finally:
-        for channel in channels:
-            await channel.close()
-    return requests, used, p50_ms
+def _metadata(key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),) if key is not None else ()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(arguments.rounds):
                 for in_flight in (1, 32):
                     for mode, key, server in zip(modes, keys, (none, lines, tenants), strict=True):
-                        requests, used, p50_ms = uvloop.run(_drive(server, key, in_flight, arguments.seconds))
+                        requests, used, p50_ms = uvloop.run(
+                            model_infer_cpu(server, TINY_MODEL, in_flight, arguments.seconds, _metadata(key))
+                        )
                         figures.setdefault((mode, in_flight), []).append((used / requests * 1e6, p50_ms))
     print(f"tiny model, one-text ModelInfer, one server process each; median of {arguments.rounds} rounds:")
     for in_flight in (1, 32):

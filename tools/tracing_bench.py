@@ -14,7 +14,6 @@ every thread, /proc) over the requests answered, the median of the rounds.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import secrets
 import statistics
 import sys
@@ -28,13 +27,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from export.checkpoint import default_model_folder, random_checkpoint
 from export.pipeline import ExportOptions, export_model
-from service.proto import grpc_service_pb2_grpc as pb_grpc
 from tools.bench import TINY_CONFIG, TINY_MODEL
-from tools.local_server import RunningServer, process_cpu_seconds, start_server
-from tools.protocols_bench import closed_loop, grpc_request
-
-CONNECTIONS = 16
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+from tools.local_server import start_server
+from tools.protocols_bench import model_infer_cpu
 
 
 class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -50,23 +45,9 @@ class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-async def _drive(server: RunningServer, in_flight: int, seconds: float) -> tuple[int, float, float]:
-    """`in_flight` callers in closed loops: requests answered, the server's CPU seconds, p50 ms."""
-    connections = min(in_flight, CONNECTIONS)
-    channels = [grpc.aio.insecure_channel(server.target, OWN_CONNECTION) for _ in range(connections)]
-    stubs = [pb_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
-    request = grpc_request(TINY_MODEL)
-    metadata = (("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"),)
-    calls = [lambda stub=stubs[i % connections]: stub.ModelInfer(request, metadata=metadata) for i in range(in_flight)]
-    try:
-        await asyncio.gather(*(call() for call in calls))
-        before = process_cpu_seconds(server.process.pid)
-        requests, _, p50_ms = await closed_loop(calls, seconds)
-        used = process_cpu_seconds(server.process.pid) - before
-    finally:
-        for channel in channels:
-            await channel.close()
-    return requests, used, p50_ms
+def _traceparent() -> tuple[tuple[str, str], ...]:
+    """A sampled W3C trace context of its own."""
+    return (("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"),)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(arguments.rounds):
                     for in_flight in (1, 32):
                         for mode, server in zip(modes, (off, on, ratio), strict=True):
-                            requests, used, p50_ms = uvloop.run(_drive(server, in_flight, arguments.seconds))
+                            requests, used, p50_ms = uvloop.run(
+                                model_infer_cpu(server, TINY_MODEL, in_flight, arguments.seconds, _traceparent())
+                            )
                             figures.setdefault((mode, in_flight), []).append((used / requests * 1e6, p50_ms))
     finally:
         receiver.stop(grace=None)
