@@ -41,6 +41,17 @@ def _variants(text: str) -> tuple[str, ...]:
     return chosen
 
 
+def _dimensions(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive widths."""
+    try:
+        widths = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from error
+    if not widths or min(widths) <= 0:
+        raise argparse.ArgumentTypeError(f"widths must be positive integers: {text!r}")
+    return widths
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -53,11 +64,17 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
     parser.add_argument("--repository", type=Path, required=True, help="model repository to write into")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--source", type=Path, help="a Hugging Face / sentence-transformers BERT folder")
+    source.add_argument("--source", type=Path, help="a Hugging Face / sentence-transformers folder")
     source.add_argument("--random", action="store_true", help="a small randomly initialised encoder")
     parser.add_argument("--random-config", type=json.loads, default={}, help="JSON overrides for --random")
     parser.add_argument("--tokenizer", type=Path, help="with --random: a folder whose tokenizer.json to ship")
     parser.add_argument("--name", help="model name in the repository (default: the source's)")
+    parser.add_argument(
+        "--matryoshka-dimensions",
+        type=_dimensions,
+        default=(),
+        help="comma-separated widths the embedding was trained to be shortened to (e.g. 768,512,256)",
+    )
     parser.add_argument("--variants", type=_variants, default=VARIANTS, help="comma-separated, fp32 always")
     parser.add_argument("--threads", type=_positive, default=2, help="threads for the measurements")
     parser.add_argument("--int8-min-speedup", type=float, default=1.6, help="int8 speed bar over fp32")
@@ -113,8 +130,9 @@ def _checkpoint(arguments: argparse.Namespace) -> Checkpoint:
             config, arguments.name or "random-encoder", seed=arguments.seed, tokenizer_folder=arguments.tokenizer
         )
     if arguments.source is not None:
-        return load_checkpoint(arguments.source, arguments.name)
-    return load_checkpoint(default_model_folder(), arguments.name or DEFAULT_MODEL_NAME)
+        return load_checkpoint(arguments.source, arguments.name, arguments.matryoshka_dimensions)
+    name = arguments.name or DEFAULT_MODEL_NAME
+    return load_checkpoint(default_model_folder(), name, arguments.matryoshka_dimensions)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,50 +1,53 @@
-"""Loading BERT-family checkpoints (Hugging Face / sentence-transformers folders) into the encoder."""
+"""Loading Hugging Face / sentence-transformers folders into the encoder, with what they declare for serving.
+
+The architecture (export.architectures) comes from config.json's model_type; pooling,
+normalisation, prompts and the similarity function from sentence-transformers' own files.
+"""
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from export.config import ConfigError, EncoderConfig
+from export.architectures import ArchitectureError, architecture
+from export.config import EncoderConfig
 from export.model import Encoder
 
-SUPPORTED_MODEL_TYPES = ("bert",)
-ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-# Prefixes that wrap a BertModel inside task heads or sentence-transformers modules.
-WRAPPER_PREFIXES = ("bert.", "model.", "0.auto_model.")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "vocab.txt",
 )
-
-# Hugging Face BertModel parameter names -> this encoder's.
-_LAYER_RENAMES = {
-    "attention.self.query": "attention.query",
-    "attention.self.key": "attention.key",
-    "attention.self.value": "attention.value",
-    "attention.output.dense": "attention.output",
-    "attention.output.LayerNorm": "attention_norm",
-    "intermediate.dense": "feed_forward.inner",
-    "output.dense": "feed_forward.outer",
-    "output.LayerNorm": "output_norm",
+POOLING_KEYS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_lasttoken": "lasttoken",
 }
-_EMBEDDING_RENAMES = {
-    "embeddings.word_embeddings": "embeddings.token",
-    "embeddings.position_embeddings": "embeddings.position",
-    "embeddings.token_type_embeddings": "embeddings.segment",
-    "embeddings.LayerNorm": "embeddings.norm",
-}
-_LAYER_KEY = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias|gamma|beta)$")
+"""sentence-transformers' 1_Pooling/config.json switches -> our pooling modes."""
+SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class SentenceTransformerSettings:
+    """What a sentence-transformers folder declares beyond the encoder: prompts, similarity, Matryoshka widths."""
+
+    prompts: dict[str, str] = field(default_factory=dict)
+    """Prompt name -> the prefix put before a text (e5's "query: ")."""
+    default_prompt_name: str = ""
+    """The prompt applied when a request names none ("" none)."""
+    similarity_fn_name: str = ""
+    """cosine, dot, euclidean or manhattan ("" undeclared: sentence-transformers uses cosine)."""
+    matryoshka_dimensions: tuple[int, ...] = ()
+    """Widths the embedding was trained to be shortened to (empty: it was not)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,14 @@ class Checkpoint:
     """Source folder; None for a randomly initialised model."""
     tokenizer_folder: Path | None = None
     """Folder holding tokenizer.json (the source folder for real checkpoints); None: token input only."""
+    model_type: str = "bert"
+    """The source's architecture (config.json model_type)."""
+    serving: SentenceTransformerSettings = field(default_factory=SentenceTransformerSettings)
+    """Prompts, similarity function and Matryoshka widths the source declares."""
+    head_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Weights of task heads (pooler, classifier), apart from the encoder's."""
+    hf_config: dict = field(default_factory=dict)
+    """The source's config.json (task heads read their settings from it)."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -97,15 +108,46 @@ def _pooling_settings(folder: Path) -> tuple[str, bool]:
     pooling_config = folder / "1_Pooling" / "config.json"
     if pooling_config.is_file():
         settings = _read_json(pooling_config)
-        if settings.get("pooling_mode_cls_token"):
-            pooling = "cls"
-        elif not settings.get("pooling_mode_mean_tokens", True):
-            raise CheckpointError(f"{pooling_config}: only mean or CLS pooling is supported")
+        if "pooling_mode" in settings:  # sentence-transformers 6: one name (or a list of them)
+            declared = settings["pooling_mode"]
+            modes = [declared] if isinstance(declared, str) else list(declared)
+            chosen = [mode for mode in modes if mode in POOLING_KEYS.values()]
+            other = [str(mode) for mode in modes if mode not in POOLING_KEYS.values()]
+        else:  # earlier versions: a switch per mode
+            chosen = [mode for key, mode in POOLING_KEYS.items() if settings.get(key)]
+            switches = (k for k, v in settings.items() if k.startswith("pooling_mode_") and v)
+            other = sorted(k for k in switches if k not in POOLING_KEYS)
+        if other or len(chosen) != 1:
+            raise CheckpointError(
+                f"{pooling_config}: exactly one of {', '.join(POOLING_KEYS.values())} pooling is supported,"
+                f" got {', '.join(chosen + other) or 'none'}"
+            )
+        if not settings.get("include_prompt", True):
+            raise CheckpointError(f"{pooling_config}: pooling that leaves out the prompt is not supported")
+        pooling = chosen[0]
     modules = folder / "modules.json"
     normalize = True
     if modules.is_file():
         normalize = any(m.get("type", "").endswith(".Normalize") for m in _read_json(modules))
     return pooling, normalize
+
+
+def _sentence_transformer_settings(folder: Path, matryoshka_dimensions: tuple[int, ...]) -> SentenceTransformerSettings:
+    """Prompts and the similarity function of config_sentence_transformers.json, checked."""
+    path = folder / "config_sentence_transformers.json"
+    declared = _read_json(path) if path.is_file() else {}
+    prompts = declared.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise CheckpointError(f"{path}: prompts must map names to strings")
+    default = declared.get("default_prompt_name") or ""
+    if default and default not in prompts:
+        raise CheckpointError(f"{path}: default_prompt_name {default!r} is not one of the prompts")
+    similarity = declared.get("similarity_fn_name") or ""
+    if similarity and similarity not in SIMILARITY_FUNCTIONS:
+        raise CheckpointError(
+            f"{path}: similarity_fn_name {similarity!r} is not one of {', '.join(SIMILARITY_FUNCTIONS)}"
+        )
+    return SentenceTransformerSettings(prompts, default, similarity, matryoshka_dimensions)
 
 
 def _max_seq_length(folder: Path, max_positions: int) -> int:
@@ -117,65 +159,6 @@ def _max_seq_length(folder: Path, max_positions: int) -> int:
             if isinstance(value, int) and value > 0:
                 return min(value, max_positions)
     return max_positions
-
-
-def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
-    """Translate a Hugging Face BERT config.json into an EncoderConfig."""
-    model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    if hf_config.get("position_embedding_type", "absolute") != "absolute":
-        raise CheckpointError(f"unsupported position_embedding_type {hf_config['position_embedding_type']!r}")
-    activation = hf_config.get("hidden_act", "gelu")
-    if activation not in ACTIVATIONS:
-        raise CheckpointError(f"unsupported hidden_act {activation!r}")
-    try:
-        return EncoderConfig(
-            vocab_size=hf_config["vocab_size"],
-            d_model=hf_config["hidden_size"],
-            num_heads=hf_config["num_attention_heads"],
-            num_layers=hf_config["num_hidden_layers"],
-            ffn_dim=hf_config["intermediate_size"],
-            max_positions=hf_config.get("max_position_embeddings", 512),
-            type_vocab_size=hf_config.get("type_vocab_size", 2),
-            activation=ACTIVATIONS[activation],
-            layer_norm_eps=hf_config.get("layer_norm_eps", 1e-12),
-            pooling=pooling,
-            normalize=normalize,
-            pad_token_id=hf_config.get("pad_token_id") or 0,
-        )
-    except KeyError as error:
-        raise CheckpointError(f"config.json lacks {error.args[0]!r}") from error
-    except ConfigError as error:
-        raise CheckpointError(f"config.json: {error}") from error
-
-
-def rename_bert_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map BertModel parameter names onto this encoder's; the pooler head is dropped."""
-    renamed: dict[str, torch.Tensor] = {}
-    for original, tensor in weights.items():
-        key = original
-        for prefix in WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
-        key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
-        if key.startswith("pooler.") or key.endswith("position_ids"):
-            continue
-        layer = _LAYER_KEY.match(key)
-        if layer:
-            index, module, kind = layer.groups()
-            if module not in _LAYER_RENAMES:
-                raise CheckpointError(f"unexpected weight {original!r}")
-            renamed[f"layers.{index}.{_LAYER_RENAMES[module]}.{kind}"] = tensor
-            continue
-        module, _, kind = key.rpartition(".")
-        if module not in _EMBEDDING_RENAMES:
-            raise CheckpointError(f"unexpected weight {original!r}")
-        renamed[f"{_EMBEDDING_RENAMES[module]}.{kind}"] = tensor
-    return renamed
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -196,8 +179,11 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
 
 
-def load_checkpoint(folder: Path, name: str | None = None) -> Checkpoint:
-    """Load a Hugging Face / sentence-transformers BERT folder, checking it matches its config."""
+def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions: tuple[int, ...] = ()) -> Checkpoint:
+    """Load a Hugging Face / sentence-transformers folder, checking its weights match its config.
+
+    matryoshka_dimensions: widths the embedding was trained to be shortened to (the folder does not say).
+    """
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
@@ -205,8 +191,15 @@ def load_checkpoint(folder: Path, name: str | None = None) -> Checkpoint:
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
     pooling, normalize = _pooling_settings(folder)
-    config = config_from_hf(_read_json(config_file), pooling, normalize)
-    state_dict = rename_bert_weights(_read_weights(folder))
+    hf_config = _read_json(config_file)
+    try:
+        source = architecture(hf_config.get("model_type"))
+        config = source.config(hf_config, pooling, normalize)
+        state_dict, head_weights = source.rename(_read_weights(folder))
+    except ArchitectureError as error:
+        raise CheckpointError(f"{folder}: {error}") from error
+    if any(d <= 0 or d > config.d_model for d in matryoshka_dimensions):
+        raise CheckpointError(f"Matryoshka dimensions must be within 1..{config.d_model}, got {matryoshka_dimensions}")
     expected = Encoder(config).state_dict()
     missing = sorted(set(expected) - set(state_dict))
     if missing:
@@ -224,9 +217,13 @@ def load_checkpoint(folder: Path, name: str | None = None) -> Checkpoint:
         name=name or folder.name,
         config=config,
         state_dict=state_dict,
-        max_seq_length=_max_seq_length(folder, config.max_positions),
+        max_seq_length=_max_seq_length(folder, config.max_sequence_positions),
         folder=folder,
         tokenizer_folder=folder,
+        model_type=source.model_type,
+        serving=_sentence_transformer_settings(folder, tuple(sorted(set(matryoshka_dimensions), reverse=True))),
+        head_weights=head_weights,
+        hf_config=hf_config,
     )
 
 
@@ -249,6 +246,6 @@ def random_checkpoint(
         name=name,
         config=config,
         state_dict={k: v.detach().clone() for k, v in model.state_dict().items()},
-        max_seq_length=max_seq_length or config.max_positions,
+        max_seq_length=max_seq_length or config.max_sequence_positions,
         tokenizer_folder=tokenizer_folder,
     )

@@ -6,9 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from export.pooling import POOLING_MODES, Pooling
+
 Activation = Literal["gelu", "gelu_tanh", "relu"]
-Pooling = Literal["mean", "cls"]
 PositionEmbedding = Literal["learned", "sinusoidal"]
+PositionIds = Literal["sequential", "after_padding"]
 
 
 class ConfigError(ValueError):
@@ -32,15 +34,22 @@ class EncoderConfig:
     max_positions: int = 512
     """Longest sequence the position embedding covers."""
     type_vocab_size: int = 2
-    """Segment ids; 0 means the model has no segment embedding."""
+    """Segment ids; 0: no segment embedding; 1: one segment row added to every token (RoBERTa), no input."""
     activation: Activation = "gelu"
     """Feed-forward activation."""
     layer_norm_eps: float = 1e-12
     """LayerNorm epsilon."""
     position_embedding: PositionEmbedding = "learned"
     """Learned position table (BERT) or fixed sinusoids (the original Transformer)."""
+    position_ids: PositionIds = "sequential"
+    """sequential: position i is slot i (BERT); after_padding: non-padding tokens count from pad_token_id + 1
+    and padding sits at pad_token_id (RoBERTa, XLM-R, MPNet)."""
+    relative_attention_buckets: int = 0
+    """Buckets of a relative position bias shared by every layer (MPNet); 0: none."""
+    relative_attention_max_distance: int = 128
+    """Distance from which relative positions share the last (logarithmic) bucket."""
     pooling: Pooling = "mean"
-    """Mean over the attention mask, or the first ([CLS]) token."""
+    """How one vector is made per sequence (export.pooling): mean, cls, max or lasttoken."""
     normalize: bool = True
     """L2-normalise the pooled embedding."""
     pad_token_id: int = 0
@@ -58,10 +67,16 @@ class EncoderConfig:
             raise ConfigError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
         if self.activation not in ("gelu", "gelu_tanh", "relu"):
             raise ConfigError(f"unsupported activation {self.activation!r}")
-        if self.pooling not in ("mean", "cls"):
+        if self.pooling not in POOLING_MODES:
             raise ConfigError(f"unsupported pooling {self.pooling!r}")
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ConfigError(f"unsupported position embedding {self.position_embedding!r}")
+        if self.position_ids not in ("sequential", "after_padding"):
+            raise ConfigError(f"unsupported position ids {self.position_ids!r}")
+        if self.position_ids == "after_padding" and self.max_sequence_positions <= 0:
+            raise ConfigError(f"max_positions {self.max_positions} leaves no position after pad_token_id")
+        if self.relative_attention_buckets < 0 or self.relative_attention_max_distance <= 0:
+            raise ConfigError("relative attention buckets must be >= 0 and their max distance positive")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
 
@@ -72,8 +87,15 @@ class EncoderConfig:
 
     @property
     def uses_segments(self) -> bool:
-        """Whether the model takes token_type_ids."""
-        return self.type_vocab_size > 0
+        """Whether the model takes token_type_ids (a single segment row needs no input)."""
+        return self.type_vocab_size > 1
+
+    @property
+    def max_sequence_positions(self) -> int:
+        """Longest sequence the positions cover (RoBERTa-style ids start after pad_token_id)."""
+        if self.position_ids == "after_padding":
+            return self.max_positions - self.pad_token_id - 1
+        return self.max_positions
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form, for parity.json and the repository's parameters."""

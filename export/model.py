@@ -2,9 +2,12 @@
 
 Embeddings (token + position + segment, then LayerNorm) feed S post-norm layers, each
 multi-head self-attention and a position-wise feed-forward network wrapped in residual
-Add & LayerNorm; the last hidden state is pooled (mean over the mask, or CLS) and optionally
-L2-normalised. Attention is plain matmul/softmax so that ONNX Runtime's optimiser can
-recognise and fuse it.
+Add & LayerNorm; the last hidden state is pooled (export.pooling) and optionally L2-normalised.
+Attention is plain matmul/softmax so that ONNX Runtime's optimiser can recognise and fuse it.
+
+The BERT family differs only in configuration: RoBERTa and XLM-R count positions after the
+padding id and add their single segment row to every token; DistilBERT has no segments; MPNet
+also adds a relative position bias, shared by every layer, to the attention scores.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.config import EncoderConfig
+from export.pooling import pool
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> Tensor:
@@ -38,19 +42,49 @@ class Embeddings(nn.Module):
         if config.position_embedding == "sinusoidal":
             self.position.weight.data.copy_(sinusoidal_positions(config.max_positions, config.d_model))
             self.position.weight.requires_grad_(False)
-        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.uses_segments else None
+        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.pad_token_id = config.pad_token_id
+        self.positions_after_padding = config.position_ids == "after_padding"
         self.register_buffer("position_ids", torch.arange(config.max_positions).unsqueeze(0), persistent=False)
+
+    def positions(self, input_ids: Tensor) -> Tensor:
+        """Position ids [batch or 1, seq]: slots in order, or (after_padding) counted over non-padding ids."""
+        if not self.positions_after_padding:
+            return self.position_ids[:, : input_ids.shape[1]]
+        real = input_ids.ne(self.pad_token_id).to(torch.int64)
+        return torch.cumsum(real, dim=1) * real + self.pad_token_id
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
         """Embed ids [batch, seq] into hidden states [batch, seq, d_model]."""
-        seq_len = input_ids.shape[1]
-        hidden = self.token(input_ids) + self.position(self.position_ids[:, :seq_len])
+        hidden = self.token(input_ids) + self.position(self.positions(input_ids))
         if self.segment is not None:
-            if token_type_ids is None:
-                token_type_ids = torch.zeros_like(input_ids)
-            hidden = hidden + self.segment(token_type_ids)
+            if self.segment.num_embeddings == 1:
+                hidden = hidden + self.segment.weight[0]
+            else:
+                if token_type_ids is None:
+                    token_type_ids = torch.zeros_like(input_ids)
+                hidden = hidden + self.segment(token_type_ids)
         return self.norm(hidden)
+
+
+def relative_position_buckets(length: int, num_buckets: int, max_distance: int, device: torch.device) -> Tensor:
+    """[length, length] bucket of each key position relative to each query position (T5's, as MPNet uses it).
+
+    Half the buckets are for keys before the query, half after; within each half, the first
+    half are exact distances and the rest grow logarithmically up to max_distance.
+    """
+    positions = torch.arange(length, dtype=torch.int64, device=device)
+    distance = positions[:, None] - positions[None, :]  # query - key
+    half = num_buckets // 2
+    buckets = (distance < 0).to(torch.int64) * half
+    distance = distance.abs()
+    exact = half // 2
+    logarithmic = exact + (torch.log(distance.float() / exact) / math.log(max_distance / exact) * (half - exact)).to(
+        torch.int64
+    )
+    logarithmic = torch.clamp(logarithmic, max=half - 1)
+    return buckets + torch.where(distance < exact, distance, logarithmic)
 
 
 class MultiHeadAttention(nn.Module):
@@ -72,7 +106,11 @@ class MultiHeadAttention(nn.Module):
         return projected.view(shape).permute(0, 2, 1, 3)
 
     def forward(self, hidden: Tensor, attention_bias: Tensor) -> Tensor:
-        """Attend; attention_bias is [batch, 1, 1, seq], 0 where attended and very negative at padding."""
+        """Attend, adding attention_bias to the scores.
+
+        attention_bias is [batch, 1, 1, seq] (0 where attended, very negative at padding), or
+        [batch, heads, seq, seq] with a relative position bias.
+        """
         query = self._split_heads(self.query(hidden))
         key = self._split_heads(self.key(hidden))
         value = self._split_heads(self.value(hidden))
@@ -126,25 +164,31 @@ class Encoder(nn.Module):
         self.config = config
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        buckets = config.relative_attention_buckets
+        self.relative_attention_bias = nn.Embedding(buckets, config.num_heads) if buckets else None
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The last hidden states [batch, seq, d_model] and the float mask [batch, seq] (task heads start here)."""
+        hidden = self.embeddings(input_ids, token_type_ids)
+        mask = attention_mask.to(hidden.dtype)
+        attention_bias = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
+        if self.relative_attention_bias is not None:
+            buckets = relative_position_buckets(
+                input_ids.shape[1],
+                self.config.relative_attention_buckets,
+                self.config.relative_attention_max_distance,
+                input_ids.device,
+            )
+            attention_bias = attention_bias + self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_bias)
+        return hidden, mask
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden = self.embeddings(input_ids, token_type_ids)
-        mask = attention_mask.to(hidden.dtype)
-        attention_bias = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
-        for layer in self.layers:
-            hidden = layer(hidden, attention_bias)
-        return hidden, self.pool(hidden, mask)
-
-    def pool(self, hidden: Tensor, mask: Tensor) -> Tensor:
-        """Pool hidden states into one vector per sequence (mask is float [batch, seq])."""
-        if self.config.pooling == "cls":
-            pooled = hidden[:, 0]
-        else:
-            weights = mask.unsqueeze(-1)
-            pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-        if self.config.normalize:
-            pooled = F.normalize(pooled, p=2.0, dim=1)
-        return pooled
+        hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids)
+        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)

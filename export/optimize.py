@@ -115,7 +115,7 @@ def choose_fastest(
     sessions = {form: cpu_session(str(path), threads) for form, path in candidates.items()}
     figures: dict[str, dict[str, float]] = {form: {} for form in candidates}
     for batch, wanted_tokens in CPU_MEASURE_SHAPES:
-        tokens = min(wanted_tokens, config.max_positions)
+        tokens = min(wanted_tokens, config.max_sequence_positions)
         feed = token_feed(input_names, batch, tokens, config.vocab_size)
         for form, rate in compare_throughput(sessions, feed).items():
             figures[form][f"{batch}x{tokens}"] = round(rate, 1)

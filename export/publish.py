@@ -21,11 +21,16 @@ from service.proto import model_config_pb2 as mc
 from service.repository import (
     CONFIG_FILE,
     FIDELITY_FILE,
+    P_DEFAULT_PROMPT_NAME,
+    P_MATRYOSHKA_DIMENSIONS,
     P_MAX_SEQUENCE_LENGTH,
+    P_MODEL_TYPE,
     P_NORMALIZE,
     P_PAD_TOKEN_ID,
     P_POOLING,
     P_PREFERRED_PREFIX,
+    P_PROMPTS,
+    P_SIMILARITY_FN_NAME,
     P_TOKENIZER,
     P_TYPE_VOCAB_SIZE,
     P_VARIANT_PREFIX,
@@ -79,11 +84,13 @@ def build_config(
     parameters = {
         P_MAX_SEQUENCE_LENGTH: str(checkpoint.max_seq_length),
         P_VOCAB_SIZE: str(checkpoint.config.vocab_size),
-        P_TYPE_VOCAB_SIZE: str(checkpoint.config.type_vocab_size),
+        P_TYPE_VOCAB_SIZE: str(checkpoint.config.type_vocab_size if checkpoint.config.uses_segments else 0),
+        P_MODEL_TYPE: checkpoint.model_type,
         P_PAD_TOKEN_ID: str(checkpoint.config.pad_token_id),
         P_POOLING: checkpoint.config.pooling,
         P_NORMALIZE: str(checkpoint.config.normalize).lower(),
     }
+    parameters |= _embedding_parameters(checkpoint)
     if checkpoint.tokenizer_files:
         parameters[P_TOKENIZER] = "tokenizer.json"
     for variant in variants:
@@ -93,6 +100,21 @@ def build_config(
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config
+
+
+def _embedding_parameters(checkpoint: Checkpoint) -> dict[str, str]:
+    """What a sentence-transformers source declares for its embeddings, where it declares anything."""
+    serving = checkpoint.serving
+    parameters = {}
+    if serving.prompts:
+        parameters[P_PROMPTS] = json.dumps(serving.prompts)
+    if serving.default_prompt_name:
+        parameters[P_DEFAULT_PROMPT_NAME] = serving.default_prompt_name
+    if serving.similarity_fn_name:
+        parameters[P_SIMILARITY_FN_NAME] = serving.similarity_fn_name
+    if serving.matryoshka_dimensions:
+        parameters[P_MATRYOSHKA_DIMENSIONS] = json.dumps(list(serving.matryoshka_dimensions))
+    return parameters
 
 
 def _replace_folder(staging: Path, target: Path) -> None:

@@ -330,8 +330,8 @@ def _broken_folder(tmp_path: Path, default_folder: Path, change: str) -> Path:
     if change == "no_weights":
         (folder / "model.safetensors").unlink()
         return folder
-    if change == "roberta":
-        config["model_type"] = "roberta"
+    if change == "t5":
+        config["model_type"] = "t5"
     if change == "heads":
         config["num_attention_heads"] = 7
     if change == "layers":
@@ -347,7 +347,7 @@ def _broken_folder(tmp_path: Path, default_folder: Path, change: str) -> Path:
         ("no_config", "no config.json"),
         ("malformed", "malformed JSON"),
         ("no_weights", "no model.safetensors or pytorch_model.bin"),
-        ("roberta", "unsupported architecture 'roberta'"),
+        ("t5", "unsupported architecture 't5' (supported: bert, roberta, xlm-roberta, distilbert, mpnet)"),
         ("heads", "d_model 384 is not divisible by num_heads 7"),
         ("layers", "weights missing for layers.6"),
     ],

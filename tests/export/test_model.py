@@ -128,7 +128,7 @@ def test_mean_pooling_ignores_padding_and_normalises() -> None:
         ({"d_model": 30, "num_heads": 4}, "d_model 30 is not divisible by num_heads 4"),
         ({"num_layers": 0}, "num_layers must be a positive integer"),
         ({"activation": "swish"}, "unsupported activation"),
-        ({"pooling": "max"}, "unsupported pooling"),
+        ({"pooling": "weightedmean"}, "unsupported pooling"),
     ],
 )
 def test_config_rejects_impossible_shapes(changes: dict, message: str) -> None:

@@ -1,0 +1,210 @@
+"""The checkpoint formats the exporter reads: each architecture's config.json and weight names, mapped onto ours.
+
+BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) with different
+settings; each is described here by how its config.json translates into an EncoderConfig and how
+its parameter names map onto the encoder's. Weights of task heads (poolers, classifiers, language
+model heads) are returned apart, for export.heads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from export.config import ConfigError, EncoderConfig
+
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+HEAD_PREFIXES = ("pooler.", "classifier.", "pre_classifier.", "lm_head.", "vocab_", "cls.")
+"""Weights of task heads, kept apart from the encoder's."""
+MPNET_PADDING_ID = 1
+"""MPNet's embeddings take id 1 as padding whatever the config says (its vocabulary pads with 1)."""
+
+
+class ArchitectureError(ValueError):
+    """A config.json or weight that the architecture cannot be built from; the message names it."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one Hugging Face model_type maps onto the encoder."""
+
+    model_type: str
+    prefixes: tuple[str, ...]
+    """Prefixes that wrap the base model inside task models and sentence-transformers modules."""
+    config: Callable[[dict, str, bool], EncoderConfig]
+    """config.json (with pooling and normalisation) -> EncoderConfig."""
+    layer_key: re.Pattern[str]
+    """Matches a layer weight: groups are the layer index, the module and weight/bias."""
+    layer_renames: dict[str, str]
+    other_renames: dict[str, str]
+    """Modules outside the layers (embeddings, relative attention bias) -> the encoder's."""
+
+    def rename(self, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The encoder's weights under its names, and the task-head weights (prefix stripped) apart."""
+        encoder: dict[str, torch.Tensor] = {}
+        heads: dict[str, torch.Tensor] = {}
+        for original, tensor in weights.items():
+            key = original
+            for prefix in self.prefixes:
+                if key.startswith(prefix):
+                    key = key[len(prefix) :]
+                    break
+            key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
+            if key.endswith("position_ids"):
+                continue
+            if key.startswith(HEAD_PREFIXES):
+                heads[key] = tensor
+                continue
+            layer = self.layer_key.match(key)
+            if layer:
+                index, module, kind = layer.groups()
+                if module not in self.layer_renames:
+                    raise ArchitectureError(f"unexpected weight {original!r}")
+                encoder[f"layers.{index}.{self.layer_renames[module]}.{kind}"] = tensor
+                continue
+            module, _, kind = key.rpartition(".")
+            if module not in self.other_renames:
+                raise ArchitectureError(f"unexpected weight {original!r}")
+            encoder[f"{self.other_renames[module]}.{kind}"] = tensor
+        return encoder, heads
+
+
+def _activation(hf_config: dict, key: str) -> str:
+    activation = hf_config.get(key, "gelu")
+    if activation not in ACTIVATIONS:
+        raise ArchitectureError(f"unsupported {key} {activation!r} (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[activation]
+
+
+def _build(**fields: object) -> EncoderConfig:
+    try:
+        return EncoderConfig(**fields)
+    except ConfigError as error:
+        raise ArchitectureError(f"config.json: {error}") from error
+
+
+def _require(hf_config: dict, *keys: str) -> None:
+    for key in keys:
+        if key not in hf_config:
+            raise ArchitectureError(f"config.json lacks {key!r}")
+
+
+def _bert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
+    _require(hf_config, "vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+    if hf_config.get("position_embedding_type", "absolute") != "absolute":
+        raise ArchitectureError(f"unsupported position_embedding_type {hf_config['position_embedding_type']!r}")
+    roberta_style = hf_config.get("model_type") in ("roberta", "xlm-roberta", "mpnet")
+    if hf_config.get("model_type") == "mpnet" and hf_config.get("pad_token_id", MPNET_PADDING_ID) != MPNET_PADDING_ID:
+        raise ArchitectureError(f"MPNet counts positions after id {MPNET_PADDING_ID}: pad_token_id must be it")
+    return _build(
+        vocab_size=hf_config["vocab_size"],
+        d_model=hf_config["hidden_size"],
+        num_heads=hf_config["num_attention_heads"],
+        num_layers=hf_config["num_hidden_layers"],
+        ffn_dim=hf_config["intermediate_size"],
+        max_positions=hf_config.get("max_position_embeddings", 512),
+        type_vocab_size=hf_config.get("type_vocab_size", 0 if hf_config.get("model_type") == "mpnet" else 2),
+        activation=_activation(hf_config, "hidden_act"),
+        layer_norm_eps=hf_config.get("layer_norm_eps", 1e-12),
+        position_ids="after_padding" if roberta_style else "sequential",
+        relative_attention_buckets=hf_config.get("relative_attention_num_buckets", 0),
+        pooling=pooling,
+        normalize=normalize,
+        pad_token_id=hf_config.get("pad_token_id") or 0,
+    )
+
+
+def _distilbert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
+    _require(hf_config, "vocab_size", "dim", "n_heads", "n_layers", "hidden_dim")
+    return _build(
+        vocab_size=hf_config["vocab_size"],
+        d_model=hf_config["dim"],
+        num_heads=hf_config["n_heads"],
+        num_layers=hf_config["n_layers"],
+        ffn_dim=hf_config["hidden_dim"],
+        max_positions=hf_config.get("max_position_embeddings", 512),
+        type_vocab_size=0,
+        activation=_activation(hf_config, "activation"),
+        layer_norm_eps=1e-12,
+        pooling=pooling,
+        normalize=normalize,
+        pad_token_id=hf_config.get("pad_token_id") or 0,
+    )
+
+
+_BERT_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
+_BERT_LAYER_RENAMES = {
+    "attention.self.query": "attention.query",
+    "attention.self.key": "attention.key",
+    "attention.self.value": "attention.value",
+    "attention.output.dense": "attention.output",
+    "attention.output.LayerNorm": "attention_norm",
+    "intermediate.dense": "feed_forward.inner",
+    "output.dense": "feed_forward.outer",
+    "output.LayerNorm": "output_norm",
+}
+_EMBEDDING_RENAMES = {
+    "embeddings.word_embeddings": "embeddings.token",
+    "embeddings.position_embeddings": "embeddings.position",
+    "embeddings.token_type_embeddings": "embeddings.segment",
+    "embeddings.LayerNorm": "embeddings.norm",
+}
+_WRAPPERS = ("0.auto_model.", "model.")
+
+
+def _bert_like(model_type: str, prefix: str) -> Architecture:
+    return Architecture(
+        model_type, (prefix, *_WRAPPERS), _bert_config, _BERT_LAYER, _BERT_LAYER_RENAMES, _EMBEDDING_RENAMES
+    )
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "bert": _bert_like("bert", "bert."),
+    "roberta": _bert_like("roberta", "roberta."),
+    "xlm-roberta": _bert_like("xlm-roberta", "roberta."),
+    "distilbert": Architecture(
+        "distilbert",
+        ("distilbert.", *_WRAPPERS),
+        _distilbert_config,
+        re.compile(r"^transformer\.layer\.(\d+)\.(.+)\.(weight|bias)$"),
+        {
+            "attention.q_lin": "attention.query",
+            "attention.k_lin": "attention.key",
+            "attention.v_lin": "attention.value",
+            "attention.out_lin": "attention.output",
+            "sa_layer_norm": "attention_norm",
+            "ffn.lin1": "feed_forward.inner",
+            "ffn.lin2": "feed_forward.outer",
+            "output_layer_norm": "output_norm",
+        },
+        _EMBEDDING_RENAMES,
+    ),
+    "mpnet": Architecture(
+        "mpnet",
+        ("mpnet.", *_WRAPPERS),
+        _bert_config,
+        _BERT_LAYER,
+        {
+            "attention.attn.q": "attention.query",
+            "attention.attn.k": "attention.key",
+            "attention.attn.v": "attention.value",
+            "attention.attn.o": "attention.output",
+            "attention.LayerNorm": "attention_norm",
+            "intermediate.dense": "feed_forward.inner",
+            "output.dense": "feed_forward.outer",
+            "output.LayerNorm": "output_norm",
+        },
+        {**_EMBEDDING_RENAMES, "encoder.relative_attention_bias": "relative_attention_bias"},
+    ),
+}
+"""Supported model_type -> how to read it."""
+
+
+def architecture(model_type: object) -> Architecture:
+    """The architecture of a config.json's model_type, or one line naming every supported one."""
+    if model_type not in ARCHITECTURES:
+        raise ArchitectureError(f"unsupported architecture {model_type!r} (supported: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[model_type]

@@ -1,0 +1,206 @@
+"""Tiny randomly initialised Hugging Face models with real tokenizers of their family, saved as folders.
+
+No model hub here: each test makes its model. Tokenizers are trained on the exporter's own
+sentences: WordPiece for BERT, DistilBERT and MPNet, byte-level BPE in RoBERTa's form, Unigram
+in XLM-R's form. Folders are what `transformers.save_pretrained` writes, optionally wrapped as a
+sentence-transformers model (Transformer + Pooling (+ Normalize)).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from sentence_transformers import SentenceTransformer
+from sentence_transformers import models as st_models
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from export.parity import SENTENCES_FILE, read_sentences
+
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
+VOCAB_SIZE = 400
+HIDDEN = 32
+LAYERS = 2
+HEADS = 4
+MAX_POSITIONS = 80
+
+
+def training_sentences() -> list[str]:
+    """The shipped gate sentences, the tokenizers' training text."""
+    return read_sentences(SENTENCES_FILE)
+
+
+def _wordpiece(special: list[str]) -> Tokenizer:
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(
+        training_sentences(), trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=special)
+    )
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
+
+
+def _byte_level_bpe() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(training_sentences(), trainer)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _unigram() -> Tokenizer:
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    trainer = trainers.UnigramTrainer(vocab_size=VOCAB_SIZE, special_tokens=special, unk_token="<unk>")
+    tokenizer.train_from_iterator(training_sentences(), trainer)
+    tokenizer.decoder = decoders.Metaspace()
+    return tokenizer
+
+
+def save_tokenizer(
+    family: str, folder: Path, max_length: int = MAX_POSITIONS - 2
+) -> transformers.PreTrainedTokenizerFast:
+    """Train a tokenizer of the family's kind and save it (tokenizer.json and its config) into folder."""
+    if family in ("bert", "distilbert", "mpnet"):
+        # MPNet pads with id 1 (its positions count after it), as its real vocabulary does; BERT with 0.
+        order = (
+            ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"]
+            if family == "mpnet"
+            else ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        )
+        tokenizer = _wordpiece(order)
+        cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+        )
+        wrapper = {"bert": transformers.BertTokenizerFast, "distilbert": transformers.DistilBertTokenizerFast}.get(
+            family, transformers.PreTrainedTokenizerFast
+        )
+        specials = {
+            "unk_token": "[UNK]",
+            "pad_token": "[PAD]",
+            "cls_token": "[CLS]",
+            "sep_token": "[SEP]",
+            "mask_token": "[MASK]",
+        }
+        if family == "mpnet":
+            # MPNet's tokenizer pairs as RoBERTa does; its special tokens are named as BERT's here.
+            tokenizer.post_processor = processors.RobertaProcessing(
+                ("[SEP]", sep), ("[CLS]", cls), add_prefix_space=False
+            )
+    else:
+        tokenizer = _byte_level_bpe() if family == "roberta" else _unigram()
+        tokenizer.post_processor = processors.RobertaProcessing(
+            ("</s>", tokenizer.token_to_id("</s>")), ("<s>", tokenizer.token_to_id("<s>")), add_prefix_space=False
+        )
+        wrapper = transformers.PreTrainedTokenizerFast
+        specials = {
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "pad_token": "<pad>",
+            "cls_token": "<s>",
+            "sep_token": "</s>",
+            "mask_token": "<mask>",
+        }
+    fast = wrapper(tokenizer_object=tokenizer, model_max_length=max_length, **specials)
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def hf_config(
+    family: str, tokenizer: transformers.PreTrainedTokenizerFast, **overrides: object
+) -> transformers.PretrainedConfig:
+    """A tiny config of the family, sized to the tokenizer."""
+    common = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    if family == "distilbert":
+        config = transformers.DistilBertConfig(
+            dim=HIDDEN,
+            n_layers=LAYERS,
+            n_heads=HEADS,
+            hidden_dim=4 * HIDDEN,
+            max_position_embeddings=MAX_POSITIONS,
+            **common,
+        )
+    else:
+        kind = {
+            "bert": transformers.BertConfig,
+            "roberta": transformers.RobertaConfig,
+            "xlm-roberta": transformers.XLMRobertaConfig,
+            "mpnet": transformers.MPNetConfig,
+        }[family]
+        extra = {"max_position_embeddings": MAX_POSITIONS + (tokenizer.pad_token_id + 1 if family != "bert" else 0)}
+        if family in ("roberta", "xlm-roberta"):
+            extra["type_vocab_size"] = 1
+        config = kind(
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=4 * HIDDEN,
+            **extra,
+            **common,
+        )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from their initial values, so that a mistaken mapping shows in the outputs."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "LayerNorm" in name or "layer_norm" in name or "norm" in name.lower():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+            else:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+
+
+def save_model(family: str, folder: Path, task: str = "embed", seed: int = 0, **config: object) -> Path:
+    """A tiny random model of the family with its tokenizer in folder; task "embed" (base model) or
+    "classify" (sequence classification; pass num_labels / id2label in config)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_tokenizer(family, folder)
+    hf = hf_config(family, tokenizer, **config)
+    torch.manual_seed(seed)
+    auto = transformers.AutoModelForSequenceClassification if task == "classify" else transformers.AutoModel
+    model = auto.from_config(hf, attn_implementation="eager").eval()
+    _randomise(model, seed)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def save_sentence_transformer(
+    family: str,
+    folder: Path,
+    *,
+    pooling: str = "mean",
+    normalize: bool = True,
+    prompts: dict[str, str] | None = None,
+    default_prompt_name: str | None = None,
+    seed: int = 0,
+) -> Path:
+    """A tiny sentence-transformers model (Transformer + Pooling (+ Normalize)) of the family, saved in folder."""
+    base = save_model(family, folder / "base", seed=seed)
+    transformer = st_models.Transformer(str(base), max_seq_length=MAX_POSITIONS - 2)
+    pool = st_models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode=pooling)
+    modules = [transformer, pool] + ([st_models.Normalize()] if normalize else [])
+    model = SentenceTransformer(modules=modules, prompts=prompts, default_prompt_name=default_prompt_name)
+    target = folder / "model"
+    model.save(str(target))
+    return target
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file's content."""
+    return json.loads(path.read_text())
