@@ -14,6 +14,7 @@ import torch
 
 from export.architectures import ArchitectureError, architecture
 from export.config import EncoderConfig
+from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 
 TOKENIZER_FILES = (
@@ -68,10 +69,8 @@ class Checkpoint:
     """The source's architecture (config.json model_type)."""
     serving: SentenceTransformerSettings = field(default_factory=SentenceTransformerSettings)
     """Prompts, similarity function and Matryoshka widths the source declares."""
-    head_weights: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Weights of task heads (pooler, classifier), apart from the encoder's."""
-    hf_config: dict = field(default_factory=dict)
-    """The source's config.json (task heads read their settings from it)."""
+    head: HeadConfig | None = None
+    """The classification head of a reranker or classifier; None: an embedding model."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -81,9 +80,14 @@ class Checkpoint:
             return []
         return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
-    def build_model(self) -> Encoder:
-        """An eval-mode encoder holding these weights."""
-        model = Encoder(self.config)
+    @property
+    def task(self) -> str:
+        """The task: "embed" (vectors out) or "classify" (logits out: rerankers and classifiers)."""
+        return "embed" if self.head is None else "classify"
+
+    def build_model(self) -> Encoder | SequenceClassifier:
+        """An eval-mode model holding these weights: the encoder, or the encoder with its head."""
+        model = Encoder(self.config) if self.head is None else SequenceClassifier(self.config, self.head)
         model.load_state_dict(self.state_dict, strict=True)
         return model.eval()
 
@@ -213,6 +217,16 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
                 f"{folder}: {key} has shape {tuple(state_dict[key].shape)}, config implies {tuple(tensor.shape)}"
             )
         state_dict[key] = state_dict[key].to(torch.float32)
+    head = None
+    if is_classifier(hf_config):
+        try:
+            head = head_config(hf_config, source.model_type)
+            head_state = rename_head_weights(head_weights, head)
+        except HeadError as error:
+            raise CheckpointError(f"{folder}: {error}") from error
+        state_dict = {f"encoder.{k}": v for k, v in state_dict.items()} | {
+            f"head.{k}": v for k, v in head_state.items()
+        }
     return Checkpoint(
         name=name or folder.name,
         config=config,
@@ -222,8 +236,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         tokenizer_folder=folder,
         model_type=source.model_type,
         serving=_sentence_transformer_settings(folder, tuple(sorted(set(matryoshka_dimensions), reverse=True))),
-        head_weights=head_weights,
-        hf_config=hf_config,
+        head=head,
     )
 
 

@@ -159,6 +159,8 @@ class EncoderLayer(nn.Module):
 class Encoder(nn.Module):
     """The whole encoder: embeddings, S layers, pooling and optional normalisation."""
 
+    output_names = ("last_hidden_state", "embedding")
+
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config

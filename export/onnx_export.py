@@ -1,4 +1,4 @@
-"""PyTorch encoder -> ONNX graph with dynamic batch and sequence axes."""
+"""PyTorch encoder (or classifier) -> ONNX graph with dynamic batch and sequence axes."""
 
 from __future__ import annotations
 
@@ -8,18 +8,16 @@ from pathlib import Path
 
 import onnx
 import torch
-
-from export.model import Encoder
+from torch import nn
 
 OPSET = 17
-OUTPUT_NAMES = ("last_hidden_state", "embedding")
 # Protobuf's 2 GiB message limit: larger models keep their weights beside the graph.
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
 
 log = logging.getLogger(__name__)
 
 
-def input_names(model: Encoder) -> list[str]:
+def input_names(model: nn.Module) -> list[str]:
     """The graph's inputs, in order: token_type_ids only where the model has segments."""
     names = ["input_ids", "attention_mask"]
     if model.config.uses_segments:
@@ -39,9 +37,20 @@ def save_onnx(model_proto: onnx.ModelProto, path: Path) -> None:
     )
 
 
-def _declare_output_shapes(graph: onnx.ModelProto, d_model: int) -> None:
+def output_shapes(model: nn.Module) -> dict[str, tuple[str | int, ...]]:
+    """Each output's shape: named dynamic axes, fixed widths (an encoder's vectors, a classifier's logits)."""
+    d_model = model.config.d_model
+    shapes: dict[str, tuple[str | int, ...]] = {
+        "last_hidden_state": ("batch", "sequence", d_model),
+        "embedding": ("batch", d_model),
+    }
+    if hasattr(model, "head_config"):
+        shapes["logits"] = ("batch", model.head_config.num_labels)
+    return {name: shapes[name] for name in model.output_names}
+
+
+def _declare_output_shapes(graph: onnx.ModelProto, shapes: dict[str, tuple[str | int, ...]]) -> None:
     """Name the dynamic axes of the outputs and fix their width (tracing leaves e.g. "Divembedding_dim_1")."""
-    shapes = {"last_hidden_state": ("batch", "sequence", d_model), "embedding": ("batch", d_model)}
     for output in graph.graph.output:
         dims = output.type.tensor_type.shape.dim
         for dim, wanted in zip(dims, shapes[output.name], strict=True):
@@ -51,7 +60,7 @@ def _declare_output_shapes(graph: onnx.ModelProto, d_model: int) -> None:
                 dim.dim_param = wanted
 
 
-def export_onnx(model: Encoder, path: Path) -> None:
+def export_onnx(model: nn.Module, path: Path) -> None:
     """Trace the encoder with the TorchScript exporter and write a checked opset-17 graph.
 
     The TorchScript exporter is used on purpose: its plain MatMul/Softmax attention is the form
@@ -59,9 +68,10 @@ def export_onnx(model: Encoder, path: Path) -> None:
     """
     names = input_names(model)
     example = (torch.ones(2, 8, dtype=torch.int64),) * len(names)
+    shapes = output_shapes(model)
     dynamic_axes = {name: {0: "batch", 1: "sequence"} for name in names}
-    dynamic_axes["last_hidden_state"] = {0: "batch", 1: "sequence"}
-    dynamic_axes["embedding"] = {0: "batch"}
+    for output, shape in shapes.items():
+        dynamic_axes[output] = {axis: dim for axis, dim in enumerate(shape) if isinstance(dim, str)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
@@ -71,12 +81,12 @@ def export_onnx(model: Encoder, path: Path) -> None:
             dynamo=False,
             opset_version=OPSET,
             input_names=names,
-            output_names=list(OUTPUT_NAMES),
+            output_names=list(shapes),
             dynamic_axes=dynamic_axes,
             do_constant_folding=True,
         )
     graph = onnx.load(str(path))
-    _declare_output_shapes(graph, model.config.d_model)
+    _declare_output_shapes(graph, shapes)
     save_onnx(graph, path)
     onnx.checker.check_model(str(path), full_check=True)
     log.info("exported %s (%d nodes)", path, len(graph.graph.node))

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
+from torch import nn
 
-from export.model import Encoder
 from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, cosines
 from service.tokenizer import TextTokenizer
 
@@ -78,8 +78,10 @@ class Reference:
     """A case with the PyTorch model's outputs."""
 
     case: Case
-    hidden: np.ndarray
-    embedding: np.ndarray
+    hidden: np.ndarray | None
+    """last_hidden_state; None for a classifier (logits are its only output)."""
+    output: np.ndarray
+    """What the model answers per row: its embedding, or a classifier's logits."""
 
 
 @dataclass
@@ -91,16 +93,23 @@ class KindFigures:
     worst_cosine_case: str = ""
     max_abs_diff: float = 0.0
     worst_diff_case: str = ""
+    compared: str = "last_hidden_state"
+    """The output max_abs_diff is over: last_hidden_state, or a classifier's logits (which have no cosine)."""
+    rows: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """Figures for parity.json."""
-        return {
-            "min_cosine": round(self.min_cosine, 8),
-            "mean_cosine": round(float(np.mean(self.cosines)), 8),
-            "worst_cosine_case": self.worst_cosine_case,
-            "max_abs_diff_last_hidden_state": float(f"{self.max_abs_diff:.3g}"),
+        figures: dict[str, object] = {}
+        if self.cosines:
+            figures = {
+                "min_cosine": round(self.min_cosine, 8),
+                "mean_cosine": round(float(np.mean(self.cosines)), 8),
+                "worst_cosine_case": self.worst_cosine_case,
+            }
+        return figures | {
+            f"max_abs_diff_{self.compared}": float(f"{self.max_abs_diff:.3g}"),
             "worst_diff_case": self.worst_diff_case,
-            "rows": len(self.cosines),
+            "rows": self.rows,
         }
 
 
@@ -177,13 +186,28 @@ def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: 
     return cases
 
 
-def sentence_cases(input_names: list[str], tokenizer: TextTokenizer, sentences: list[str]) -> list[Case]:
-    """Real sentences through the model's tokenizer, in batches padded to their longest."""
+def sentence_pairs(sentences: list[str]) -> list[tuple[str, str]]:
+    """Each sentence with the next one (the last with the first): a classifier's gate inputs."""
+    return [(text, sentences[(i + 1) % len(sentences)]) for i, text in enumerate(sentences)]
+
+
+def _encode(tokenizer: TextTokenizer, chunk: list) -> dict[str, np.ndarray]:
+    """A padded batch of texts, or of pairs as the model's tokenizer pairs them."""
+    batch = tokenizer.encode_pairs(chunk) if isinstance(chunk[0], tuple) else tokenizer.encode(chunk)
+    return batch.feed()
+
+
+def _label(item: str | tuple[str, str]) -> str:
+    return repr(item[0][:40]) if isinstance(item, tuple) else repr(item[:40])
+
+
+def sentence_cases(input_names: list[str], tokenizer: TextTokenizer, sentences: list) -> list[Case]:
+    """Real sentences (or pairs of them) through the model's tokenizer, in batches padded to their longest."""
     cases = []
     for start in range(0, len(sentences), SENTENCE_BATCH):
         chunk = sentences[start : start + SENTENCE_BATCH]
-        feed = tokenizer.encode(chunk).feed(input_names)
-        labels = tuple(f"sentence {start + i + 1}: {text[:40]!r}" for i, text in enumerate(chunk))
+        feed = _encode(tokenizer, chunk)
+        labels = tuple(f"sentence {start + i + 1}: {_label(text)}" for i, text in enumerate(chunk))
         cases.append(
             Case("sentences", f"sentences {start + 1}-{start + len(chunk)}", {k: feed[k] for k in input_names}, labels)
         )
@@ -213,14 +237,14 @@ def holed(feed: dict[str, np.ndarray], hole: int = HOLE_TOKENS) -> dict[str, np.
     return spread
 
 
-def sentence_mask_cases(input_names: list[str], tokenizer: TextTokenizer, sentences: list[str]) -> list[Case]:
+def sentence_mask_cases(input_names: list[str], tokenizer: TextTokenizer, sentences: list) -> list[Case]:
     """The sentence batches again, left-padded and with a hole in each row's mask (rows of 3+ tokens)."""
     cases = []
     for start in range(0, len(sentences), SENTENCE_BATCH):
         chunk = sentences[start : start + SENTENCE_BATCH]
-        feed = tokenizer.encode(chunk).feed(input_names)
+        feed = {name: array for name, array in _encode(tokenizer, chunk).items() if name in input_names}
         for style, reshaped in (("left-padded", left_padded(feed)), ("holed", holed(feed))):
-            labels = tuple(f"sentence {start + i + 1} {style}: {text[:40]!r}" for i, text in enumerate(chunk))
+            labels = tuple(f"sentence {start + i + 1} {style}: {_label(text)}" for i, text in enumerate(chunk))
             name = f"sentences {start + 1}-{start + len(chunk)} {style}"
             cases.append(Case("sentence_masks", name, reshaped, labels))
     return cases
@@ -232,14 +256,27 @@ def read_sentences(path: Path = SENTENCES_FILE) -> list[str]:
 
 
 @torch.inference_mode()
-def reference_outputs(model: Encoder, cases: list[Case]) -> list[Reference]:
+def reference_outputs(model: nn.Module, cases: list[Case]) -> list[Reference]:
     """Run the PyTorch model (fp32) on every case."""
     references = []
     for case in cases:
         tensors = {name: torch.from_numpy(array) for name, array in case.feed.items()}
-        hidden, embedding = model(**tensors)
-        references.append(Reference(case, hidden.numpy(), embedding.numpy()))
+        answer = model(**tensors)
+        if isinstance(answer, tuple):
+            references.append(Reference(case, answer[0].numpy(), answer[1].numpy()))
+        else:
+            references.append(Reference(case, None, answer.numpy()))
     return references
+
+
+def _compare_logits(kind: KindFigures, case: Case, logits: np.ndarray, reference: np.ndarray) -> None:
+    """A classifier's figures: the largest logit difference (logits have no meaningful cosine)."""
+    kind.compared = "logits"
+    diff = np.abs(logits - reference).max(axis=1)
+    worst = int(np.argmax(diff))
+    if diff[worst] > kind.max_abs_diff:
+        kind.max_abs_diff = float(diff[worst])
+        kind.worst_diff_case = case.row_labels[worst]
 
 
 def check_variant(variant: str, session: ort.InferenceSession, references: list[Reference]) -> GateResult:
@@ -248,9 +285,13 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
     figures: dict[str, KindFigures] = {}
     for reference in references:
         case = reference.case
-        hidden, embedding = session.run(["last_hidden_state", "embedding"], case.feed)
         kind = figures.setdefault(case.kind, KindFigures())
-        row_cosines = cosines(embedding, reference.embedding)
+        kind.rows += len(case.row_labels)
+        if reference.hidden is None:
+            _compare_logits(kind, case, session.run(["logits"], case.feed)[0], reference.output)
+            continue
+        hidden, embedding = session.run(["last_hidden_state", "embedding"], case.feed)
+        row_cosines = cosines(embedding, reference.output)
         kind.cosines.extend(row_cosines.tolist())
         worst_row = int(np.argmin(row_cosines))
         if row_cosines[worst_row] < kind.min_cosine:
@@ -273,7 +314,7 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
             )
         if tolerance.max_abs_diff is not None and kind.max_abs_diff > tolerance.max_abs_diff:
             failures.append(
-                f"{variant}: last_hidden_state max |diff| {kind.max_abs_diff:.3g} > {tolerance.max_abs_diff} "
+                f"{variant}: {kind.compared} max |diff| {kind.max_abs_diff:.3g} > {tolerance.max_abs_diff} "
                 f"at {kind.worst_diff_case}"
             )
     return GateResult(variant, session.get_providers()[0], figures, failures)
@@ -290,11 +331,13 @@ def pad_to(feed: dict[str, np.ndarray], length: int, pad_token_id: int = 0) -> d
 
 
 @torch.inference_mode()
-def embed_each(model: Encoder, feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
-    """The PyTorch model's embedding of each feed, concatenated."""
-    return np.concatenate(
-        [model(**{name: torch.from_numpy(array) for name, array in feed.items()})[1].numpy() for feed in feeds]
-    )
+def embed_each(model: nn.Module, feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
+    """The PyTorch model's answer for each feed (its embedding, or a classifier's logits), concatenated."""
+    answers = []
+    for feed in feeds:
+        answer = model(**{name: torch.from_numpy(array) for name, array in feed.items()})
+        answers.append((answer[1] if isinstance(answer, tuple) else answer).numpy())
+    return np.concatenate(answers)
 
 
 @dataclass(frozen=True)
@@ -365,7 +408,7 @@ class ServedPath:
 
 
 def fidelity_reference(
-    model: Encoder, input_names: list[str], tokenizer: TextTokenizer | None, sentences: list[str], max_length: int
+    model: nn.Module, input_names: list[str], tokenizer: TextTokenizer | None, sentences: list, max_length: int
 ) -> FidelityReference:
     """The few inputs the server checks each variant with at load, and the model's fp32 embeddings for them.
 
@@ -375,18 +418,18 @@ def fidelity_reference(
     mask shape.
     """
     if tokenizer is not None:
-        lengths = {text: tokenizer.encode([text]).input_ids.shape[1] for text in sentences}
+        lengths = {text: _encode(tokenizer, [text])["input_ids"].shape[1] for text in sentences}
         short = [text for text in sentences if lengths[text] <= FIDELITY_MAX_TOKENS] or sentences
         by_length = sorted(short, key=lambda text: (lengths[text], text))
         step = (len(by_length) - 1) / max(1, FIDELITY_ROWS - 1)
         picks = list(dict.fromkeys(by_length[round(i * step)] for i in range(FIDELITY_ROWS)))
-        feed = tokenizer.encode(picks).feed(input_names)
+        feed = {name: array for name, array in _encode(tokenizer, picks).items() if name in input_names}
         middle, last = len(picks) // 2, len(picks) - 1
         extra = [
-            ({k: v[middle : middle + 1] for k, v in left_padded(feed).items()}, f"{picks[middle][:40]!r} left-padded"),
-            ({k: v[last:] for k, v in holed(feed).items()}, f"{picks[last][:40]!r} holed"),
+            ({k: v[middle : middle + 1] for k, v in left_padded(feed).items()}, f"{_label(picks[middle])} left-padded"),
+            ({k: v[last:] for k, v in holed(feed).items()}, f"{_label(picks[last])} holed"),
         ]
-        rows = [({k: v[i : i + 1] for k, v in feed.items()}, repr(text[:40])) for i, text in enumerate(picks)]
+        rows = [({k: v[i : i + 1] for k, v in feed.items()}, _label(text)) for i, text in enumerate(picks)]
         rows += extra
     else:
         rng = np.random.default_rng(0)
@@ -404,4 +447,5 @@ def fidelity_reference(
     width = max(feed["input_ids"].shape[1] for feed, _ in rows)
     padded = [pad_to(feed, width, model.config.pad_token_id) for feed, _ in rows]
     batch = {name: np.concatenate([feed[name] for feed in padded]) for name in input_names}
-    return FidelityReference(batch, tuple(label for _, label in rows), embed_each(model, [batch]))
+    output = "embedding" if "embedding" in model.output_names else "logits"
+    return FidelityReference(batch, tuple(label for _, label in rows), embed_each(model, [batch]), output)

@@ -8,6 +8,7 @@ published variant and decides the default on CUDA (the fidelity rule, service.fi
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import tempfile
@@ -99,7 +100,7 @@ class _Gate:
         self.results[variant] = self.forms[variant][form] if form is not None else self.check(variant, session)
         if self.served is not None:
             self.served_figures[variant] = self.served.measure(session)
-        (embedding,) = session.run(["embedding"], self.fidelity.feed)
+        (embedding,) = session.run([self.fidelity.output], self.fidelity.feed)
         provider = session.get_providers()[0]
         self.load_checks[variant] = compare(
             self.fidelity, embedding, variant, provider, required_cosine(variant, chosen_by_default=False)
@@ -213,14 +214,16 @@ class _Build:
         """The gate: PyTorch references for every case kind, the served path, the server's fidelity reference."""
         checkpoint, names, tokenizer = self.checkpoint, self.names, self.tokenizer
         cases = parity.token_cases(names, checkpoint.config.vocab_size, checkpoint.max_seq_length)
-        sentences = parity.read_sentences(self.options.sentences) if tokenizer is not None else []
+        sentences: list = parity.read_sentences(self.options.sentences) if tokenizer is not None else []
+        if checkpoint.task == "classify":  # a classifier is gated on pairs, as a reranker is asked
+            sentences = parity.sentence_pairs(sentences)
         if tokenizer is not None:
             cases += parity.sentence_cases(names, tokenizer, sentences)
             cases += parity.sentence_mask_cases(names, tokenizer, sentences)
         references = parity.reference_outputs(self.model, cases)
         served = None
-        if tokenizer is not None:
-            expected = np.concatenate([r.embedding for r in references if r.case.kind == "sentences"])
+        if tokenizer is not None and checkpoint.task == "embed":
+            expected = np.concatenate([r.output for r in references if r.case.kind == "sentences"])
             served = parity.ServedPath(
                 expected,
                 names,
@@ -303,6 +306,11 @@ def export_model(
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
+    if checkpoint.task == "classify" and options.variants != ("fp32",):
+        log.warning(
+            "%s is a classifier: published in fp32 only (int8 and fp16 are not gated for logits)", checkpoint.name
+        )
+        options = dataclasses.replace(options, variants=("fp32",))
     stage = stage or (lambda name: log.info("export stage: %s", name))
     with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
         stage("load checkpoint")
@@ -338,7 +346,10 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
         "model": checkpoint.name,
         "source": str(checkpoint.folder) if checkpoint.folder else "random initialisation",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model_type": checkpoint.model_type,
+        "task": checkpoint.task,
         "encoder": checkpoint.config.to_dict(),
+        "head": checkpoint.head.to_dict() if checkpoint.head is not None else None,
         "max_sequence_length": checkpoint.max_seq_length,
         "onnx": {"exporter": "torch.onnx (TorchScript)", "opset": OPSET, "attention_mask": "raw 0/1 mask"},
         "cpu_graph_forms": {

@@ -15,6 +15,7 @@ from pathlib import Path
 import onnx
 
 from export.checkpoint import Checkpoint
+from export.heads import labels_parameter
 from export.onnx_export import save_onnx
 from service.fidelity import FidelityReference
 from service.proto import model_config_pb2 as mc
@@ -22,6 +23,7 @@ from service.repository import (
     CONFIG_FILE,
     FIDELITY_FILE,
     P_DEFAULT_PROMPT_NAME,
+    P_LABELS,
     P_MATRYOSHKA_DIMENSIONS,
     P_MAX_SEQUENCE_LENGTH,
     P_MODEL_TYPE,
@@ -31,6 +33,7 @@ from service.repository import (
     P_PREFERRED_PREFIX,
     P_PROMPTS,
     P_SIMILARITY_FN_NAME,
+    P_TASK,
     P_TOKENIZER,
     P_TYPE_VOCAB_SIZE,
     P_VARIANT_PREFIX,
@@ -75,8 +78,11 @@ def build_config(
     for name in input_names:
         config.input.add(name=name, data_type=mc.TYPE_INT64, dims=[-1])
     d_model = checkpoint.config.d_model
-    config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
-    config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
+    if checkpoint.head is None:
+        config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
+        config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
+    else:
+        config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[checkpoint.head.num_labels])
     config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     batching = config.dynamic_batching
     batching.max_queue_delay_microseconds = defaults.max_queue_delay_us
@@ -86,11 +92,15 @@ def build_config(
         P_VOCAB_SIZE: str(checkpoint.config.vocab_size),
         P_TYPE_VOCAB_SIZE: str(checkpoint.config.type_vocab_size if checkpoint.config.uses_segments else 0),
         P_MODEL_TYPE: checkpoint.model_type,
+        P_TASK: checkpoint.task,
         P_PAD_TOKEN_ID: str(checkpoint.config.pad_token_id),
-        P_POOLING: checkpoint.config.pooling,
-        P_NORMALIZE: str(checkpoint.config.normalize).lower(),
     }
-    parameters |= _embedding_parameters(checkpoint)
+    if checkpoint.head is None:
+        parameters[P_POOLING] = checkpoint.config.pooling
+        parameters[P_NORMALIZE] = str(checkpoint.config.normalize).lower()
+        parameters |= _embedding_parameters(checkpoint)
+    else:
+        parameters[P_LABELS] = labels_parameter(checkpoint.head)
     if checkpoint.tokenizer_files:
         parameters[P_TOKENIZER] = "tokenizer.json"
     for variant in variants:

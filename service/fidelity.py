@@ -6,6 +6,9 @@ When the server loads a variant it runs those inputs on the provider actually in
 compares: the CPU the exporter measured on is not the GPU a deployment runs on (fused kernels,
 fp16 accumulation), so this is the check that covers the deployment itself.
 
+A classifier (a reranker) stores its logits instead and is held to the largest logit difference
+(`LOGITS_MAX_ABS_DIFF`): logits have no meaningful cosine (a reranker's have one value per row).
+
 Two bars, one rule:
 - each variant has its own bar, the export gate's cosine (`VARIANT_MIN_COSINE`); an operator who
   names a variant (`--variant int8`) is promised that bar;
@@ -24,6 +27,8 @@ FIDELITY_MIN_COSINE = 0.9999
 """The fidelity rule: the least cosine to the model a default (not operator-chosen) variant may give."""
 VARIANT_MIN_COSINE = {"fp32": 0.99999, "fp16": 0.999, "int8": 0.99}
 """Each variant's own bar: the export gate's least embedding cosine, and what naming the variant promises."""
+LOGITS_MAX_ABS_DIFF = {"fp32": 1e-3}
+"""A classifier's bar at load: the largest difference from the model's logits (classifiers publish fp32 only)."""
 DEFAULT_VARIANTS = ("fp32", "fp16")
 """Variants the server may choose on its own; int8 is only ever the operator's explicit choice."""
 
@@ -47,16 +52,21 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class FidelityReference:
-    """Gate inputs (int64 [rows, length] per graph input), what each row is, and the model's fp32 embeddings."""
+    """Gate inputs (int64 [rows, length] per graph input), what each row is, and the model's fp32 answers."""
 
     feed: dict[str, np.ndarray]
     labels: tuple[str, ...]
     embedding: np.ndarray
+    """The model's fp32 answer per row: its embedding, or (output "logits") a classifier's logits."""
+    output: str = "embedding"
+    """The graph output the reference is of."""
 
     def save(self, path: Path) -> None:
         """Write the reference as an .npz file (plain arrays, no pickles)."""
         with path.open("wb") as file:
-            np.savez(file, embedding=self.embedding, labels=np.array(self.labels), **self.feed)
+            np.savez(
+                file, embedding=self.embedding, labels=np.array(self.labels), output=np.array(self.output), **self.feed
+            )
 
     @classmethod
     def load(cls, path: Path) -> FidelityReference:
@@ -70,10 +80,11 @@ class FidelityReference:
         if missing:
             raise FidelityError(f"{path}: missing {', '.join(sorted(missing))}")
         embedding, labels = contents.pop("embedding"), contents.pop("labels")
+        output = str(contents.pop("output", "embedding"))
         rows = contents["input_ids"].shape[0]
         if embedding.shape[0] != rows or len(labels) != rows:
             raise FidelityError(f"{path}: {rows} input rows but {embedding.shape[0]} embeddings, {len(labels)} labels")
-        return cls(feed=contents, labels=tuple(str(label) for label in labels), embedding=embedding)
+        return cls(feed=contents, labels=tuple(str(label) for label in labels), embedding=embedding, output=output)
 
 
 @dataclass(frozen=True)
@@ -85,14 +96,24 @@ class FidelityCheck:
     min_cosine: float
     worst_row: str
     required: float
+    max_abs_diff: float | None = None
+    """A classifier's largest logit difference (then held to LOGITS_MAX_ABS_DIFF instead of a cosine)."""
 
     @property
     def passed(self) -> bool:
-        """Whether the worst row met the required cosine."""
+        """Whether the worst row met the required cosine (a classifier: the largest logit difference allowed)."""
+        if self.max_abs_diff is not None:
+            return self.max_abs_diff <= self.required
         return self.min_cosine >= self.required
 
     def describe(self) -> str:
         """One line for logs and errors."""
+        if self.max_abs_diff is not None:
+            verdict = "<=" if self.passed else ">"
+            return (
+                f"{self.variant} on {self.provider}: max logit difference from the model {self.max_abs_diff:.3g}"
+                f" {verdict} {self.required} (worst: {self.worst_row})"
+            )
         verdict = ">=" if self.passed else "<"
         return (
             f"{self.variant} on {self.provider}: min cosine to the model {self.min_cosine:.6f} {verdict} "
@@ -103,7 +124,15 @@ class FidelityCheck:
 def compare(
     reference: FidelityReference, embedding: np.ndarray, variant: str, provider: str, required: float
 ) -> FidelityCheck:
-    """Compare a variant's embeddings for the reference inputs with the model's."""
+    """Compare a variant's answers for the reference inputs with the model's.
+
+    For a classifier's logits, `required` is replaced by the variant's LOGITS_MAX_ABS_DIFF.
+    """
+    if reference.output == "logits":
+        row_diffs = np.abs(embedding.astype(np.float64) - reference.embedding).max(axis=1)
+        worst = int(np.argmax(row_diffs))
+        bar = LOGITS_MAX_ABS_DIFF.get(variant, 0.0)
+        return FidelityCheck(variant, provider, 1.0, reference.labels[worst], bar, float(row_diffs[worst]))
     row_cosines = cosines(embedding, reference.embedding)
     worst = int(np.argmin(row_cosines))
     return FidelityCheck(variant, provider, float(row_cosines[worst]), reference.labels[worst], required)
