@@ -19,7 +19,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import model_config_pb2 as mc
 from service.repository import PLATFORM
 from service.statistics import Duration, ModelStatistics
-from service.validation import REQUIRED_TOKEN_INPUTS, TEXT_INPUT, ModelSignature
+from service.validation import QUERY_INPUT, REQUIRED_TOKEN_INPUTS, TEXT_INPUT, ModelSignature
 
 SERVER_NAME = "encoder-serve"
 EXTENSIONS = ("model_configuration", "parameters", "statistics")
@@ -145,13 +145,16 @@ def served_inputs(signature: ModelSignature) -> list[mc.ModelInput]:
     """The inputs as served, in Triton's terms; ModelConfig and ModelMetadata both list these.
 
     `text` (TYPE_STRING, one string per row) comes first when the server tokenises for the model.
-    It is not an input of the ONNX graph, so config.pbtxt cannot hold it (Triton would refuse the
-    file): the server adds it here. A request sends either the text or the token inputs, so every
+    A classifier also takes `query` (row i is the pair (query[i], text[i])). Neither is an input of
+    the ONNX graph, so config.pbtxt cannot hold them (Triton would refuse the file): the server adds
+    them here. A request sends either the text or the token inputs, so every
     input is `optional` when text is accepted; otherwise only token_type_ids is.
     """
     inputs = []
     if signature.accepts_text:
         inputs.append(mc.ModelInput(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=[1], optional=True))
+        if signature.spec.task == "classify":
+            inputs.append(mc.ModelInput(name=QUERY_INPUT, data_type=mc.TYPE_STRING, dims=[1], optional=True))
     for tensor in signature.spec.config.input:
         served = mc.ModelInput()
         served.CopyFrom(tensor)

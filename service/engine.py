@@ -26,7 +26,7 @@ import numpy as np
 
 from service import metrics, tenants, tracing
 from service.answers import INLINE_ENCODE_BYTES, AnswerBudget
-from service.errors import ExecutionError, InvalidArgument, NotFound, ServiceError, Unavailable
+from service.errors import ExecutionError, NotFound, ServiceError, Unavailable
 from service.models import InstanceInfo, ModelInfo, ServedModel
 from service.repository import RepositoryError, model_directories
 from service.settings import Settings
@@ -99,6 +99,14 @@ class ModelState:
     state: str
     """READY, LOADING or UNAVAILABLE (as Triton reports it)."""
     reason: str = ""
+
+
+def shortened(embeddings: np.ndarray, width: int, normalize: bool) -> np.ndarray:
+    """Matryoshka embeddings cut to their first `width` values, L2-normalised again when the model normalises."""
+    cut = np.ascontiguousarray(embeddings[:, :width])
+    if normalize:
+        cut /= np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+    return cut
 
 
 class Engine:
@@ -245,15 +253,14 @@ class Engine:
             if tenant is not None:
                 tenant.admit()
             model = self.served(request.model, request.version)
-            width = model.spec.hidden_size
-            if request.dimensions is not None and request.dimensions != width:
-                raise InvalidArgument(
-                    f"model {model.spec.name} gives {width} dimensions and cannot give {request.dimensions}:"
-                    " its embeddings are not trained to be shortened"
-                )
             with tracing.stage(trace, "validate"):
                 valid = validate(
-                    request.inputs, request.outputs, request.parameters, model.signature, request.row_limit
+                    request.inputs,
+                    request.outputs,
+                    request.parameters,
+                    model.signature,
+                    request.row_limit,
+                    dimensions=request.dimensions,
                 )
             work, prompt_tokens, answer_bytes = await model.run(
                 valid, request.deadline, request.value_bytes, self.answers, trace
@@ -263,8 +270,14 @@ class Engine:
                 tenant.charge(prompt_tokens)
             if trace is not None:
                 trace.answered(valid.rows, prompt_tokens, work.batch_rows)
+            outputs = work.outputs
+            if valid.dimensions is not None and "embedding" in outputs:
+                outputs = {
+                    **outputs,
+                    "embedding": shortened(outputs["embedding"], valid.dimensions, model.spec.normalize),
+                }
             return InferenceResult(
-                model.spec.name, model.spec.version, request.id, work.outputs, prompt_tokens, answer_bytes
+                model.spec.name, model.spec.version, request.id, outputs, prompt_tokens, answer_bytes
             )
 
     async def encode(self, result: InferenceResult, encode: Callable[[], Encoded]) -> Encoded:

@@ -12,7 +12,7 @@ from pathlib import Path
 from service.batcher import Batcher
 from service.metrics import ModelLabels
 from service.models import InstanceInfo, ServedModel, batching_policy, warm_up_shapes
-from service.repository import OUTPUTS, read_model
+from service.repository import read_model
 from service.runtime import ExecutionSettings, create_instances
 from service.settings import Settings
 
@@ -45,6 +45,6 @@ def load_model(directory: Path, settings: Settings, tokenizer_pool: ThreadPoolEx
         shapes = warm_up_shapes(spec, policy)
         for runtime in runtimes:
             runtime.warm_up(shapes)
-    batcher = Batcher(runtimes, policy, ModelLabels(spec.name, spec.version), OUTPUTS)
+    batcher = Batcher(runtimes, policy, ModelLabels(spec.name, spec.version), spec.output_names)
     instances = tuple(InstanceInfo(r.provider, r.variant, r.settings.cuda_device_id) for r in runtimes)
     return ServedModel(spec, policy, instances, batcher, settings=settings, tokenizer_pool=tokenizer_pool)

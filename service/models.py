@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -203,7 +204,7 @@ class ServedModel:
             if request.texts is not None:
                 started = time.perf_counter()
                 with tracing.stage(trace, "tokenize"):
-                    rows = await self._tokenize(request.texts)
+                    rows = await self._tokenize(request)
                 self.metrics.tokenize_duration.observe(time.perf_counter() - started)
             else:
                 rows = request.tokens
@@ -225,11 +226,19 @@ class ServedModel:
 
     def _answer_size(self, rows: TokenRows, outputs: tuple[str, ...], value_bytes: dict[str, float]) -> int:
         """Bytes the requested outputs take as the front end sends them (values x each one's bytes)."""
-        hidden = self.spec.hidden_size
-        values = {"embedding": rows.rows * hidden, "last_hidden_state": rows.rows * rows.width * hidden}
+        values = {name: math.prod(self.spec.output_shape(name, rows.rows, rows.width)) for name in outputs}
         return math.ceil(sum(values[name] * value_bytes.get(name, RAW_VALUE_BYTES) for name in outputs))
 
-    async def _tokenize(self, texts: list[str]) -> TokenRows:
-        if sum(map(len, texts)) <= self._inline_tokenize_chars:
-            return self.tokenizer.encode_rows(texts)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.tokenizer.encode_rows, texts)
+    async def _tokenize(self, request: ValidRequest) -> TokenRows:
+        """The request's texts (or pairs) as token rows: small ones inline, larger ones on a worker."""
+        texts, queries = request.texts, request.queries
+        if queries is None:
+            work = functools.partial(self.tokenizer.encode_rows, texts, request.truncate)
+        else:
+            work = functools.partial(
+                self.tokenizer.encode_pair_rows, list(zip(queries, texts, strict=True)), request.truncate
+            )
+        characters = sum(map(len, texts)) + (sum(map(len, queries)) if queries is not None else 0)
+        if characters <= self._inline_tokenize_chars:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)

@@ -12,7 +12,8 @@ Serving facts that Triton has no field for live in `parameters` (string values).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from google.protobuf import text_format
@@ -25,7 +26,9 @@ FIDELITY_FILE = "fidelity.npz"
 PLATFORM = "onnxruntime_onnx"
 VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-OUTPUTS = ("last_hidden_state", "embedding")
+TASK_OUTPUTS = {"embed": ("last_hidden_state", "embedding"), "classify": ("logits",)}
+"""Each task and the outputs its graphs answer: vectors, or a classifier's raw logits."""
+POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 
 # Parameter keys (config.pbtxt `parameters`).
 P_MAX_SEQUENCE_LENGTH = "max_sequence_length"
@@ -69,16 +72,46 @@ class ModelSpec:
     type_vocab_size: int
     """Segment ids accepted in token_type_ids (0 when the graph has no such input)."""
     hidden_size: int
+    """Width of the embedding (0 for a classifier)."""
     pad_token_id: int
     tokenizer_file: Path | None
     """tokenizer.json, when the model accepts text."""
     fidelity_file: Path | None = None
     """fidelity.npz (reference inputs and embeddings for the check at load); None in older repositories."""
+    task: str = "embed"
+    """embed (an embedding model) or classify (a reranker or classifier: logits out)."""
+    labels: tuple[str, ...] = ()
+    """A classifier's labels in id order (its logits' width)."""
+    model_type: str = ""
+    """The source's architecture, as reported ("" when the repository does not say)."""
+    pooling: str = "mean"
+    normalize: bool = True
+    prompts: dict[str, str] = field(default_factory=dict)
+    """Prompt name -> the prefix put before a text (sentence-transformers' prompts)."""
+    default_prompt_name: str = ""
+    """The prompt applied when a request names none ("" none)."""
+    similarity_fn_name: str = ""
+    matryoshka_dimensions: tuple[int, ...] = ()
+    """Widths the embedding may be shortened to (it was trained for them)."""
 
     @property
     def max_batch_size(self) -> int:
         """Largest number of sequences one request or batch may hold."""
         return self.config.max_batch_size
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """The outputs the model answers."""
+        return TASK_OUTPUTS[self.task]
+
+    def output_shape(self, name: str, rows: int, length: int) -> tuple[int, ...]:
+        """An output's shape for a batch of rows x length tokens."""
+        shapes = {
+            "embedding": (rows, self.hidden_size),
+            "last_hidden_state": (rows, length, self.hidden_size),
+            "logits": (rows, len(self.labels)),
+        }
+        return shapes[name]
 
     @property
     def uses_segments(self) -> bool:
@@ -128,8 +161,8 @@ def latest_version(directory: Path) -> str:
     return max(versions, key=int)
 
 
-def _check_signature(config: mc.ModelConfig, source: Path) -> tuple[tuple[str, ...], int]:
-    """Validate inputs/outputs; return the token input names and the hidden size."""
+def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[tuple[str, ...], int]:
+    """Validate inputs/outputs for the task; the token input names and the outputs' width (hidden size or labels)."""
     names = tuple(i.name for i in config.input)
     if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= set(TOKEN_INPUTS):
         raise RepositoryError(f"{source}: inputs must be input_ids, attention_mask[, token_type_ids]; got {names}")
@@ -137,12 +170,61 @@ def _check_signature(config: mc.ModelConfig, source: Path) -> tuple[tuple[str, .
         if tensor.data_type != mc.TYPE_INT64 or list(tensor.dims) != [-1]:
             raise RepositoryError(f"{source}: input {tensor.name} must be TYPE_INT64 with dims [-1]")
     outputs = {o.name: o for o in config.output}
-    if set(outputs) != set(OUTPUTS):
-        raise RepositoryError(f"{source}: outputs must be {', '.join(OUTPUTS)}; got {sorted(outputs)}")
-    embedding_dims = list(outputs["embedding"].dims)
-    if len(embedding_dims) != 1 or embedding_dims[0] <= 0:
-        raise RepositoryError(f"{source}: output embedding must have dims [hidden_size]")
-    return names, embedding_dims[0]
+    expected = TASK_OUTPUTS[task]
+    if set(outputs) != set(expected):
+        raise RepositoryError(
+            f"{source}: a {task} model's outputs must be {', '.join(expected)}; got {sorted(outputs)}"
+        )
+    vector = "embedding" if task == "embed" else "logits"
+    dims = list(outputs[vector].dims)
+    if len(dims) != 1 or dims[0] <= 0:
+        raise RepositoryError(
+            f"{source}: output {vector} must have dims [{'hidden_size' if task == 'embed' else 'labels'}]"
+        )
+    return names, dims[0]
+
+
+def _json_parameter(config: mc.ModelConfig, key: str, source: Path, kind: type) -> object:
+    """A parameter holding JSON of the given kind (absent: an empty one)."""
+    text = _parameter(config, key, source, "")
+    if not text:
+        return kind()
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise RepositoryError(f"{source}: parameter {key!r} is not JSON: {error}") from error
+    if not isinstance(value, kind):
+        raise RepositoryError(f"{source}: parameter {key!r} must be a JSON {kind.__name__}")
+    return value
+
+
+def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> dict[str, object]:
+    """The task's own parameters, checked: labels, or pooling, prompts and Matryoshka widths."""
+    if task == "classify":
+        labels = _json_parameter(config, P_LABELS, source, list)
+        if len(labels) != width or not all(isinstance(label, str) for label in labels):
+            raise RepositoryError(f"{source}: parameter labels must name the {width} labels of output logits")
+        return {"labels": tuple(labels)}
+    pooling = _parameter(config, P_POOLING, source, "mean")
+    if pooling not in POOLING_MODES:
+        raise RepositoryError(f"{source}: pooling {pooling!r} is not one of {', '.join(POOLING_MODES)}")
+    prompts = _json_parameter(config, P_PROMPTS, source, dict)
+    if not all(isinstance(text, str) for text in prompts.values()):
+        raise RepositoryError(f"{source}: parameter prompts must map names to strings")
+    default_prompt = _parameter(config, P_DEFAULT_PROMPT_NAME, source, "")
+    if default_prompt and default_prompt not in prompts:
+        raise RepositoryError(f"{source}: default_prompt_name {default_prompt!r} is not one of the prompts")
+    dimensions = _json_parameter(config, P_MATRYOSHKA_DIMENSIONS, source, list)
+    if not all(type(d) is int and 0 < d <= width for d in dimensions):
+        raise RepositoryError(f"{source}: matryoshka_dimensions must be widths within 1..{width}")
+    return {
+        "pooling": pooling,
+        "normalize": _parameter(config, P_NORMALIZE, source, "true") == "true",
+        "prompts": prompts,
+        "default_prompt_name": default_prompt,
+        "similarity_fn_name": _parameter(config, P_SIMILARITY_FN_NAME, source, ""),
+        "matryoshka_dimensions": tuple(sorted(set(dimensions), reverse=True)),
+    }
 
 
 def _inside(folder: Path, name: str, source: Path) -> Path:
@@ -166,7 +248,10 @@ def read_model(directory: Path) -> ModelSpec:
         raise RepositoryError(f"{source}: platform must be {PLATFORM}")
     if config.max_batch_size <= 0:
         raise RepositoryError(f"{source}: max_batch_size must be positive")
-    input_names, hidden_size = _check_signature(config, source)
+    task = _parameter(config, P_TASK, source, "embed")
+    if task not in TASK_OUTPUTS:
+        raise RepositoryError(f"{source}: task {task!r} is not one of {', '.join(TASK_OUTPUTS)}")
+    input_names, width = _check_signature(config, source, task)
     version = latest_version(directory)
     variants = {
         key[len(P_VARIANT_PREFIX) :]: _inside(directory / version, value.string_value, source)
@@ -201,10 +286,13 @@ def read_model(directory: Path) -> ModelSpec:
         type_vocab_size=_int_parameter(
             config, P_TYPE_VOCAB_SIZE, source, "2" if "token_type_ids" in input_names else "0"
         ),
-        hidden_size=hidden_size,
+        hidden_size=width if task == "embed" else 0,
         pad_token_id=_int_parameter(config, P_PAD_TOKEN_ID, source, "0"),
         tokenizer_file=tokenizer_file,
         fidelity_file=directory / FIDELITY_FILE if (directory / FIDELITY_FILE).is_file() else None,
+        task=task,
+        model_type=_parameter(config, P_MODEL_TYPE, source, ""),
+        **_task_facts(config, source, task, width),
     )
 
 

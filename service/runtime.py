@@ -309,7 +309,7 @@ class ModelRuntime:
 
     def _measure(self, reference: FidelityReference, chosen_by_default: bool) -> FidelityCheck:
         try:
-            embedding = self.run(reference.feed, ("embedding",))["embedding"]
+            embedding = self.run(reference.feed, (reference.output,))[reference.output]
         except Exception as error:
             raise ExecutionError(
                 f"model {self.spec.name}: the fidelity check could not run {self.variant} on {self.provider}: {error}"
@@ -334,15 +334,12 @@ class ModelRuntime:
         results = self._run_bound(inputs, outputs) if bound else self.session.run(list(outputs), inputs)
         rows, length = feed["input_ids"].shape
         produced = dict(zip(outputs, results, strict=True))
-        expected_shapes = {
-            "embedding": (rows, self.spec.hidden_size),
-            "last_hidden_state": (rows, length, self.spec.hidden_size),
-        }
         for name, array in produced.items():
-            if array.shape != expected_shapes[name] or array.dtype != np.float32:
+            expected = self.spec.output_shape(name, rows, length)
+            if array.shape != expected or array.dtype != np.float32:
                 raise BatchContractError(
                     f"model {self.spec.name}: output {name} is {array.dtype}{list(array.shape)}, "
-                    f"expected float32{list(expected_shapes[name])}"
+                    f"expected float32{list(expected)}"
                 )
         return produced
 

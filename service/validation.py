@@ -16,10 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.errors import InvalidArgument
-from service.repository import OUTPUTS, ModelSpec
+from service.repository import ModelSpec
 from service.token_rows import TokenRows
 
 TEXT_INPUT = "text"
+QUERY_INPUT = "query"
+"""A classifier's optional first member of each pair: row i is (query[i], text[i])."""
+PROMPT_NAME = "prompt_name"
+TRUNCATE = "truncate"
+DIMENSIONS = "dimensions"
 REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
 """Token inputs a token request must carry; token_type_ids defaults to zeros."""
 ELEMENT_BYTES = {"INT64": 8}
@@ -75,6 +80,8 @@ class ModelSignature:
         names = {name: "INT64" for name in self.spec.input_names}
         if self.accepts_text:
             names[TEXT_INPUT] = "BYTES"
+            if self.spec.task == "classify":
+                names[QUERY_INPUT] = "BYTES"
         return names
 
 
@@ -83,11 +90,18 @@ class ValidRequest:
     """A request checked against its model: texts to tokenise, or token rows; what to answer with."""
 
     texts: list[str] | None
+    """Texts, each with the prompt's prefix already put before it."""
     tokens: TokenRows | None
     outputs: tuple[str, ...]
     """Requested outputs, in the order they are to be returned."""
     timeout_s: float | None
     """Triton's per-request `timeout` parameter, when given."""
+    queries: list[str] | None = None
+    """A classifier's first pair members (row i is (queries[i], texts[i])); None: single texts."""
+    truncate: bool = True
+    """False: a sequence longer than the model's maximum is refused, not cut."""
+    dimensions: int | None = None
+    """The embedding width to answer with (a Matryoshka width); None: the model's own."""
 
     @property
     def rows(self) -> int:
@@ -164,17 +178,17 @@ def check_text_sizes(elements: Sequence[bytes], limits: TextLimits) -> None:
         )
 
 
-def _decode_texts(elements: list[bytes]) -> list[str]:
+def _decode_texts(elements: list[bytes], name: str) -> list[str]:
     texts = []
     for index, element in enumerate(elements):
         try:
             text = element.decode("utf-8")
         except UnicodeDecodeError as error:
             raise InvalidArgument(
-                f"input text[{index}] is not valid UTF-8 ({error.reason} at byte {error.start})"
+                f"input {name}[{index}] is not valid UTF-8 ({error.reason} at byte {error.start})"
             ) from error
         if not text.strip():
-            raise InvalidArgument(f"input text[{index}] is empty")
+            raise InvalidArgument(f"input {name}[{index}] is empty")
         texts.append(text)
     return texts
 
@@ -212,13 +226,14 @@ def _check_tokens(tokens: dict[str, np.ndarray], signature: ModelSignature) -> N
         raise InvalidArgument(f"token_type_ids: values must be in [0, {signature.spec.type_vocab_size})")
 
 
-def requested_outputs(names: Sequence[str]) -> tuple[str, ...]:
+def requested_outputs(names: Sequence[str], spec: ModelSpec) -> tuple[str, ...]:
     """The outputs to answer with, in order: the names given (each known, once), or every output."""
+    known = spec.output_names
     if not names:
-        return OUTPUTS
+        return known
     for name in names:
-        if name not in OUTPUTS:
-            raise InvalidArgument(f"unknown output {name!r} (outputs: {', '.join(OUTPUTS)})")
+        if name not in known:
+            raise InvalidArgument(f"unknown output {name!r} (outputs: {', '.join(known)})")
     if len(set(names)) != len(names):
         raise InvalidArgument("an output is requested twice")
     return tuple(names)
@@ -232,6 +247,51 @@ def timeout_s(parameters: dict[str, object]) -> float | None:
     if type(value) is not int or value < 0:
         raise InvalidArgument("parameter timeout must be a non-negative integer (microseconds)")
     return value / 1e6 if value else None
+
+
+def prompt_prefix(parameters: dict[str, object], spec: ModelSpec) -> str:
+    """The prefix the request's prompt_name names (or the model's default prompt's); "" for none."""
+    name = parameters.get(PROMPT_NAME)
+    if name is None:
+        return spec.prompts.get(spec.default_prompt_name, "")
+    if spec.task != "embed":
+        raise InvalidArgument(f"parameter {PROMPT_NAME}: model {spec.name} is a {spec.task} model and has no prompts")
+    if not isinstance(name, str) or name not in spec.prompts:
+        known = ", ".join(spec.prompts) or "none"
+        raise InvalidArgument(
+            f"parameter {PROMPT_NAME} {name!r} is not a prompt of model {spec.name} (prompts: {known})"
+        )
+    return spec.prompts[name]
+
+
+def truncate_choice(parameters: dict[str, object]) -> bool:
+    """The `truncate` parameter: true (default) cuts long sequences at the model's maximum, false refuses them."""
+    value = parameters.get(TRUNCATE, True)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"parameter {TRUNCATE} must be true or false")
+    return value
+
+
+def dimensions_choice(requested: int | None, parameters: dict[str, object], spec: ModelSpec) -> int | None:
+    """The embedding width asked for (OpenAI's `dimensions` or the `dimensions` parameter), checked; None: full."""
+    value = parameters.get(DIMENSIONS, requested)
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise InvalidArgument(f"dimensions must be a positive integer, got {value!r}")
+    if spec.task != "embed":
+        raise InvalidArgument(f"dimensions: model {spec.name} is a {spec.task} model and answers no embedding")
+    if value == spec.hidden_size:
+        return None
+    if value not in spec.matryoshka_dimensions:
+        if not spec.matryoshka_dimensions:
+            raise InvalidArgument(
+                f"model {spec.name} gives {spec.hidden_size} dimensions and cannot give {value}:"
+                " its embeddings are not trained to be shortened"
+            )
+        allowed = ", ".join(str(d) for d in (spec.hidden_size, *spec.matryoshka_dimensions))
+        raise InvalidArgument(f"model {spec.name} can give {allowed} dimensions, not {value}")
+    return value
 
 
 def _decode_inputs(inputs: Sequence[InputTensor], accepted: dict[str, str]) -> dict[str, np.ndarray | list[bytes]]:
@@ -260,26 +320,52 @@ def validate(
     parameters: dict[str, object],
     signature: ModelSignature,
     row_limit: RowLimit | None = None,
+    *,
+    dimensions: int | None = None,
 ) -> ValidRequest:
-    """Check a request's inputs, outputs and parameters against a model; texts or token rows come back."""
+    """Check a request's inputs, outputs and parameters against a model; texts (or pairs) or token rows come back.
+
+    dimensions: the embedding width a front end asked for in its own field (OpenAI's), if any.
+    """
+    spec = signature.spec
     decoded = _decode_inputs(inputs, signature.input_datatypes)
-    texts = tokens = None
+    texts = tokens = queries = None
+    prefix = prompt_prefix(parameters, spec)
     if TEXT_INPUT in decoded:
-        if len(decoded) > 1:
+        if set(decoded) - {TEXT_INPUT, QUERY_INPUT}:
             raise InvalidArgument("input text cannot be combined with token inputs")
         shape = next(tensor.shape for tensor in inputs if tensor.name == TEXT_INPUT)
         if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
             raise InvalidArgument(f"input text: shape {shape_text(shape)} must be [batch] or [batch, 1]")
         elements = decoded[TEXT_INPUT]
         _check_rows(len(elements), signature, row_limit)
-        check_text_sizes(elements, signature.text_limits)
-        texts = _decode_texts(elements)
+        query_elements = decoded.get(QUERY_INPUT)
+        if query_elements is not None and len(query_elements) != len(elements):
+            raise InvalidArgument(
+                f"input query holds {len(query_elements)} elements and text {len(elements)}: each text needs its query"
+            )
+        check_text_sizes([*elements, *(query_elements or ())], signature.text_limits)
+        texts = _decode_texts(elements, TEXT_INPUT)
+        if prefix:
+            texts = [prefix + text for text in texts]
+        if query_elements is not None:
+            queries = _decode_texts(query_elements, QUERY_INPUT)
+    elif QUERY_INPUT in decoded:
+        raise InvalidArgument("input query needs input text: row i is the pair (query[i], text[i])")
     else:
         arrays = {name: np.asarray(value) for name, value in decoded.items()}
         _check_tokens(arrays, signature)
         _check_rows(arrays["input_ids"].shape[0], signature, row_limit)
         tokens = TokenRows.from_padded(arrays)
-    return ValidRequest(texts, tokens, requested_outputs(outputs), timeout_s(parameters))
+    return ValidRequest(
+        texts,
+        tokens,
+        requested_outputs(outputs, spec),
+        timeout_s(parameters),
+        queries=queries,
+        truncate=truncate_choice(parameters),
+        dimensions=dimensions_choice(dimensions, parameters, spec),
+    )
 
 
 def _check_rows(rows: int, signature: ModelSignature, limit: RowLimit | None) -> None:

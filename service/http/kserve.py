@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from service.answers import JSON_VALUE_BYTES, RAW_VALUE_BYTES, json_values
 from service.engine import InferenceRequest, InferenceResult, InputTensor
 from service.errors import InvalidArgument
-from service.repository import OUTPUTS
+from service.repository import TASK_OUTPUTS
 
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_OUTPUT = "binary_data_output"
@@ -201,7 +201,7 @@ def parse_infer(payload: object, binary: memoryview, name: str, version: str, re
     outputs, binary_outputs = _outputs(fields["outputs"]) if "outputs" in fields else ((), {})
     value_bytes = {
         output: RAW_VALUE_BYTES if binary_outputs.get(output, binary_by_default) else JSON_VALUE_BYTES
-        for output in outputs or OUTPUTS
+        for output in outputs or [name for names in TASK_OUTPUTS.values() for name in names]
     }
     request = InferenceRequest(
         model=name,
