@@ -49,6 +49,17 @@ class TokenizedBatch:
         return {name: getattr(self, name) for name in input_names}
 
 
+@dataclass(frozen=True)
+class Token:
+    """One token of a text: its id, its text, whether it is a special token, and where it lies (characters)."""
+
+    id: int
+    text: str
+    special: bool
+    start: int
+    stop: int
+
+
 CLIP_CHARS_PER_TOKEN = 8
 """First clipping window, in characters per token of max_length (enough for most prose)."""
 CLIP_GROWTH = 4
@@ -140,6 +151,16 @@ class TextTokenizer:
                     f"{kind} {row} has {self.count_tokens(inputs[row])} tokens, more than the model's"
                     f" {self._max_length}, and truncate is false"
                 )
+
+    def tokens(self, text: str, add_special_tokens: bool = True) -> list[Token]:
+        """The tokens of one text (truncated at max_length), each with its piece of the text."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return [
+            Token(token_id, text[start:stop] if not special else piece, bool(special), start, stop)
+            for token_id, piece, special, (start, stop) in zip(
+                encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets, strict=True
+            )
+        ]
 
     def encode(self, texts: list[str]) -> TokenizedBatch:
         """Tokenise texts (with special tokens) into one batch padded to the longest."""

@@ -20,7 +20,7 @@ from typing import Any
 from service import codec, metrics, tenants, tracing
 from service.engine import Engine, InferenceResult
 from service.errors import InvalidArgument, NotFound, OverLimit, Overloaded, ServiceError, Unauthenticated
-from service.http import kserve, openai
+from service.http import cohere, kserve, openai, tei
 from service.http.errors import (
     INTERNAL_MESSAGE,
     MethodNotAllowed,
@@ -28,6 +28,7 @@ from service.http.errors import (
     http_status,
     kserve_error,
     openai_error,
+    tei_error,
 )
 from service.proto import grpc_service_pb2 as pb
 from service.security import ApiKeys
@@ -45,7 +46,7 @@ SEND_PART_BYTES = 256 * 1024
 """A large body is sent in parts of this size (see HttpApp._send_body)."""
 OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
 """Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
-TRACED_ROUTES = frozenset({"/v1/embeddings", "/v2/models/{name}/infer"})
+TRACED_ROUTES = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/models/{name}/infer", "/embed", "/rerank", "/predict"})
 """Routes whose requests get a trace span while tracing is on: the inferences."""
 UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send the header 'Authorization: Bearer <key>'"
 _MODEL_PATH = re.compile(
@@ -154,8 +155,20 @@ class HttpApp:
         self.max_body_bytes = max_body_bytes
         self.max_embedding_inputs = max_embedding_inputs
         self.created = int(time.time())
+        self.info = tei.InfoSettings(
+            max_concurrent_requests=max_concurrent_requests,
+            max_client_batch_size=max_embedding_inputs,
+            tokenization_workers=engine.settings.tokenizer_threads,
+            version=codec.server_metadata().version,
+        )
         self._fixed: dict[str, dict[str, Handler]] = {
             "/v1/embeddings": {"POST": self._embeddings},
+            "/v1/rerank": {"POST": self._task(cohere.rerank)},
+            "/embed": {"POST": self._task(tei.embed)},
+            "/rerank": {"POST": self._task(tei.rerank)},
+            "/predict": {"POST": self._task(tei.predict)},
+            "/tokenize": {"POST": self._tokenize},
+            "/info": {"GET": self._info},
             "/v1/models": {"GET": self._openai_models},
             "/v2/health/live": {"GET": self._live},
             "/v2/health/ready": {"GET": self._ready},
@@ -270,8 +283,9 @@ class HttpApp:
         method = scope["method"]
         if not handlers:
             raise NotFound(
-                f"no route {scope['path']}: this server answers OpenAI's /v1/embeddings and /v1/models, and KServe v2"
-                " REST under /v2"
+                f"no route {scope['path']}: this server answers OpenAI's /v1/embeddings and /v1/models, /v1/rerank,"
+                " text-embeddings-inference's /embed, /rerank, /predict, /tokenize and /info, and KServe v2 REST"
+                " under /v2"
             )
         handler = handlers.get(method)
         if handler is None:
@@ -334,7 +348,13 @@ class HttpApp:
     def _error(self, path: str, error: ServiceError) -> Response:
         status = http_status(error)
         message = str(error)
-        body = openai_error(status, message, error.reason) if path.startswith("/v1/") else kserve_error(message)
+        if path.startswith("/v1/"):
+            body = openai_error(status, message, error.reason)
+        elif path in tei.TEI_ROUTES:
+            status = 422 if status == 400 else status  # TEI answers validation errors with 422
+            body = tei_error(status, message)
+        else:
+            body = kserve_error(message)
         headers = []
         if isinstance(error, MethodNotAllowed):
             headers.append((b"allow", ", ".join(error.allowed).encode()))
@@ -357,6 +377,25 @@ class HttpApp:
             request = openai.parse_embeddings(_json(call.body))
         body, result = await openai.embeddings(self.engine, request, self.max_embedding_inputs, call.trace)
         return Response(200, body, answer=result)
+
+    def _task(self, route: Callable[[tei.TaskCall, object], Awaitable[tei.Answer]]) -> Handler:
+        """A handler for a task route (TEI's, /v1/rerank): a JSON body in, the route's JSON answer out."""
+
+        async def handler(call: Call) -> Response:
+            with tracing.stage(call.trace, "decode"):
+                _check_body_form(call.headers, (JSON,))
+                payload = _json(call.body)
+            answer = await route(tei.TaskCall(self.engine, self.max_embedding_inputs, call.trace), payload)
+            return Response(200, answer.body, answer=answer.result)
+
+        return handler
+
+    async def _tokenize(self, call: Call) -> Response:
+        _check_body_form(call.headers, (JSON,))
+        return Response(200, tei.tokenize(self.engine, _json(call.body)))
+
+    async def _info(self, call: Call) -> Response:
+        return Response(200, tei.info(self.engine, self.info))
 
     async def _openai_models(self, call: Call) -> Response:
         return Response(200, openai.models_list(self.engine, self.created))

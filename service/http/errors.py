@@ -68,6 +68,16 @@ def openai_error(status: int, message: str, reason: str | None) -> dict[str, obj
     return {"error": {"message": message, "type": kind, "param": None, "code": reason}}
 
 
+_TEI_TYPES = {401: "Unauthorized", 413: "Validation", 422: "Validation", 429: "Overloaded", 503: "Unhealthy"}
+"""text-embeddings-inference's error_type by status (others: Backend for 5xx, Validation for 4xx)."""
+
+
+def tei_error(status: int, message: str) -> dict[str, object]:
+    """A text-embeddings-inference error body: its clients read `error` and `error_type`."""
+    kind = _TEI_TYPES.get(status, "Backend" if status >= 500 else "Validation")
+    return {"error": message, "error_type": kind}
+
+
 def kserve_error(message: str) -> dict[str, object]:
     """A KServe v2 REST error (tritonclient.http raises it as InferenceServerException)."""
     return {"error": message}

@@ -22,7 +22,8 @@ from service.errors import InvalidArgument
 from service.validation import TEXT_INPUT
 
 ENCODINGS = ("float", "base64")
-FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
+FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "prompt_name")
+"""OpenAI's fields, and sentence-transformers' prompt_name (the SDK sends it with extra_body)."""
 OWNER = "encoder-serve"
 _FLOAT32 = np.dtype("<f4")
 TOKEN_ARRAYS_REFUSED = (
@@ -39,6 +40,7 @@ class EmbeddingsRequest:
     texts: list[str]
     encoding_format: str
     dimensions: int | None
+    prompt_name: str | None = None
 
 
 def _texts(value: object) -> list[str]:
@@ -69,7 +71,10 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
         raise InvalidArgument(f"dimensions must be a positive integer, got {dimensions!r}")
     if not isinstance(payload.get("user", ""), str):
         raise InvalidArgument("user must be a string")
-    return EmbeddingsRequest(model, _texts(payload["input"]), encoding_format, dimensions)
+    prompt_name = payload.get("prompt_name")
+    if prompt_name is not None and not isinstance(prompt_name, str):
+        raise InvalidArgument("prompt_name must be a string: the name of one of the model's prompts")
+    return EmbeddingsRequest(model, _texts(payload["input"]), encoding_format, dimensions, prompt_name)
 
 
 def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tokens: int) -> bytes:
@@ -106,6 +111,7 @@ async def embeddings(
             outputs=("embedding",),
             row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
             dimensions=request.dimensions,
+            parameters={} if request.prompt_name is None else {"prompt_name": request.prompt_name},
             value_bytes={"embedding": value_bytes},
         ),
         trace,
