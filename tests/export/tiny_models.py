@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import transformers
 from sentence_transformers import SentenceTransformer
-from sentence_transformers import models as st_models
+from sentence_transformers.sentence_transformer import modules as st_models
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from export.parity import SENTENCES_FILE, read_sentences
@@ -193,7 +193,7 @@ def save_sentence_transformer(
     """A tiny sentence-transformers model (Transformer + Pooling (+ Normalize)) of the family, saved in folder."""
     base = save_model(family, folder / "base", seed=seed)
     transformer = st_models.Transformer(str(base), max_seq_length=MAX_POSITIONS - 2)
-    pool = st_models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode=pooling)
+    pool = st_models.Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)
     modules = [transformer, pool] + ([st_models.Normalize()] if normalize else [])
     model = SentenceTransformer(modules=modules, prompts=prompts, default_prompt_name=default_prompt_name)
     target = folder / "model"
