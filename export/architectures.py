@@ -2,8 +2,9 @@
 
 BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) with different
 settings; each is described here by how its config.json translates into an EncoderConfig and how
-its parameter names map onto the encoder's. Weights of task heads (poolers, classifiers, language
-model heads) are returned apart, for export.heads.
+its parameter names map onto the encoder's. ModernBERT is its own encoder (export.modernbert).
+Weights of task heads (poolers, classifiers, language model heads) are returned apart, for
+export.heads.
 """
 
 from __future__ import annotations
@@ -28,14 +29,11 @@ class ArchitectureError(ValueError):
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """How one Hugging Face model_type maps onto the encoder."""
+class WeightNames:
+    """How a BERT-family checkpoint names its weights, and the encoder's names for them."""
 
-    model_type: str
     prefixes: tuple[str, ...]
     """Prefixes that wrap the base model inside task models and sentence-transformers modules."""
-    config: Callable[[dict, str, bool], EncoderConfig]
-    """config.json (with pooling and normalisation) -> EncoderConfig."""
     layer_key: re.Pattern[str]
     """Matches a layer weight: groups are the layer index, the module and weight/bias."""
     layer_renames: dict[str, str]
@@ -70,6 +68,20 @@ class Architecture:
                 raise ArchitectureError(f"unexpected weight {original!r}")
             encoder[f"{self.other_renames[module]}.{kind}"] = tensor
         return encoder, heads
+
+
+Renamer = Callable[[dict[str, torch.Tensor]], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one Hugging Face model_type maps onto an encoder here."""
+
+    model_type: str
+    config: Callable[[dict, str, bool], object]
+    """config.json (with pooling and normalisation) -> the encoder's configuration."""
+    rename: Renamer
+    """The checkpoint's weights -> (the encoder's, under its names; the task heads', apart)."""
 
 
 def _activation(hf_config: dict, key: str) -> str:
@@ -156,49 +168,59 @@ _WRAPPERS = ("0.auto_model.", "model.")
 
 
 def _bert_like(model_type: str, prefix: str) -> Architecture:
-    return Architecture(
-        model_type, (prefix, *_WRAPPERS), _bert_config, _BERT_LAYER, _BERT_LAYER_RENAMES, _EMBEDDING_RENAMES
-    )
+    names = WeightNames((prefix, *_WRAPPERS), _BERT_LAYER, _BERT_LAYER_RENAMES, _EMBEDDING_RENAMES)
+    return Architecture(model_type, _bert_config, names.rename)
 
 
+def _modernbert_config(hf_config: dict, pooling: str, normalize: bool) -> object:
+    from export import modernbert  # noqa: PLC0415  (it builds on this module)
+
+    return modernbert.config_from_hf(hf_config, pooling, normalize)
+
+
+def _modernbert_rename(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    from export import modernbert  # noqa: PLC0415
+
+    return modernbert.rename_weights(weights)
+
+
+_DISTILBERT_NAMES = WeightNames(
+    ("distilbert.", *_WRAPPERS),
+    re.compile(r"^transformer\.layer\.(\d+)\.(.+)\.(weight|bias)$"),
+    {
+        "attention.q_lin": "attention.query",
+        "attention.k_lin": "attention.key",
+        "attention.v_lin": "attention.value",
+        "attention.out_lin": "attention.output",
+        "sa_layer_norm": "attention_norm",
+        "ffn.lin1": "feed_forward.inner",
+        "ffn.lin2": "feed_forward.outer",
+        "output_layer_norm": "output_norm",
+    },
+    _EMBEDDING_RENAMES,
+)
+_MPNET_NAMES = WeightNames(
+    ("mpnet.", *_WRAPPERS),
+    _BERT_LAYER,
+    {
+        "attention.attn.q": "attention.query",
+        "attention.attn.k": "attention.key",
+        "attention.attn.v": "attention.value",
+        "attention.attn.o": "attention.output",
+        "attention.LayerNorm": "attention_norm",
+        "intermediate.dense": "feed_forward.inner",
+        "output.dense": "feed_forward.outer",
+        "output.LayerNorm": "output_norm",
+    },
+    {**_EMBEDDING_RENAMES, "encoder.relative_attention_bias": "relative_attention_bias"},
+)
 ARCHITECTURES: dict[str, Architecture] = {
     "bert": _bert_like("bert", "bert."),
     "roberta": _bert_like("roberta", "roberta."),
     "xlm-roberta": _bert_like("xlm-roberta", "roberta."),
-    "distilbert": Architecture(
-        "distilbert",
-        ("distilbert.", *_WRAPPERS),
-        _distilbert_config,
-        re.compile(r"^transformer\.layer\.(\d+)\.(.+)\.(weight|bias)$"),
-        {
-            "attention.q_lin": "attention.query",
-            "attention.k_lin": "attention.key",
-            "attention.v_lin": "attention.value",
-            "attention.out_lin": "attention.output",
-            "sa_layer_norm": "attention_norm",
-            "ffn.lin1": "feed_forward.inner",
-            "ffn.lin2": "feed_forward.outer",
-            "output_layer_norm": "output_norm",
-        },
-        _EMBEDDING_RENAMES,
-    ),
-    "mpnet": Architecture(
-        "mpnet",
-        ("mpnet.", *_WRAPPERS),
-        _bert_config,
-        _BERT_LAYER,
-        {
-            "attention.attn.q": "attention.query",
-            "attention.attn.k": "attention.key",
-            "attention.attn.v": "attention.value",
-            "attention.attn.o": "attention.output",
-            "attention.LayerNorm": "attention_norm",
-            "intermediate.dense": "feed_forward.inner",
-            "output.dense": "feed_forward.outer",
-            "output.LayerNorm": "output_norm",
-        },
-        {**_EMBEDDING_RENAMES, "encoder.relative_attention_bias": "relative_attention_bias"},
-    ),
+    "distilbert": Architecture("distilbert", _distilbert_config, _DISTILBERT_NAMES.rename),
+    "mpnet": Architecture("mpnet", _bert_config, _MPNET_NAMES.rename),
+    "modernbert": Architecture("modernbert", _modernbert_config, _modernbert_rename),
 }
 """Supported model_type -> how to read it."""
 

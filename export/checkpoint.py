@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from export.architectures import ArchitectureError, architecture
 from export.config import EncoderConfig
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
+from export.modernbert import ModernBertConfig, ModernBertEncoder
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -85,11 +87,17 @@ class Checkpoint:
         """The task: "embed" (vectors out) or "classify" (logits out: rerankers and classifiers)."""
         return "embed" if self.head is None else "classify"
 
-    def build_model(self) -> Encoder | SequenceClassifier:
+    def build_model(self) -> nn.Module:
         """An eval-mode model holding these weights: the encoder, or the encoder with its head."""
-        model = Encoder(self.config) if self.head is None else SequenceClassifier(self.config, self.head)
+        encoder = build_encoder(self.config)
+        model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
         model.load_state_dict(self.state_dict, strict=True)
         return model.eval()
+
+
+def build_encoder(config: EncoderConfig | ModernBertConfig) -> nn.Module:
+    """The encoder a configuration describes: the BERT family's (export.model) or ModernBERT's."""
+    return ModernBertEncoder(config) if isinstance(config, ModernBertConfig) else Encoder(config)
 
 
 def default_model_folder() -> Path:
@@ -204,7 +212,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         raise CheckpointError(f"{folder}: {error}") from error
     if any(d <= 0 or d > config.d_model for d in matryoshka_dimensions):
         raise CheckpointError(f"Matryoshka dimensions must be within 1..{config.d_model}, got {matryoshka_dimensions}")
-    expected = Encoder(config).state_dict()
+    expected = build_encoder(config).state_dict()
     missing = sorted(set(expected) - set(state_dict))
     if missing:
         raise CheckpointError(f"{folder}: weights missing for {missing[0]} (and {len(missing) - 1} more)")

@@ -1,10 +1,12 @@
 """Sequence-classification heads: cross-encoder rerankers and text classifiers, on top of the encoder.
 
-Each head reads the first position's hidden state ([CLS] / <s>), as the Hugging Face
-`*ForSequenceClassification` models do, and answers raw logits [batch, num_labels]:
+Each head reads the first position's hidden state ([CLS] / <s>), or ModernBERT's mean when its
+config says so, as the Hugging Face `*ForSequenceClassification` models do, and answers raw
+logits [batch, num_labels]:
 - BERT: its pooler (dense + tanh), then the classifier;
 - RoBERTa, XLM-RoBERTa, MPNet: dense + tanh, then out_proj;
-- DistilBERT: pre_classifier + ReLU, then the classifier.
+- DistilBERT: pre_classifier + ReLU, then the classifier;
+- ModernBERT: dense + its classifier activation + LayerNorm, then the classifier.
 """
 
 from __future__ import annotations
@@ -15,17 +17,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from export.config import EncoderConfig
-from export.model import Encoder
+from export.pooling import pool
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 OUTPUT_NAMES = ("logits",)
 
-# Head style -> (hidden layer, its activation, output layer), as the checkpoint names them.
+# Head style -> (hidden layer, its LayerNorm or "", output layer), as the checkpoint names them.
 _HEAD_LAYERS = {
-    "bert": ("pooler.dense", "tanh", "classifier"),
-    "roberta": ("classifier.dense", "tanh", "classifier.out_proj"),
-    "distilbert": ("pre_classifier", "relu", "classifier"),
+    "bert": ("pooler.dense", "", "classifier"),
+    "roberta": ("classifier.dense", "", "classifier.out_proj"),
+    "distilbert": ("pre_classifier", "", "classifier"),
+    "modernbert": ("head.dense", "head.norm", "classifier"),
 }
 _HEAD_STYLE = {
     "bert": "bert",
@@ -33,7 +35,9 @@ _HEAD_STYLE = {
     "xlm-roberta": "roberta",
     "mpnet": "roberta",
     "distilbert": "distilbert",
+    "modernbert": "modernbert",
 }
+_ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": nn.functional.gelu, "silu": nn.functional.silu}
 
 
 class HeadError(ValueError):
@@ -46,6 +50,13 @@ class HeadConfig:
 
     style: str
     labels: tuple[str, ...]
+    pooling: str = "cls"
+    """What the head reads: the first position (cls) or the mean over the mask (ModernBERT may say so)."""
+    activation: str = "tanh"
+    layer_norm_eps: float | None = None
+    """The LayerNorm after the activation (ModernBERT); None: no LayerNorm."""
+    dense_bias: bool = True
+    norm_bias: bool = True
 
     @property
     def num_labels(self) -> int:
@@ -79,21 +90,39 @@ def head_config(hf_config: dict, model_type: str) -> HeadConfig:
         "multi_label_classification",
     ):
         raise HeadError(f"config.json: unsupported problem_type {hf_config['problem_type']!r}")
-    return HeadConfig(_HEAD_STYLE[model_type], labels)
+    style = _HEAD_STYLE[model_type]
+    if style != "modernbert":
+        return HeadConfig(style, labels, activation="relu" if style == "distilbert" else "tanh")
+    activation = hf_config.get("classifier_activation", "gelu")
+    pooling = hf_config.get("classifier_pooling", "cls")
+    if activation not in _ACTIVATIONS or pooling not in ("cls", "mean"):
+        raise HeadError(f"config.json: unsupported classifier_activation {activation!r} or pooling {pooling!r}")
+    return HeadConfig(
+        style,
+        labels,
+        pooling=pooling,
+        activation=activation,
+        layer_norm_eps=hf_config.get("norm_eps", 1e-5),
+        dense_bias=hf_config.get("classifier_bias", False),
+        norm_bias=hf_config.get("norm_bias", False),
+    )
 
 
 class ClassificationHead(nn.Module):
-    """First position -> dense -> activation -> output layer: logits."""
+    """First position (or the mean) -> dense -> activation (-> LayerNorm) -> output layer: logits."""
 
     def __init__(self, d_model: int, head: HeadConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(d_model, d_model)
-        self.activation = nn.Tanh() if _HEAD_LAYERS[head.style][1] == "tanh" else nn.ReLU()
+        self.pooling = head.pooling
+        self.dense = nn.Linear(d_model, d_model, bias=head.dense_bias)
+        self.activation = _ACTIVATIONS[head.activation]
+        eps = head.layer_norm_eps
+        self.norm = nn.Identity() if eps is None else nn.LayerNorm(d_model, eps=eps, bias=head.norm_bias)
         self.output = nn.Linear(d_model, head.num_labels)
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        """Logits [batch, num_labels] from hidden states [batch, seq, d_model]."""
-        return self.output(self.activation(self.dense(hidden[:, 0])))
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        """Logits [batch, num_labels] from hidden states [batch, seq, d_model] and the float mask [batch, seq]."""
+        return self.output(self.norm(self.activation(self.dense(pool(hidden, mask, self.pooling, normalize=False)))))
 
 
 class SequenceClassifier(nn.Module):
@@ -101,25 +130,28 @@ class SequenceClassifier(nn.Module):
 
     output_names = OUTPUT_NAMES
 
-    def __init__(self, config: EncoderConfig, head: HeadConfig) -> None:
+    def __init__(self, encoder: nn.Module, head: HeadConfig) -> None:
         super().__init__()
-        self.config = config
+        self.config = encoder.config
         self.head_config = head
-        self.encoder = Encoder(config)
-        self.head = ClassificationHead(config.d_model, head)
+        self.encoder = encoder
+        self.head = ClassificationHead(encoder.config.d_model, head)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         """Raw logits [batch, num_labels] (no activation: scores are the server's to make)."""
-        hidden, _ = self.encoder.hidden_states(input_ids, attention_mask, token_type_ids)
-        return self.head(hidden)
+        hidden, mask = self.encoder.hidden_states(input_ids, attention_mask, token_type_ids)
+        return self.head(hidden, mask)
 
 
 def rename_head_weights(weights: dict[str, torch.Tensor], head: HeadConfig) -> dict[str, torch.Tensor]:
     """The head's weights under ClassificationHead's names, from the checkpoint's task-head weights."""
-    dense, _, output = _HEAD_LAYERS[head.style]
+    dense, norm, output = _HEAD_LAYERS[head.style]
+    layers = [("dense", dense, head.dense_bias), ("output", output, True)]
+    if norm:
+        layers.append(("norm", norm, head.norm_bias))
     renamed = {}
-    for ours, theirs in (("dense", dense), ("output", output)):
-        for kind in ("weight", "bias"):
+    for ours, theirs, has_bias in layers:
+        for kind in ("weight", "bias") if has_bias else ("weight",):
             key = f"{theirs}.{kind}"
             if key not in weights:
                 raise HeadError(f"classification head weight {key!r} is missing")

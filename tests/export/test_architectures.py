@@ -53,6 +53,7 @@ def test_encoder_equals_transformers(tmp_path: Path, family: str) -> None:
         ("xlm-roberta", "cls", True),
         ("mpnet", "max", False),
         ("distilbert", "lasttoken", True),
+        ("modernbert", "mean", True),
     ],
 )
 def test_embeddings_equal_sentence_transformers(tmp_path: Path, family: str, pooling: str, normalize: bool) -> None:
@@ -94,11 +95,15 @@ def test_pooling_we_do_not_have_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "labels"), [("bert", 1), ("roberta", 1), ("xlm-roberta", 3), ("distilbert", 2), ("mpnet", 1)]
+    ("family", "labels"),
+    [("bert", 1), ("roberta", 1), ("xlm-roberta", 3), ("distilbert", 2), ("mpnet", 1), ("modernbert", 1)],
 )
 def test_classifier_logits_equal_transformers_and_cross_encoder(tmp_path: Path, family: str, labels: int) -> None:
     id2label = {i: f"class-{i}" for i in range(labels)}
-    folder = tiny_models.save_model(family, tmp_path / family, task="classify", num_labels=labels, id2label=id2label)
+    extra = {"classifier_pooling": "mean"} if family == "modernbert" else {}
+    folder = tiny_models.save_model(
+        family, tmp_path / family, task="classify", num_labels=labels, id2label=id2label, **extra
+    )
     checkpoint = load_checkpoint(folder)
     assert checkpoint.task == "classify" and checkpoint.head.labels == tuple(id2label.values())
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))

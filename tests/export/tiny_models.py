@@ -19,12 +19,14 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from export.parity import SENTENCES_FILE, read_sentences
 
-FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "modernbert")
 VOCAB_SIZE = 400
 HIDDEN = 32
 LAYERS = 2
 HEADS = 4
 MAX_POSITIONS = 80
+MODERNBERT_WINDOW = 8
+"""ModernBERT's local window here: sentences are longer, so local layers see only part of them."""
 
 
 def training_sentences() -> list[str]:
@@ -43,10 +45,9 @@ def _wordpiece(special: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def _byte_level_bpe() -> Tokenizer:
+def _byte_level_bpe(special: list[str]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
@@ -98,8 +99,24 @@ def save_tokenizer(
             tokenizer.post_processor = processors.RobertaProcessing(
                 ("[SEP]", sep), ("[CLS]", cls), add_prefix_space=False
             )
+    elif family == "modernbert":
+        # ModernBERT's tokenizer: byte-level BPE with BERT's special tokens and pairing.
+        tokenizer = _byte_level_bpe(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+        cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+        )
+        wrapper = transformers.PreTrainedTokenizerFast
+        specials = {
+            "unk_token": "[UNK]",
+            "pad_token": "[PAD]",
+            "cls_token": "[CLS]",
+            "sep_token": "[SEP]",
+            "mask_token": "[MASK]",
+        }
     else:
-        tokenizer = _byte_level_bpe() if family == "roberta" else _unigram()
+        roberta_specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        tokenizer = _byte_level_bpe(roberta_specials) if family == "roberta" else _unigram()
         tokenizer.post_processor = processors.RobertaProcessing(
             ("</s>", tokenizer.token_to_id("</s>")), ("<s>", tokenizer.token_to_id("<s>")), add_prefix_space=False
         )
@@ -123,7 +140,21 @@ def hf_config(
 ) -> transformers.PretrainedConfig:
     """A tiny config of the family, sized to the tokenizer."""
     common = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
-    if family == "distilbert":
+    if family == "modernbert":
+        config = transformers.ModernBertConfig(
+            hidden_size=HIDDEN,
+            num_hidden_layers=3,  # global, local, local: both kinds of attention
+            num_attention_heads=HEADS,
+            intermediate_size=2 * HIDDEN,
+            max_position_embeddings=MAX_POSITIONS,
+            local_attention=MODERNBERT_WINDOW,
+            cls_token_id=tokenizer.cls_token_id,
+            sep_token_id=tokenizer.sep_token_id,
+            bos_token_id=tokenizer.cls_token_id,
+            eos_token_id=tokenizer.sep_token_id,
+            **common,
+        )
+    elif family == "distilbert":
         config = transformers.DistilBertConfig(
             dim=HIDDEN,
             n_layers=LAYERS,

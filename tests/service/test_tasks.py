@@ -1,6 +1,6 @@
 """Embedders, rerankers and classifiers of every family, exported and served side by side, checked against the source.
 
-One repository holds two embedders (XLM-R with prompts and Matryoshka widths, MPNet), two
+One repository holds three embedders (XLM-R with prompts and Matryoshka widths, MPNet, ModernBERT), two
 rerankers (BERT, XLM-R: segment ids and `</s></s>` pairs) and a three-label DistilBERT
 classifier, each exported by the real exporter from a tiny random model with a real tokenizer.
 Answers are compared with SentenceTransformer.encode and CrossEncoder.predict on the source
@@ -34,7 +34,7 @@ from tests.servers import RunningServer, start_server
 TEXTS = [*tiny_models.training_sentences()[:6], "A longer document about the weather, " * 5]
 QUERY = tiny_models.training_sentences()[7]
 PROMPTS = {"query": "query: ", "passage": "passage: "}
-EMBEDDERS = ("xlmr-embed", "mpnet-embed")
+EMBEDDERS = ("xlmr-embed", "mpnet-embed", "modernbert-embed")
 RERANKERS = ("bert-reranker", "xlmr-reranker")
 CLASSIFIER = "distilbert-classifier"
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
@@ -48,6 +48,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "xlmr-embed": save_st("xlm-roberta", root / "xlmr-embed", prompts=PROMPTS, seed=1),
         "mpnet-embed": save_st("mpnet", root / "mpnet-embed", pooling="cls", seed=2),
+        "modernbert-embed": save_st("modernbert", root / "modernbert-embed", seed=6),
         "bert-reranker": save("bert", root / "bert-reranker", task="classify", num_labels=1, seed=3),
         "xlmr-reranker": save("xlm-roberta", root / "xlmr-reranker", task="classify", num_labels=1, seed=4),
         CLASSIFIER: save("distilbert", root / CLASSIFIER, task="classify", num_labels=3, id2label=LABELS, seed=5),
@@ -258,7 +259,7 @@ def test_truncate_false_refuses_what_would_be_cut(server: RunningServer) -> None
 @pytest.mark.parametrize(
     ("route", "body", "status", "message"),
     [
-        ("/embed", {"inputs": TEXTS[0]}, 422, "several embed models are served (mpnet-embed, xlmr-embed)"),
+        ("/embed", {"inputs": TEXTS[0]}, 422, "several embed models are served (modernbert-embed, mpnet-embed, xlmr"),
         (
             "/embed",
             {"inputs": TEXTS[0], "model": "bert-reranker"},
@@ -266,7 +267,12 @@ def test_truncate_false_refuses_what_would_be_cut(server: RunningServer) -> None
             "is a classify model; this route needs a embed",
         ),
         ("/embed", {"inputs": [], "model": "xlmr-embed"}, 422, "inputs must be a string or a non-empty list"),
-        ("/embed", {"inputs": "x", "model": "xlmr-embed", "prompt_name": "nope"}, 422, "prompts: document, passage, query"),
+        (
+            "/embed",
+            {"inputs": "x", "model": "xlmr-embed", "prompt_name": "nope"},
+            422,
+            "prompts: document, passage, query",
+        ),
         ("/embed", {"inputs": "x", "model": "xlmr-embed", "normalize": False}, 422, "normalize false is not available"),
         ("/embed", b"{not json", 422, "not valid JSON"),
         ("/embed", {"inputs": "x", "model": "nowhere"}, 404, "nowhere"),
