@@ -366,14 +366,19 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
             variant: {
                 **gate.results[variant].to_dict(),
                 "served": gate.served_figures[variant].to_dict() if variant in gate.served_figures else None,
-                "load_check": {
-                    "provider": gate.load_checks[variant].provider,
-                    "min_cosine": round(gate.load_checks[variant].min_cosine, 8),
-                    "worst_row": gate.load_checks[variant].worst_row,
-                    "required": gate.load_checks[variant].required,
-                },
+                "load_check": _load_check_figures(gate.load_checks[variant]),
                 "recipe": build.recipes[variant],
             }
             for variant in build.files
         },
     }
+
+
+def _load_check_figures(check: FidelityCheck) -> dict[str, object]:
+    """The server's check at load as measured here: the least cosine, or a classifier's largest logit difference."""
+    figures: dict[str, object] = {"provider": check.provider}
+    if check.max_abs_diff is None:
+        figures["min_cosine"] = round(check.min_cosine, 8)
+    else:
+        figures["max_abs_diff"] = float(f"{check.max_abs_diff:.3g}")
+    return figures | {"worst_row": check.worst_row, "required": check.required}

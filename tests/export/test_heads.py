@@ -1,0 +1,146 @@
+"""Rerankers and classifiers exported with their heads: `python -m export` end to end, per head style.
+
+Each source is a tiny random sequence-classification model with a real tokenizer of its family
+(tests.export.tiny_models). What is checked is what the server will read (config.pbtxt, parity.json,
+fidelity.npz) and what the published graph answers on sentence pairs, tokenised the server's way,
+against sentence-transformers' CrossEncoder on the source folder.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from sentence_transformers import CrossEncoder
+
+from export.checkpoint import CheckpointError, load_checkpoint
+from export.heads import HeadError, head_config, is_classifier
+from service.fidelity import FidelityReference, compare
+from service.repository import read_model
+from service.tokenizer import TextTokenizer
+from tests.export import tiny_models
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+SENTENCES = tiny_models.training_sentences()
+PAIRS = [(SENTENCES[0], text) for text in SENTENCES[1:12]] + [(SENTENCES[3], "A long passage, " * 30)]
+# name -> (family, labels, id2label, variants asked for); BERT first, one head style each after it.
+SOURCES = {
+    "bert-reranker": ("bert", 1, None, "fp32,int8"),
+    "xlmr-reranker": ("xlm-roberta", 1, None, "fp32"),
+    "distilbert-classifier": ("distilbert", 3, LABELS, "fp32"),
+}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """Every source exported by the command line into one repository; the repository and the sources."""
+    root = tmp_path_factory.mktemp("heads")
+    repository = root / "repository"
+    sources = {}
+    for seed, (name, (family, labels, id2label, variants)) in enumerate(SOURCES.items()):
+        config = {"num_labels": labels} | ({"id2label": id2label} if id2label else {})
+        source = tiny_models.save_model(family, root / "sources" / name, task="classify", seed=seed, **config)
+        sources[name] = source
+        command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(repository)]
+        command += ["--variants", variants, "--threads", "1"]
+        subprocess.run(command, check=True, capture_output=True, timeout=300)
+    return repository, sources
+
+
+def _cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndarray:
+    """CrossEncoder.predict's raw logits, [pairs, labels]."""
+    predicted = CrossEncoder(str(folder), device="cpu").predict(pairs, activation_fn=torch.nn.Identity())
+    return np.asarray(predicted, dtype=np.float32).reshape(len(pairs), -1)
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_config_declares_the_task_labels_and_logits(exported: tuple[Path, dict[str, Path]], name: str) -> None:
+    repository, _ = exported
+    family, labels, id2label, _ = SOURCES[name]
+    spec = read_model(repository / name)
+    assert spec.task == "classify" and spec.model_type == family
+    assert spec.labels == tuple(id2label.values() if id2label else (f"LABEL_{i}" for i in range(labels)))
+    assert [(o.name, list(o.dims)) for o in spec.config.output] == [("logits", [labels])]
+    assert spec.uses_segments == (family == "bert")
+    assert json.loads(spec.config.parameters["labels"].string_value) == list(spec.labels)
+    assert "pooling" not in spec.config.parameters and "normalize" not in spec.config.parameters
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_published_logits_equal_cross_encoder_on_pairs(exported: tuple[Path, dict[str, Path]], name: str) -> None:
+    repository, sources = exported
+    spec = read_model(repository / name)
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["logits"]
+    (logits,) = session.run(["logits"], tokenizer.encode_pairs(PAIRS).feed(spec.input_names))
+    expected = _cross_encoder_logits(sources[name], PAIRS)
+    assert logits.shape == expected.shape == (len(PAIRS), len(spec.labels))
+    np.testing.assert_allclose(logits, expected, atol=1e-4)
+    assert (np.argsort(logits[:, 0]) == np.argsort(expected[:, 0])).all()
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_parity_report_and_load_check_are_on_logits(exported: tuple[Path, dict[str, Path]], name: str) -> None:
+    repository, _ = exported
+    spec = read_model(repository / name)
+    report = json.loads((spec.directory / "parity.json").read_text())
+    assert report["task"] == "classify" and report["head"]["labels"] == list(spec.labels)
+    # A classifier is published in fp32 only, even when more was asked for (bert-reranker asked for int8).
+    assert list(report["variants"]) == list(spec.variants) == ["fp32"]
+    fp32 = report["variants"]["fp32"]
+    assert fp32["passed"] and set(fp32["cases"]) == {"tokens", "sentences", "sentence_masks"}
+    for figures in fp32["cases"].values():
+        assert figures["max_abs_diff_logits"] <= 1e-4
+    assert fp32["load_check"]["max_abs_diff"] <= fp32["load_check"]["required"]
+    reference = FidelityReference.load(spec.fidelity_file)
+    assert reference.output == "logits" and reference.embedding.shape[1] == len(spec.labels)
+    session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(["logits"], reference.feed)
+    check = compare(reference, logits, "fp32", "CPUExecutionProvider", 0.0)
+    assert check.passed and check.max_abs_diff <= 1e-4
+    shifted = compare(reference, logits + 0.01, "fp32", "CPUExecutionProvider", 0.0)
+    assert not shifted.passed and "max logit difference" in shifted.describe()
+
+
+def test_cross_encoder_folder_exports_like_its_source(tmp_path: Path) -> None:
+    """A folder CrossEncoder.save wrote (modules.json, config_sentence_transformers.json) is the same classifier."""
+    source = tiny_models.save_model("bert", tmp_path / "source", task="classify", num_labels=1, seed=7)
+    CrossEncoder(str(source), device="cpu").save(str(tmp_path / "saved"))
+    checkpoint = load_checkpoint(tmp_path / "saved")
+    assert checkpoint.task == "classify" and checkpoint.head.labels == ("LABEL_0",)
+    original = load_checkpoint(source)
+    assert original.state_dict.keys() == checkpoint.state_dict.keys()
+    assert all(torch.equal(original.state_dict[key], checkpoint.state_dict[key]) for key in original.state_dict)
+
+
+def test_embedders_are_not_classifiers() -> None:
+    assert not is_classifier({"architectures": ["BertModel"]})
+    assert not is_classifier({})
+    assert is_classifier({"architectures": ["XLMRobertaForSequenceClassification"]})
+
+
+def test_labels_default_to_label_ids_and_odd_heads_are_refused() -> None:
+    assert head_config({"num_labels": 2}, "bert").labels == ("LABEL_0", "LABEL_1")
+    assert head_config({"id2label": {"0": "no", "1": "yes"}}, "roberta").labels == ("no", "yes")
+    assert head_config({"num_labels": 1}, "distilbert").activation == "relu"
+    with pytest.raises(HeadError, match="unsupported problem_type 'ranking'"):
+        head_config({"num_labels": 1, "problem_type": "ranking"}, "bert")
+    with pytest.raises(HeadError, match="no sequence-classification head for 't5'"):
+        head_config({"num_labels": 1}, "t5")
+
+
+def test_a_head_of_another_width_is_refused_in_one_line(tmp_path: Path) -> None:
+    folder = tiny_models.save_model("distilbert", tmp_path / "model", task="classify", num_labels=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps(config | {"num_labels": 4, "id2label": {str(i): str(i) for i in range(4)}})
+    )
+    with pytest.raises(CheckpointError, match=r"the classifier gives 2 labels, config\.json declares 4"):
+        load_checkpoint(folder)
