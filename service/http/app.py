@@ -29,6 +29,7 @@ from service.http.errors import (
     kserve_error,
     openai_error,
     tei_error,
+    tei_status,
 )
 from service.proto import grpc_service_pb2 as pb
 from service.security import ApiKeys
@@ -351,7 +352,7 @@ class HttpApp:
         if path.startswith("/v1/"):
             body = openai_error(status, message, error.reason)
         elif path in tei.TEI_ROUTES:
-            status = 422 if status == 400 else status  # TEI answers validation errors with 422
+            status = tei_status(status)
             body = tei_error(status, message)
         else:
             body = kserve_error(message)

@@ -47,7 +47,7 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     return_documents = payload.get("return_documents", False)
     if not isinstance(return_documents, bool):
         raise InvalidArgument("return_documents must be true or false")
-    model = choose_model(call.engine, "classify", payload.get("model"))
+    model = choose_model(call.engine, "classify", payload.get("model"), reranker=True)
     result = await rerank_logits(call, model, query, documents, {})
     relevance = scores(result.outputs["logits"], raw=False)[:, 0]
     best = np.argsort(-relevance, kind="stable")[:top_n]

@@ -70,6 +70,13 @@ def openai_error(status: int, message: str, reason: str | None) -> dict[str, obj
 
 _TEI_TYPES = {401: "Unauthorized", 413: "Validation", 422: "Validation", 429: "Overloaded", 503: "Unhealthy"}
 """text-embeddings-inference's error_type by status (others: Backend for 5xx, Validation for 4xx)."""
+_TEI_STATUSES = {400: 422, 500: 424}
+"""Where TEI's routes answer another status than the others: a wrong request 422, a model failure 424 (Backend)."""
+
+
+def tei_status(status: int) -> int:
+    """The status a text-embeddings-inference route answers where the others answer `status`."""
+    return _TEI_STATUSES.get(status, status)
 
 
 def tei_error(status: int, message: str) -> dict[str, object]:

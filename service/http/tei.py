@@ -6,8 +6,9 @@ each goes to the one served model of the task it needs (an embedder for /embed, 
 /rerank and /predict); an optional `model` field chooses when several are served.
 
 Where this server differs from TEI: `truncate` defaults to true (as sentence-transformers and the
-server's other routes; false refuses over-long inputs with 413 as TEI does), and `normalize: false`
-is refused for a model that normalises inside its graph (its unnormalised vectors are not there).
+server's other routes; false refuses over-long inputs with 422, where TEI answers 413), and
+`normalize: false` is refused for a model that normalises inside its graph (its unnormalised
+vectors are not there). A model failure is 424 ("Backend"), as TEI answers it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ PREDICT_FIELDS = ("inputs", "raw_scores", "truncate", "truncation_direction", "m
 TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model")
 
 
-def choose_model(engine: Engine, task: str, name: object) -> ModelInfo:
-    """The model a nameless route serves: the one of its task, or the one `name` picks; a precise refusal otherwise."""
+def choose_model(engine: Engine, task: str, name: object, *, reranker: bool = False) -> ModelInfo:
+    """The model a nameless route serves: the one of its task, or the one `name` picks; a precise refusal otherwise.
+
+    reranker: the route needs one score per pair, so only classifiers of one label are candidates.
+    """
     if name is not None:
         if not isinstance(name, str) or not name:
             raise InvalidArgument("model must be the name of a served model")
@@ -43,12 +47,16 @@ def choose_model(engine: Engine, task: str, name: object) -> ModelInfo:
         if model.spec.task != task:
             raise InvalidArgument(f"model {name} is a {model.spec.task} model; this route needs a {task} model")
         return model
-    candidates = [model for model in engine.models() if model.spec.task == task]
+    candidates = [
+        model for model in engine.models() if model.spec.task == task and (not reranker or len(model.spec.labels) == 1)
+    ]
     if not candidates:
-        raise NotFound(f"no {task} model is served here (served: {', '.join(engine.served_names()) or 'none'})")
+        kind = " of one label (a reranker)" if reranker else ""
+        raise NotFound(f"no {task} model{kind} is served here (served: {', '.join(engine.served_names()) or 'none'})")
     if len(candidates) > 1:
         names = ", ".join(model.spec.name for model in candidates)
-        raise InvalidArgument(f"several {task} models are served ({names}): name one in the model field")
+        kind = " as one-label rerankers" if reranker else ""
+        raise InvalidArgument(f"several {task} models are served{kind} ({names}): name one in the model field")
     return candidates[0]
 
 
@@ -170,7 +178,7 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     texts = _strings(fields["texts"], "texts")
     raw, return_text = _flag(fields, "raw_scores", False), _flag(fields, "return_text", False)
     _flag(fields, TRUNCATE, True)
-    model = choose_model(call.engine, "classify", fields.get("model"))
+    model = choose_model(call.engine, "classify", fields.get("model"), reranker=True)
     logits = await rerank_logits(call, model, query, texts, _parameters(fields, TRUNCATE))
     ranked = scores(logits.outputs["logits"], raw)[:, 0]
     order = np.argsort(-ranked, kind="stable")
