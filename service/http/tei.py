@@ -2,8 +2,9 @@
 
 Request and answer shapes are TEI's, so its clients (LangChain's HuggingFaceEndpointEmbeddings,
 huggingface_hub's InferenceClient, TEI's own examples) work unchanged. These routes name no model:
-each goes to the one served model of the task it needs (an embedder for /embed, a classifier for
-/rerank and /predict); an optional `model` field chooses when several are served.
+each goes to the one served model of the task it needs (an embedder for /embed and /tokenize, a
+reranker, a classifier of one label, for /rerank, any classifier for /predict); an optional
+`model` field chooses when several are served.
 
 Where this server differs from TEI: `truncate` defaults to true (as sentence-transformers and the
 server's other routes; false refuses over-long inputs with 422, where TEI answers 413), and
