@@ -259,7 +259,7 @@ def tokenize(engine: Engine, payload: object) -> bytes:
         raise InvalidArgument("inputs is required: a string or a list of strings")
     texts = _strings(fields["inputs"], "inputs")
     special = _flag(fields, "add_special_tokens", True)
-    model = choose_model(engine, "embed", fields.get("model"))
+    model = _tokenizing_model(engine, fields.get("model"))
     served = engine.served(model.spec.name)
     if served.tokenizer is None:
         raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
@@ -273,6 +273,17 @@ def tokenize(engine: Engine, payload: object) -> bytes:
     prefix = prompts.get(prompt_name or model.spec.default_prompt_name, "")
     answers = [[_token(token) for token in served.tokenizer.tokens(prefix + text, special)] for text in texts]
     return orjson.dumps(answers)
+
+
+def _tokenizing_model(engine: Engine, name: object) -> ModelInfo:
+    """The model whose tokenizer /tokenize uses: the one named (any task), else the embedder, else the classifier."""
+    if isinstance(name, str) and name:
+        return engine.model(name)
+    if name is not None:
+        raise InvalidArgument("model must be the name of a served model")
+    if any(model.spec.task == "embed" for model in engine.models()):
+        return choose_model(engine, "embed", None)
+    return choose_model(engine, "classify", None)
 
 
 def _token(token: Token) -> dict[str, object]:

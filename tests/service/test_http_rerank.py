@@ -250,6 +250,14 @@ def test_openai_sdk_sends_prompt_name_in_extra_body(server: RunningServer) -> No
         client.embeddings.create(model=EMBEDDER, input=TEXTS[:1], extra_body={"prompt_name": "passage"})
 
 
+def test_tokenize_takes_a_classifier_tokenizer_when_named(server: RunningServer, repository: Path) -> None:
+    status, tokens = post(server, "/tokenize", {"inputs": [QUERY], "model": RERANKER})
+    assert status == 200
+    assert [token["id"] for token in tokens[0]] == reference_tokenizer(repository, RERANKER).encode(QUERY).ids
+    status, answer = post(server, "/tokenize", {"inputs": [QUERY], "model": RERANKER, "prompt_name": "query"})
+    assert status == 422 and "prompts: none" in answer["error"]
+
+
 def test_truncate_false_refuses_a_pair_that_would_be_cut(server: RunningServer, repository: Path) -> None:
     long_text = "bread " * 400
     status, answer = post(server, "/rerank", {"query": QUERY, "texts": [long_text], "truncate": False})
