@@ -115,12 +115,13 @@ def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield running
 
 
-def post(server: RunningServer, route: str, body: object) -> tuple[int, object]:
-    """POST a JSON body (or raw bytes) to the HTTP port: the status and the decoded answer."""
+def post(server: RunningServer, route: str, body: object, key: str | None = None) -> tuple[int, object]:
+    """POST a JSON body (or raw bytes) to the HTTP port, with an API key if given: the status and the decoded answer."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     try:
-        connection.request("POST", route, data, {"Content-Type": "application/json"})
+        connection.request("POST", route, data, headers)
         response = connection.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -306,3 +307,18 @@ def test_routes_are_counted_by_template(server: RunningServer) -> None:
     assert post(server, "/predict", {"inputs": TEXTS[0], "model": CLASSIFIER})[0] == 200
     after = metric_value(metric_samples(server), "encoder_http_requests_total", route="/predict", status="200")
     assert after == before + 1
+
+
+def test_api_keys_guard_the_task_routes(repository: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("rerank-test-key-7a1e\n")
+    (tmp_path / "repository").mkdir()
+    (tmp_path / "repository" / RERANKER).symlink_to(repository / RERANKER)  # the reranker alone: a quick start
+    body = {"query": QUERY, "texts": TEXTS[:2], "model": RERANKER}
+    with start_server(tmp_path / "repository", tmp_path / "server.log", "--api-key-file", str(keys)) as keyed:
+        status, answer = post(keyed, "/rerank", body)
+        assert status == 401 and answer["error_type"] == "Unauthorized" and "API key" in answer["error"]
+        status, answer = post(keyed, "/v1/rerank", {"query": QUERY, "documents": TEXTS[:2]}, key="wrong")
+        assert status == 401 and answer["error"]["type"] == "authentication_error"
+        assert post(keyed, "/rerank", body, key="rerank-test-key-7a1e")[0] == 200
+        assert post(keyed, "/v1/rerank", {"query": QUERY, "documents": TEXTS[:2]}, key="rerank-test-key-7a1e")[0] == 200
