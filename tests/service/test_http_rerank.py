@@ -322,3 +322,11 @@ def test_api_keys_guard_the_task_routes(repository: Path, tmp_path: Path) -> Non
         assert status == 401 and answer["error"]["type"] == "authentication_error"
         assert post(keyed, "/rerank", body, key="rerank-test-key-7a1e")[0] == 200
         assert post(keyed, "/v1/rerank", {"query": QUERY, "documents": TEXTS[:2]}, key="rerank-test-key-7a1e")[0] == 200
+
+
+def test_too_many_documents_are_refused_413(server: RunningServer) -> None:
+    documents = ["x"] * 2049  # one over --max-embedding-inputs' default
+    status, answer = post(server, "/rerank", {"query": QUERY, "texts": documents})
+    assert status == 413 and answer["error_type"] == "Validation" and "--max-embedding-inputs" in answer["error"]
+    status, answer = post(server, "/v1/rerank", {"query": QUERY, "documents": documents})
+    assert status == 413 and answer["error"]["code"] == "too_many_inputs"
