@@ -10,10 +10,9 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
-import orjson
 
 from service.errors import InvalidArgument
-from service.http.tei import Answer, TaskCall, choose_model, rerank_logits, scores
+from service.http.tei import Answer, TaskCall, choose_model, encoded, rerank_logits, scores
 
 FIELDS = ("model", "query", "documents", "top_n", "return_documents", "max_chunks_per_doc", "rank_fields")
 
@@ -52,7 +51,7 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     relevance = scores(result.outputs["logits"], raw=False)[:, 0]
     best = np.argsort(-relevance, kind="stable")[:top_n]
 
-    def body() -> bytes:
+    def body() -> object:
         results = [
             {
                 "index": int(i),
@@ -61,13 +60,11 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
             }
             for i in best
         ]
-        return orjson.dumps(
-            {
-                "id": str(uuid.uuid4()),
-                "model": model.spec.name,
-                "results": results,
-                "usage": {"total_tokens": result.prompt_tokens},
-            }
-        )
+        return {
+            "id": str(uuid.uuid4()),
+            "model": model.spec.name,
+            "results": results,
+            "usage": {"total_tokens": result.prompt_tokens},
+        }
 
-    return Answer(await call.engine.encode(result, body), result)
+    return await encoded(call, result, body)

@@ -140,8 +140,11 @@ async def _run(
     return await call.engine.infer(request, call.trace)
 
 
-async def _encoded(engine: Engine, result: InferenceResult, make: Callable[[], object]) -> Answer:
-    return Answer(await engine.encode(result, lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY)), result)
+async def encoded(call: TaskCall, result: InferenceResult, make: Callable[[], object]) -> Answer:
+    """The route's JSON answer made from an inference (the request's encode stage, when traced)."""
+    with tracing.stage(call.trace, "encode"):
+        body = await call.engine.encode(result, lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
+    return Answer(body, result)
 
 
 async def embed(call: TaskCall, payload: object) -> Answer:
@@ -162,7 +165,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
     vectors = result.outputs["embedding"]
     if normalize and not model.spec.normalize:
         vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    return await _encoded(call.engine, result, lambda: vectors)
+    return await encoded(call, result, lambda: vectors)
 
 
 async def rerank(call: TaskCall, payload: object) -> Answer:
@@ -189,7 +192,7 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
             {"index": int(i), "score": float(ranked[i]), **({"text": texts[i]} if return_text else {})} for i in order
         ]
 
-    return await _encoded(call.engine, logits, body)
+    return await encoded(call, logits, body)
 
 
 async def rerank_logits(
@@ -245,7 +248,7 @@ async def predict(call: TaskCall, payload: object) -> Answer:
         ]
         return answers if batch else answers[0]
 
-    return await _encoded(call.engine, result, body)
+    return await encoded(call, result, body)
 
 
 def tokenize(engine: Engine, payload: object) -> bytes:
