@@ -1,0 +1,231 @@
+"""Tasks over gRPC on tiny torch-free repositories: classifier pairs, prompts, truncate, dimensions, metadata, refusals.
+
+The classifiers' logits are a fixed linear function of the token ids and segment ids that went in
+(tests/task_models.py), checked against the graph run in onnxruntime on the tokenizer's own
+encoding; the embedder is the default model with prompts and Matryoshka widths.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+import tritonclient.grpc as grpcclient
+from tokenizers import Tokenizer
+from tritonclient.utils import InferenceServerException
+
+from service.repository import read_model
+from tests.conftest import DEFAULT_MODEL
+from tests.servers import RunningServer, start_server
+from tests.task_models import (
+    BERT_CLASSIFIER,
+    EMBEDDER,
+    LABELS,
+    MATRYOSHKA_DIMENSIONS,
+    MAX_SEQUENCE_LENGTH,
+    PROMPTS,
+    ROBERTA_RERANKER,
+    SENTENCES,
+    expected_logits,
+    task_repository,
+)
+
+QUERY = SENTENCES[0]
+TEXTS = list(SENTENCES[1:5])
+LONG_TEXT = " ".join(SENTENCES)
+
+
+@pytest.fixture(scope="module")
+def repository(default_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both classifiers and the prompted embedder."""
+    return task_repository(tmp_path_factory.mktemp("task-grpc") / "repository", default_repository / DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """One server for the whole repository."""
+    with start_server(repository, tmp_path_factory.mktemp("task-grpc-server") / "server.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> grpcclient.InferenceServerClient:
+    """A tritonclient gRPC client of the server."""
+    return grpcclient.InferenceServerClient(server.target)
+
+
+def bytes_input(name: str, texts: list[str]) -> grpcclient.InferInput:
+    """A BYTES [len(texts)] input."""
+    tensor = grpcclient.InferInput(name, [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([text.encode() for text in texts], dtype=object))
+    return tensor
+
+
+def logits(
+    client: grpcclient.InferenceServerClient, model: str, texts: list[str], queries: list[str] | None
+) -> np.ndarray:
+    """The model's logits for texts (paired with queries when given)."""
+    inputs = [bytes_input("text", texts)] + ([bytes_input("query", queries)] if queries is not None else [])
+    return client.infer(model, inputs).as_numpy("logits")
+
+
+def embedding(client: grpcclient.InferenceServerClient, texts: list[str], **parameters: object) -> np.ndarray:
+    """The embedder's embeddings of texts under the given request parameters."""
+    answer = client.infer(EMBEDDER, [bytes_input("text", texts)], parameters=parameters or None)
+    return answer.as_numpy("embedding")
+
+
+def refusal(client: grpcclient.InferenceServerClient, model: str, inputs: list, **parameters: object) -> str:
+    """The INVALID_ARGUMENT message the server answers a malformed request with."""
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer(model, inputs, parameters=parameters or None)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT", refused.value.message()
+    return refused.value.message()
+
+
+def reference_embedding(repository: Path, texts: list[str]) -> np.ndarray:
+    """The embedder's graph run on the default tokenizer's encoding of texts (already prefixed)."""
+    folder = repository / EMBEDDER
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.enable_padding()
+    encodings = tokenizer.encode_batch(texts)
+    session = onnxruntime.InferenceSession(str(folder / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {
+        "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+        "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+        "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+    }
+    return session.run(["embedding"], feeds)[0]
+
+
+@pytest.mark.parametrize("model", [BERT_CLASSIFIER, ROBERTA_RERANKER])
+def test_pairs_and_single_texts_answer_the_graph_on_the_tokenizer_encoding(
+    client: grpcclient.InferenceServerClient, repository: Path, model: str
+) -> None:
+    """Row i is (query[i], text[i]) encoded as the tokenizer pairs them; without query, the text alone."""
+    paired = logits(client, model, TEXTS, [QUERY] * len(TEXTS))
+    single = logits(client, model, TEXTS, None)
+    assert paired.shape == single.shape == (len(TEXTS), len(LABELS[model]))
+    np.testing.assert_allclose(paired, expected_logits(repository / model, [(QUERY, t) for t in TEXTS]), atol=1e-5)
+    np.testing.assert_allclose(single, expected_logits(repository / model, [(t,) for t in TEXTS]), atol=1e-5)
+    assert not np.allclose(paired, single)
+
+
+def test_segment_ids_reach_the_graph(client: grpcclient.InferenceServerClient, repository: Path) -> None:
+    """The BERT-form pair differs from the same tokens as segment 0 (the graph weighs segment 1 double)."""
+    paired = logits(client, BERT_CLASSIFIER, [TEXTS[0]], [QUERY])
+    tokenizer = Tokenizer.from_file(str(repository / BERT_CLASSIFIER / "tokenizer.json"))
+    assert tokenizer.encode(QUERY, TEXTS[0]).type_ids[-1] == 1
+    session = onnxruntime.InferenceSession(str(repository / BERT_CLASSIFIER / "1" / "model.onnx"))
+    encoding = tokenizer.encode(QUERY, TEXTS[0])
+    flat = {
+        "input_ids": np.array([encoding.ids], dtype=np.int64),
+        "attention_mask": np.array([encoding.attention_mask], dtype=np.int64),
+        "token_type_ids": np.zeros((1, len(encoding.ids)), dtype=np.int64),
+    }
+    assert not np.allclose(paired, session.run(["logits"], flat)[0], atol=1e-3)
+
+
+def test_long_pairs_truncate_longest_first(client: grpcclient.InferenceServerClient, repository: Path) -> None:
+    """A pair over max_sequence_length is cut as the tokenizer's longest_first cuts it, unless truncate is false."""
+    pair = (QUERY, LONG_TEXT)
+    answer = logits(client, BERT_CLASSIFIER, [LONG_TEXT], [QUERY])
+    np.testing.assert_allclose(answer, expected_logits(repository / BERT_CLASSIFIER, [pair]), atol=1e-5)
+    message = refusal(
+        client, BERT_CLASSIFIER, [bytes_input("text", [TEXTS[0], LONG_TEXT]), bytes_input("query", [QUERY] * 2)],
+        truncate=False,
+    )  # fmt: skip
+    untruncated = Tokenizer.from_file(str(repository / BERT_CLASSIFIER / "tokenizer.json"))
+    untruncated.no_truncation()
+    count = len(untruncated.encode(*pair).ids)
+    assert f"pair 1 has {count} tokens, more than the model's {MAX_SEQUENCE_LENGTH}" in message, message
+
+
+def test_truncate_false_names_the_row_its_tokens_and_the_limit(
+    client: grpcclient.InferenceServerClient, repository: Path
+) -> None:
+    """truncate=false refuses a text over the limit; short texts pass; the default cuts."""
+    tokenizer = Tokenizer.from_file(str(repository / EMBEDDER / "tokenizer.json"))
+    tokenizer.no_truncation()
+    limit = read_model(repository / EMBEDDER).max_sequence_length
+    long_text = "bread " * 300
+    count = len(tokenizer.encode("passage: " + long_text).ids)
+    message = refusal(client, EMBEDDER, [bytes_input("text", ["short", long_text])], truncate=False)
+    assert f"text 1 has {count} tokens, more than the model's {limit}" in message, message
+    assert embedding(client, ["short"], truncate=False).shape == (1, 384)
+    assert embedding(client, [long_text]).shape == (1, 384)
+
+
+def test_prompt_name_prefixes_the_text_and_the_default_applies(
+    client: grpcclient.InferenceServerClient, repository: Path
+) -> None:
+    """prompt_name puts its prefix before each text; with none named, the default prompt (passage) applies."""
+    named = embedding(client, TEXTS[:2], prompt_name="query")
+    default = embedding(client, TEXTS[:2])
+    reference = reference_embedding(repository, [PROMPTS["query"] + t for t in TEXTS[:2]])
+    np.testing.assert_allclose(named, reference, atol=1e-4)
+    np.testing.assert_allclose(default, embedding(client, TEXTS[:2], prompt_name="passage"), atol=1e-6)
+    np.testing.assert_allclose(
+        default, reference_embedding(repository, ["passage: " + t for t in TEXTS[:2]]), atol=1e-4
+    )
+
+
+def test_dimensions_shorten_and_renormalise(client: grpcclient.InferenceServerClient) -> None:
+    """dimensions d (a Matryoshka width) gives the first d values, renormalised; other widths are refused."""
+    full = embedding(client, TEXTS[:2])
+    for width in (*MATRYOSHKA_DIMENSIONS, 384):
+        short = embedding(client, TEXTS[:2], dimensions=width)
+        head = full[:, :width]
+        np.testing.assert_allclose(short, head / np.linalg.norm(head, axis=1, keepdims=True), atol=1e-6)
+    message = refusal(client, EMBEDDER, [bytes_input("text", TEXTS[:1])], dimensions=100)
+    assert "384, 128, 64" in message and "100" in message
+
+
+def test_metadata_and_config_say_what_each_task_takes(client: grpcclient.InferenceServerClient) -> None:
+    """A classifier lists text, query, the token inputs and logits [-1, labels]; config reports task and labels."""
+    metadata = client.get_model_metadata(BERT_CLASSIFIER, as_json=True)
+    inputs = {tensor["name"]: tensor for tensor in metadata["inputs"]}
+    assert {"text", "query", "input_ids", "attention_mask", "token_type_ids"} <= set(inputs)
+    assert [(o["name"], o["shape"]) for o in metadata["outputs"]] == [("logits", ["-1", "3"])]
+    reranker = client.get_model_metadata(ROBERTA_RERANKER, as_json=True)
+    assert "token_type_ids" not in {tensor["name"] for tensor in reranker["inputs"]}
+    parameters = client.get_model_config(BERT_CLASSIFIER, as_json=True)["config"]["parameters"]
+    assert parameters["task"]["string_value"] == "classify"
+    assert json.loads(parameters["labels"]["string_value"]) == list(LABELS[BERT_CLASSIFIER])
+    embedder = client.get_model_metadata(EMBEDDER, as_json=True)
+    assert "query" not in {tensor["name"] for tensor in embedder["inputs"]}
+    config = client.get_model_config(EMBEDDER, as_json=True)["config"]["parameters"]
+    assert json.loads(config["prompts"]["string_value"]) == PROMPTS
+    assert config["default_prompt_name"]["string_value"] == "passage"
+    assert json.loads(config["matryoshka_dimensions"]["string_value"]) == list(MATRYOSHKA_DIMENSIONS)
+
+
+def test_malformed_task_requests_get_precise_refusals(client: grpcclient.InferenceServerClient) -> None:
+    """Each malformed request is refused INVALID_ARGUMENT with what was wrong; the server keeps serving."""
+    text, query = bytes_input("text", TEXTS[:2]), bytes_input("query", [QUERY])
+    assert "query holds 1 elements and text 2" in refusal(client, BERT_CLASSIFIER, [text, query])
+    assert "query" in refusal(client, EMBEDDER, [bytes_input("text", [QUERY]), bytes_input("query", [QUERY])])
+    message = refusal(client, EMBEDDER, [bytes_input("text", [QUERY])], prompt_name="nope")
+    assert "'nope'" in message and "query, passage" in message
+    assert "no prompts" in refusal(client, BERT_CLASSIFIER, [bytes_input("text", [QUERY])], prompt_name="query")
+    assert "answers no embedding" in refusal(client, BERT_CLASSIFIER, [bytes_input("text", [QUERY])], dimensions=2)
+    assert "true or false" in refusal(client, EMBEDDER, [bytes_input("text", [QUERY])], truncate="no")
+    assert logits(client, BERT_CLASSIFIER, TEXTS[:1], [QUERY]).shape == (1, 3)
+
+
+def test_pairs_through_two_front_ends(repository: Path, tmp_path: Path) -> None:
+    """With --frontends 2, pairs and their segment ids cross to the engine process intact."""
+    with start_server(repository, tmp_path / "server.log", "--frontends", "2") as running:
+        client = grpcclient.InferenceServerClient(running.target)
+        for model in (BERT_CLASSIFIER, ROBERTA_RERANKER):
+            expected = expected_logits(repository / model, [(QUERY, t) for t in TEXTS])
+            for _ in range(2):  # new connections may land on either front end
+                answer = logits(grpcclient.InferenceServerClient(running.target), model, TEXTS, [QUERY] * len(TEXTS))
+                np.testing.assert_allclose(answer, expected, atol=1e-5)
+        assert "query holds" in refusal(
+            client, BERT_CLASSIFIER, [bytes_input("text", TEXTS[:2]), bytes_input("query", [QUERY])]
+        )
