@@ -19,6 +19,7 @@ from service import tracing
 from service.answers import BASE64_VALUE_BYTES, JSON_VALUE_BYTES, json_values
 from service.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
 from service.errors import InvalidArgument
+from service.repository import ModelSpec
 from service.validation import TEXT_INPUT
 
 ENCODINGS = ("float", "base64")
@@ -122,17 +123,25 @@ async def embeddings(
     return body, result
 
 
-def _model_card(name: str, created: int) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": created, "owned_by": OWNER}
+def _model_card(spec: ModelSpec, created: int) -> dict[str, object]:
+    """OpenAI's model object, with what this model does: its task, and an embedder's prompts and widths."""
+    card: dict[str, object] = {"id": spec.name, "object": "model", "created": created, "owned_by": OWNER}
+    card["task"] = spec.task
+    if spec.task == "embed":
+        card["prompts"] = spec.prompts
+        card["default_prompt_name"] = spec.default_prompt_name or None
+        card["dimensions"] = [spec.hidden_size, *spec.matryoshka_dimensions]
+    else:
+        card["labels"] = list(spec.labels)
+    return card
 
 
 def models_list(engine: Engine, created: int) -> bytes:
     """GET /v1/models: every loaded model (`created`: when the server started, seconds since the epoch)."""
-    data = [_model_card(model.spec.name, created) for model in engine.models()]
+    data = [_model_card(model.spec, created) for model in engine.models()]
     return json.dumps({"object": "list", "data": data}).encode()
 
 
 def model_card(engine: Engine, name: str, created: int) -> bytes:
     """GET /v1/models/{model}: one loaded model, or NotFound."""
-    engine.model(name)
-    return json.dumps(_model_card(name, created)).encode()
+    return json.dumps(_model_card(engine.model(name).spec, created)).encode()

@@ -152,6 +152,9 @@ def test_reranker_metadata_and_config_say_what_it_takes(server: RunningServer) -
     parameters = client.get_model_config("xlmr-reranker", as_json=True)["config"]["parameters"]
     assert parameters["task"]["string_value"] == "classify"
     assert parameters["model_type"]["string_value"] == "xlm-roberta"
+    with urllib.request.urlopen(server.http_url + "/v1/models/xlmr-embed", timeout=30) as answer:
+        card = json.loads(answer.read())
+    assert card["task"] == "embed" and card["prompts"]["query"] == "query: " and card["dimensions"] == [32, 16, 8]
     embedder = client.get_model_config("xlmr-embed", as_json=True)["config"]["parameters"]
     assert json.loads(embedder["prompts"]["string_value"])["query"] == "query: "
     assert json.loads(embedder["matryoshka_dimensions"]["string_value"]) == [16, 8]
