@@ -8,6 +8,7 @@ encoding; the embedder is the default model with prompts and Matryoshka widths.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from tokenizers import Tokenizer
 from tritonclient.utils import InferenceServerException
 
-from service.repository import read_model
+from service.repository import RepositoryError, config_text, parse_config, read_model
 from tests.conftest import DEFAULT_MODEL
 from tests.servers import RunningServer, start_server
 from tests.task_models import (
@@ -30,6 +31,7 @@ from tests.task_models import (
     PROMPTS,
     ROBERTA_RERANKER,
     SENTENCES,
+    copy_repository,
     expected_logits,
     task_repository,
 )
@@ -229,3 +231,29 @@ def test_pairs_through_two_front_ends(repository: Path, tmp_path: Path) -> None:
         assert "query holds" in refusal(
             client, BERT_CLASSIFIER, [bytes_input("text", TEXTS[:2]), bytes_input("query", [QUERY])]
         )
+
+
+@pytest.mark.parametrize(
+    ("model", "key", "value", "message"),
+    [
+        (BERT_CLASSIFIER, "task", "summarize", "task 'summarize' is not one of embed, classify"),
+        (BERT_CLASSIFIER, "labels", '["a", "b"]', "labels must name the 3 labels of output logits"),
+        (BERT_CLASSIFIER, "labels", "[a", "parameter 'labels' is not JSON"),
+        (EMBEDDER, "task", "classify", "a classify model's outputs must be logits"),
+        (EMBEDDER, "pooling", "sum", "pooling 'sum' is not one of mean, cls, max, lasttoken"),
+        (EMBEDDER, "prompts", '["query: "]', "parameter 'prompts' must be a JSON dict"),
+        (EMBEDDER, "default_prompt_name", "document", "default_prompt_name 'document' is not one of the prompts"),
+        (EMBEDDER, "matryoshka_dimensions", "[512]", "matryoshka_dimensions must be widths within 1..384"),
+    ],
+)
+def test_repository_refuses_bad_task_parameters(
+    repository: Path, tmp_path: Path, *, model: str, key: str, value: str, message: str
+) -> None:
+    """Each bad task parameter is a RepositoryError naming the config file and the fault."""
+    folder = copy_repository(repository, tmp_path / "copy") / model
+    config = parse_config((folder / "config.pbtxt").read_text(), folder)
+    config.parameters[key].string_value = value
+    (folder / "config.pbtxt").write_text(config_text(config))
+    with pytest.raises(RepositoryError, match=re.escape(message)) as refused:
+        read_model(folder)
+    assert str(folder / "config.pbtxt") in str(refused.value)
