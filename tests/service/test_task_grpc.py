@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -257,3 +259,52 @@ def test_repository_refuses_bad_task_parameters(
     with pytest.raises(RepositoryError, match=re.escape(message)) as refused:
         read_model(folder)
     assert str(folder / "config.pbtxt") in str(refused.value)
+
+
+def rest_infer(server: RunningServer, model: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+    """POST a KServe v2 REST infer request; the status and the JSON answer."""
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/models/{model}/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_rest_takes_the_same_pairs_and_parameters(
+    server: RunningServer, client: grpcclient.InferenceServerClient
+) -> None:
+    """KServe v2 REST: query/text pairs and the prompt_name/dimensions parameters answer as over gRPC."""
+    status, answer = rest_infer(
+        server,
+        BERT_CLASSIFIER,
+        {
+            "inputs": [
+                {"name": "text", "shape": [2], "datatype": "BYTES", "data": TEXTS[:2]},
+                {"name": "query", "shape": [2], "datatype": "BYTES", "data": [QUERY, QUERY]},
+            ]
+        },
+    )
+    assert status == 200, answer
+    (output,) = answer["outputs"]
+    assert output["name"] == "logits" and output["shape"] == [2, 3]
+    np.testing.assert_allclose(
+        np.array(output["data"]).reshape(2, 3), logits(client, BERT_CLASSIFIER, TEXTS[:2], [QUERY] * 2), atol=1e-6
+    )
+    text = {"name": "text", "shape": [1], "datatype": "BYTES", "data": TEXTS[:1]}
+    parameters = {"prompt_name": "query", "dimensions": 64}
+    status, answer = rest_infer(
+        server, EMBEDDER, {"inputs": [text], "outputs": [{"name": "embedding"}], "parameters": parameters}
+    )
+    assert status == 200, answer
+    np.testing.assert_allclose(
+        np.array(answer["outputs"][0]["data"]).reshape(1, 64),
+        embedding(client, TEXTS[:1], prompt_name="query", dimensions=64),
+        atol=1e-6,
+    )
+    status, answer = rest_infer(server, EMBEDDER, {"inputs": [text], "parameters": {"prompt_name": "nope"}})
+    assert status == 400 and "query, passage" in answer["error"], answer
