@@ -7,9 +7,12 @@ what is compared is the computation, so a mistaken weight mapping, position rule
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 import transformers
@@ -17,6 +20,8 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from export.checkpoint import CheckpointError, load_checkpoint
 from service.fidelity import cosines
+from service.repository import read_model
+from service.tokenizer import TextTokenizer
 from tests.export import tiny_models
 
 SENTENCES = [
@@ -24,6 +29,15 @@ SENTENCES = [
     "A much longer sentence that goes on and on, " * 6,
 ]
 PAIRS = [(SENTENCES[0], text) for text in SENTENCES[1:]]
+PROMPTS = {"query": "query: ", "passage": "passage: "}
+# Exported end to end: name -> (family, pooling, normalize, prompts, Matryoshka widths asked for).
+EXPORTED = {
+    "bert-embed": ("bert", "mean", True, None, ""),
+    "roberta-embed": ("roberta", "cls", True, None, ""),
+    "xlmr-embed": ("xlm-roberta", "mean", True, PROMPTS, "32,16,8"),
+    "distilbert-embed": ("distilbert", "max", False, None, ""),
+    "mpnet-embed": ("mpnet", "mean", True, None, ""),
+}
 
 
 def _feed(batch: dict, uses_segments: bool) -> dict[str, torch.Tensor]:
@@ -124,3 +138,65 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
     with pytest.raises(CheckpointError, match=r"unsupported architecture 't5' \(supported: bert, roberta"):
         load_checkpoint(folder)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """Each sentence-transformers source exported (fp32) by the command line into one repository."""
+    root = tmp_path_factory.mktemp("architectures")
+    repository = root / "repository"
+    sources = {}
+    for seed, (name, (family, pooling, normalize, prompts, widths)) in enumerate(EXPORTED.items()):
+        default_prompt_name = "query" if prompts else None
+        source = tiny_models.save_sentence_transformer(
+            family,
+            root / "sources" / name,
+            pooling=pooling,
+            normalize=normalize,
+            prompts=prompts,
+            default_prompt_name=default_prompt_name,
+            seed=seed,
+        )
+        sources[name] = source
+        command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(repository)]
+        command += ["--name", name, "--variants", "fp32", "--threads", "1"]
+        command += ["--matryoshka-dimensions", widths] if widths else []
+        subprocess.run(command, check=True, capture_output=True, timeout=300)
+    return repository, sources
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_published_embeddings_equal_sentence_transformers(exported: tuple[Path, dict[str, Path]], name: str) -> None:
+    repository, sources = exported
+    spec = read_model(repository / name)
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == list(spec.input_names)
+    # The server puts the default prompt before each text, as SentenceTransformer.encode does.
+    prefix = spec.prompts.get(spec.default_prompt_name, "")
+    (embedding,) = session.run(["embedding"], tokenizer.encode([prefix + s for s in SENTENCES]).feed(spec.input_names))
+    expected = SentenceTransformer(str(sources[name]), device="cpu").encode(SENTENCES, convert_to_numpy=True)
+    assert embedding.shape == expected.shape
+    assert cosines(embedding, expected).min() >= 0.9999
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_config_declares_what_the_source_declares(exported: tuple[Path, dict[str, Path]], name: str) -> None:
+    repository, sources = exported
+    family, pooling, normalize, prompts, widths = EXPORTED[name]
+    declared_prompts = tiny_models.read_json(sources[name] / "config_sentence_transformers.json")["prompts"]
+    assert all(declared_prompts[key] == text for key, text in (prompts or {}).items())
+    spec = read_model(repository / name)
+    parameters = {key: value.string_value for key, value in spec.config.parameters.items()}
+    assert spec.task == "embed" and spec.model_type == parameters["model_type"] == family
+    assert parameters["pooling"] == pooling and parameters["normalize"] == str(normalize).lower()
+    assert spec.uses_segments == (family == "bert")
+    assert [(o.name, list(o.dims)) for o in spec.config.output] == [
+        ("last_hidden_state", [-1, tiny_models.HIDDEN]),
+        ("embedding", [tiny_models.HIDDEN]),
+    ]
+    assert json.loads(parameters.get("prompts", "{}")) == spec.prompts == declared_prompts
+    assert parameters.get("default_prompt_name", "") == ("query" if prompts else "")
+    assert parameters["similarity_fn_name"] == "cosine"
+    declared = [int(width) for width in widths.split(",")] if widths else []
+    assert json.loads(parameters.get("matryoshka_dimensions", "[]")) == declared
