@@ -20,6 +20,7 @@ from export.checkpoint import default_model_folder, load_checkpoint, random_chec
 from export.config import EncoderConfig
 from export.pipeline import ExportOptions, export_model
 from service.client_security import ClientSecurity
+from tests.export import tiny_models
 from tests.servers import RunningServer, cuda_usable, free_port, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,6 +99,30 @@ def default_repository(tmp_path_factory: pytest.TempPathFactory, default_folder:
     options = ExportOptions(int8_min_speedup=0.0)
     export_model(load_checkpoint(default_folder, DEFAULT_MODEL), repository, options)
     return repository
+
+
+@dataclass(frozen=True)
+class ExportedTasks:
+    """The shared task repository (tests.export.tiny_models.TASK_SOURCES, each exported fp32) and its sources."""
+
+    repository: Path
+    sources: dict[str, Path]
+
+
+@pytest.fixture(scope="session")
+def exported_tasks(tmp_path_factory: pytest.TempPathFactory) -> ExportedTasks:
+    """Every architecture and head, tiny and random with a real tokenizer, exported once for every test that needs it.
+
+    The BERT reranker is asked for int8 too: a classifier is published in fp32 only, whatever is asked.
+    """
+    root = tmp_path_factory.mktemp("exported-tasks")
+    sources = {}
+    for seed, (name, source) in enumerate(tiny_models.TASK_SOURCES.items()):
+        sources[name] = tiny_models.save_task_source(name, root / "sources" / name, seed)
+        variants = ("fp32", "int8") if name == "bert-reranker" else ("fp32",)
+        checkpoint = load_checkpoint(sources[name], name, source.matryoshka_dimensions)
+        export_model(checkpoint, root / "repository", ExportOptions(variants=variants, threads=1))
+    return ExportedTasks(root / "repository", sources)
 
 
 @pytest.fixture

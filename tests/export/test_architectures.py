@@ -7,8 +7,6 @@ what is compared is the computation, so a mistaken weight mapping, position rule
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ from export.checkpoint import CheckpointError, load_checkpoint
 from service.fidelity import cosines
 from service.repository import read_model
 from service.tokenizer import TextTokenizer
+from tests.conftest import ExportedTasks
 from tests.export import tiny_models
 
 SENTENCES = [
@@ -29,15 +28,8 @@ SENTENCES = [
     "A much longer sentence that goes on and on, " * 6,
 ]
 PAIRS = [(SENTENCES[0], text) for text in SENTENCES[1:]]
-PROMPTS = {"query": "query: ", "passage": "passage: "}
-# Exported end to end: name -> (family, pooling, normalize, prompts, Matryoshka widths asked for).
-EXPORTED = {
-    "bert-embed": ("bert", "mean", True, None, ""),
-    "roberta-embed": ("roberta", "cls", True, None, ""),
-    "xlmr-embed": ("xlm-roberta", "mean", True, PROMPTS, "32,16,8"),
-    "distilbert-embed": ("distilbert", "max", False, None, ""),
-    "mpnet-embed": ("mpnet", "mean", True, None, ""),
-}
+EXPORTED = {name: source for name, source in tiny_models.TASK_SOURCES.items() if source.task == "embed"}
+"""The shared task repository's embedders (tests/conftest.py exported_tasks): every architecture and pooling mode."""
 
 
 def _feed(batch: dict, uses_segments: bool) -> dict[str, torch.Tensor]:
@@ -141,28 +133,9 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    """Each sentence-transformers source exported (fp32) by the command line into one repository."""
-    root = tmp_path_factory.mktemp("architectures")
-    repository = root / "repository"
-    sources = {}
-    for seed, (name, (family, pooling, normalize, prompts, widths)) in enumerate(EXPORTED.items()):
-        default_prompt_name = "query" if prompts else None
-        source = tiny_models.save_sentence_transformer(
-            family,
-            root / "sources" / name,
-            pooling=pooling,
-            normalize=normalize,
-            prompts=prompts,
-            default_prompt_name=default_prompt_name,
-            seed=seed,
-        )
-        sources[name] = source
-        command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(repository)]
-        command += ["--name", name, "--variants", "fp32", "--threads", "1"]
-        command += ["--matryoshka-dimensions", widths] if widths else []
-        subprocess.run(command, check=True, capture_output=True, timeout=300)
-    return repository, sources
+def exported(exported_tasks: ExportedTasks) -> tuple[Path, dict[str, Path]]:
+    """The shared task repository and its source folders."""
+    return exported_tasks.repository, exported_tasks.sources
 
 
 @pytest.mark.parametrize("name", EXPORTED)
@@ -183,7 +156,8 @@ def test_published_embeddings_equal_sentence_transformers(exported: tuple[Path, 
 @pytest.mark.parametrize("name", EXPORTED)
 def test_config_declares_what_the_source_declares(exported: tuple[Path, dict[str, Path]], name: str) -> None:
     repository, sources = exported
-    family, pooling, normalize, prompts, widths = EXPORTED[name]
+    source = EXPORTED[name]
+    family, pooling, normalize, prompts = source.family, source.pooling, source.normalize, source.prompts
     declared_prompts = tiny_models.read_json(sources[name] / "config_sentence_transformers.json")["prompts"]
     assert all(declared_prompts[key] == text for key, text in (prompts or {}).items())
     spec = read_model(repository / name)
@@ -196,7 +170,6 @@ def test_config_declares_what_the_source_declares(exported: tuple[Path, dict[str
         ("embedding", [tiny_models.HIDDEN]),
     ]
     assert json.loads(parameters.get("prompts", "{}")) == spec.prompts == declared_prompts
-    assert parameters.get("default_prompt_name", "") == ("query" if prompts else "")
+    assert parameters.get("default_prompt_name", "") == (source.default_prompt_name or "")
     assert parameters["similarity_fn_name"] == "cosine"
-    declared = [int(width) for width in widths.split(",")] if widths else []
-    assert json.loads(parameters.get("matryoshka_dimensions", "[]")) == declared
+    assert json.loads(parameters.get("matryoshka_dimensions", "[]")) == list(source.matryoshka_dimensions)

@@ -9,8 +9,6 @@ against sentence-transformers' CrossEncoder on the source folder.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,33 +22,19 @@ from export.heads import HeadError, head_config, is_classifier
 from service.fidelity import FidelityReference, compare
 from service.repository import read_model
 from service.tokenizer import TextTokenizer
+from tests.conftest import ExportedTasks
 from tests.export import tiny_models
 
-LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 SENTENCES = tiny_models.training_sentences()
 PAIRS = [(SENTENCES[0], text) for text in SENTENCES[1:12]] + [(SENTENCES[3], "A long passage, " * 30)]
-# name -> (family, labels, id2label, variants asked for); BERT first, one head style each after it.
-SOURCES = {
-    "bert-reranker": ("bert", 1, None, "fp32,int8"),
-    "xlmr-reranker": ("xlm-roberta", 1, None, "fp32"),
-    "distilbert-classifier": ("distilbert", 3, LABELS, "fp32"),
-}
+SOURCES = {name: source for name, source in tiny_models.TASK_SOURCES.items() if source.task == "classify"}
+"""The shared task repository's classifiers (tests/conftest.py exported_tasks): one per head style."""
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    """Every source exported by the command line into one repository; the repository and the sources."""
-    root = tmp_path_factory.mktemp("heads")
-    repository = root / "repository"
-    sources = {}
-    for seed, (name, (family, labels, id2label, variants)) in enumerate(SOURCES.items()):
-        config = {"num_labels": labels} | ({"id2label": id2label} if id2label else {})
-        source = tiny_models.save_model(family, root / "sources" / name, task="classify", seed=seed, **config)
-        sources[name] = source
-        command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(repository)]
-        command += ["--variants", variants, "--threads", "1"]
-        subprocess.run(command, check=True, capture_output=True, timeout=300)
-    return repository, sources
+def exported(exported_tasks: ExportedTasks) -> tuple[Path, dict[str, Path]]:
+    """The shared task repository and its source folders."""
+    return exported_tasks.repository, exported_tasks.sources
 
 
 def _cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndarray:
@@ -62,7 +46,7 @@ def _cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndar
 @pytest.mark.parametrize("name", SOURCES)
 def test_config_declares_the_task_labels_and_logits(exported: tuple[Path, dict[str, Path]], name: str) -> None:
     repository, _ = exported
-    family, labels, id2label, _ = SOURCES[name]
+    family, labels, id2label = SOURCES[name].family, SOURCES[name].labels, SOURCES[name].id2label
     spec = read_model(repository / name)
     assert spec.task == "classify" and spec.model_type == family
     assert spec.labels == tuple(id2label.values() if id2label else (f"LABEL_{i}" for i in range(labels)))

@@ -9,6 +9,7 @@ sentence-transformers model (Transformer + Pooling (+ Normalize)).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -235,3 +236,53 @@ def save_sentence_transformer(
 def read_json(path: Path) -> dict:
     """A JSON file's content."""
     return json.loads(path.read_text())
+
+
+PROMPTS = {"query": "query: ", "passage": "passage: "}
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+@dataclass(frozen=True)
+class TaskSource:
+    """One source of the shared task repository: what it is and what its folder declares."""
+
+    family: str
+    task: str = "embed"
+    pooling: str = "mean"
+    normalize: bool = True
+    prompts: dict[str, str] | None = None
+    default_prompt_name: str | None = None
+    matryoshka_dimensions: tuple[int, ...] = ()
+    labels: int = 1
+    id2label: dict[int, str] | None = None
+
+
+TASK_SOURCES = {
+    "bert-embed": TaskSource("bert"),
+    "roberta-embed": TaskSource("roberta", pooling="cls"),
+    "xlmr-embed": TaskSource("xlm-roberta", prompts=PROMPTS, matryoshka_dimensions=(16, 8)),
+    "distilbert-embed": TaskSource("distilbert", pooling="max", normalize=False),
+    "mpnet-embed": TaskSource("mpnet", pooling="cls"),
+    "modernbert-embed": TaskSource("modernbert", prompts=PROMPTS, default_prompt_name="passage"),
+    "bert-reranker": TaskSource("bert", task="classify"),
+    "xlmr-reranker": TaskSource("xlm-roberta", task="classify"),
+    "distilbert-classifier": TaskSource("distilbert", task="classify", labels=3, id2label=LABELS),
+}
+"""Every architecture as an embedder (each pooling mode, prompts, Matryoshka widths) and every head style."""
+
+
+def save_task_source(name: str, folder: Path, seed: int) -> Path:
+    """The folder of one TASK_SOURCES entry: a sentence-transformers embedder, or a sequence classifier."""
+    source = TASK_SOURCES[name]
+    if source.task == "embed":
+        return save_sentence_transformer(
+            source.family,
+            folder,
+            pooling=source.pooling,
+            normalize=source.normalize,
+            prompts=source.prompts,
+            default_prompt_name=source.default_prompt_name,
+            seed=seed,
+        )
+    config = {"num_labels": source.labels} | ({"id2label": source.id2label} if source.id2label else {})
+    return save_model(source.family, folder, task="classify", seed=seed, **config)

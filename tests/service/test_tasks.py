@@ -1,6 +1,7 @@
 """Embedders, rerankers and classifiers of every family, exported and served side by side, checked against the source.
 
-One repository holds three embedders (XLM-R with prompts and Matryoshka widths, MPNet, ModernBERT), two
+One repository (tests/conftest.py `exported_tasks`) holds an embedder of every architecture (XLM-R
+with prompts and Matryoshka widths, ModernBERT with a default prompt, every pooling mode), two
 rerankers (BERT, XLM-R: segment ids and `</s></s>` pairs) and a three-label DistilBERT
 classifier, each exported by the real exporter from a tiny random model with a real tokenizer.
 Answers are compared with SentenceTransformer.encode and CrossEncoder.predict on the source
@@ -25,44 +26,29 @@ import tritonclient.grpc as grpcclient
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from tritonclient.utils import InferenceServerException
 
-from export.checkpoint import load_checkpoint
-from export.pipeline import ExportOptions, export_model
 from service.fidelity import cosines
+from tests.conftest import ExportedTasks
 from tests.export import tiny_models
 from tests.servers import RunningServer, start_server
 
 TEXTS = [*tiny_models.training_sentences()[:6], "A longer document about the weather, " * 5]
 QUERY = tiny_models.training_sentences()[7]
-PROMPTS = {"query": "query: ", "passage": "passage: "}
-EMBEDDERS = ("xlmr-embed", "mpnet-embed", "modernbert-embed")
+EMBEDDERS = tuple(name for name, source in tiny_models.TASK_SOURCES.items() if source.task == "embed")
 RERANKERS = ("bert-reranker", "xlmr-reranker")
 CLASSIFIER = "distilbert-classifier"
-LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+LABELS = tiny_models.LABELS
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def sources(exported_tasks: ExportedTasks) -> dict[str, Path]:
     """The source folders: sentence-transformers embedders, sequence-classification checkpoints."""
-    root = tmp_path_factory.mktemp("task-sources")
-    save_st, save = tiny_models.save_sentence_transformer, tiny_models.save_model
-    return {
-        "xlmr-embed": save_st("xlm-roberta", root / "xlmr-embed", prompts=PROMPTS, seed=1),
-        "mpnet-embed": save_st("mpnet", root / "mpnet-embed", pooling="cls", seed=2),
-        "modernbert-embed": save_st("modernbert", root / "modernbert-embed", seed=6),
-        "bert-reranker": save("bert", root / "bert-reranker", task="classify", num_labels=1, seed=3),
-        "xlmr-reranker": save("xlm-roberta", root / "xlmr-reranker", task="classify", num_labels=1, seed=4),
-        CLASSIFIER: save("distilbert", root / CLASSIFIER, task="classify", num_labels=3, id2label=LABELS, seed=5),
-    }
+    return exported_tasks.sources
 
 
 @pytest.fixture(scope="module")
-def repository(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every source exported (fp32) into one repository; the XLM-R embedder declares Matryoshka widths 16 and 8."""
-    root = tmp_path_factory.mktemp("task-repository")
-    for name, folder in sources.items():
-        widths = (16, 8) if name == "xlmr-embed" else ()
-        export_model(load_checkpoint(folder, name, widths), root, ExportOptions(variants=("fp32",), threads=1))
-    return root
+def repository(exported_tasks: ExportedTasks) -> Path:
+    """Every source exported (fp32) into one repository (tests/conftest.py)."""
+    return exported_tasks.repository
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +248,7 @@ def test_truncate_false_refuses_what_would_be_cut(server: RunningServer) -> None
 @pytest.mark.parametrize(
     ("route", "body", "status", "message"),
     [
-        ("/embed", {"inputs": TEXTS[0]}, 422, "several embed models are served (modernbert-embed, mpnet-embed, xlmr"),
+        ("/embed", {"inputs": TEXTS[0]}, 422, "several embed models are served (bert-embed, distilbert-embed"),
         (
             "/embed",
             {"inputs": TEXTS[0], "model": "bert-reranker"},
