@@ -80,8 +80,13 @@ def wordpiece_tokenizer(style: str) -> Tokenizer:
     return tokenizer
 
 
-def classifier_graph(path: Path, weights: list[float], biases: list[float], segments: bool) -> None:
-    """The classifier graph (see the module docstring); `segments`: whether it takes token_type_ids."""
+def classifier_graph(
+    path: Path, weights: list[float], biases: list[float], segments: bool, *, scale: float = 100, offset: float = 0
+) -> None:
+    """The classifier graph (see the module docstring), its score s / scale - offset.
+
+    `segments`: whether it takes token_type_ids.
+    """
     names = ("input_ids", "attention_mask", "token_type_ids") if segments else ("input_ids", "attention_mask")
     inputs = [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"]) for name in names]
     segment_nodes = [
@@ -99,8 +104,10 @@ def classifier_graph(path: Path, weights: list[float], biases: list[float], segm
         helper.make_node("ReduceSum", ["weighted", "sequence_axis"], ["total"], keepdims=1),
         helper.make_node("ReduceSum", ["mask", "sequence_axis"], ["count"], keepdims=1),
         helper.make_node("Div", ["total", "count"], ["mean"]),
-        constant("scale", [100], TensorProto.FLOAT),
-        helper.make_node("Div", ["mean", "scale"], ["score"]),
+        constant("scale", [scale], TensorProto.FLOAT),
+        helper.make_node("Div", ["mean", "scale"], ["scaled"]),
+        constant("offset", [offset], TensorProto.FLOAT),
+        helper.make_node("Sub", ["scaled", "offset"], ["score"]),
         helper.make_node(
             "Constant", [], ["weights"], value=helper.make_tensor("w", TensorProto.FLOAT, [1, len(weights)], weights)
         ),

@@ -14,64 +14,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import openai
 import pytest
-from onnx import TensorProto, helper
 from tokenizers import Tokenizer
 
 from service.proto import model_config_pb2 as mc
 from service.repository import config_text, parse_config
 from service.tokenizer import TextTokenizer
 from tests.conftest import DEFAULT_MODEL
-from tests.onnx_graphs import constant
 from tests.servers import RunningServer, metric_samples, metric_value, start_server
+from tests.task_models import classifier_graph
 
 EMBEDDER = "embedder"
 RERANKER = "reranker"
 CLASSIFIER = "sentiment"
 LABELS = ("negative", "neutral", "positive")
 LABEL_WEIGHTS = {RERANKER: ([1.0], [0.0]), CLASSIFIER: ([1.0, -1.0, 0.5], [0.0, 1.0, 0.0])}
-"""logits = s * weights + biases, s a score of the row's ids (see classifier_graph)."""
+"""logits = s * weights + biases, s = mean of id * (1 + segment) / 1000 - 5 (tests.task_models.classifier_graph)."""
 QUERY = "How do I bake bread?"
 TEXTS = ["Knead the dough and let it rise.", "Stocks fell today.", "Bread needs flour, water and yeast.", "Zebra."]
-
-
-def classifier_graph(path: Path, weights: list[float], biases: list[float]) -> None:
-    """A classifier's graph: s = mean over attended tokens of id * (1 + segment) / 1000 - 5; logits [batch, labels]."""
-    inputs = [
-        helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"])
-        for name in ("input_ids", "attention_mask", "token_type_ids")
-    ]
-    nodes = [
-        helper.make_node("Cast", ["input_ids"], ["ids"], to=TensorProto.FLOAT),
-        helper.make_node("Cast", ["attention_mask"], ["mask"], to=TensorProto.FLOAT),
-        helper.make_node("Cast", ["token_type_ids"], ["segments"], to=TensorProto.FLOAT),
-        constant("one", [1], TensorProto.FLOAT),
-        helper.make_node("Add", ["segments", "one"], ["segment_weight"]),
-        helper.make_node("Mul", ["segment_weight", "mask"], ["weight"]),
-        helper.make_node("Mul", ["ids", "weight"], ["weighted"]),
-        constant("sequence_axis", [1]),
-        helper.make_node("ReduceSum", ["weighted", "sequence_axis"], ["total"], keepdims=1),
-        helper.make_node("ReduceSum", ["mask", "sequence_axis"], ["count"], keepdims=1),
-        helper.make_node("Div", ["total", "count"], ["mean"]),
-        constant("scale", [1000], TensorProto.FLOAT),
-        helper.make_node("Div", ["mean", "scale"], ["scaled"]),
-        constant("offset", [5], TensorProto.FLOAT),
-        helper.make_node("Sub", ["scaled", "offset"], ["score"]),
-        helper.make_node(
-            "Constant", [], ["weights"], value=helper.make_tensor("w", TensorProto.FLOAT, [1, len(weights)], weights)
-        ),
-        helper.make_node(
-            "Constant", [], ["biases"], value=helper.make_tensor("b", TensorProto.FLOAT, [len(biases)], biases)
-        ),
-        helper.make_node("MatMul", ["score", "weights"], ["product"]),
-        helper.make_node("Add", ["product", "biases"], ["logits"]),
-    ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", len(weights)])]
-    graph = helper.make_graph(nodes, "classifier", inputs, outputs)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
 
 
 def write_model(source: Path, folder: Path, labels: tuple[str, ...] | None, prompts: dict[str, str]) -> None:
@@ -87,7 +49,8 @@ def write_model(source: Path, folder: Path, labels: tuple[str, ...] | None, prom
         (folder / "1" / "model.onnx").symlink_to(source / "1" / "model.onnx")
         config.parameters["prompts"].string_value = json.dumps(prompts)
     else:
-        classifier_graph(folder / "1" / "model.onnx", *LABEL_WEIGHTS[folder.name])
+        weights, biases = LABEL_WEIGHTS[folder.name]
+        classifier_graph(folder / "1" / "model.onnx", weights, biases, segments=True, scale=1000, offset=5)
         del config.output[:]
         config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[len(labels)])
         for key in ("pooling", "normalize"):
