@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,16 +116,28 @@ class ExportedTasks:
 def exported_tasks(tmp_path_factory: pytest.TempPathFactory) -> ExportedTasks:
     """Every architecture and head, tiny and random with a real tokenizer, exported once for every test that needs it.
 
-    The BERT reranker is asked for int8 too: a classifier is published in fp32 only, whatever is asked.
+    Each by the command line (`python -m export --source`), two at a time. The BERT reranker is
+    asked for int8 too: a classifier is published in fp32 only, whatever is asked.
     """
     root = tmp_path_factory.mktemp("exported-tasks")
-    sources = {}
+    repository = root / "repository"
+    sources, commands = {}, []
     for seed, (name, source) in enumerate(tiny_models.TASK_SOURCES.items()):
         sources[name] = tiny_models.save_task_source(name, root / "sources" / name, seed)
-        variants = ("fp32", "int8") if name == "bert-reranker" else ("fp32",)
-        checkpoint = load_checkpoint(sources[name], name, source.matryoshka_dimensions)
-        export_model(checkpoint, root / "repository", ExportOptions(variants=variants, threads=1))
-    return ExportedTasks(root / "repository", sources)
+        command = [sys.executable, "-m", "export", "--source", str(sources[name]), "--repository", str(repository)]
+        command += ["--name", name, "--threads", "1"]
+        command += ["--variants", "fp32,int8" if name == "bert-reranker" else "fp32"]
+        if source.matryoshka_dimensions:
+            command += ["--matryoshka-dimensions", ",".join(map(str, source.matryoshka_dimensions))]
+        commands.append(command)
+
+    def export(command: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for done in pool.map(export, commands):
+            assert done.returncode == 0, done.stderr[-3000:]
+    return ExportedTasks(repository, sources)
 
 
 @pytest.fixture
