@@ -50,8 +50,6 @@ class ModernBertConfig:
     """Per layer: global attention (True) or local (False)."""
     pooling: str = "mean"
     normalize: bool = True
-    type_vocab_size: int = 0
-    """No segment embeddings (always 0; read by the exporter as for every encoder)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions", "local_attention"):

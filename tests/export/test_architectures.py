@@ -132,15 +132,9 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
         load_checkpoint(folder)
 
 
-@pytest.fixture(scope="module")
-def exported(exported_tasks: ExportedTasks) -> tuple[Path, dict[str, Path]]:
-    """The shared task repository and its source folders."""
-    return exported_tasks.repository, exported_tasks.sources
-
-
 @pytest.mark.parametrize("name", EXPORTED)
-def test_published_embeddings_equal_sentence_transformers(exported: tuple[Path, dict[str, Path]], name: str) -> None:
-    repository, sources = exported
+def test_published_embeddings_equal_sentence_transformers(exported_tasks: ExportedTasks, name: str) -> None:
+    repository, sources = exported_tasks.repository, exported_tasks.sources
     spec = read_model(repository / name)
     tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
     session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
@@ -154,8 +148,8 @@ def test_published_embeddings_equal_sentence_transformers(exported: tuple[Path, 
 
 
 @pytest.mark.parametrize("name", EXPORTED)
-def test_config_declares_what_the_source_declares(exported: tuple[Path, dict[str, Path]], name: str) -> None:
-    repository, sources = exported
+def test_config_declares_what_the_source_declares(exported_tasks: ExportedTasks, name: str) -> None:
+    repository, sources = exported_tasks.repository, exported_tasks.sources
     source = EXPORTED[name]
     family, pooling, normalize, prompts = source.family, source.pooling, source.normalize, source.prompts
     declared_prompts = tiny_models.read_json(sources[name] / "config_sentence_transformers.json")["prompts"]

@@ -31,12 +31,6 @@ SOURCES = {name: source for name, source in tiny_models.TASK_SOURCES.items() if 
 """The shared task repository's classifiers (tests/conftest.py exported_tasks): one per head style."""
 
 
-@pytest.fixture(scope="module")
-def exported(exported_tasks: ExportedTasks) -> tuple[Path, dict[str, Path]]:
-    """The shared task repository and its source folders."""
-    return exported_tasks.repository, exported_tasks.sources
-
-
 def _cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndarray:
     """CrossEncoder.predict's raw logits, [pairs, labels]."""
     predicted = CrossEncoder(str(folder), device="cpu").predict(pairs, activation_fn=torch.nn.Identity())
@@ -44,8 +38,8 @@ def _cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndar
 
 
 @pytest.mark.parametrize("name", SOURCES)
-def test_config_declares_the_task_labels_and_logits(exported: tuple[Path, dict[str, Path]], name: str) -> None:
-    repository, _ = exported
+def test_config_declares_the_task_labels_and_logits(exported_tasks: ExportedTasks, name: str) -> None:
+    repository = exported_tasks.repository
     family, labels, id2label = SOURCES[name].family, SOURCES[name].labels, SOURCES[name].id2label
     spec = read_model(repository / name)
     assert spec.task == "classify" and spec.model_type == family
@@ -57,8 +51,8 @@ def test_config_declares_the_task_labels_and_logits(exported: tuple[Path, dict[s
 
 
 @pytest.mark.parametrize("name", SOURCES)
-def test_published_logits_equal_cross_encoder_on_pairs(exported: tuple[Path, dict[str, Path]], name: str) -> None:
-    repository, sources = exported
+def test_published_logits_equal_cross_encoder_on_pairs(exported_tasks: ExportedTasks, name: str) -> None:
+    repository, sources = exported_tasks.repository, exported_tasks.sources
     spec = read_model(repository / name)
     tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
     session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
@@ -71,8 +65,8 @@ def test_published_logits_equal_cross_encoder_on_pairs(exported: tuple[Path, dic
 
 
 @pytest.mark.parametrize("name", SOURCES)
-def test_parity_report_and_load_check_are_on_logits(exported: tuple[Path, dict[str, Path]], name: str) -> None:
-    repository, _ = exported
+def test_parity_report_and_load_check_are_on_logits(exported_tasks: ExportedTasks, name: str) -> None:
+    repository = exported_tasks.repository
     spec = read_model(repository / name)
     report = json.loads((spec.directory / "parity.json").read_text())
     assert report["task"] == "classify" and report["head"]["labels"] == list(spec.labels)
