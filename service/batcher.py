@@ -117,6 +117,7 @@ class WorkItem:
         "lengths",
         "on_done",
         "outputs",
+        "owner",
         "results",
         "rows",
         "starts",
@@ -141,9 +142,14 @@ class WorkItem:
         self.deadline = deadline
         self.enqueued_at = time.monotonic()
         self.lengths: list[int] = rows.lengths.tolist()
-        self.starts: list[int] = [0, *itertools.accumulate(self.lengths[:-1])]
-        self.waiting: list[int] = [0] if len(self.lengths) == 1 else np.argsort(rows.lengths, kind="stable").tolist()
+        self.waiting: list[int]
         """Rows not yet in a batch, shortest first (the longest is taken next)."""
+        if len(self.lengths) == 1:  # most requests: one text
+            self.starts: list[int] = [0]
+            self.waiting = [0]
+        else:
+            self.starts = [0, *itertools.accumulate(self.lengths[:-1])]
+            self.waiting = np.argsort(rows.lengths, kind="stable").tolist()
         self.unanswered = len(self.lengths)
         """Rows not yet back from a run."""
         self.results: dict[str, np.ndarray] | None = None
@@ -154,6 +160,8 @@ class WorkItem:
         """The timer that fails the request at its deadline, while it has rows waiting."""
         self.on_done: Callable[[WorkItem], None] | None = None
         """Called (on the loop, at once) when the batcher resolves the future, for callers that await nothing."""
+        self.owner: object = None
+        """The caller's own note of whose request this is (the batcher never reads it)."""
 
     def resolve(self, result: WorkResult | None, error: Exception | None = None) -> None:
         """Settle the request: its result or its error; its expiry timer and `on_done` follow."""
@@ -625,18 +633,21 @@ class Batcher:
             self._fail(items, ModelFailure(EXECUTION_FAILED))
             return
         try:
-            compute_s = time.monotonic() - batch.started
+            now = time.monotonic()
+            compute_s = now - batch.started
             self._record(batch, compute_s)
             rows = batch.feed["input_ids"].shape[0]
             for group in batch.groups:
                 if not group.item.future.done():  # a cancelled or failed request's rows are discarded
-                    self._answer(group, results, compute_s, rows)
+                    self._answer(group, results, compute_s, rows, now)
         except Exception:  # a fault here fails this batch's requests only
             log.exception("handing back a batch of %d requests failed", len(items))
             self._fail(items, ModelFailure(EXECUTION_FAILED))
 
-    def _answer(self, group: _Group, results: dict[str, np.ndarray], compute_s: float, batch_rows: int) -> None:
-        """Hand a request its rows from this batch; resolve it once all of its rows are back."""
+    def _answer(
+        self, group: _Group, results: dict[str, np.ndarray], compute_s: float, batch_rows: int, now: float
+    ) -> None:
+        """Hand a request its rows from this batch (back at `now`); resolve it once all of its rows are back."""
         item, count, start = group.item, len(group.rows), group.start
         item.compute_s += compute_s
         item.batch_rows = max(item.batch_rows, batch_rows)
@@ -657,7 +668,7 @@ class Batcher:
             if item.unanswered:
                 return
             outputs = item.results
-        total_s = time.monotonic() - item.enqueued_at
+        total_s = now - item.enqueued_at
         compute_total = min(item.compute_s, total_s)
         item.resolve(WorkResult(outputs, total_s - compute_total, compute_total, item.batch_rows))
 

@@ -15,7 +15,7 @@ import signal
 from collections.abc import Callable
 
 from service import metrics, tracing
-from service.batcher import Batcher, WorkItem
+from service.batcher import WorkItem
 from service.engine import Engine
 from service.errors import ExecutionError, ModelFailure, ServiceError
 from service.ipc import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
@@ -34,9 +34,8 @@ class EngineRole:
         self.engine = engine
         self.server = EngineServer(self._submit, self._cancel, self._lost, self._flush)
         self._items: dict[EngineConnection, dict[int, WorkItem]] = {}
-        """Each front end's requests in the batchers, by request id."""
-        self._requests: dict[WorkItem, tuple[EngineConnection, int, Batcher]] = {}
-        """Who asked for each request in the batchers, and which batcher holds it."""
+        """Each front end's requests in the batchers, by request id; each item's `owner` is
+        (its front end, its request id, the batcher holding it)."""
 
     def _submit(self, connection: EngineConnection, message: Submit, rows: TokenRows) -> None:
         try:
@@ -47,15 +46,16 @@ class EngineRole:
         except ServiceError as error:
             connection.fail(message.id, error)
             return
-        self._requests[item] = (connection, message.id, queue)
+        item.owner = (connection, message.id, queue)
         self._items.setdefault(connection, {})[message.id] = item
 
     def _done(self, item: WorkItem) -> None:
-        connection, request_id, _ = self._requests.pop(item)
+        connection, request_id, _ = item.owner
         self._items[connection].pop(request_id, None)
-        error = item.future.exception()
+        future = item.future
+        error = future.exception()
         if error is None:
-            connection.answer(request_id, item.future.result())
+            connection.answer(request_id, future.result())
         elif isinstance(error, ServiceError):
             connection.fail(request_id, error)
         else:
@@ -65,7 +65,7 @@ class EngineRole:
     def _cancel(self, connection: EngineConnection, request_id: int) -> None:
         item = self._items.get(connection, {}).pop(request_id, None)
         if item is not None:
-            _, _, queue = self._requests.pop(item)
+            _, _, queue = item.owner
             queue.cancel(item)
 
     def _flush(self) -> None:
@@ -75,7 +75,7 @@ class EngineRole:
 
     def _lost(self, connection: EngineConnection) -> None:
         for item in self._items.pop(connection, {}).values():
-            _, _, queue = self._requests.pop(item)
+            _, _, queue = item.owner
             queue.cancel(item)
 
     def announce(self, name: str, state: str, reason: str = "", model: ModelInfo | None = None) -> None:

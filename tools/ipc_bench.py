@@ -60,8 +60,9 @@ def _zmq_engine(path: str) -> None:
         while True:
             identity, header, payload = await socket.recv_multipart()
             messages, buffers, offset = [], [], 0
+            words = np.frombuffer(payload, np.int64)
             for submit in ipc.to_engine(header):
-                _, offset = ipc.rows_of(submit, payload, offset)
+                _, offset = ipc.rows_of(submit, words, offset)
                 message, arrays = ipc.result_message(submit.id, WorkResult({"embedding": EMBEDDING}, 0.0, 0.0, 1))
                 messages.append(message)
                 buffers += arrays
