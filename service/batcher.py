@@ -592,16 +592,18 @@ class Batcher:
                 start, length = starts[row], item_lengths[row]
                 lengths.append(length)
                 ids.append(tokens.input_ids[start : start + length])
-        longest = max(lengths)
-        kept = np.arange(self.policy.padded_length(longest)) < np.array(lengths)[:, None]
-        feed_ids = np.full(kept.shape, self.policy.pad_token_id, dtype=np.int64)
-        feed_ids[kept] = ids[0] if len(ids) == 1 else np.concatenate(ids)
-        feed_mask = kept.astype(np.int64)
-        feed_types = np.zeros(kept.shape, dtype=np.int64)
+        shape = (len(lengths), self.policy.padded_length(max(lengths)))
+        # Rows that all fill the batch (one text, or equal lengths) need no padding placed.
+        kept = None if min(lengths) == shape[1] else np.arange(shape[1]) < np.array(lengths)[:, None]
+        feed_ids = _laid_out(ids[0] if len(ids) == 1 else np.concatenate(ids), kept, shape, self.policy.pad_token_id)
         if masked:
-            feed_mask[kept] = np.concatenate(list(self._each_row(groups, "attention_mask", 1)))
+            feed_mask = _laid_out(np.concatenate(list(self._each_row(groups, "attention_mask", 1))), kept, shape, 0)
+        else:
+            feed_mask = np.ones(shape, dtype=np.int64) if kept is None else kept.astype(np.int64)
         if typed:
-            feed_types[kept] = np.concatenate(list(self._each_row(groups, "token_type_ids", 0)))
+            feed_types = _laid_out(np.concatenate(list(self._each_row(groups, "token_type_ids", 0))), kept, shape, 0)
+        else:
+            feed_types = np.zeros(shape, dtype=np.int64)
         real_tokens = int(np.count_nonzero(feed_mask)) if masked else sum(lengths)
         return {"input_ids": feed_ids, "attention_mask": feed_mask, "token_type_ids": feed_types}, real_tokens
 
@@ -734,6 +736,15 @@ class Batcher:
             self._abandon(item)
             if not item.future.done():
                 item.resolve(None, error)
+
+
+def _laid_out(tokens: np.ndarray, kept: np.ndarray | None, shape: tuple[int, int], fill: int) -> np.ndarray:
+    """Rows' values laid end to end, as a [rows, length] array: `fill` where `kept` is False (None: kept everywhere)."""
+    if kept is None:
+        return tokens.reshape(shape)
+    array = np.full(shape, fill, dtype=np.int64)
+    array[kept] = tokens
+    return array
 
 
 def _past(deadline: float | None, now: float) -> bool:
