@@ -18,12 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 START_TIMEOUT_S = 180
 
 
-def process_cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
     """User + system CPU seconds a process has used, every thread, as the kernel counts them (/proc).
 
-    OSError when the process is gone.
+    `thread`: one thread's seconds only (its id; the process's id is its main thread). OSError
+    when the process is gone.
     """
-    text = Path(f"/proc/{pid}/stat").read_text()
+    text = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat").read_text()
     # The command name (field 2) may hold spaces: count fields from after its closing parenthesis.
     fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
