@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from service import metrics, statistics, tracing
 from service.answers import RAW_VALUE_BYTES, AnswerBudget
@@ -20,6 +20,8 @@ from service.settings import Settings
 from service.token_rows import TokenRows
 from service.tokenizer import TextTokenizer
 from service.validation import ModelSignature, TextLimits, ValidRequest
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
@@ -239,6 +241,10 @@ class ServedModel:
                 self.tokenizer.encode_pair_rows, list(zip(queries, texts, strict=True)), request.truncate
             )
         characters = sum(map(len, texts)) + (sum(map(len, queries)) if queries is not None else 0)
+        return await self.tokenizer_work(characters, work)
+
+    async def tokenizer_work(self, characters: int, work: Callable[[], T]) -> T:
+        """Work on `characters` of text: on the event loop up to --inline-tokenize-chars, else on a worker."""
         if characters <= self._inline_tokenize_chars:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)

@@ -178,7 +178,8 @@ def check_text_sizes(elements: Sequence[bytes], limits: TextLimits) -> None:
         )
 
 
-def _decode_texts(elements: list[bytes], name: str) -> list[str]:
+def decode_texts(elements: list[bytes], name: str) -> list[str]:
+    """UTF-8 elements as texts; InvalidArgument naming the first that is not valid UTF-8 or is blank."""
     texts = []
     for index, element in enumerate(elements):
         try:
@@ -338,24 +339,24 @@ def validate(
         if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
             raise InvalidArgument(f"input text: shape {shape_text(shape)} must be [batch] or [batch, 1]")
         elements = decoded[TEXT_INPUT]
-        _check_rows(len(elements), signature, row_limit)
+        check_rows(len(elements), signature, row_limit)
         query_elements = decoded.get(QUERY_INPUT)
         if query_elements is not None and len(query_elements) != len(elements):
             raise InvalidArgument(
                 f"input query holds {len(query_elements)} elements and text {len(elements)}: each text needs its query"
             )
         check_text_sizes([*elements, *(query_elements or ())], signature.text_limits)
-        texts = _decode_texts(elements, TEXT_INPUT)
+        texts = decode_texts(elements, TEXT_INPUT)
         if prefix:
             texts = [prefix + text for text in texts]
         if query_elements is not None:
-            queries = _decode_texts(query_elements, QUERY_INPUT)
+            queries = decode_texts(query_elements, QUERY_INPUT)
     elif QUERY_INPUT in decoded:
         raise InvalidArgument("input query needs input text: row i is the pair (query[i], text[i])")
     else:
         arrays = {name: np.asarray(value) for name, value in decoded.items()}
         _check_tokens(arrays, signature)
-        _check_rows(arrays["input_ids"].shape[0], signature, row_limit)
+        check_rows(arrays["input_ids"].shape[0], signature, row_limit)
         tokens = TokenRows.from_padded(arrays)
     return ValidRequest(
         texts,
@@ -368,7 +369,8 @@ def validate(
     )
 
 
-def _check_rows(rows: int, signature: ModelSignature, limit: RowLimit | None) -> None:
+def check_rows(rows: int, signature: ModelSignature, limit: RowLimit | None) -> None:
+    """Refuse an empty batch, or one over the front end's limit (or else the model's max_batch_size)."""
     if rows < 1:
         raise InvalidArgument("the batch is empty")
     if limit is not None and rows > limit.rows:

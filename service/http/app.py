@@ -168,7 +168,7 @@ class HttpApp:
             "/embed": {"POST": self._task(tei.embed)},
             "/rerank": {"POST": self._task(tei.rerank)},
             "/predict": {"POST": self._task(tei.predict)},
-            "/tokenize": {"POST": self._tokenize},
+            "/tokenize": {"POST": self._task(tei.tokenize)},
             "/info": {"GET": self._info},
             "/v1/models": {"GET": self._openai_models},
             "/v2/health/live": {"GET": self._live},
@@ -390,10 +390,6 @@ class HttpApp:
             return Response(200, answer.body, answer=answer.result)
 
         return handler
-
-    async def _tokenize(self, call: Call) -> Response:
-        _check_body_form(call.headers, (JSON,))
-        return Response(200, tei.tokenize(self.engine, _json(call.body)))
 
     async def _info(self, call: Call) -> Response:
         return Response(200, tei.info(self.engine, self.info))

@@ -23,10 +23,19 @@ import orjson
 from service import tracing
 from service.answers import JSON_VALUE_BYTES
 from service.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
-from service.errors import InvalidArgument, NotFound
+from service.errors import InvalidArgument, NotFound, TooLarge
 from service.models import ModelInfo
 from service.tokenizer import Token
-from service.validation import DIMENSIONS, PROMPT_NAME, QUERY_INPUT, TEXT_INPUT, TRUNCATE
+from service.validation import (
+    DIMENSIONS,
+    PROMPT_NAME,
+    QUERY_INPUT,
+    TEXT_INPUT,
+    TRUNCATE,
+    check_rows,
+    check_text_sizes,
+    decode_texts,
+)
 
 TEI_ROUTES = frozenset({"/embed", "/rerank", "/predict", "/tokenize", "/info"})
 TASK_OF_ROUTE = {"/embed": "embed", "/tokenize": "embed", "/rerank": "classify", "/predict": "classify"}
@@ -251,20 +260,23 @@ async def predict(call: TaskCall, payload: object) -> Answer:
     return await encoded(call, result, body)
 
 
-def tokenize(engine: Engine, payload: object) -> bytes:
+async def tokenize(call: TaskCall, payload: object) -> Answer:
     """POST /tokenize: {"inputs", "add_special_tokens", "prompt_name"} -> a list of tokens per text.
 
     Each token is {"id", "text", "special", "start", "stop"}: its place in the text (truncated at
-    the model's maximum); special tokens have none.
+    the model's maximum); special tokens have none. The texts are held to the limits of /embed
+    (--max-embedding-inputs, --max-text-bytes, --max-request-text-bytes) and the answer to
+    --max-response-bytes; a large request is tokenised and written on a worker, as inference is.
     """
     fields = _object(payload, TOKENIZE_FIELDS)
     if "inputs" not in fields:
         raise InvalidArgument("inputs is required: a string or a list of strings")
     texts = _strings(fields["inputs"], "inputs")
     special = _flag(fields, "add_special_tokens", True)
-    model = _tokenizing_model(engine, fields.get("model"))
-    served = engine.served(model.spec.name)
-    if served.tokenizer is None:
+    model = _tokenizing_model(call.engine, fields.get("model"))
+    served = call.engine.served(model.spec.name)
+    tokenizer = served.tokenizer
+    if tokenizer is None:
         raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
     prompt_name = fields.get(PROMPT_NAME)
     prompts = model.spec.prompts
@@ -273,9 +285,24 @@ def tokenize(engine: Engine, payload: object) -> bytes:
         raise InvalidArgument(
             f"prompt_name {prompt_name!r} is not a prompt of model {model.spec.name} (prompts: {known})"
         )
+    check_rows(len(texts), served.signature, RowLimit(call.max_inputs, "--max-embedding-inputs"))
+    elements = _bytes_tensor("inputs", texts).data
+    check_text_sizes(elements, served.signature.text_limits)
     prefix = prompts.get(prompt_name or model.spec.default_prompt_name, "")
-    answers = [[_token(token) for token in served.tokenizer.tokens(prefix + text, special)] for text in texts]
-    return orjson.dumps(answers)
+    texts = [prefix + text for text in decode_texts(elements, "inputs")]
+
+    def answer() -> bytes:
+        return orjson.dumps([[_token(token) for token in tokenizer.tokens(text, special)] for text in texts])
+
+    body = await served.tokenizer_work(sum(map(len, texts)), answer)
+    limit = call.engine.answers.max_response_bytes
+    if len(body) > limit:
+        raise TooLarge(
+            f"the tokens of these texts take {len(body)} bytes as JSON, over the limit of {limit} bytes per"
+            " response (--max-response-bytes); send fewer texts",
+            "response_too_large",
+        )
+    return Answer(body, None)
 
 
 def _tokenizing_model(engine: Engine, name: object) -> ModelInfo:

@@ -111,6 +111,17 @@ def test_openai_float_answers_are_counted_as_json_and_base64_as_base64(small_ans
     assert len(answer.data) == len(texts)
 
 
+def test_a_tokenize_answer_over_the_limit_is_refused_413(small_answers: RunningServer) -> None:
+    url = f"{small_answers.http_url}/tokenize"
+    status, _, body = post(url, json.dumps({"inputs": [SENTENCE]}).encode())
+    assert status == 200 and len(body) <= 4096
+    status, _, body = post(url, json.dumps({"inputs": [SENTENCE] * 64}).encode())  # ~50 bytes a token
+    assert status == 413
+    answer = json.loads(body)
+    assert answer["error_type"] == "Validation" and "(--max-response-bytes)" in answer["error"]
+    assert post(url, json.dumps({"inputs": [SENTENCE]}).encode())[0] == 200  # still serving
+
+
 def test_json_answers_are_the_float32_values_exactly(small_answers: RunningServer) -> None:
     """Values are written in their shortest exact form: read back as float32 they equal the raw answer."""
     url = f"{small_answers.http_url}/v2/models/{TINY_MODEL}/infer"

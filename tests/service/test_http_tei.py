@@ -81,6 +81,35 @@ def test_tokenize_gives_the_tokenizer_ids_and_offsets(
     assert tokens[0][0]["text"] == ("[CLS]" if special else "A")
 
 
+def test_a_large_tokenize_request_gives_the_same_tokens(
+    default_server: RunningServer, default_repository: Path
+) -> None:
+    texts = [f"{text} ({index})" for index in range(40) for text in TEXTS]  # ~3,600 characters: tokenised on a worker
+    status, tokens = post(default_server, "/tokenize", {"inputs": texts})
+    tokenizer = Tokenizer.from_file(str(default_repository / DEFAULT_MODEL / "tokenizer.json"))
+    tokenizer.no_padding()
+    assert status == 200
+    assert [[token["id"] for token in answer] for answer in tokens] == [e.ids for e in tokenizer.encode_batch(texts)]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "status", "message"),
+    [
+        (["a"] * 2049, 413, "2049 inputs, over the limit of 2048 per request (--max-embedding-inputs)"),
+        ("a" * (64 * 1024 + 1), 413, "--max-text-bytes"),
+        ("a\ud800b", 422, "input inputs[0] is not valid UTF-8"),
+        ([TEXTS[0], " "], 422, "input inputs[1] is empty"),
+    ],
+)
+def test_tokenize_is_held_to_the_limits_of_embed(
+    default_server: RunningServer, inputs: object, status: int, message: str
+) -> None:
+    got, answer = post(default_server, "/tokenize", {"inputs": inputs})
+    assert got == status and message in answer["error"], answer
+    assert answer["error_type"] == "Validation"
+    assert post(default_server, "/tokenize", {"inputs": TEXTS[0]})[0] == 200  # still serving
+
+
 def test_info_describes_the_served_embedder(default_server: RunningServer) -> None:
     status, _, info = request(default_server, "GET", "/info")
     assert status == 200
