@@ -159,17 +159,18 @@ def _tensor_data(tensor: InputTensor) -> np.ndarray | list[bytes]:
     return np.array(tensor.data, dtype=np.int64).reshape(tensor.shape)
 
 
-def check_text_sizes(elements: Sequence[bytes], limits: TextLimits) -> None:
-    """Refuse a text, or the texts of a request together, over their byte limits."""
+def check_text_sizes(inputs: dict[str, Sequence[bytes]], limits: TextLimits) -> None:
+    """Refuse a text (named by its input and place), or the texts of a request together, over their byte limits."""
     total = 0
-    for index, element in enumerate(elements):
-        if len(element) > limits.max_text_bytes:
-            raise InvalidArgument(
-                f"input text[{index}] is {len(element)} bytes, over the limit of {limits.max_text_bytes} bytes per"
-                " text (--max-text-bytes)",
-                "text_too_large",
-            )
-        total += len(element)
+    for name, elements in inputs.items():
+        for index, element in enumerate(elements):
+            if len(element) > limits.max_text_bytes:
+                raise InvalidArgument(
+                    f"input {name}[{index}] is {len(element)} bytes, over the limit of {limits.max_text_bytes} bytes"
+                    " per text (--max-text-bytes)",
+                    "text_too_large",
+                )
+            total += len(element)
     if total > limits.max_request_text_bytes:
         raise InvalidArgument(
             f"the texts of this request total {total} bytes, over the limit of {limits.max_request_text_bytes} bytes"
@@ -345,7 +346,7 @@ def validate(
             raise InvalidArgument(
                 f"input query holds {len(query_elements)} elements and text {len(elements)}: each text needs its query"
             )
-        check_text_sizes([*elements, *(query_elements or ())], signature.text_limits)
+        check_text_sizes({TEXT_INPUT: elements, QUERY_INPUT: query_elements or ()}, signature.text_limits)
         texts = decode_texts(elements, TEXT_INPUT)
         if prefix:
             texts = [prefix + text for text in texts]

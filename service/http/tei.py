@@ -287,7 +287,7 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
         )
     check_rows(len(texts), served.signature, RowLimit(call.max_inputs, "--max-embedding-inputs"))
     elements = _bytes_tensor("inputs", texts).data
-    check_text_sizes(elements, served.signature.text_limits)
+    check_text_sizes({"inputs": elements}, served.signature.text_limits)
     prefix = prompts.get(prompt_name or model.spec.default_prompt_name, "")
     texts = [prefix + text for text in decode_texts(elements, "inputs")]
 

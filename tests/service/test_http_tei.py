@@ -96,7 +96,7 @@ def test_a_large_tokenize_request_gives_the_same_tokens(
     ("inputs", "status", "message"),
     [
         (["a"] * 2049, 413, "2049 inputs, over the limit of 2048 per request (--max-embedding-inputs)"),
-        ("a" * (64 * 1024 + 1), 413, "--max-text-bytes"),
+        ("a" * (64 * 1024 + 1), 413, "input inputs[0] is 65537 bytes, over the limit of 65536 bytes per text"),
         ("a\ud800b", 422, "input inputs[0] is not valid UTF-8"),
         ([TEXTS[0], " "], 422, "input inputs[1] is empty"),
     ],

@@ -218,6 +218,8 @@ def test_malformed_task_requests_get_precise_refusals(client: grpcclient.Inferen
     assert "no prompts" in refusal(client, BERT_CLASSIFIER, [bytes_input("text", [QUERY])], prompt_name="query")
     assert "answers no embedding" in refusal(client, BERT_CLASSIFIER, [bytes_input("text", [QUERY])], dimensions=2)
     assert "true or false" in refusal(client, EMBEDDER, [bytes_input("text", [QUERY])], truncate="no")
+    huge = bytes_input("query", [QUERY, "x" * (64 * 1024 + 1)])  # over --max-text-bytes: named as the query it is
+    assert "input query[1] is 65537 bytes" in refusal(client, BERT_CLASSIFIER, [bytes_input("text", TEXTS[:2]), huge])
     assert logits(client, BERT_CLASSIFIER, TEXTS[:1], [QUERY]).shape == (1, 3)
 
 
