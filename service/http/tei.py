@@ -106,9 +106,13 @@ def _strings(value: object, name: str) -> list[str]:
     raise InvalidArgument(f"{name} must be a string or a non-empty list of strings")
 
 
+def _utf8(texts: list[str]) -> list[bytes]:
+    # surrogatepass: a lone surrogate (legal in JSON) reaches the UTF-8 check and its message.
+    return [text.encode("utf-8", "surrogatepass") for text in texts]
+
+
 def _bytes_tensor(name: str, texts: list[str]) -> InputTensor:
-    # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
-    elements = [text.encode("utf-8", "surrogatepass") for text in texts]
+    elements = _utf8(texts)
     return InputTensor(name, "BYTES", (len(elements),), elements, raw=False)
 
 
@@ -286,7 +290,7 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
             f"prompt_name {prompt_name!r} is not a prompt of model {model.spec.name} (prompts: {known})"
         )
     check_rows(len(texts), served.signature, RowLimit(call.max_inputs, "--max-embedding-inputs"))
-    elements = _bytes_tensor("inputs", texts).data
+    elements = _utf8(texts)
     check_text_sizes({"inputs": elements}, served.signature.text_limits)
     prefix = prompts.get(prompt_name or model.spec.default_prompt_name, "")
     texts = [prefix + text for text in decode_texts(elements, "inputs")]
