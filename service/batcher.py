@@ -255,26 +255,32 @@ def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tup
     anchor_row = anchor.waiting[-1]
     target = anchor.lengths[anchor_row]
     window = policy.max_batch_size * SELECTION_WINDOW_BATCHES
+    enough_exact = policy.max_batch_size - 1
     candidates: list[tuple[int, int, WorkItem, int]] = []
+    exact = 0  # candidates of the anchor's length: once they fill the batch, no later row comes before them
     for item in pending:
         rows = item.waiting[:-1] if item is anchor else item.waiting
         if len(rows) == 1:  # most requests: one text
-            candidates.append((abs(item.lengths[rows[0]] - target), len(candidates), item, rows[0]))
+            distance = abs(item.lengths[rows[0]] - target)
+            exact += distance == 0
+            candidates.append((distance, len(candidates), item, rows[0]))
         else:
             lengths, first = item.lengths, len(candidates)
             candidates += [(abs(lengths[row] - target), first + i, item, row) for i, row in enumerate(rows)]
-        if len(candidates) >= window:
+            exact += sum(lengths[row] == target for row in rows)
+        if len(candidates) >= window or exact >= enough_exact:
             break
     candidates.sort()  # by distance, then age: (distance, order) never ties, so items are never compared
     chosen = [(anchor, anchor_row)]
     shortest = longest = target
     max_rows, max_tokens, padded_length = policy.max_batch_size, policy.max_batch_tokens, policy.padded_length
+    padded_longest = padded_length(longest)
     for _, _, item, row in candidates:
         if len(chosen) >= max_rows:
             break
         length = item.lengths[row]
         if length <= longest and length >= shortest:  # within the batch's range: it pads to the same length
-            if (len(chosen) + 1) * padded_length(longest) > max_tokens:
+            if (len(chosen) + 1) * padded_longest > max_tokens:
                 break  # every later candidate needs at least as many tokens as this one
             chosen.append((item, row))
             continue
@@ -288,7 +294,7 @@ def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tup
         if padded > max(policy.max_padding_factor * own, own + policy.padding_slack_tokens):
             continue  # cheaper in a batch of its own length than padded this far
         chosen.append((item, row))
-        shortest, longest = narrower, wider
+        shortest, longest, padded_longest = narrower, wider, padded
     return chosen
 
 

@@ -167,6 +167,20 @@ def test_selection_groups_similar_lengths_around_the_oldest() -> None:
     assert [item.lengths[row] for item, row in long_first] == [100, 90]
 
 
+def test_selection_prefers_rows_of_the_anchors_length_over_older_nearby_ones() -> None:
+    """Enough rows of the anchor's own length fill the batch, oldest first, ahead of older rows one token off."""
+    lengths = [10, 10, 10, 11, 11, 11, 11, 11, *[10] * 100, 9]
+    loop = asyncio.new_event_loop()
+    try:
+        items = [WorkItem(tokens([[1] * length]), OUTPUTS, loop.create_future(), None) for length in lengths]
+    finally:
+        loop.close()
+    chosen = select_rows(items, policy(max_batch_size=8, max_batch_tokens=10_000))
+    assert [items.index(item) for item, _ in chosen] == [0, 1, 2, 8, 9, 10, 11, 12]
+    few = select_rows(items[:10], policy(max_batch_size=8, max_batch_tokens=10_000))
+    assert [item.lengths[row] for item, row in few] == [10, 10, 10, 10, 10, 11, 11, 11]
+
+
 async def test_a_full_queue_refuses_at_once_and_a_place_frees_when_a_request_leaves() -> None:
     runner = FakeRunner()
     runner.release.clear()
