@@ -4,7 +4,9 @@ A frame is 8 bytes (the header's length and the payload's, u32 little-endian), a
 (msgspec) holding a list of messages, then the payload: the raw bytes of every array those messages
 carry, one after another, in order. Token rows go in as int64 arrays, outputs come back as float32
 arrays: nothing is pickled. Each side sends what one turn of its event loop produced in one frame,
-so a busy server pays one write and one read for many requests.
+so a busy server pays one write and one read for many requests; the answers of such a turn travel
+as one message per shape of outputs, each output stacked into one array (a batch of one-text
+requests: one message, one array).
 
 Chosen by measurement (`python -m tools.ipc_bench`: 16 callers, one-row requests answered at
 once, the same messages built and read either way; CPU per request on each side, 2 vCPUs, two
@@ -78,15 +80,26 @@ class Failure(msgspec.Struct, array_like=True):
     reason: str | None
 
 
-class Result(msgspec.Struct, tag=True, array_like=True):
-    """A request's answer: its outputs (float32, in the payload, in order) or its failure."""
+class Answers(msgspec.Struct, tag=True, array_like=True):
+    """Several requests' outputs, all of the same names and shapes.
+
+    In the payload, each output's arrays are stacked into one float32 array whose first axis is
+    the requests, in `ids` order.
+    """
+
+    ids: list[int]
+    queue_s: list[float]
+    compute_s: list[float]
+    batch_rows: list[int]
+    outputs: tuple[tuple[str, tuple[int, ...]], ...]
+    """Each output's name and its shape for one request."""
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    """A request's failure."""
 
     id: int
-    failure: Failure | None
-    queue_s: float
-    compute_s: float
-    batch_rows: int
-    outputs: tuple[tuple[str, tuple[int, ...]], ...]
+    failure: Failure
 
 
 class Instance(msgspec.Struct, array_like=True):
@@ -111,7 +124,7 @@ class ModelUpdate(msgspec.Struct, tag=True, array_like=True):
 
 
 ToEngine = Hello | Submit | Cancel | Drain
-ToFrontend = Result | ModelUpdate
+ToFrontend = Answers | Failed | ModelUpdate
 _ENCODER = msgspec.msgpack.Encoder()
 _TO_ENGINE = msgspec.msgpack.Decoder(list[ToEngine])
 _TO_FRONTEND = msgspec.msgpack.Decoder(list[ToFrontend])
@@ -137,6 +150,7 @@ class _Outbox:
         self._transport = transport
         self._messages: list[msgspec.Struct] = []
         self._buffers: list[memoryview | np.ndarray] = []
+        self._packs: list[Callable[[], None]] = []
         self._scheduled = False
 
     def close(self) -> None:
@@ -147,11 +161,21 @@ class _Outbox:
     def put(self, message: msgspec.Struct, *buffers: memoryview | np.ndarray) -> None:
         self._messages.append(message)
         self._buffers.extend(buffers)
+        self._schedule()
+
+    def defer(self, pack: Callable[[], None]) -> None:
+        """Call `pack` (which `put`s what it gathered) just before the next frame is written."""
+        self._packs.append(pack)
+        self._schedule()
+
+    def _schedule(self) -> None:
         if not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        while self._packs:
+            self._packs.pop()()
         self._scheduled = False
         if self._transport.is_closing():
             self._messages.clear()
@@ -240,24 +264,46 @@ def submit_message(
     return message, buffers
 
 
-def result_message(request_id: int, result: WorkResult) -> tuple[Result, list[np.ndarray]]:
-    """A request's outputs as they travel back: the message and its float32 arrays."""
-    buffers, shapes = [], []
-    for name, output in result.outputs.items():
-        array = output if output.dtype == _FP32 and output.flags.c_contiguous else np.ascontiguousarray(output, _FP32)
-        shapes.append((name, array.shape))
-        buffers.append(array)
-    return Result(request_id, None, result.queue_s, result.compute_s, result.batch_rows, tuple(shapes)), buffers
+def answer_messages(answers: list[tuple[int, WorkResult]]) -> list[tuple[Answers, list[np.ndarray]]]:
+    """Requests' outputs as they travel back: one message per shape of outputs, with each output's arrays stacked.
+
+    One message and one array per output for a batch's worth of one-text requests, instead of one
+    of each per request.
+    """
+    groups: dict[tuple[tuple[str, tuple[int, ...]], ...], list[tuple[int, WorkResult]]] = {}
+    for answer in answers:
+        shapes = tuple([(name, output.shape) for name, output in answer[1].outputs.items()])
+        groups.setdefault(shapes, []).append(answer)
+    messages = []
+    for shapes, group in groups.items():
+        results = [result for _, result in group]
+        message = Answers(
+            [request_id for request_id, _ in group],
+            [result.queue_s for result in results],
+            [result.compute_s for result in results],
+            [result.batch_rows for result in results],
+            shapes,
+        )
+        stacked = [np.concatenate([result.outputs[name] for result in results], dtype=_FP32) for name, _ in shapes]
+        messages.append((message, stacked))
+    return messages
 
 
-def work_result(message: Result, payload: bytes, offset: int) -> tuple[WorkResult, int]:
-    """A Result's outputs from the payload at `offset` (views, no copy), and the offset after them."""
-    outputs = {}
+def answered(message: Answers, payload: bytes, offset: int) -> tuple[list[WorkResult], int]:
+    """An Answers message's outputs from the payload at `offset` (views, no copy), and the offset after them."""
+    count = len(message.ids)
+    stacked = []
     for name, shape in message.outputs:
-        count = math.prod(shape)
-        outputs[name] = np.frombuffer(payload, _FP32, count, offset).reshape(shape)
-        offset += count * _FP32.itemsize
-    return WorkResult(outputs, message.queue_s, message.compute_s, message.batch_rows), offset
+        size = math.prod(shape) * count
+        stacked.append((name, np.frombuffer(payload, _FP32, size, offset).reshape((count, *shape))))
+        offset += size * _FP32.itemsize
+    results = [
+        WorkResult({name: array[index] for name, array in stacked}, queue_s, compute_s, batch_rows)
+        for index, (queue_s, compute_s, batch_rows) in enumerate(
+            zip(message.queue_s, message.compute_s, message.batch_rows, strict=True)
+        )
+    ]
+    return results, offset
 
 
 def rows_of(message: Submit, words: np.ndarray, offset: int) -> tuple[TokenRows, int]:
@@ -288,6 +334,8 @@ class EngineConnection(_Frames):
         self._server = server
         self.outbox: _Outbox | None = None
         self.frontend: int | None = None
+        self._answers: list[tuple[int, WorkResult]] = []
+        """Outputs gathered in this loop turn, sent together just before the frame is written."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """A front end connected."""
@@ -314,13 +362,19 @@ class EngineConnection(_Frames):
                 self._server.hello(self)
 
     def answer(self, request_id: int, result: WorkResult) -> None:
-        """Send a request's outputs back."""
-        message, buffers = result_message(request_id, result)
-        self.outbox.put(message, *buffers)
+        """Send a request's outputs back (with every other answer of this loop turn)."""
+        if not self._answers:
+            self.outbox.defer(self._send_answers)
+        self._answers.append((request_id, result))
+
+    def _send_answers(self) -> None:
+        answers, self._answers = self._answers, []
+        for message, stacked in answer_messages(answers):
+            self.outbox.put(message, *stacked)
 
     def fail(self, request_id: int, error: ServiceError) -> None:
         """Send a request's failure back."""
-        self.outbox.put(Result(request_id, failure_of(error), 0.0, 0.0, 0, ()))
+        self.outbox.put(Failed(request_id, failure_of(error)))
 
     def update(self, update: ModelUpdate) -> None:
         """Tell the front end a model's state."""
@@ -457,15 +511,17 @@ class EngineLink(_Frames):
     def frame(self, header: bytes, payload: bytes) -> None:
         """Results and model states from the engine."""
         offset = 0
+        pending = self._pending
         for message in to_frontend(header):
-            if isinstance(message, ModelUpdate):
-                self._on_update(message)
-                continue
-            result, offset = work_result(message, payload, offset)
-            future = self._pending.pop(message.id, None)
-            if future is None or future.done():  # cancelled meanwhile
-                continue
-            if message.failure is not None:
-                future.set_exception(error_of(message.failure))
+            if isinstance(message, Answers):
+                results, offset = answered(message, payload, offset)
+                for request_id, result in zip(message.ids, results, strict=True):
+                    future = pending.pop(request_id, None)
+                    if future is not None and not future.done():  # else cancelled meanwhile
+                        future.set_result(result)
+            elif isinstance(message, Failed):
+                future = pending.pop(message.id, None)
+                if future is not None and not future.done():
+                    future.set_exception(error_of(message.failure))
             else:
-                future.set_result(result)
+                self._on_update(message)

@@ -59,14 +59,14 @@ def _zmq_engine(path: str) -> None:
         socket.bind(f"ipc://{path}")
         while True:
             identity, header, payload = await socket.recv_multipart()
-            messages, buffers, offset = [], [], 0
+            answers, offset = [], 0
             words = np.frombuffer(payload, np.int64)
             for submit in ipc.to_engine(header):
                 _, offset = ipc.rows_of(submit, words, offset)
-                message, arrays = ipc.result_message(submit.id, WorkResult({"embedding": EMBEDDING}, 0.0, 0.0, 1))
-                messages.append(message)
-                buffers += arrays
-            await socket.send_multipart([identity, ipc.encode(messages), b"".join(buffers)])
+                answers.append((submit.id, WorkResult({"embedding": EMBEDDING}, 0.0, 0.0, 1)))
+            messages = ipc.answer_messages(answers)
+            buffers = [array for _, arrays in messages for array in arrays]
+            await socket.send_multipart([identity, ipc.encode([message for message, _ in messages]), b"".join(buffers)])
 
     uvloop.run(main())
 
@@ -104,8 +104,9 @@ async def _drive_zmq(path: str, callers: int, seconds: float, coalesce: bool) ->
             header, payload = await socket.recv_multipart()
             offset = 0
             for message in ipc.to_frontend(header):
-                result, offset = ipc.work_result(message, payload, offset)
-                pending.pop(message.id).set_result(result)
+                results, offset = ipc.answered(message, payload, offset)
+                for request_id, result in zip(message.ids, results, strict=True):
+                    pending.pop(request_id).set_result(result)
 
     async def call() -> None:
         nonlocal next_id
