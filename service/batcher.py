@@ -104,6 +104,10 @@ class WorkResult:
     """Rows of the largest batch it rode in."""
 
 
+Done = Callable[["WorkItem", "WorkResult | None", "Exception | None"], None]
+"""Told a settled request: its result, or its error."""
+
+
 class WorkItem:
     """One queued request: its token rows, those still waiting for a batch, and the future awaiting them all."""
 
@@ -158,7 +162,7 @@ class WorkItem:
         self.batch_rows = 0
         self.expiry: asyncio.TimerHandle | None = None
         """The timer that fails the request at its deadline, while it has rows waiting."""
-        self.on_done: Callable[[WorkItem], None] | None = None
+        self.on_done: Done | None = None
         """Called (on the loop, at once) when the batcher resolves the future, for callers that await nothing."""
         self.owner: object = None
         """The caller's own note of whose request this is (the batcher never reads it)."""
@@ -172,7 +176,7 @@ class WorkItem:
         else:
             self.future.set_exception(error)
         if self.on_done is not None:
-            self.on_done(self)
+            self.on_done(self, result, error)
 
     @property
     def next_length(self) -> int:
@@ -386,7 +390,7 @@ class Batcher:
         outputs: tuple[str, ...],
         deadline: float | None,
         admitted: bool = False,
-        on_done: Callable[[WorkItem], None] | None = None,
+        on_done: Done | None = None,
         *,
         trace: SpanContext | None = None,
     ) -> WorkItem:
@@ -661,7 +665,10 @@ class Batcher:
         item.batch_rows = max(item.batch_rows, batch_rows)
         item.unanswered -= count
         if item.unanswered == 0 and item.results is None:  # all of its rows, in its order, in this batch
-            outputs = {name: self._own(results[name][start : start + count], item, group.rows) for name in item.outputs}
+            outputs = {}
+            for name in item.outputs:
+                block = results[name][start : start + count]
+                outputs[name] = block if block.ndim == 2 else self._own(block, item, group.rows)
         else:
             if item.results is None:
                 item.results = {name: self._empty(results[name], item) for name in item.outputs}
@@ -690,9 +697,7 @@ class Batcher:
 
     @classmethod
     def _own(cls, block: np.ndarray, item: WorkItem, rows: list[int]) -> np.ndarray:
-        """A request's whole output from its block of the batch (per-position outputs: zeros past each row's end)."""
-        if block.ndim == 2:
-            return block
+        """A request's whole per-position output from its block of the batch (zeros past each row's end)."""
         width = item.rows.width
         if block.shape[1] >= width and all(length == width for length in item.lengths):
             return block[:, :width]

@@ -15,7 +15,7 @@ import signal
 from collections.abc import Callable
 
 from service import metrics, tracing
-from service.batcher import WorkItem
+from service.batcher import WorkItem, WorkResult
 from service.engine import Engine
 from service.errors import ExecutionError, ModelFailure, ServiceError
 from service.ipc import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
@@ -49,13 +49,11 @@ class EngineRole:
         item.owner = (connection, message.id, queue)
         self._items.setdefault(connection, {})[message.id] = item
 
-    def _done(self, item: WorkItem) -> None:
+    def _done(self, item: WorkItem, result: WorkResult | None, error: Exception | None) -> None:
         connection, request_id, _ = item.owner
         self._items[connection].pop(request_id, None)
-        future = item.future
-        error = future.exception()
         if error is None:
-            connection.answer(request_id, future.result())
+            connection.answer(request_id, result)
         elif isinstance(error, ServiceError):
             connection.fail(request_id, error)
         else:
