@@ -403,8 +403,7 @@ class Batcher:
         if admitted:
             self._admitted -= 1
         else:
-            self.admit()
-            self._admitted -= 1
+            self.check_room()
         if self._stopped:
             raise Unavailable("the model is shutting down")
         loop = self._loop
@@ -576,7 +575,10 @@ class Batcher:
     def _drop_dead(self) -> None:
         """Remove cancelled requests and fail expired ones, counting both."""
         now = time.monotonic()
-        for item in [item for item in self._pending if item.future.done() or _past(item.deadline, now)]:
+        dead = [
+            item for item in self._pending if item.future.done() or (item.deadline is not None and item.deadline <= now)
+        ]
+        for item in dead:
             self._abandon(item)
             if item.future.done():
                 self._metrics.dropped("cancelled")
@@ -756,8 +758,3 @@ def _laid_out(tokens: np.ndarray, kept: np.ndarray | None, shape: tuple[int, int
     array = np.full(shape, fill, dtype=np.int64)
     array[kept] = tokens
     return array
-
-
-def _past(deadline: float | None, now: float) -> bool:
-    """Whether a monotonic deadline is at or before `now` (never, for no deadline)."""
-    return deadline is not None and deadline <= now

@@ -33,6 +33,7 @@ class EngineRole:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.server = EngineServer(self._submit, self._cancel, self._lost, self._flush)
+        self._on_done = self._done  # bound once, not per request
         self._items: dict[EngineConnection, dict[int, WorkItem]] = {}
         """Each front end's requests in the batchers, by request id; each item's `owner` is
         (its front end, its request id, the batcher holding it)."""
@@ -40,9 +41,8 @@ class EngineRole:
     def _submit(self, connection: EngineConnection, message: Submit, rows: TokenRows) -> None:
         try:
             queue = self.engine.served(message.model, message.version).queue
-            item = queue.enqueue(
-                rows, message.outputs, message.deadline, on_done=self._done, trace=tracing.from_wire(message.trace)
-            )
+            trace = None if message.trace is None else tracing.from_wire(message.trace)
+            item = queue.enqueue(rows, message.outputs, message.deadline, on_done=self._on_done, trace=trace)
         except ServiceError as error:
             connection.fail(message.id, error)
             return
