@@ -25,7 +25,7 @@ from typing import TypeVar
 import numpy as np
 
 from service import metrics, tenants, tracing
-from service.answers import INLINE_ENCODE_BYTES, AnswerBudget
+from service.answers import INLINE_ENCODE_BYTES, AnswerBudget, HeldAnswer
 from service.errors import ExecutionError, NotFound, ServiceError, Unavailable
 from service.models import InstanceInfo, ModelInfo, ServedModel
 from service.repository import RepositoryError, model_directories
@@ -293,7 +293,15 @@ class Engine:
             self.answered(result)
             raise
 
-    def answered(self, result: InferenceResult) -> None:
+    def hold(self, size: int) -> HeldAnswer:
+        """Count an answer made apart from any inference in flight (until `answered`), or refuse it (Overloaded)."""
+        try:
+            return HeldAnswer(self.answers.reserve(size))
+        except ServiceError as error:
+            metrics.REJECTED.labels(error.reason).inc()
+            raise
+
+    def answered(self, result: InferenceResult | HeldAnswer) -> None:
         """The front end handed the answer to its transport (or gave up on it): its bytes leave the budget."""
         self.answers.release(result.answer_bytes)
         result.answer_bytes = 0

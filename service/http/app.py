@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service import codec, metrics, tenants, tracing
+from service.answers import HeldAnswer
 from service.engine import Engine, InferenceResult
 from service.errors import InvalidArgument, NotFound, OverLimit, Overloaded, ServiceError, Unauthenticated
 from service.http import cohere, kserve, openai, tei
@@ -85,8 +86,8 @@ class Response:
     body: bytes = b""
     content_type: str | None = JSON
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    answer: InferenceResult | None = None
-    """The inference answered, whose bytes the engine counts in flight until the body is sent."""
+    answer: InferenceResult | HeldAnswer | None = None
+    """The answer whose bytes the engine counts in flight until the body is sent."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 
 from service import tracing
-from service.answers import JSON_VALUE_BYTES
+from service.answers import JSON_VALUE_BYTES, HeldAnswer
 from service.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
 from service.errors import InvalidArgument, NotFound, TooLarge
 from service.models import ModelInfo
@@ -136,7 +136,7 @@ class Answer:
     """A route's JSON body, with the inference it came from (its bytes stay in the engine's budget until sent)."""
 
     body: bytes
-    result: InferenceResult | None
+    result: InferenceResult | HeldAnswer
 
 
 async def _run(
@@ -269,8 +269,9 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
 
     Each token is {"id", "text", "special", "start", "stop"}: its place in the text (truncated at
     the model's maximum); special tokens have none. The texts are held to the limits of /embed
-    (--max-embedding-inputs, --max-text-bytes, --max-request-text-bytes) and the answer to
-    --max-response-bytes; a large request is tokenised and written on a worker, as inference is.
+    (--max-embedding-inputs, --max-text-bytes, --max-request-text-bytes), the answer to
+    --max-response-bytes and, until sent, to --max-answer-bytes-in-flight; a large request is
+    tokenised and written on a worker, as inference is.
     """
     fields = _object(payload, TOKENIZE_FIELDS)
     if "inputs" not in fields:
@@ -306,7 +307,8 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
             " response (--max-response-bytes); send fewer texts",
             "response_too_large",
         )
-    return Answer(body, None)
+    # In the answers in flight, as an inference's answer is, until the transport has taken it.
+    return Answer(body, call.engine.hold(len(body)))
 
 
 def _tokenizing_model(engine: Engine, name: object) -> ModelInfo:

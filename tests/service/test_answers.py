@@ -252,3 +252,20 @@ def test_an_http_answer_a_client_does_not_read_stays_in_the_budget(default_serve
         for reader in readers:
             reader.close()
     wait_for_metric(default_server, "encoder_answer_bytes_in_flight", 0)
+
+
+def test_a_tokenize_answer_a_client_does_not_read_stays_in_the_budget(default_server: RunningServer) -> None:
+    """/tokenize's answer counts in the answers in flight, as an inference's does, until the connection takes it."""
+    text, count = " ".join(["word"] * 300), 600  # 600 rows of 256 tokens, ~60 bytes each as JSON
+    status, _, one = post(f"{default_server.http_url}/tokenize", json.dumps({"inputs": [text]}).encode())
+    assert status == 200
+    answer_bytes = 2 + count * (len(one) - 2) + count - 1  # [row,row,...]: ~9 MiB, far past what sockets buffer
+    body = json.dumps({"inputs": [text] * count}).encode()
+    head = "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.socket() as reader:
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
+        reader.connect(("127.0.0.1", default_server.http_port))
+        reader.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for_metric(default_server, "encoder_answer_bytes_in_flight", answer_bytes, timeout_s=120)
+        assert metric_value(metric_samples(default_server), "encoder_http_requests_active") == 1
+    wait_for_metric(default_server, "encoder_answer_bytes_in_flight", 0)
