@@ -133,7 +133,10 @@ class TaskCall:
 
 @dataclass(frozen=True)
 class Answer:
-    """A route's JSON body, with the inference it came from (its bytes stay in the engine's budget until sent)."""
+    """A route's JSON body, with what its bytes are counted under in the engine's budget until sent.
+
+    The inference it came from, or (for /tokenize, which runs none) the answer held on its own.
+    """
 
     body: bytes
     result: InferenceResult | HeldAnswer
