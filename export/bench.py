@@ -52,7 +52,7 @@ def candidates(repository_model: Path, threads: int) -> tuple[dict[str, object],
         if variant == "fp16":
             skipped.append("onnx fp16: CUDA-only variant, not benchmarked on the CPU")
             continue
-        models[f"onnx {variant}"] = cpu_session(str(path), threads)
+        models[f"onnx {variant}"] = cpu_session(str(path), threads, spec.online_optimization(variant, "cpu"))
     return models, skipped
 
 

@@ -85,7 +85,8 @@ class _Gate:
     def publishable(self, variant: str, candidates: dict[str, Path]) -> dict[str, Path]:
         """Gate every candidate form of a variant; the ones that pass."""
         self.forms[variant] = {
-            form: self.check(variant, cpu_session(str(path), self.threads)) for form, path in candidates.items()
+            form: self.check(variant, cpu_session(str(path), self.threads, optimize.cpu_graph_optimization(variant)))
+            for form, path in candidates.items()
         }
         passing = {form: path for form, path in candidates.items() if self.forms[variant][form].passed}
         for form, result in self.forms[variant].items():
@@ -145,7 +146,10 @@ def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[st
     batch, tokens = SPEEDUP_SHAPE
     tokens = min(tokens, checkpoint.max_seq_length)
     feed = token_feed(names, batch, tokens, checkpoint.config.vocab_size)
-    sessions = {"fp32": cpu_session(str(fp32), threads), "int8": cpu_session(str(int8), threads)}
+    sessions = {
+        variant: cpu_session(str(path), threads, optimize.cpu_graph_optimization(variant))
+        for variant, path in (("fp32", fp32), ("int8", int8))
+    }
     rates = compare_throughput(sessions, feed, rounds=5)
     return {
         "shape": f"{batch}x{tokens}",
@@ -253,10 +257,15 @@ class _Build:
                 self.refusals += [failure for result in gate.forms[variant].values() for failure in result.failures]
                 continue
             self.stage(f"{variant}: measuring graph forms")
-            choice = optimize.choose_fastest(passing, self.checkpoint.config, self.names, threads)
-            gate.record(variant, choice.form, cpu_session(str(choice.path), threads))
+            level = optimize.cpu_graph_optimization(variant)
+            choice = optimize.choose_fastest(passing, self.checkpoint.config, self.names, threads, level)
+            gate.record(variant, choice.form, cpu_session(str(choice.path), threads, level))
             self.choices[variant], self.files[variant] = choice, choice.path
-            self.recipes[variant] = {"graph_form": choice.form, **int8_recipes.get(choice.form, {})}
+            self.recipes[variant] = {
+                "graph_form": choice.form,
+                "graph_optimization": level,
+                **int8_recipes.get(choice.form, {}),
+            }
 
     def fp16_variant(self, gate: _Gate) -> None:
         """The fully fused fp16 graph for CUDA, gated on CUDA where usable here, else (said plainly) on the CPU."""

@@ -8,6 +8,8 @@
     REPO/<model>/fidelity.npz          gate inputs and the model's fp32 embeddings (checked at load)
 
 Serving facts that Triton has no field for live in `parameters` (string values).
+`optimization.graph.level` is Triton's own field, read as Triton's ONNX Runtime backend reads it:
+ONNX Runtime's online graph optimisation for the fp32 graph (see `ModelSpec.graph_optimization`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ P_PROMPTS = "prompts"
 P_DEFAULT_PROMPT_NAME = "default_prompt_name"
 P_SIMILARITY_FN_NAME = "similarity_fn_name"
 P_MATRYOSHKA_DIMENSIONS = "matryoshka_dimensions"
+GRAPH_LEVELS = {-1: "basic", 0: "all", 1: "extended", 2: "disabled"}
+"""Triton's `optimization.graph.level` values and the ONNX Runtime online optimisation each stands for."""
 P_VARIANT_PREFIX = "variant."
 P_PREFERRED_PREFIX = "preferred_variant."
 
@@ -93,6 +97,16 @@ class ModelSpec:
     similarity_fn_name: str = ""
     matryoshka_dimensions: tuple[int, ...] = ()
     """Widths the embedding may be shortened to (it was trained for them)."""
+    graph_optimization: str = "all"
+    """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU (`optimization.graph.level`).
+
+    The exporter writes basic: its fp32 file already is the graph form measured fastest, and the
+    extended level's own fusions would rewrite it (Add + LayerNormalization into
+    SkipLayerNormalization) into a form it measured slower."""
+
+    def online_optimization(self, variant: str, device: str) -> str:
+        """The online graph optimisation a variant runs at on a device (cpu/cuda)."""
+        return online_optimization(variant, device, self.graph_optimization)
 
     @property
     def max_batch_size(self) -> int:
@@ -117,6 +131,15 @@ class ModelSpec:
     def uses_segments(self) -> bool:
         """Whether the graph takes token_type_ids."""
         return "token_type_ids" in self.input_names
+
+
+def online_optimization(variant: str, device: str, fp32_on_cpu: str) -> str:
+    """The online graph optimisation a variant runs at on a device, given the fp32 graph's on the CPU.
+
+    The config's level holds for the fp32 graph on the CPU, where its form was chosen; elsewhere
+    all: the int8 graph's quantised MatMuls and the fp16 graph's CUDA kernels rely on the online fusions.
+    """
+    return fp32_on_cpu if variant == "fp32" and device == "cpu" else "all"
 
 
 def config_text(config: mc.ModelConfig) -> str:
@@ -269,6 +292,10 @@ def read_model(directory: Path) -> ModelSpec:
     for device, variant in preferred.items():
         if variant not in variants:
             raise RepositoryError(f"{source}: preferred variant {variant!r} for {device} is not published")
+    level = config.optimization.graph.level
+    if level not in GRAPH_LEVELS:
+        named = ", ".join(f"{value} ({name})" for value, name in GRAPH_LEVELS.items())
+        raise RepositoryError(f"{source}: optimization.graph.level {level} is not one of {named}")
     tokenizer_name = _parameter(config, P_TOKENIZER, source, "")
     tokenizer_file = _inside(directory, tokenizer_name, source) if tokenizer_name else None
     if tokenizer_file is not None and not tokenizer_file.is_file():
@@ -292,6 +319,7 @@ def read_model(directory: Path) -> ModelSpec:
         fidelity_file=directory / FIDELITY_FILE if (directory / FIDELITY_FILE).is_file() else None,
         task=task,
         model_type=_parameter(config, P_MODEL_TYPE, source, ""),
+        graph_optimization=GRAPH_LEVELS[level],
         **_task_facts(config, source, task, width),
     )
 

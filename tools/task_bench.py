@@ -89,7 +89,7 @@ def in_process(repository: Path, threads: int) -> dict[str, float]:
     for name in (EMBEDDER, RERANKER):
         spec = read_model(repository / name)
         feed = token_feed(list(spec.input_names), BATCH, TOKENS, spec.vocab_size)
-        session = cpu_session(str(spec.variants["fp32"]), threads)
+        session = cpu_session(str(spec.variants["fp32"]), threads, spec.online_optimization("fp32", "cpu"))
         rates[name] = compare_throughput({name: session}, feed, rounds=3)[name]
     return rates
 

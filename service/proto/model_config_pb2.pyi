@@ -114,6 +114,17 @@ class ModelDynamicBatching(_message.Message):
     default_queue_policy: ModelQueuePolicy
     def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., preserve_ordering: _Optional[bool] = ..., default_queue_policy: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ...) -> None: ...
 
+class ModelOptimizationPolicy(_message.Message):
+    __slots__ = ("graph",)
+    class Graph(_message.Message):
+        __slots__ = ("level",)
+        LEVEL_FIELD_NUMBER: _ClassVar[int]
+        level: int
+        def __init__(self, level: _Optional[int] = ...) -> None: ...
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    graph: ModelOptimizationPolicy.Graph
+    def __init__(self, graph: _Optional[_Union[ModelOptimizationPolicy.Graph, _Mapping]] = ...) -> None: ...
+
 class ModelParameter(_message.Message):
     __slots__ = ("string_value",)
     STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -121,7 +132,7 @@ class ModelParameter(_message.Message):
     def __init__(self, string_value: _Optional[str] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "dynamic_batching", "parameters")
+    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "dynamic_batching", "optimization", "parameters")
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +149,7 @@ class ModelConfig(_message.Message):
     INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZATION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
@@ -148,5 +160,6 @@ class ModelConfig(_message.Message):
     instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
     default_model_filename: str
     dynamic_batching: ModelDynamicBatching
+    optimization: ModelOptimizationPolicy
     parameters: _containers.MessageMap[str, ModelParameter]
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., optimization: _Optional[_Union[ModelOptimizationPolicy, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...

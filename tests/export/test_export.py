@@ -80,6 +80,7 @@ def test_config_pbtxt_is_a_triton_model_config(default_repository: Path) -> None
         "last_hidden_state": (triton_config.TYPE_FP32, [-1, 384]),
         "embedding": (triton_config.TYPE_FP32, [384]),
     }
+    assert config.optimization.graph.level == -1  # ORT_ENABLE_BASIC in Triton's ONNX Runtime backend
     assert config.HasField("dynamic_batching")
     assert config.dynamic_batching.default_queue_policy.max_queue_size == 1024
     assert len(config.instance_group) == 1
@@ -113,6 +114,7 @@ def test_parity_report_meets_every_tolerance(default_repository: Path) -> None:
     for variant, forms in report["cpu_graph_forms"].items():
         assert forms["chosen"] in forms["sequences_per_second"]
         assert report["variants"][variant]["recipe"]["graph_form"] == forms["chosen"]
+        assert report["variants"][variant]["recipe"]["graph_optimization"] == {"fp32": "basic", "int8": "all"}[variant]
         # Every form measured was gated, on every mask shape.
         assert set(forms["gate"]) == {"unfused", "attention_fused", "fully_fused"}
         assert all(gate["passed"] for gate in forms["gate"].values()), variant

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 from onnxruntime.transformers.fusion_options import AttentionMaskFormat
@@ -25,7 +26,7 @@ from export.checkpoint import random_checkpoint
 from export.onnx_export import export_onnx
 from export.pipeline import ExportOptions, export_model
 from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, required_cosine
-from service.repository import FIDELITY_FILE, read_model
+from service.repository import CONFIG_FILE, FIDELITY_FILE, RepositoryError, read_model
 from service.runtime import (
     CPU,
     BatchContractError,
@@ -298,6 +299,32 @@ def test_cpu_device_never_tries_cuda(tiny_repository: Path) -> None:
     assert runtime.provider == CPU and not runtime.fell_back_to_cpu
     outputs = runtime.run(feed(3, 5), ("embedding", "last_hidden_state"))
     assert outputs["embedding"].shape == (3, 32) and outputs["last_hidden_state"].shape == (3, 5, 32)
+
+
+def _online_level(runtime: ModelRuntime) -> ort.GraphOptimizationLevel:
+    return runtime.session.get_session_options().graph_optimization_level
+
+
+def test_the_fp32_graph_runs_at_the_online_optimisation_its_form_was_measured_at(
+    repository_copy: Path, default_repository: Path
+) -> None:
+    """The exported fp32 form runs as measured (basic: not fused again); int8, and configs saying so, at all."""
+    config = repository_copy / TINY_MODEL / CONFIG_FILE
+    assert "optimization {\n  graph {\n    level: -1\n  }\n}" in config.read_text()
+    assert _online_level(ModelRuntime(read_model(repository_copy / TINY_MODEL), CPU_SETTINGS)) == (
+        ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    )
+    int8 = ModelRuntime(
+        read_model(default_repository / DEFAULT_MODEL), dataclasses.replace(CPU_SETTINGS, variant="int8")
+    )
+    assert _online_level(int8) == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    config.write_text(config.read_text().replace("level: -1", "level: 0"))
+    assert _online_level(ModelRuntime(read_model(repository_copy / TINY_MODEL), CPU_SETTINGS)) == (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    )
+    config.write_text(config.read_text().replace("level: 0", "level: 3"))
+    with pytest.raises(RepositoryError, match=r"optimization.graph.level 3 is not one of -1 \(basic\), 0 \(all\)"):
+        read_model(repository_copy / TINY_MODEL)
 
 
 def test_instances_are_pinned_to_the_first_ones_device_and_variant(default_repository: Path) -> None:
