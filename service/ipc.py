@@ -272,8 +272,10 @@ def answer_messages(answers: list[tuple[int, WorkResult]]) -> list[tuple[Answers
     """
     groups: dict[tuple[tuple[str, tuple[int, ...]], ...], list[tuple[int, WorkResult]]] = {}
     for answer in answers:
-        shapes = tuple([(name, output.shape) for name, output in answer[1].outputs.items()])
-        groups.setdefault(shapes, []).append(answer)
+        shapes = []
+        for name, output in answer[1].outputs.items():  # a loop: cheaper than a comprehension's frame here
+            shapes.append((name, output.shape))
+        groups.setdefault(tuple(shapes), []).append(answer)
     messages = []
     for shapes, group in groups.items():
         results = [result for _, result in group]
