@@ -591,9 +591,15 @@ class Batcher:
         return self._waiting_rows * longest >= self.policy.max_batch_tokens
 
     def _drop_dead(self) -> None:
-        """Remove cancelled requests and fail expired ones, counting both."""
+        """Remove cancelled requests and fail expired ones among those the next batch is chosen from, counting both.
+
+        select_rows reads at most a window's worth of requests (one more: the anchor may add no
+        row). Requests further back leave by their own expiry timers and `cancel` calls; this only
+        closes the gap until those run, for the requests a batch could take now.
+        """
         now = time.monotonic()
-        dead = [item for item in self._pending if item.settled or (item.deadline is not None and item.deadline <= now)]
+        readable = self._pending[: self.policy.max_batch_size * SELECTION_WINDOW_BATCHES + 1]
+        dead = [item for item in readable if item.settled or (item.deadline is not None and item.deadline <= now)]
         for item in dead:
             self._abandon(item)
             if item.settled:
