@@ -52,6 +52,8 @@ ROUNDS = 3
 CONNECTIONS = 16
 IN_FLIGHT = 32
 SATURATION_IN_FLIGHT = 256
+SATURATION_RAMP_S = 0.5
+"""Time for every caller to get its request in flight before the engine's CPU is counted."""
 NODE_CORES = 16
 TARGET_CAPACITY = 15_000
 TARGET_ENGINE_US = 60.0
@@ -149,13 +151,18 @@ class Saturation:
 
 
 async def _saturate(path: str, rows: object, seconds: float, engine_pid: int) -> Saturation:
+    """The engine's CPU per request while SATURATION_IN_FLIGHT requests are kept in flight for `seconds`.
+
+    Counted from once every caller is in flight to before any stops: the ramp and the tail (small
+    batches, not saturation) are left out.
+    """
     link = await EngineLink.connect(path, 0, lambda update: None, lambda: None)
     done = 0
+    running = True
 
     async def caller() -> None:
         nonlocal done
-        until = time.monotonic() + seconds
-        while time.monotonic() < until:
+        while running:
             _, future = link.submit(TINY_MODEL, "", rows, ("embedding",), None)
             await future
             done += 1
@@ -163,13 +170,18 @@ async def _saturate(path: str, rows: object, seconds: float, engine_pid: int) ->
     for _ in range(100):
         _, future = link.submit(TINY_MODEL, "", rows, ("embedding",), None)
         await future
-    done = 0
+    callers = asyncio.gather(*(caller() for _ in range(SATURATION_IN_FLIGHT)))
+    await asyncio.sleep(SATURATION_RAMP_S)
+    counted = done
     before, loop_before = process_cpu_seconds(engine_pid), process_cpu_seconds(engine_pid, engine_pid)
-    await asyncio.gather(*(caller() for _ in range(SATURATION_IN_FLIGHT)))
+    await asyncio.sleep(seconds)
     used = process_cpu_seconds(engine_pid) - before
     loop_used = process_cpu_seconds(engine_pid, engine_pid) - loop_before
+    counted = done - counted
+    running = False
+    await callers
     link.close()
-    return Saturation(used / done * 1e6, loop_used / done * 1e6)
+    return Saturation(used / counted * 1e6, loop_used / counted * 1e6)
 
 
 def engine_at_saturation(server: RunningServer, repository: Path, seconds: float) -> Saturation:
