@@ -35,7 +35,7 @@ FP32_GRAPH_OPTIMIZATION = "basic"
 eliminations only, so the form chosen is the form that runs. Measured with `python -m tools.capacity_bench`'s
 tiny model (d_model 32, 59 rows x 14 tokens, 1 thread): 35-36 us per row where the default level,
 which turns its attention-fused form's Add + LayerNormalization into SkipLayerNormalization, took
-43-44; all-MiniLM-L6-v2's figures at 1 x 14 and 32 x 32 are the same either way (within noise)."""
+43-44; all-MiniLM-L6-v2's in-process batch-32 ceiling 5-7% higher (`python -m tools.bench`, 2 threads)."""
 # Shapes (batch, tokens) the CPU forms are compared on: a lone short request, a batch of
 # short sentences, and the 8 x 128 reference shape.
 CPU_MEASURE_SHAPES = ((1, 16), (32, 32), (8, 128))
