@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from service.batcher import EXECUTION_FAILED, Batcher, BatchingPolicy, WorkItem, select_rows
+from service.batcher import EXECUTION_FAILED, Batcher, BatchingPolicy, WorkItem, WorkResult, select_rows
 from service.errors import DEADLINE_CLOCK_SLACK_S, DeadlineExceeded, ModelFailure, Overloaded, Unavailable
 from service.metrics import ModelLabels
 from service.token_rows import TokenRows
@@ -218,6 +218,34 @@ async def test_a_cancelled_request_leaves_the_queue_at_once_and_never_runs() -> 
     assert doomed.cancelled()
     assert [shape for shape in runner.batches] == [(1, 1), (1, 1)]  # the blocker and the survivor
     assert metric("encoder_requests_dropped_total", "cancelled", reason="expired") == 0
+    await batcher.close(WAIT_S)
+
+
+async def test_requests_told_by_a_callback_are_answered_expired_and_cancelled_without_a_future() -> None:
+    """The engine process's way: `enqueue(on_done=...)`, no future; settled exactly as awaited requests are."""
+    told: list[tuple[WorkItem, WorkResult | None, Exception | None]] = []
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("told", [runner], max_batch_size=1)
+    blocker = submit(batcher, [[1]])
+    await runner.started()
+    answered = batcher.enqueue(tokens([[5, 6]]), ("embedding",), None, on_done=lambda *settled: told.append(settled))
+    cancelled = batcher.enqueue(tokens([[66]]), OUTPUTS, None, on_done=lambda *settled: told.append(settled))
+    expiring = batcher.enqueue(
+        tokens([[9]]), OUTPUTS, time.monotonic() + 0.01, on_done=lambda *settled: told.append(settled)
+    )
+    assert answered.future is None and cancelled.future is None and expiring.future is None
+    batcher.cancel(cancelled)
+    assert cancelled.settled and metric("encoder_requests_dropped_total", "told", reason="cancelled") == 1
+    await until(lambda: len(told) == 1, "the expiry told")
+    assert told[0][0] is expiring and told[0][1] is None and isinstance(told[0][2], DeadlineExceeded)
+    runner.release.set()
+    await blocker
+    await until(lambda: len(told) == 2, "the answer told")
+    item, result, error = told[1]
+    assert item is answered and error is None and item.settled
+    assert set(result.outputs) == {"embedding"} and result.outputs["embedding"].tolist() == [[11, 2]]
+    assert runner.batches == [(1, 1), (1, 2)]  # the blocker and the answered one: the others never ran
     await batcher.close(WAIT_S)
 
 
