@@ -47,7 +47,7 @@ from service.repository import read_model
 from service.runtime import ExecutionSettings, ModelRuntime
 from service.tokenizer import TextTokenizer
 from tools.loadtest import Level, LevelResult, LoadConfig, Workload, check_target, load_corpus, run_level
-from tools.local_server import process_cpu_seconds, start_server
+from tools.local_server import process_cpu_seconds, rows_per_run, start_server
 
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 CEILING_BATCH = 32
@@ -106,6 +106,8 @@ class CallCpu:
     infer_us: float
     ratio: float
     rounds: list[tuple[float, float]]
+    rows_per_run: float | None = None
+    """Rows per model run while ModelInfer was measured, median of the rounds (None if no batch ran)."""
 
 
 def in_process(plan: Plan, variant: str, kind: str, seconds: float) -> Ceiling:
@@ -312,16 +314,20 @@ def call_cpu(scratch: Path) -> CallCpu:
     repository = scratch / "tiny-repository"
     export_model(checkpoint, repository, ExportOptions(variants=("fp32",), threads=1))
     with start_server(repository, scratch / "tiny-server.log") as server:
-        rounds = []
+        rounds, batching = [], []
         for _ in range(CALL_CPU_ROUNDS):
             ready = asyncio.run(_cpu_per_call(server.target, server.process.pid, "ModelReady", CALL_CPU_CALLS))
+            before = server.batch_totals(TINY_MODEL)
             infer = asyncio.run(_cpu_per_call(server.target, server.process.pid, "ModelInfer", CALL_CPU_CALLS))
             rounds.append((round(ready), round(infer)))
+            batching.append(rows_per_run(before, server.batch_totals(TINY_MODEL)))
+    measured = [rows for rows in batching if rows is not None]
     return CallCpu(
         ready_us=statistics.median(ready for ready, _ in rounds),
         infer_us=statistics.median(infer for _, infer in rounds),
         ratio=round(statistics.median(infer / ready for ready, infer in rounds), 2),
         rounds=rounds,
+        rows_per_run=round(statistics.median(measured), 2) if measured else None,
     )
 
 
@@ -338,8 +344,10 @@ def target_lines(
 ) -> list[str]:
     """The targets with their figures, then the reported latency and c=8 throughput."""
     goal = "goal met" if cpu.ratio <= GOAL_CALL_CPU_RATIO else f"goal {GOAL_CALL_CPU_RATIO}x not yet"
+    batching = "" if cpu.rows_per_run is None else f" ({cpu.rows_per_run:.1f} rows per model run)"
     lines = [
-        f"1. server CPU per call (tiny model, {CALL_CPU_CONCURRENCY} callers): ModelInfer {cpu.infer_us:.0f} us vs "
+        f"1. server CPU per call (tiny model, {CALL_CPU_CONCURRENCY} callers): ModelInfer {cpu.infer_us:.0f} us"
+        f"{batching} vs "
         f"ModelReady {cpu.ready_us:.0f} us = {cpu.ratio:.2f}x (target <= {TARGET_CALL_CPU_RATIO}x: "
         f"{_verdict(cpu.ratio <= TARGET_CALL_CPU_RATIO)}; {goal})"
     ]

@@ -9,13 +9,22 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 START_TIMEOUT_S = 180
+BATCH_ROWS, BATCHES_RUN = "encoder_batch_size_sum", "encoder_batch_size_count"
+
+
+def rows_per_run(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """Rows per model run between two `RunningServer.batch_totals` readings; None if no batch ran."""
+    runs = after[1] - before[1]
+    return (after[0] - before[0]) / runs if runs else None
 
 
 def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
@@ -88,6 +97,16 @@ class RunningServer:
     def metrics_url(self) -> str:
         """The /metrics endpoint."""
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def batch_totals(self, model: str) -> tuple[float, float]:
+        """(rows, batches) the model has run so far, every version, from /metrics (encoder_batch_size)."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        totals = {BATCH_ROWS: 0.0, BATCHES_RUN: 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals and sample.labels.get("model") == model:
+                    totals[sample.name] += sample.value
+        return totals[BATCH_ROWS], totals[BATCHES_RUN]
 
     def log(self) -> str:
         """Everything the server wrote so far."""

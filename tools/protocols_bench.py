@@ -6,7 +6,8 @@ One server serves both ports; closed-loop clients in this process send the same 
 gRPC ModelInfer, an OpenAI /v1/embeddings request (base64, the SDK's default, and float) and a
 KServe v2 REST infer with binary output, taking turns round after round so that a machine's
 drift touches every protocol alike. Server CPU per request is the server process's user + system
-time over the requests it answered. The HTTP client is a minimal keep-alive HTTP/1.1 client on
+time over the requests it answered; rows per model run (from the server's encoder_batch_size)
+tell how well each front end's requests batch. The HTTP client is a minimal keep-alive HTTP/1.1 client on
 asyncio streams, so the client's own cost stays close to grpc.aio's.
 """
 
@@ -28,7 +29,7 @@ import grpc
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from tools.local_server import RunningServer, process_cpu_seconds, start_server
+from tools.local_server import RunningServer, process_cpu_seconds, rows_per_run, start_server
 
 SENTENCE = "A short sentence about serving encoders over two protocols."
 PROTOCOLS = ("grpc", "openai-base64", "openai-float", "kserve-rest")
@@ -48,6 +49,8 @@ class Measurement:
     seconds: float
     server_cpu_s: float
     p50_ms: float
+    rows_per_run: float | None = None
+    """Rows per model run while measured: how well this front end's requests batched."""
 
     @property
     def requests_per_s(self) -> float:
@@ -180,15 +183,17 @@ async def measure(server: RunningServer, model: str, protocol: str, concurrency:
         closers = [connection.close for connection in connections]
     try:
         await asyncio.gather(*(call() for call in calls))  # warm: connections made, first answers in
+        batches_before = server.batch_totals(model)
         cpu_before = process_cpu_seconds(server.process.pid)
         requests, elapsed, p50_ms = await closed_loop(calls, seconds)
         cpu = process_cpu_seconds(server.process.pid) - cpu_before
+        batching = rows_per_run(batches_before, server.batch_totals(model))
     finally:
         for close in closers:
             close()
         if protocol == "grpc":
             await channel.close()
-    return Measurement(protocol, concurrency, requests, elapsed, cpu, p50_ms)
+    return Measurement(protocol, concurrency, requests, elapsed, cpu, p50_ms, batching)
 
 
 def summary(measurements: list[Measurement]) -> list[dict[str, float | int | str]]:
@@ -207,6 +212,7 @@ def summary(measurements: list[Measurement]) -> list[dict[str, float | int | str
                 "vs_grpc": round(rps / statistics.median(m.requests_per_s for m in grpc_group), 2),
                 "server_cpu_us_per_request": round(statistics.median(m.server_cpu_us_per_request for m in group)),
                 "p50_ms": round(statistics.median(m.p50_ms for m in group), 2),
+                "rows_per_run": round(statistics.median(m.rows_per_run or 0 for m in group), 2),
             }
         )
     return rows
@@ -223,7 +229,7 @@ async def run(server: RunningServer, options: argparse.Namespace) -> list[Measur
                 print(
                     f"round {round_index + 1} {protocol:>13} x{concurrency:<3} {measurement.requests_per_s:8.1f} req/s"
                     f" {measurement.server_cpu_us_per_request:6.0f} us server CPU/request"
-                    f" p50 {measurement.p50_ms:.2f} ms",
+                    f" p50 {measurement.p50_ms:.2f} ms, {measurement.rows_per_run or 0:.1f} rows per model run",
                     file=sys.stderr,
                 )
     return measurements

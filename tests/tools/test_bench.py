@@ -26,7 +26,7 @@ from tools.bench import (
     target_lines,
 )
 from tools.loadtest import LevelResult, Workload
-from tools.local_server import process_cpu_seconds
+from tools.local_server import process_cpu_seconds, rows_per_run
 
 CALLS = 320
 WARM_UP_CALLS = 100
@@ -39,11 +39,18 @@ def test_server_cpu_per_call_is_read_from_the_kernel_for_both_methods(tiny_serve
     answered_before = metric_value(metric_samples(tiny_server), "encoder_requests_total", **labels)
     cpu_before_s = process_cpu_seconds(pid)
     ready_us = asyncio.run(_cpu_per_call(tiny_server.target, pid, "ModelReady", CALLS))
+    batches_before = tiny_server.batch_totals(TINY_MODEL)
     infer_us = asyncio.run(_cpu_per_call(tiny_server.target, pid, "ModelInfer", CALLS))
     cpu_spent_us = (process_cpu_seconds(pid) - cpu_before_s) * 1e6
     # The server answered exactly the inferences sent (the warm-up's and the measured ones).
     answered = metric_value(metric_samples(tiny_server), "encoder_requests_total", **labels) - answered_before
     assert answered == WARM_UP_CALLS + CALLS // CALL_CPU_CONCURRENCY * CALL_CPU_CONCURRENCY
+    # Each call is one text: the rows run are those calls, in at least one and at most that many runs.
+    batches_after = tiny_server.batch_totals(TINY_MODEL)
+    rows, runs = (after - before for after, before in zip(batches_after, batches_before, strict=True))
+    assert rows == answered and 1 <= runs <= rows
+    assert rows_per_run(batches_before, batches_after) == rows / runs
+    assert rows_per_run(batches_before, batches_before) is None  # no batch ran between the two readings
     # /proc counts in clock ticks (10 ms): 320 calls cost at least a few of them.
     assert ready_us > 0 and infer_us > 0
     # Per call, over the calls made: the measured calls' CPU is within what the server spent over
@@ -97,6 +104,7 @@ def test_call_cpu_ratio_is_the_median_of_each_rounds_own_ratio(
     assert len({pid for _, pid in measured}) == 1  # one server, measured throughout
     assert cpu.rounds == rounds
     assert cpu.ratio == ratio
+    assert cpu.rows_per_run is None  # the stand-in ran no batch
     (line,) = target_lines(cpu, {}, {}, None)
     assert line.endswith(f"= {ratio:.2f}x (target <= 2.0x: {verdict})"), line
 
@@ -144,3 +152,7 @@ def test_each_target_is_judged_against_its_own_bar() -> None:
     assert "MISSED" in missed[1] and "MISSED" in missed[2]
     without_ingestion = target_lines(cpu, {"fp32": ceiling}, served, None)
     assert not any(line.startswith("3.") for line in without_ingestion)
+    batched_cpu = CallCpu(100, 150, 1.5, [(100, 150)], rows_per_run=1.36)
+    assert target_lines(batched_cpu, {}, {}, None)[0].startswith(
+        "1. server CPU per call (tiny model, 16 callers): ModelInfer 150 us (1.4 rows per model run) vs ModelReady"
+    )
