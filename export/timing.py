@@ -12,22 +12,17 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
-from service.runtime import GRAPH_OPTIMIZATION
+from service.runtime import ExecutionSettings, session_options
 
 Feed = dict[str, np.ndarray]
 
 
 def cpu_session(path: str, threads: int, graph_optimization: str = "all") -> ort.InferenceSession:
-    """A CPU session configured as the server configures one: fixed threads, no spinning.
+    """A CPU session configured as the server configures one (service.runtime.session_options): fixed threads.
 
     `graph_optimization`: ONNX Runtime's online graph optimisation (service.runtime.GRAPH_OPTIMIZATION's names).
     """
-    options = ort.SessionOptions()
-    options.graph_optimization_level = GRAPH_OPTIMIZATION[graph_optimization]
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.log_severity_level = 3
+    options = session_options(ExecutionSettings(intra_op_threads=threads), graph_optimization)
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
