@@ -87,7 +87,7 @@ EXPOSE 8000 8001 8002 8003
 
 # Model loading and warm-up happen before the health service reports SERVING.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "service.healthcheck"]
+    CMD ["python", "-m", "service.ops.healthcheck"]
 
 ENTRYPOINT ["python", "-m", "service"]
 CMD ["--model-repository", "/models"]

@@ -64,7 +64,7 @@ protos: $(VENV)/.installed
 gpu-check: $(VENV)/.installed
 	@mkdir -p gpu-report
 	@{ nvidia-smi 2>&1 || echo "nvidia-smi: not available"; \
-	  $(PY) -c "import onnxruntime as o; from service.runtime import cuda_unavailable_reason as r; \
+	  $(PY) -c "import onnxruntime as o; from service.core.runtime import cuda_unavailable_reason as r; \
 	print('onnxruntime', o.__version__, o.get_available_providers()); print('CUDA:', r() or 'usable')"; \
 	} > gpu-report/environment.txt 2>&1
 	@cat gpu-report/environment.txt

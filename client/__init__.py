@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 
 from client.protocol import EmbeddingError, batches, channel_options, output_array, text_request
-from service.client_security import ClientSecurity, SecurityError
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from protocol.channel_security import ClientSecurity, SecurityError
 
 __all__ = ["AsyncEmbeddingClient", "ClientSecurity", "EmbeddingClient", "EmbeddingError", "SecurityError"]
 

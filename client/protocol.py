@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from service.proto import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2 as pb
 
 _LENGTH = struct.Struct("<I")
 # Inference is idempotent: retry what a draining or restarting pod answers (UNAVAILABLE).

@@ -22,7 +22,7 @@ from transformers import logging as transformers_logging
 
 from export.checkpoint import default_model_folder, load_checkpoint
 from export.timing import compare_seconds, cpu_session, token_feed
-from service.repository import read_model
+from service.core.repository import read_model
 
 GRID = ((1, 16), (8, 128), (32, 32), (32, 128), (8, 256))
 

@@ -25,7 +25,7 @@ from onnxruntime.transformers.optimizer import optimize_model
 from export.config import EncoderConfig
 from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
 from export.timing import compare_throughput, cpu_session, token_feed
-from service.repository import online_optimization
+from service.core.repository import online_optimization
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, cosines
-from service.tokenizer import TextTokenizer
+from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, cosines
+from service.pipeline.tokenizer import TextTokenizer
 
 BATCH_SIZES = (1, 2, 7, 32)
 SENTENCE_BATCH = 16

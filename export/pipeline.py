@@ -3,7 +3,7 @@
 Every graph form that is measured is gated too: a CPU candidate that misses its variant's
 tolerance (on any mask shape) is never eligible, and a variant with no passing form refuses the
 whole export. What a user of the server gets (texts in, `embedding` out) is measured for every
-published variant and decides the default on CUDA (the fidelity rule, service.fidelity).
+published variant and decides the default on CUDA (the fidelity rule, service.core.fidelity).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from export.onnx_export import OPSET, export_onnx, input_names
 from export.publish import ServingDefaults, build_config, publish
 from export.quantize import quantize_int8
 from export.timing import compare_throughput, cpu_session, token_feed
-from service.fidelity import FIDELITY_MIN_COSINE, FidelityCheck, FidelityReference, compare, required_cosine
-from service.runtime import (
+from service.core.fidelity import FIDELITY_MIN_COSINE, FidelityCheck, FidelityReference, compare, required_cosine
+from service.core.runtime import (
     CPU,
     CUDA,
     ExecutionSettings,
@@ -34,7 +34,7 @@ from service.runtime import (
     cuda_unavailable_reason,
     session_options,
 )
-from service.tokenizer import TextTokenizer
+from service.pipeline.tokenizer import TextTokenizer
 
 VARIANTS = ("fp32", "int8", "fp16")
 CALIBRATION_FILE = Path(__file__).resolve().parent / "data" / "calibration.txt"

@@ -18,9 +18,9 @@ from export.checkpoint import Checkpoint
 from export.heads import labels_parameter
 from export.onnx_export import save_onnx
 from export.optimize import FP32_GRAPH_OPTIMIZATION
-from service.fidelity import FidelityReference
-from service.proto import model_config_pb2 as mc
-from service.repository import (
+from protocol import model_config_pb2 as mc
+from service.core.fidelity import FidelityReference
+from service.core.repository import (
     CONFIG_FILE,
     FIDELITY_FILE,
     GRAPH_LEVELS,

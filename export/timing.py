@@ -12,15 +12,15 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
-from service.runtime import ExecutionSettings, session_options
+from service.core.runtime import ExecutionSettings, session_options
 
 Feed = dict[str, np.ndarray]
 
 
 def cpu_session(path: str, threads: int, graph_optimization: str = "all") -> ort.InferenceSession:
-    """A CPU session configured as the server configures one (service.runtime.session_options): fixed threads.
+    """A CPU session configured as the server configures one (service.core.runtime.session_options): fixed threads.
 
-    `graph_optimization`: ONNX Runtime's online graph optimisation (service.runtime.GRAPH_OPTIMIZATION's names).
+    `graph_optimization`: ONNX Runtime's online graph optimisation (service.core.runtime.GRAPH_OPTIMIZATION's names).
     """
     options = session_options(ExecutionSettings(intra_op_threads=threads), graph_optimization)
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])

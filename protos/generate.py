@@ -1,10 +1,10 @@
-"""Generate the Python stubs in service/proto/ from the .proto files beside this script.
+"""Generate the Python stubs in protocol/ from the .proto files beside this script.
 
-    python protos/generate.py            # rewrite service/proto/*_pb2*.py(i)
+    python protos/generate.py            # rewrite protocol/*_pb2*.py(i)
     python protos/generate.py --check    # exit 1 if the committed stubs differ
 
 Two edits follow protoc, both mechanical: imports become package-qualified
-(`from service.proto import ...`), and descriptors register in the package's private pool
+(`from protocol import ...`), and descriptors register in the package's private pool
 instead of protobuf's default one, so that these stubs and tritonclient's (same proto package,
 same file names) can be imported in one process.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 from grpc_tools import protoc
 
 PROTO_DIR = Path(__file__).resolve().parent
-OUTPUT_DIR = PROTO_DIR.parent / "service" / "proto"
-PACKAGE = "service.proto"
+OUTPUT_DIR = PROTO_DIR.parent / "protocol"
+PACKAGE = "protocol"
 PROTO_FILES = ("model_config.proto", "grpc_service.proto")
 
 

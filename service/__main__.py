@@ -9,13 +9,14 @@ import sys
 
 import uvloop
 
-from service import processes, tracing
-from service.engine_role import run_engine
+from service import processes
+from service.core.engine_process import run_engine
+from service.core.repository import RepositoryError
 from service.errors import ExecutionError
-from service.repository import RepositoryError
-from service.security import SecurityError, check_files
+from service.ops import tracing
+from service.ops.security import SecurityError, check_files
+from service.ops.settings import Settings, SettingsError, load_settings
 from service.server import FrontendRole, serve
-from service.settings import Settings, SettingsError, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Typed request errors and the gRPC status of each (mapped to the wire in service.interceptor)."""
+"""Typed request errors and the gRPC status of each (mapped to the wire in service.frontends.grpc.interceptor)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Overloaded(ServiceError):
 
 
 class OverLimit(Overloaded):
-    """A tenant over one of its limits (service.tenants): refused until its bucket has refilled."""
+    """A tenant over one of its limits (service.ops.tenants): refused until its bucket has refilled."""
 
     def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
         super().__init__(message, reason)

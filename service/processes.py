@@ -36,9 +36,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from service.metrics import LiveGauges
-from service.settings import Settings
-from service.statistics import TABLES, StatisticsTables, TritonMetricsCollector
+from service.ops.metrics import LiveGauges
+from service.ops.settings import Settings
+from service.ops.statistics import TABLES, StatisticsTables, TritonMetricsCollector
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def frontends(settings: Settings) -> int:
     on_cuda = False
     if settings.device != "cpu" and settings.variant != "int8":
         # Only to choose: the model is loaded by the engine process, which places it for itself.
-        from service.runtime import cuda_unavailable_reason  # noqa: PLC0415
+        from service.core.runtime import cuda_unavailable_reason  # noqa: PLC0415
 
         on_cuda = cuda_unavailable_reason(settings.cuda_device_id) is None
     return settings.resolved_frontends(on_cuda)

@@ -16,21 +16,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import REGISTRY, start_http_server
 
-from service import metrics
-from service.engine import Engine
-from service.health import NOT_SERVING, SERVING, HealthService
-from service.http.app import HttpApp
-from service.http.listener import HttpListener
-from service.interceptor import ErrorInterceptor
-from service.ipc import EngineLink
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.proto import model_config_pb2 as mc
-from service.remote import RemoteModels
-from service.security import ApiKeys, ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
-from service.servicer import InferenceServicer
-from service.settings import Settings
-from service.statistics import TABLES, TritonMetricsCollector
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from protocol import model_config_pb2 as mc
+from service.core.remote import RemoteModels
+from service.core.wire import EngineLink
+from service.frontends.grpc.health import NOT_SERVING, SERVING, HealthService
+from service.frontends.grpc.interceptor import ErrorInterceptor
+from service.frontends.grpc.servicer import InferenceServicer
+from service.frontends.http.app import HttpApp
+from service.frontends.http.listener import HttpListener
+from service.ops import metrics
+from service.ops.security import ApiKeys, ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
+from service.ops.settings import Settings
+from service.ops.statistics import TABLES, TritonMetricsCollector
+from service.pipeline.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ UNREQUESTED_CALL_TIMEOUT_S = 30
 def reflection_pool() -> descriptor_pool.DescriptorPool:
     """A descriptor pool holding every service served, for the reflection service.
 
-    Our stubs live in a private pool (see service/proto/pool.py); health and reflection in the
+    Our stubs live in a private pool (see protocol/pool.py); health and reflection in the
     default one. Reflection answers from a single pool, so this one gathers all four files.
     """
     pool = descriptor_pool.DescriptorPool()

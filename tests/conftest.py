@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from export.checkpoint import default_model_folder, load_checkpoint, random_checkpoint
 from export.config import EncoderConfig
 from export.pipeline import ExportOptions, export_model
-from service.client_security import ClientSecurity
+from protocol.channel_security import ClientSecurity
 from tests.export import tiny_models
 from tests.servers import RunningServer, cuda_usable, free_port, start_server
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from service.proto import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2 as pb
 
 WIDTH = 32
 """Embedding width of every graph here."""

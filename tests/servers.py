@@ -14,8 +14,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.core.runtime import cuda_unavailable_reason
 from service.processes import children
-from service.runtime import cuda_unavailable_reason
 from tools.local_server import RunningServer, free_port, health_status
 from tools.local_server import launch_server as launch_local_server
 from tools.local_server import start_server as start_local_server

@@ -20,8 +20,8 @@ import onnxruntime
 from onnx import TensorProto, helper
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
-from service.proto import model_config_pb2 as mc
-from service.repository import (
+from protocol import model_config_pb2 as mc
+from service.core.repository import (
     P_DEFAULT_PROMPT_NAME,
     P_LABELS,
     P_MATRYOSHKA_DIMENSIONS,

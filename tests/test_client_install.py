@@ -18,8 +18,9 @@ from tests.installs import copy_project_source, fresh_environment, pip_install
 from tests.servers import RunningServer
 
 SERVER_ONLY = ("onnxruntime", "onnxruntime-gpu", "tokenizers", "torch", "prometheus-client", "grpcio-reflection")
-CLIENT_MODULES = {"client", "client.protocol", "service", "service.client_security"}
-"""What `import client` may load of this project: the SDK, its channel settings, and the stubs (service.proto)."""
+CLIENT_MODULES = {"client", "client.protocol", "protocol", "protocol.channel_security"}
+"""What `import client` may load of this project: the SDK, its channel settings and the stubs (protocol), never
+service/."""
 PROBE = """
 import importlib.util, json, sys
 from importlib import metadata
@@ -31,7 +32,7 @@ print(json.dumps({
     "client_from": importlib.util.find_spec("client").origin,
     "tools_installed": importlib.util.find_spec("tools") is not None,
     "project_modules": sorted(
-        m for m in sys.modules if m.split(".")[0] in ("client", "service", "export", "tools")
+        m for m in sys.modules if m.split(".")[0] in ("client", "protocol", "service", "export", "tools")
     ),
     "embedding": embedding.tolist(),
 }))
@@ -62,6 +63,9 @@ def test_client_installs_without_the_runtime_and_embeds(tiny_server: RunningServ
     # The tools are installed beside the SDK, and the SDK loads none of them, nor the serving runtime.
     assert found["tools_installed"]
     loaded = set(found["project_modules"])
-    assert loaded - {m for m in loaded if m.startswith("service.proto")} == CLIENT_MODULES, loaded
+    assert (
+        loaded - {m for m in loaded if (m.startswith("protocol.") and "_pb2" in m) or m == "protocol.pool"}
+        == CLIENT_MODULES
+    ), loaded
     expected = EmbeddingClient(tiny_server.target, model=TINY_MODEL).embed([SENTENCE])
     np.testing.assert_allclose(np.array(found["embedding"], dtype=np.float32), expected, atol=1e-6)

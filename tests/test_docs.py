@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service import settings_reference
-from service.settings import Settings
+from service.ops import settings_reference
+from service.ops.settings import Settings
 from tests.deploy.test_monitoring import METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def broken_links(path: Path) -> list[str]:
 
 
 def test_the_settings_reference_is_what_the_settings_say() -> None:
-    assert settings_reference.main(["--check"]) == 0, "run: python -m service.settings_reference"
+    assert settings_reference.main(["--check"]) == 0, "run: python -m service.ops.settings_reference"
     text = settings_reference.REFERENCE_PATH.read_text()
     for item in Settings.__dataclass_fields__.values():
         assert f"`--{item.name.replace('_', '-')}`" in text

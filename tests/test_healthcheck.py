@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from service import healthcheck
+from service.ops import healthcheck
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "all-MiniLM-L6-v2"
@@ -115,9 +115,9 @@ def test_rejects_bad_timeout(timeout) -> None:
 
 
 def test_module_entry_point(health_server) -> None:
-    """``python -m service.healthcheck`` as the Docker HEALTHCHECK runs it."""
+    """``python -m service.ops.healthcheck`` as the Docker HEALTHCHECK runs it."""
     servicer, target = health_server
-    command = [sys.executable, "-m", "service.healthcheck", "--target", target]
+    command = [sys.executable, "-m", "service.ops.healthcheck", "--target", target]
     serving = subprocess.run(command, check=False, cwd=REPO_ROOT, capture_output=True, timeout=30)
     assert serving.returncode == 0
     servicer.set("", NOT_SERVING)

@@ -41,11 +41,11 @@ from client.protocol import text_request
 from export.checkpoint import default_model_folder, random_checkpoint
 from export.config import EncoderConfig
 from export.pipeline import ExportOptions, export_model
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.repository import read_model
-from service.runtime import ExecutionSettings, ModelRuntime
-from service.tokenizer import TextTokenizer
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.core.repository import read_model
+from service.core.runtime import ExecutionSettings, ModelRuntime
+from service.pipeline.tokenizer import TextTokenizer
 from tools.loadtest import Level, LevelResult, LoadConfig, Workload, check_target, load_corpus, run_level
 from tools.local_server import process_cpu_seconds, rows_per_run, start_server
 

@@ -38,11 +38,11 @@ import uvloop
 
 from export.checkpoint import default_model_folder, random_checkpoint
 from export.pipeline import ExportOptions, export_model
-from service.ipc import EngineLink
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.core.repository import read_model
+from service.core.wire import EngineLink
+from service.pipeline.tokenizer import TextTokenizer
 from service.processes import ENGINE_SOCKET, TITLE, children
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.repository import read_model
-from service.tokenizer import TextTokenizer
 from tools.bench import TINY_CONFIG, TINY_MODEL
 from tools.local_server import RunningServer, process_cpu_seconds, start_server
 from tools.protocols_bench import SENTENCE, HttpConnection, closed_loop, grpc_request, http_requests

@@ -6,7 +6,7 @@ A stand-in engine (a child process) answers each one-row request at once with a 
 embedding; 16 callers in this process keep one request each in flight. Each side's CPU time (as
 the kernel counts it) per request, for:
 
-- `service.ipc` (the server's): length-prefixed frames of msgspec headers and raw arrays over a
+- `service.core.wire` (the server's): length-prefixed frames of msgspec headers and raw arrays over a
   Unix socket, one frame per event-loop turn;
 - pyzmq DEALER/ROUTER over ipc://, with the same messages built and read the same way: one
   message per turn (coalesced) and one per request (when pyzmq is installed: it is in the
@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
-from service import ipc
-from service.batcher import WorkResult
-from service.ipc import EngineLink, EngineServer, Submit
-from service.token_rows import TokenRows
+from service.core import wire as ipc
+from service.core.batcher import WorkResult
+from service.core.rows import TokenRows
+from service.core.wire import EngineLink, EngineServer, Submit
 from tools.local_server import process_cpu_seconds
 
 EMBEDDING = np.ones((1, 384), dtype=np.float32)
@@ -150,7 +150,7 @@ def measure(transport: str, callers: int, seconds: float) -> tuple[float, float,
             while not Path(path).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             started, engine_before, mine_before = time.monotonic(), process_cpu_seconds(engine.pid), time.process_time()
-            if transport == "service.ipc":
+            if transport == "service.core.wire":
                 done = uvloop.run(_drive_ours(path, callers, seconds))
             else:
                 done = uvloop.run(_drive_zmq(path, callers, seconds, coalesce=transport == "pyzmq, coalesced"))
@@ -172,15 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     if arguments.engine:
         transport, path = arguments.engine
-        (_ours_engine if transport == "service.ipc" else _zmq_engine)(path)
+        (_ours_engine if transport == "service.core.wire" else _zmq_engine)(path)
         return 0
-    transports = ["service.ipc"]
+    transports = ["service.core.wire"]
     try:
         import zmq  # noqa: F401, PLC0415 - is it installed?
 
         transports += ["pyzmq, coalesced", "pyzmq, one message per request"]
     except ImportError:
-        print("pyzmq is not installed: measuring service.ipc only", file=sys.stderr)
+        print("pyzmq is not installed: measuring service.core.wire only", file=sys.stderr)
     print(f"{'transport':<32} {'req/s':>8} {'front end us/req':>17} {'engine us/req':>14}")
     for transport in transports:
         rate, front_end, engine = measure(transport, arguments.callers, arguments.seconds)

@@ -30,8 +30,8 @@ from pathlib import Path
 import nvidia.cuda_runtime
 
 from client import DEFAULT_MODEL
-from service.repository import read_model
-from service.tokenizer import TextTokenizer
+from service.core.repository import read_model
+from service.pipeline.tokenizer import TextTokenizer
 from tools.loadtest.corpus import load_corpus
 
 MODES = ("tokens", "text", "streaming", "http-tokens", "http-text")

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import grpc
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from tools.local_server import RunningServer, process_cpu_seconds, rows_per_run, start_server
 
 SENTENCE = "A short sentence about serving encoders over two protocols."

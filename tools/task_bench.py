@@ -29,8 +29,8 @@ import transformers
 from export.checkpoint import default_model_folder, load_checkpoint
 from export.pipeline import ExportOptions, export_model
 from export.timing import compare_throughput, cpu_session, token_feed
-from service.repository import read_model
-from service.tokenizer import TextTokenizer
+from service.core.repository import read_model
+from service.pipeline.tokenizer import TextTokenizer
 from tools.local_server import start_server
 
 EMBEDDER = "all-MiniLM-L6-v2"

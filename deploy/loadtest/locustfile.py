@@ -22,7 +22,7 @@ from locust import User, constant, events, task
 from locust.argument_parser import LocustArgumentParser
 
 from client import DEFAULT_MODEL, EmbeddingClient, EmbeddingError
-from service.client_security import security_from_env
+from protocol.channel_security import security_from_env
 from tools.loadtest.config import parse_mix
 from tools.loadtest.corpus import load_corpus
 

@@ -15,8 +15,8 @@ import pytest
 import tritonclient.grpc as triton
 
 from client import AsyncEmbeddingClient, ClientSecurity, EmbeddingClient, EmbeddingError, SecurityError
-from service import healthcheck
-from service.client_security import read_api_key
+from protocol.channel_security import read_api_key
+from service.ops import healthcheck
 from tests.conftest import API_KEY, TINY_MODEL, Pki
 from tests.servers import RunningServer
 

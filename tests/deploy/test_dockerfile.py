@@ -153,7 +153,7 @@ def test_build_context_sources_exist_and_are_not_ignored(parsed: tuple[dict[str,
 def test_dockerignore_keeps_the_context_small() -> None:
     for path in (".git", ".venv", "model_repository", "tests", "deploy", "service/__pycache__/x.pyc"):
         assert _ignored(path), path
-    for path in ("pyproject.toml", "service/healthcheck.py", "export/model.py"):
+    for path in ("pyproject.toml", "service/ops/healthcheck.py", "export/model.py"):
         assert not _ignored(path), path
 
 
@@ -166,7 +166,7 @@ def test_python_modules_exist(parsed: tuple[dict[str, str], list[Stage]]) -> Non
                 modules.update(_python_modules(_command(arguments)))
         for arguments in stage.arguments("HEALTHCHECK"):
             modules.update(_python_modules(_command(arguments.split(" CMD ", 1)[1].strip())))
-    assert modules == {"export", "service", "service.healthcheck"}
+    assert modules == {"export", "service", "service.ops.healthcheck"}
     for module in sorted(modules):
         path = REPO_ROOT / module.replace(".", "/")
         assert (path / "__main__.py").is_file() or path.with_suffix(".py").is_file(), (
@@ -211,7 +211,7 @@ def test_runtime_runs_the_server_as_non_root(parsed: tuple[dict[str, str], list[
     assert entrypoint.startswith("[") and command.startswith("["), "exec form, so the server gets SIGTERM"
     assert json.loads(entrypoint) + json.loads(command) == ["python", "-m", "service", "--model-repository", "/models"]
     (healthcheck,) = runtime.arguments("HEALTHCHECK")
-    assert json.loads(healthcheck.split(" CMD ", 1)[1]) == ["python", "-m", "service.healthcheck"]
+    assert json.loads(healthcheck.split(" CMD ", 1)[1]) == ["python", "-m", "service.ops.healthcheck"]
 
 
 def test_onnxruntime_gpu_is_built_for_the_image_cuda(parsed: tuple[dict[str, str], list[Stage]]) -> None:

@@ -21,8 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service import settings as server_settings
-from service.settings import SettingsError, load_settings
+from service.ops import settings as server_settings
+from service.ops.settings import SettingsError, load_settings
 from tests.deploy.conftest import DEPLOY, _kubectl, _kustomize
 from tests.deploy.test_manifests import (
     DEFAULT_DRAIN_TIMEOUT_S,

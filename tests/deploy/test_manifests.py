@@ -14,7 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from service.settings import ENV_PREFIX, Settings, load_settings
+from service.ops.settings import ENV_PREFIX, Settings, load_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HTTP_PORT = 8000

@@ -13,14 +13,14 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from service import metrics as server_metrics
+from service.ops import metrics as server_metrics
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD = HERE.parents[1] / "deploy" / "grafana" / "encoder-dashboard.json"
 
 
 def _server_series() -> set[str]:
-    """Every series name the server's metrics (service.metrics, its external contract) expose:
+    """Every series name the server's metrics (service.ops.metrics, its external contract) expose:
     counters as _total, histograms as _bucket/_sum/_count, gauges as they are."""
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     names = set()

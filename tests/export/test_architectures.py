@@ -17,9 +17,9 @@ import transformers
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from export.checkpoint import CheckpointError, load_checkpoint
-from service.fidelity import cosines
-from service.repository import read_model
-from service.tokenizer import TextTokenizer
+from service.core.fidelity import cosines
+from service.core.repository import read_model
+from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import ExportedTasks
 from tests.export import tiny_models
 

@@ -25,9 +25,9 @@ from export.checkpoint import load_checkpoint, random_checkpoint
 from export.parity import read_sentences
 from export.pipeline import ExportOptions, GateRefused, export_model
 from export.quantize import weight_type
-from service.fidelity import cosines
-from service.repository import VARIANT_FILES, read_model
-from service.tokenizer import TextTokenizer
+from service.core.fidelity import cosines
+from service.core.repository import VARIANT_FILES, read_model
+from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import DEFAULT_MODEL, INT8_PROMISED_COSINE, TINY_CONFIG, TINY_MODEL
 from tests.servers import cuda_usable
 

@@ -19,9 +19,9 @@ from sentence_transformers import CrossEncoder
 
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.heads import HeadError, head_config, is_classifier
-from service.fidelity import FidelityReference, compare
-from service.repository import read_model
-from service.tokenizer import TextTokenizer
+from service.core.fidelity import FidelityReference, compare
+from service.core.repository import read_model
+from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import ExportedTasks
 from tests.export import tiny_models
 

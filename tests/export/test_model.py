@@ -12,7 +12,7 @@ from export.checkpoint import load_checkpoint
 from export.config import ConfigError, EncoderConfig
 from export.model import Encoder, MultiHeadAttention, sinusoidal_positions
 from export.parity import read_sentences
-from service.tokenizer import TextTokenizer
+from service.pipeline.tokenizer import TextTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ from export.quantize import (
     split_outlier_channels,
     weight_type,
 )
-from service.fidelity import cosines
-from service.repository import read_model
-from service.tokenizer import TextTokenizer
+from service.core.fidelity import cosines
+from service.core.repository import read_model
+from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import DEFAULT_MODEL
 
 TINY = EncoderConfig(vocab_size=1000, d_model=64, num_heads=4, num_layers=2, ffn_dim=128, max_positions=64)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from service.batcher import Batcher
+from service.core.batcher import Batcher
 from service.errors import DeadlineExceeded, Overloaded, Unavailable
-from service.metrics import ModelLabels
+from service.ops.metrics import ModelLabels
 from tests.service.test_batcher import OUTPUTS, FakeRunner, policy, tokens
 
 

@@ -25,8 +25,8 @@ import numpy as np
 import openai
 import pytest
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import DEFAULT_MODEL, TINY_CONFIG, TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, start_server, wait_for_metric
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from service.batcher import EXECUTION_FAILED, Batcher, BatchingPolicy, WorkItem, WorkResult, select_rows
+from service.core.batcher import EXECUTION_FAILED, Batcher, BatchingPolicy, WorkItem, WorkResult, select_rows
+from service.core.rows import TokenRows
 from service.errors import DEADLINE_CLOCK_SLACK_S, DeadlineExceeded, ModelFailure, Overloaded, Unavailable
-from service.metrics import ModelLabels
-from service.token_rows import TokenRows
+from service.ops.metrics import ModelLabels
 
 OUTPUTS = ("last_hidden_state", "embedding")
 HOLD_S = 30

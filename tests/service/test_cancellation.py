@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import TINY_MODEL
 from tests.servers import (
     MetricSamples,

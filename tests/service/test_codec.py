@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service import codec
-from service.engine import InferenceResult
+from protocol import grpc_service_pb2 as pb
+from service.core.repository import read_model
 from service.errors import InvalidArgument
-from service.proto import grpc_service_pb2 as pb
-from service.repository import read_model
-from service.validation import ModelSignature, ValidRequest, validate
+from service.frontends import codec
+from service.pipeline.engine import InferenceResult
+from service.pipeline.validation import ModelSignature, ValidRequest, validate
 from tests.conftest import TINY_MODEL
 
 

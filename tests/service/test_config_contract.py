@@ -18,12 +18,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from tritonclient.grpc import model_config_pb2 as triton_config
 from tritonclient.grpc import service_pb2 as triton_service
 
-from service.codec import served_inputs
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.proto import model_config_pb2 as mc
-from service.repository import CONFIG_FILE, read_model
-from service.validation import ModelSignature
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from protocol import model_config_pb2 as mc
+from service.core.repository import CONFIG_FILE, read_model
+from service.frontends.codec import served_inputs
+from service.pipeline.validation import ModelSignature
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer
 

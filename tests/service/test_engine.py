@@ -10,14 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service import codec, metrics
-from service.engine import Engine, InferenceRequest, InputTensor
+from protocol import model_config_pb2 as mc
+from service.core.repository import RepositoryError, read_model
+from service.core.runtime import ExecutionError
 from service.errors import NotFound, Unavailable
-from service.models import batching_policy, warm_up_shapes
-from service.proto import model_config_pb2 as mc
-from service.repository import RepositoryError, read_model
-from service.runtime import ExecutionError
-from service.settings import Settings
+from service.frontends import codec
+from service.ops import metrics
+from service.ops.settings import Settings
+from service.pipeline.engine import Engine, InferenceRequest, InputTensor
+from service.pipeline.models import batching_policy, warm_up_shapes
 from tests.conftest import TINY_MODEL
 from tests.servers import ROOT
 

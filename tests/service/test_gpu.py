@@ -25,16 +25,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client import EmbeddingClient
 from export import parity
-from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
-from service.loading import load_model
-from service.models import warm_up_shapes
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.proto import model_config_pb2 as mc
-from service.repository import read_model
-from service.runtime import CPU, CUDA, ExecutionSettings, ModelRuntime
-from service.settings import Settings
-from service.tokenizer import TextTokenizer
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from protocol import model_config_pb2 as mc
+from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
+from service.core.loading import load_model
+from service.core.repository import read_model
+from service.core.runtime import CPU, CUDA, ExecutionSettings, ModelRuntime
+from service.ops.settings import Settings
+from service.pipeline.models import warm_up_shapes
+from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import DEFAULT_MODEL
 from tests.servers import ROOT, RunningServer, start_server
 

@@ -24,10 +24,10 @@ from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
 from export.parity import read_sentences
-from service.fidelity import DEFAULT_VARIANTS, required_cosine
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.repository import FIDELITY_FILE
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.core.fidelity import DEFAULT_VARIANTS, required_cosine
+from service.core.repository import FIDELITY_FILE
 from tests.conftest import DEFAULT_MODEL, INT8_PROMISED_COSINE, TINY_MODEL
 from tests.onnx_graphs import WIDTH, constant, save_token_graph
 from tests.servers import RunningServer, start_server, wait_for_queue_depth
@@ -95,7 +95,7 @@ def test_live_ready_metadata_and_config_through_tritonclient(client: triton.Infe
 def test_text_and_token_inputs_give_the_same_embedding(
     client: triton.InferenceServerClient, default_folder: Path
 ) -> None:
-    from service.tokenizer import TextTokenizer
+    from service.pipeline.tokenizer import TextTokenizer
 
     tokens = TextTokenizer(default_folder / "tokenizer.json", 128, 0).encode(SENTENCES)
     inputs = []

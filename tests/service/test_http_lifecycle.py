@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.settings import SettingsError, load_settings
+from service.ops.settings import SettingsError, load_settings
 from tests.conftest import TINY_MODEL
 from tests.servers import (
     RunningServer,

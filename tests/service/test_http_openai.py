@@ -22,7 +22,7 @@ from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
 from export.parity import read_sentences
-from service.fidelity import cosines, required_cosine
+from service.core.fidelity import cosines, required_cosine
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL
 from tests.servers import (
     RunningServer,

@@ -19,9 +19,9 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from service.proto import model_config_pb2 as mc
-from service.repository import config_text, parse_config
-from service.tokenizer import TextTokenizer
+from protocol import model_config_pb2 as mc
+from service.core.repository import config_text, parse_config
+from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import DEFAULT_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, start_server
 from tests.task_models import classifier_graph

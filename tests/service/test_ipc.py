@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service import ipc
-from service.batcher import WorkResult
+from service.core import wire as ipc
+from service.core.batcher import WorkResult
 from service.errors import Overloaded
 
 

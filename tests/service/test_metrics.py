@@ -8,8 +8,8 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import TINY_MODEL
 from tests.servers import MetricSamples, RunningServer, metric_samples, metric_value
 

@@ -21,9 +21,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.repository import read_model
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.core.repository import read_model
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, health_status, launch_server, metric_samples, metric_value
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from service.fidelity import cosines
+from service.core.fidelity import cosines
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL
 from tests.servers import RunningServer, start_server
 from tools.loadtest.corpus import load_corpus

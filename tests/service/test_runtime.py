@@ -25,9 +25,9 @@ from export import optimize
 from export.checkpoint import random_checkpoint
 from export.onnx_export import export_onnx
 from export.pipeline import ExportOptions, export_model
-from service.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, required_cosine
-from service.repository import CONFIG_FILE, FIDELITY_FILE, RepositoryError, read_model
-from service.runtime import (
+from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, required_cosine
+from service.core.repository import CONFIG_FILE, FIDELITY_FILE, RepositoryError, read_model
+from service.core.runtime import (
     CPU,
     BatchContractError,
     ExecutionError,
@@ -94,8 +94,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.repository import read_model
-from service.runtime import ExecutionSettings, ModelRuntime
+from service.core.repository import read_model
+from service.core.runtime import ExecutionSettings, ModelRuntime
 
 
 def tasks():
@@ -268,7 +268,7 @@ def test_a_default_fp16_below_the_rule_is_replaced_by_fp32_loudly(
     spec = read_model(broken_fp16_repository / TINY_MODEL)
     # The CPU stands in for the device: the repository's preference there is made fp16.
     spec = dataclasses.replace(spec, preferred_variants={"cpu": "fp16", "cuda": "fp16"})
-    with caplog.at_level(logging.WARNING, logger="service.runtime"):
+    with caplog.at_level(logging.WARNING, logger="service.core.runtime"):
         runtime = ModelRuntime(spec, CPU_SETTINGS)
     assert runtime.variant == "fp32" and runtime.fidelity.passed
     warning = next(r.getMessage() for r in caplog.records if "FIDELITY CHECK FAILED" in r.getMessage())

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from tritonclient.utils import InferenceServerException
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.security import KEY_CHECK_INTERVAL_S
-from service.settings import SettingsError, load_settings
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.ops.security import KEY_CHECK_INTERVAL_S
+from service.ops.settings import SettingsError, load_settings
 from tests.conftest import TINY_MODEL
 from tests.pki import Pki
 from tests.servers import RunningServer, failed_start, free_port, metric_samples, metric_value, start_server

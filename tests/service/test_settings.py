@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from service import settings as settings_module
-from service.settings import Settings, SettingsError, load_settings
+from service.ops import settings as settings_module
+from service.ops.settings import Settings, SettingsError, load_settings
 
 
 def test_defaults_match_the_external_contract() -> None:

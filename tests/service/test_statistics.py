@@ -13,8 +13,8 @@ import tritonclient.grpc as triton
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from service import codec
-from service.statistics import StatisticsTables
+from service.frontends import codec
+from service.ops.statistics import StatisticsTables
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, start_server
 from tools.loadtest.corpus import load_corpus

@@ -14,19 +14,19 @@ import pytest
 import tritonclient.grpc as triton
 
 from client.protocol import output_array, text_request, token_request
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.errors import Overloaded
-from service.interceptor import INTERNAL_MESSAGE, ErrorInterceptor, StreamBehaviour
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.server import STREAM_AGE_SHARE, grpc_options
-from service.settings import Settings
-from service.streaming import (
+from service.frontends.grpc.interceptor import INTERNAL_MESSAGE, ErrorInterceptor, StreamBehaviour
+from service.frontends.grpc.streaming import (
     ANSWER_WINDOW_S,
     MAX_INFLIGHT_PER_STREAM,
     STREAM_ENDED_MESSAGE,
     UNANSWERED_MESSAGE,
     InferenceStreams,
 )
+from service.ops.settings import Settings
+from service.server import STREAM_AGE_SHARE, grpc_options
 from tests.conftest import TINY_MODEL
 from tests.servers import (
     RunningServer,

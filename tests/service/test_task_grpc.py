@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from tokenizers import Tokenizer
 from tritonclient.utils import InferenceServerException
 
-from service.repository import RepositoryError, config_text, parse_config, read_model
+from service.core.repository import RepositoryError, config_text, parse_config, read_model
 from tests.conftest import DEFAULT_MODEL
 from tests.servers import RunningServer, start_server
 from tests.task_models import (

@@ -26,7 +26,7 @@ import tritonclient.grpc as grpcclient
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from tritonclient.utils import InferenceServerException
 
-from service.fidelity import cosines
+from service.core.fidelity import cosines
 from tests.conftest import ExportedTasks
 from tests.export import tiny_models
 from tests.servers import RunningServer, start_server

@@ -24,11 +24,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.errors import OverLimit
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.security import KEY_CHECK_INTERVAL_S, ApiKeys, SecurityError
-from service.tenants import DEFAULT_TENANT, Tenant, TenantLimits, TokenBucket, parse_key_file
+from service.ops.security import KEY_CHECK_INTERVAL_S, ApiKeys, SecurityError
+from service.ops.tenants import DEFAULT_TENANT, Tenant, TenantLimits, TokenBucket, parse_key_file
 from tests.conftest import TINY_MODEL
 from tests.servers import (
     MetricSamples,
@@ -241,7 +241,7 @@ def test_a_reloaded_file_changes_limits_adds_keys_and_a_broken_one_keeps_the_las
     assert keys.tenant("Bearer k-a") is not a and keys.tenant("Bearer k-a").limits.requests_per_second == 2
     path.write_text('[tenants.a]\nkeys = ["k-a"]\nrequests_per_second = -1\n')
     clock.now += KEY_CHECK_INTERVAL_S
-    with caplog.at_level(logging.ERROR, logger="service.security"):
+    with caplog.at_level(logging.ERROR, logger="service.ops.security"):
         assert keys.tenant("Bearer k-c") is b
     assert "API keys not reloaded, keeping the previous ones" in caplog.text
     assert "requests_per_second must be a positive number" in caplog.text
@@ -449,7 +449,7 @@ def test_a_changed_file_takes_effect_without_a_restart(tiny_repository: Path, tm
         while "API keys not reloaded, keeping the previous ones" not in server.log():
             assert infer(server, "k-b") == grpc.StatusCode.OK
             assert time.monotonic() < deadline, "the broken file was never read"
-        assert "ERROR service.security: API keys not reloaded" in server.log()
+        assert "ERROR service.ops.security: API keys not reloaded" in server.log()
         assert "tenant 'a' has no keys" in server.log() and "k-a" not in server.log()
         assert infer(server, "k-b") == grpc.StatusCode.OK
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from service.tokenizer import CLIP_CHARS_PER_TOKEN, TextTokenizer
+from service.pipeline.tokenizer import CLIP_CHARS_PER_TOKEN, TextTokenizer
 
 MAX_LENGTH = 32  # small, so that short generated texts already need clipping
 

@@ -26,9 +26,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.tracing import EXPORTER_THREAD_NAME
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.ops.tracing import EXPORTER_THREAD_NAME
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, free_port, metric_samples, server_pids, start_server
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.repository import FIDELITY_FILE
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.core.repository import FIDELITY_FILE
 from tests.conftest import TINY_MODEL
 from tests.onnx_graphs import SLOW_ID, slow_on_demand_model, token_request
 from tests.servers import health_status, start_server

@@ -43,5 +43,5 @@ def test_the_engine_is_driven_through_its_own_socket(server: RunningServer, tiny
 
 
 def test_the_transport_bench_measures_the_servers_own_transport() -> None:
-    rate, front_end_us, engine_us = measure_transport("service.ipc", callers=4, seconds=0.5)
+    rate, front_end_us, engine_us = measure_transport("service.core.wire", callers=4, seconds=0.5)
     assert rate > 0 and front_end_us > 0 and engine_us > 0

@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.validation import TEXT_INPUT
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.pipeline.validation import TEXT_INPUT
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer
 from tools.loadtest.corpus import load_corpus

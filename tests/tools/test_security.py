@@ -1,6 +1,6 @@
 """The load generator and the stress suite over TLS, mutual TLS and API keys, against real servers.
 
-Both take one ClientSecurity (service.client_security), from flags or ENCODER_CLIENT_* variables, as the SDK does.
+Both take one ClientSecurity (protocol.channel_security), from flags or ENCODER_CLIENT_* variables, as the SDK does.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pytest
 from onnx import helper
 
 from client import EmbeddingClient
-from service.repository import FIDELITY_FILE
+from service.core.repository import FIDELITY_FILE
 from tests.conftest import TINY_MODEL
 from tests.onnx_graphs import WIDTH, constant, save_token_graph
 from tests.servers import ROOT, MetricSamples, RunningServer, free_port, metric_samples, start_server

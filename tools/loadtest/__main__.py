@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from client import DEFAULT_MODEL
-from service.client_security import SecurityError, add_security_arguments, security_from_args
+from protocol.channel_security import SecurityError, add_security_arguments, security_from_args
 from tools.loadtest.config import ConfigError, Level, LoadConfig, parse_levels, parse_mix
 from tools.loadtest.report import format_table, write_reports
 from tools.loadtest.result import LevelResult

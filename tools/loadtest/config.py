@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from client import DEFAULT_MODEL
-from service.client_security import ClientSecurity
+from protocol.channel_security import ClientSecurity
 
 CORPORA = ("short", "long", "chunks")
 """Names of the corpora a request mix may draw from: `short` and `long` are shipped files

@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from client import MAX_MESSAGE_BYTES
 from client.protocol import channel_options
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from tools.loadtest.config import Level, LoadConfig
 from tools.loadtest.result import LevelResult
 from tools.loadtest.workload import PreparedRequest, Workload

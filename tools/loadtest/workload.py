@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.protocol import text_request, token_request
-from service.proto import grpc_service_pb2 as pb
-from service.tokenizer import TextTokenizer
+from protocol import grpc_service_pb2 as pb
+from service.pipeline.tokenizer import TextTokenizer
 from tools.loadtest.config import ConfigError, LoadConfig
 from tools.loadtest.corpus import load_corpus
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from client import DEFAULT_MODEL
-from service.client_security import SecurityError, add_security_arguments, security_from_args
+from protocol.channel_security import SecurityError, add_security_arguments, security_from_args
 from tools.stress.config import QUICK_SCALE, StressConfig, StressConfigError
 from tools.stress.phases import PHASE_NAMES
 from tools.stress.report import format_table, write_reports

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from client import DEFAULT_MODEL
-from service.client_security import ClientSecurity
+from protocol.channel_security import ClientSecurity
 from tools.stress.rawh2 import split_target
 
 QUICK_SCALE = 0.05

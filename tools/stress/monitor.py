@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import MAX_MESSAGE_BYTES
 from client.protocol import channel_options, text_request
-from service.client_security import ClientSecurity
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from protocol.channel_security import ClientSecurity
 from tools.local_server import process_cpu_seconds
 
 PROBE_TEXT = "A short sentence to see how long a small request waits."

@@ -12,7 +12,7 @@ import random
 import struct
 
 from client.protocol import text_request
-from service.proto import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2 as pb
 
 DATATYPES = ("BYTES", "INT64", "INT32", "FP32", "FP16", "BOOL", "UINT8", "", "NONSENSE", "int64")
 INPUT_NAMES = ("text", "input_ids", "attention_mask", "token_type_ids", "", "unknown", "text\x00")

@@ -22,8 +22,8 @@ import grpc
 
 from client import MAX_MESSAGE_BYTES
 from client.protocol import channel_options, text_request
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from tools.loadtest.corpus import load_corpus
 from tools.stress import nonsense, rawh1, rawh2
 from tools.stress.config import StressConfig

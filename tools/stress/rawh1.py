@@ -12,7 +12,7 @@ import contextlib
 import ssl
 from collections.abc import Sequence
 
-from service.client_security import ClientSecurity
+from protocol.channel_security import ClientSecurity
 from tools.stress.rawh2 import CLOSED, PENDING, RawConnection
 from tools.stress.result import UNANSWERED
 

@@ -18,7 +18,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.client_security import ClientSecurity
+from protocol.channel_security import ClientSecurity
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _DATA, _HEADERS, _RST_STREAM, _SETTINGS = 0x0, 0x1, 0x3, 0x4

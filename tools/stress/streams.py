@@ -23,8 +23,8 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from client.protocol import text_request
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from tools.loadtest.corpus import load_corpus
 from tools.stress.result import UNANSWERED, Tally
 

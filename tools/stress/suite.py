@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from tools.stress import rawh1, rawh2
 from tools.stress.config import StressConfig
 from tools.stress.monitor import (

@@ -1,0 +1,1 @@
+"""The core: batching rows, running the model (ONNX Runtime), and the engine process's side."""

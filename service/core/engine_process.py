@@ -1,0 +1,142 @@
+"""The engine process of a server of several processes: the models, their batchers, one socket for the front ends.
+
+It loads the repository's models as a lone server does, tells every front end each model's state
+(LOADING, READY with its batching and instances, UNAVAILABLE, in service or not), and runs the token
+rows the front ends send: rows from every front end join the same batches. A front end whose
+socket closes has its requests dropped, as a client that goes away does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import logging
+import signal
+from collections.abc import Callable
+
+from service.core.batcher import WorkItem, WorkResult
+from service.core.repository import RepositoryError
+from service.core.rows import TokenRows
+from service.core.wire import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
+from service.errors import ExecutionError, ModelFailure, ServiceError
+from service.ops import metrics, tracing
+from service.ops.settings import Settings
+from service.pipeline.engine import Engine
+from service.pipeline.models import ModelInfo
+
+log = logging.getLogger(__name__)
+
+GC_YOUNG_THRESHOLD = 10_000
+"""Net container allocations between the engine's young-generation collections (CPython: 700).
+
+With hundreds of requests in flight, the default threshold collected about ninety times a second,
+each time walking every in-flight request's objects: 2 of the engine loop's 22 us per request at
+saturation (`python -m tools.capacity_bench`, 2 vCPUs). Requests' objects are freed by reference
+counting as they are answered; the collector is only for cycles, and now runs a few times a minute.
+"""
+
+
+class EngineRole:
+    """The engine's side of every front end's requests: rows into the batchers, outputs back."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.server = EngineServer(self._submit, self._cancel, self._lost, self._flush)
+        self._on_done = self._done  # bound once, not per request
+        self._items: dict[EngineConnection, dict[int, WorkItem]] = {}
+        """Each front end's requests in the batchers, by request id; each item's `owner` is
+        (its front end, its request id, the batcher holding it)."""
+
+    def _submit(self, connection: EngineConnection, message: Submit, rows: TokenRows) -> None:
+        try:
+            queue = self.engine.served(message.model, message.version).queue
+            trace = None if message.trace is None else tracing.from_wire(message.trace)
+            item = queue.enqueue(rows, message.outputs, message.deadline, on_done=self._on_done, trace=trace)
+        except ServiceError as error:
+            connection.fail(message.id, error)
+            return
+        item.owner = (connection, message.id, queue)
+        self._items.setdefault(connection, {})[message.id] = item
+
+    def _done(self, item: WorkItem, result: WorkResult | None, error: Exception | None) -> None:
+        connection, request_id, _ = item.owner
+        self._items[connection].pop(request_id, None)
+        if error is None:
+            connection.answer(request_id, result)
+        elif isinstance(error, ServiceError):
+            connection.fail(request_id, error)
+        else:
+            log.error("request %d failed", request_id, exc_info=error)
+            connection.fail(request_id, ModelFailure("internal error; see the server log"))
+
+    def _cancel(self, connection: EngineConnection, request_id: int) -> None:
+        item = self._items.get(connection, {}).pop(request_id, None)
+        if item is not None:
+            _, _, queue = item.owner
+            queue.cancel(item)
+
+    def _flush(self) -> None:
+        """A front end is draining, so is the server: queued rows run without waiting for fuller batches."""
+        for name in self.engine.served_names():
+            self.engine.served(name).queue.flush()
+
+    def _lost(self, connection: EngineConnection) -> None:
+        for item in self._items.pop(connection, {}).values():
+            _, _, queue = item.owner
+            queue.cancel(item)
+
+    def announce(self, name: str, state: str, reason: str = "", model: ModelInfo | None = None) -> None:
+        """Tell every front end a model's state."""
+        if model is None:
+            self.server.publish(ModelUpdate(name, "", state, reason, False, None, ()))
+            return
+        instances = tuple(Instance(i.provider, i.variant, i.cuda_device_id) for i in model.instances)
+        policy = dataclasses.asdict(model.policy)
+        serving = self.engine.model_ready(name)
+        self.server.publish(ModelUpdate(name, model.spec.version, state, reason, serving, policy, instances))
+
+    def serving_listener(self, name: str, model: ModelInfo) -> Callable[[bool], None]:
+        """What to do when a model loses, or gets back, its last working instance: tell the front ends."""
+        return lambda serving: self.announce(name, "READY", model=model)
+
+
+async def run_engine(settings: Settings, socket_path: str) -> int:
+    """Load the models, serve the front ends' rows until SIGTERM, then finish accepted work and exit."""
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    engine = Engine(settings)
+    role = EngineRole(engine)
+    await role.server.start(socket_path)
+    lag = asyncio.ensure_future(metrics.watch_event_loop_lag())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    names = engine.discover()
+    for name in names:
+        role.announce(name, "LOADING")
+    # Every front end is listening (NOT_SERVING) before the models load, as a lone server binds first.
+    waiting = asyncio.ensure_future(role.server.all_connected(settings.frontends))
+    await asyncio.wait((waiting, asyncio.ensure_future(stop.wait())), return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    for name in names if not stop.is_set() else ():
+        try:
+            model = await engine.load(name)
+        except (RepositoryError, ExecutionError) as error:
+            role.announce(name, "UNAVAILABLE", str(error))
+            raise
+        engine.on_serving_change(name, role.serving_listener(name, model))
+        role.announce(name, "READY", model=model)
+        log.info("model %s version %s ready (%s, %s)", name, model.spec.version, *_placement(model))
+    await stop.wait()
+    log.info("draining (up to %.0f s)", settings.drain_timeout_s)
+    await engine.close(settings.drain_timeout_s)
+    role.server.close()
+    lag.cancel()
+    log.info("stopped")
+    return 0
+
+
+def _placement(model: ModelInfo) -> tuple[str, str]:
+    first = model.instances[0]
+    return first.variant, first.provider

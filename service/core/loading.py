@@ -1,0 +1,50 @@
+"""Loading a model here: its ONNX Runtime instances, warmed up, behind a batcher in this process.
+
+Only a lone server and the engine process load models; front-end processes never import this
+module, nor ONNX Runtime with it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from service.core.batcher import Batcher
+from service.core.repository import read_model
+from service.core.runtime import ExecutionSettings, create_instances
+from service.ops.metrics import ModelLabels
+from service.ops.settings import Settings
+from service.pipeline.models import InstanceInfo, ServedModel, batching_policy, warm_up_shapes
+
+
+def execution_settings(settings: Settings) -> ExecutionSettings:
+    """Where and how the model's sessions run, from the server settings."""
+    return ExecutionSettings(
+        device=settings.device,
+        require_gpu=settings.require_gpu,
+        variant=settings.variant,
+        intra_op_threads=settings.resolved_intra_op_threads(),
+        allow_spinning=settings.allow_spinning,
+        cuda_device_id=settings.cuda_device_id,
+        gpu_mem_limit_bytes=settings.gpu_mem_limit_bytes,
+        arena_extend_strategy=settings.arena_extend_strategy,
+        cudnn_conv_algo_search=settings.cudnn_conv_algo_search,
+    )
+
+
+def load_model(directory: Path, settings: Settings, tokenizer_pool: ThreadPoolExecutor) -> ServedModel:
+    """Read a model folder, create its instances behind a batcher here, warm them up (blocking).
+
+    RepositoryError or ExecutionError when it cannot be served. The batcher is started by the
+    caller, on its event loop.
+    """
+    spec = read_model(directory)
+    runtimes = create_instances(spec, execution_settings(settings), settings.instances)
+    policy = batching_policy(spec, settings, runtimes[0].device)
+    if settings.warmup:
+        shapes = warm_up_shapes(spec, policy)
+        for runtime in runtimes:
+            runtime.warm_up(shapes)
+    batcher = Batcher(runtimes, policy, ModelLabels(spec.name, spec.version), spec.output_names)
+    instances = tuple(InstanceInfo(r.provider, r.variant, r.settings.cuda_device_id) for r in runtimes)
+    return ServedModel(spec, policy, instances, batcher, settings=settings, tokenizer_pool=tokenizer_pool)

@@ -1,0 +1,136 @@
+"""Models served by the engine process, as a front-end process sees them.
+
+A front end reads each model's repository folder itself (its tokenizer, its signature) and hears
+from the engine, over its `EngineLink`, whether the model is loading, ready (with the batching in
+force and where each instance runs) or unavailable, and whether it is in service. Its rows go to
+the engine through a `RemoteQueue`, the front end's stand-in for the model's batcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from service.core.batcher import BatchingPolicy, WorkResult
+from service.core.repository import read_model
+from service.core.rows import TokenRows
+from service.core.wire import EngineLink, ModelUpdate
+from service.errors import Unavailable
+from service.ops.tracing import to_wire
+from service.pipeline.engine import Engine
+from service.pipeline.models import InstanceInfo, ServedModel
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
+
+log = logging.getLogger(__name__)
+
+
+class RemoteQueue:
+    """A model's queue in the engine process: rows go over the link; the queue bound is the engine's."""
+
+    def __init__(self, link: EngineLink, model: str, version: str) -> None:
+        self._link = link
+        self._model = model
+        self._version = version
+        self._serving = True
+        self._closing = False
+        self._inflight = 0
+        self.on_serving_change: Callable[[bool], None] | None = None
+
+    def start(self) -> None:
+        """Nothing to start here: the engine runs the model."""
+
+    @property
+    def serving(self) -> bool:
+        """Whether the engine has an instance of the model in service."""
+        return self._serving
+
+    def set_serving(self, serving: bool) -> None:
+        """The engine's word on whether the model has an instance in service."""
+        if serving != self._serving:
+            self._serving = serving
+            if self.on_serving_change is not None:
+                self.on_serving_change(serving)
+
+    def admit(self) -> None:
+        """Refuse at once while draining or with no instance in service; the engine checks the queue bound."""
+        self.check_room()
+
+    def check_room(self) -> None:
+        """Refuse at once while draining or with no instance in service; takes no place."""
+        if self._closing:
+            raise Unavailable("the model is shutting down")
+        if not self._serving:
+            raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
+
+    def withdraw(self) -> None:
+        """Nothing to give back: places are taken in the engine."""
+
+    async def submit(
+        self,
+        rows: TokenRows,
+        outputs: tuple[str, ...],
+        deadline: float | None,
+        admitted: bool = False,
+        trace: SpanContext | None = None,
+    ) -> WorkResult:
+        """Send the rows to the engine and wait for their outputs; a caller that goes away cancels them there.
+
+        `trace` (the request's span context) goes with them, for the span of the batch they run in.
+        """
+        wire = to_wire(trace)
+        request_id, future = self._link.submit(self._model, self._version, rows, outputs, deadline, trace=wire)
+        self._inflight += 1
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._link.cancel(request_id)
+            raise
+        finally:
+            self._inflight -= 1
+
+    def flush(self) -> None:
+        """Ask the engine to run queued rows without waiting for fuller batches (it then does so for every model)."""
+        self._link.drain()
+
+    async def close(self, timeout_s: float) -> None:
+        """Refuse new work and wait (up to timeout_s) until every request sent to the engine is answered."""
+        self._closing = True
+        deadline = time.monotonic() + timeout_s
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+
+class RemoteModels:
+    """Keeps a front end's engine in step with the engine process: models added as they become ready."""
+
+    def __init__(self, engine: Engine, on_ready: Callable[[str], None]) -> None:
+        self._engine = engine
+        self._on_ready = on_ready
+        self._queues: dict[str, RemoteQueue] = {}
+        self.link: EngineLink | None = None
+
+    def update(self, update: ModelUpdate) -> None:
+        """A model's state in the engine changed (or is told for the first time)."""
+        queue = self._queues.get(update.name)
+        if queue is not None:
+            queue.set_serving(update.serving)
+            return
+        if update.state != "READY":
+            self._engine.set_state(update.name, update.state, update.reason, update.version)
+            return
+        settings = self._engine.settings
+        spec = read_model(settings.model_repository / update.name)
+        policy = BatchingPolicy(**update.policy)
+        instances = tuple(InstanceInfo(i.provider, i.variant, i.cuda_device_id) for i in update.instances)
+        queue = self._queues[update.name] = RemoteQueue(self.link, spec.name, spec.version)
+        model = ServedModel(
+            spec, policy, instances, queue, settings=settings, tokenizer_pool=self._engine.tokenizer_pool()
+        )
+        self._engine.add(model)
+        queue.set_serving(update.serving)
+        self._on_ready(update.name)

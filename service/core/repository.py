@@ -1,0 +1,335 @@
+"""The model repository format, shared by the exporter (writes) and the server (reads).
+
+    REPO/<model>/config.pbtxt          Triton ModelConfig, text format
+    REPO/<model>/<version>/model.onnx  fp32 graph (Triton's default_model_filename)
+    REPO/<model>/<version>/model.int8.onnx, model.fp16.onnx   other variants, when published
+    REPO/<model>/tokenizer.json ...    tokenizer files, when the model takes text
+    REPO/<model>/parity.json           the parity gate's figures
+    REPO/<model>/fidelity.npz          gate inputs and the model's fp32 embeddings (checked at load)
+
+Serving facts that Triton has no field for live in `parameters` (string values).
+`optimization.graph.level` is Triton's own field, read as Triton's ONNX Runtime backend reads it:
+ONNX Runtime's online graph optimisation for the fp32 graph (see `ModelSpec.graph_optimization`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from google.protobuf import text_format
+
+from protocol import model_config_pb2 as mc
+
+CONFIG_FILE = "config.pbtxt"
+PARITY_FILE = "parity.json"
+FIDELITY_FILE = "fidelity.npz"
+PLATFORM = "onnxruntime_onnx"
+VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+TASK_OUTPUTS = {"embed": ("last_hidden_state", "embedding"), "classify": ("logits",)}
+"""Each task and the outputs its graphs answer: vectors, or a classifier's raw logits."""
+POOLING_MODES = ("mean", "cls", "max", "lasttoken")
+
+# Parameter keys (config.pbtxt `parameters`).
+P_MAX_SEQUENCE_LENGTH = "max_sequence_length"
+P_VOCAB_SIZE = "vocab_size"
+P_TYPE_VOCAB_SIZE = "type_vocab_size"
+P_POOLING = "pooling"
+P_NORMALIZE = "normalize"
+P_TOKENIZER = "tokenizer"
+P_PAD_TOKEN_ID = "pad_token_id"
+P_MODEL_TYPE = "model_type"
+P_TASK = "task"
+P_LABELS = "labels"
+P_PROMPTS = "prompts"
+P_DEFAULT_PROMPT_NAME = "default_prompt_name"
+P_SIMILARITY_FN_NAME = "similarity_fn_name"
+P_MATRYOSHKA_DIMENSIONS = "matryoshka_dimensions"
+GRAPH_LEVELS = {-1: "basic", 0: "all", 1: "extended", 2: "disabled"}
+"""Triton's `optimization.graph.level` values and the ONNX Runtime online optimisation each stands for."""
+P_VARIANT_PREFIX = "variant."
+P_PREFERRED_PREFIX = "preferred_variant."
+
+
+class RepositoryError(ValueError):
+    """A model folder that cannot be served; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the server needs to know about one model, read from its folder."""
+
+    name: str
+    version: str
+    directory: Path
+    config: mc.ModelConfig
+    variants: dict[str, Path]
+    """Published variants (fp32/int8/fp16) -> ONNX file."""
+    preferred_variants: dict[str, str]
+    """Execution device (cpu/cuda) -> the variant measured best there."""
+    input_names: tuple[str, ...]
+    """Token inputs of the graph, in config order."""
+    max_sequence_length: int
+    vocab_size: int
+    type_vocab_size: int
+    """Segment ids accepted in token_type_ids (0 when the graph has no such input)."""
+    hidden_size: int
+    """Width of the embedding (0 for a classifier)."""
+    pad_token_id: int
+    tokenizer_file: Path | None
+    """tokenizer.json, when the model accepts text."""
+    fidelity_file: Path | None = None
+    """fidelity.npz (reference inputs and embeddings for the check at load); None in older repositories."""
+    task: str = "embed"
+    """embed (an embedding model) or classify (a reranker or classifier: logits out)."""
+    labels: tuple[str, ...] = ()
+    """A classifier's labels in id order (its logits' width)."""
+    model_type: str = ""
+    """The source's architecture, as reported ("" when the repository does not say)."""
+    pooling: str = "mean"
+    normalize: bool = True
+    prompts: dict[str, str] = field(default_factory=dict)
+    """Prompt name -> the prefix put before a text (sentence-transformers' prompts)."""
+    default_prompt_name: str = ""
+    """The prompt applied when a request names none ("" none)."""
+    similarity_fn_name: str = ""
+    matryoshka_dimensions: tuple[int, ...] = ()
+    """Widths the embedding may be shortened to (it was trained for them)."""
+    graph_optimization: str = "all"
+    """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU (`optimization.graph.level`).
+
+    The exporter writes basic: its fp32 file already is the graph form measured fastest, and the
+    extended level's own fusions would rewrite it (Add + LayerNormalization into
+    SkipLayerNormalization) into a form it measured slower."""
+
+    def online_optimization(self, variant: str, device: str) -> str:
+        """The online graph optimisation a variant runs at on a device (cpu/cuda)."""
+        return online_optimization(variant, device, self.graph_optimization)
+
+    @property
+    def max_batch_size(self) -> int:
+        """Largest number of sequences one request or batch may hold."""
+        return self.config.max_batch_size
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """The outputs the model answers."""
+        return TASK_OUTPUTS[self.task]
+
+    def output_shape(self, name: str, rows: int, length: int) -> tuple[int, ...]:
+        """An output's shape for a batch of rows x length tokens."""
+        shapes = {
+            "embedding": (rows, self.hidden_size),
+            "last_hidden_state": (rows, length, self.hidden_size),
+            "logits": (rows, len(self.labels)),
+        }
+        return shapes[name]
+
+    @property
+    def uses_segments(self) -> bool:
+        """Whether the graph takes token_type_ids."""
+        return "token_type_ids" in self.input_names
+
+
+def online_optimization(variant: str, device: str, fp32_on_cpu: str) -> str:
+    """The online graph optimisation a variant runs at on a device, given the fp32 graph's on the CPU.
+
+    The config's level holds for the fp32 graph on the CPU, where its form was chosen; elsewhere
+    all: the int8 graph's quantised MatMuls and the fp16 graph's CUDA kernels rely on the online fusions.
+    """
+    return fp32_on_cpu if variant == "fp32" and device == "cpu" else "all"
+
+
+def config_text(config: mc.ModelConfig) -> str:
+    """Serialise a ModelConfig as config.pbtxt text."""
+    return text_format.MessageToString(config)
+
+
+def parse_config(text: str, source: Path) -> mc.ModelConfig:
+    """Parse config.pbtxt text; fields this project does not model are ignored."""
+    config = mc.ModelConfig()
+    try:
+        text_format.Parse(text, config, allow_unknown_field=True)
+    except text_format.ParseError as error:
+        raise RepositoryError(f"{source}: {error}") from error
+    return config
+
+
+def _parameter(config: mc.ModelConfig, key: str, source: Path, default: str | None = None) -> str:
+    if key in config.parameters:
+        return config.parameters[key].string_value
+    if default is None:
+        raise RepositoryError(f"{source}: parameter {key!r} is missing")
+    return default
+
+
+def _int_parameter(config: mc.ModelConfig, key: str, source: Path, default: str | None = None) -> int:
+    value = _parameter(config, key, source, default)
+    try:
+        number = int(value)
+    except ValueError as error:
+        raise RepositoryError(f"{source}: parameter {key!r} is not an integer: {value!r}") from error
+    if number < 0:
+        raise RepositoryError(f"{source}: parameter {key!r} is negative")
+    return number
+
+
+def latest_version(directory: Path) -> str:
+    """The highest numeric version folder (Triton's default version policy)."""
+    versions = [p.name for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
+    if not versions:
+        raise RepositoryError(f"{directory}: no numeric version folder")
+    return max(versions, key=int)
+
+
+def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[tuple[str, ...], int]:
+    """Validate inputs/outputs for the task; the token input names and the outputs' width (hidden size or labels)."""
+    names = tuple(i.name for i in config.input)
+    if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= set(TOKEN_INPUTS):
+        raise RepositoryError(f"{source}: inputs must be input_ids, attention_mask[, token_type_ids]; got {names}")
+    for tensor in config.input:
+        if tensor.data_type != mc.TYPE_INT64 or list(tensor.dims) != [-1]:
+            raise RepositoryError(f"{source}: input {tensor.name} must be TYPE_INT64 with dims [-1]")
+    outputs = {o.name: o for o in config.output}
+    expected = TASK_OUTPUTS[task]
+    if set(outputs) != set(expected):
+        raise RepositoryError(
+            f"{source}: a {task} model's outputs must be {', '.join(expected)}; got {sorted(outputs)}"
+        )
+    vector = "embedding" if task == "embed" else "logits"
+    dims = list(outputs[vector].dims)
+    if len(dims) != 1 or dims[0] <= 0:
+        raise RepositoryError(
+            f"{source}: output {vector} must have dims [{'hidden_size' if task == 'embed' else 'labels'}]"
+        )
+    return names, dims[0]
+
+
+def _json_parameter(config: mc.ModelConfig, key: str, source: Path, kind: type) -> object:
+    """A parameter holding JSON of the given kind (absent: an empty one)."""
+    text = _parameter(config, key, source, "")
+    if not text:
+        return kind()
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise RepositoryError(f"{source}: parameter {key!r} is not JSON: {error}") from error
+    if not isinstance(value, kind):
+        raise RepositoryError(f"{source}: parameter {key!r} must be a JSON {kind.__name__}")
+    return value
+
+
+def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> dict[str, object]:
+    """The task's own parameters, checked: labels, or pooling, prompts and Matryoshka widths."""
+    if task == "classify":
+        labels = _json_parameter(config, P_LABELS, source, list)
+        if len(labels) != width or not all(isinstance(label, str) for label in labels):
+            raise RepositoryError(f"{source}: parameter labels must name the {width} labels of output logits")
+        return {"labels": tuple(labels)}
+    pooling = _parameter(config, P_POOLING, source, "mean")
+    if pooling not in POOLING_MODES:
+        raise RepositoryError(f"{source}: pooling {pooling!r} is not one of {', '.join(POOLING_MODES)}")
+    prompts = _json_parameter(config, P_PROMPTS, source, dict)
+    if not all(isinstance(text, str) for text in prompts.values()):
+        raise RepositoryError(f"{source}: parameter prompts must map names to strings")
+    default_prompt = _parameter(config, P_DEFAULT_PROMPT_NAME, source, "")
+    if default_prompt and default_prompt not in prompts:
+        raise RepositoryError(f"{source}: default_prompt_name {default_prompt!r} is not one of the prompts")
+    dimensions = _json_parameter(config, P_MATRYOSHKA_DIMENSIONS, source, list)
+    if not all(type(d) is int and 0 < d <= width for d in dimensions):
+        raise RepositoryError(f"{source}: matryoshka_dimensions must be widths within 1..{width}")
+    return {
+        "pooling": pooling,
+        "normalize": _parameter(config, P_NORMALIZE, source, "true") == "true",
+        "prompts": prompts,
+        "default_prompt_name": default_prompt,
+        "similarity_fn_name": _parameter(config, P_SIMILARITY_FN_NAME, source, ""),
+        "matryoshka_dimensions": tuple(sorted(set(dimensions), reverse=True)),
+    }
+
+
+def _inside(folder: Path, name: str, source: Path) -> Path:
+    """folder/name, where name (from config.pbtxt) is a relative path that stays inside folder."""
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts:
+        raise RepositoryError(f"{source}: file {name!r} must be a path inside the model's folder")
+    return folder / name
+
+
+def read_model(directory: Path) -> ModelSpec:
+    """Read and validate one model folder of a repository."""
+    source = directory / CONFIG_FILE
+    if not source.is_file():
+        raise RepositoryError(f"{directory}: no {CONFIG_FILE}")
+    config = parse_config(source.read_text(), source)
+    if config.name and config.name != directory.name:
+        raise RepositoryError(f"{source}: name {config.name!r} differs from its folder {directory.name!r}")
+    config.name = directory.name
+    if config.platform not in ("", PLATFORM) or config.backend not in ("", "onnxruntime"):
+        raise RepositoryError(f"{source}: platform must be {PLATFORM}")
+    if config.max_batch_size <= 0:
+        raise RepositoryError(f"{source}: max_batch_size must be positive")
+    task = _parameter(config, P_TASK, source, "embed")
+    if task not in TASK_OUTPUTS:
+        raise RepositoryError(f"{source}: task {task!r} is not one of {', '.join(TASK_OUTPUTS)}")
+    input_names, width = _check_signature(config, source, task)
+    version = latest_version(directory)
+    variants = {
+        key[len(P_VARIANT_PREFIX) :]: _inside(directory / version, value.string_value, source)
+        for key, value in config.parameters.items()
+        if key.startswith(P_VARIANT_PREFIX)
+    } or {"fp32": _inside(directory / version, config.default_model_filename or VARIANT_FILES["fp32"], source)}
+    for variant, path in variants.items():
+        if not path.is_file():
+            raise RepositoryError(f"{source}: variant {variant} file {path} does not exist")
+    preferred = {
+        key[len(P_PREFERRED_PREFIX) :]: value.string_value
+        for key, value in config.parameters.items()
+        if key.startswith(P_PREFERRED_PREFIX)
+    }
+    for device, variant in preferred.items():
+        if variant not in variants:
+            raise RepositoryError(f"{source}: preferred variant {variant!r} for {device} is not published")
+    level = config.optimization.graph.level
+    if level not in GRAPH_LEVELS:
+        named = ", ".join(f"{value} ({name})" for value, name in GRAPH_LEVELS.items())
+        raise RepositoryError(f"{source}: optimization.graph.level {level} is not one of {named}")
+    tokenizer_name = _parameter(config, P_TOKENIZER, source, "")
+    tokenizer_file = _inside(directory, tokenizer_name, source) if tokenizer_name else None
+    if tokenizer_file is not None and not tokenizer_file.is_file():
+        raise RepositoryError(f"{source}: tokenizer file {tokenizer_file} does not exist")
+    return ModelSpec(
+        name=directory.name,
+        version=version,
+        directory=directory,
+        config=config,
+        variants=variants,
+        preferred_variants=preferred,
+        input_names=input_names,
+        max_sequence_length=_int_parameter(config, P_MAX_SEQUENCE_LENGTH, source),
+        vocab_size=_int_parameter(config, P_VOCAB_SIZE, source),
+        type_vocab_size=_int_parameter(
+            config, P_TYPE_VOCAB_SIZE, source, "2" if "token_type_ids" in input_names else "0"
+        ),
+        hidden_size=width if task == "embed" else 0,
+        pad_token_id=_int_parameter(config, P_PAD_TOKEN_ID, source, "0"),
+        tokenizer_file=tokenizer_file,
+        fidelity_file=directory / FIDELITY_FILE if (directory / FIDELITY_FILE).is_file() else None,
+        task=task,
+        model_type=_parameter(config, P_MODEL_TYPE, source, ""),
+        graph_optimization=GRAPH_LEVELS[level],
+        **_task_facts(config, source, task, width),
+    )
+
+
+def model_directories(root: Path) -> list[Path]:
+    """Model folders of a repository: the sub-folders holding a config.pbtxt, by name.
+
+    Hidden folders are not models: a publish interrupted between its renames leaves the model it
+    replaced as `.retired-<name>-...`, and editors and `kubectl cp` leave their own.
+    """
+    if not root.is_dir():
+        raise RepositoryError(f"model repository {root} is not a directory")
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / CONFIG_FILE).is_file())

@@ -1,0 +1,463 @@
+"""The ASGI application of the HTTP port: routing, the API-key check, bounded bodies, errors to statuses.
+
+Routes under /v1 are OpenAI's and answer errors as OpenAI error objects; the others are KServe v2
+REST and answer `{"error": message}`. Every route asks the engine (service.pipeline.engine), as the gRPC
+port does; metadata, configuration, statistics and the repository index are the gRPC port's own
+messages (service.frontends.codec) written in Triton's JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol import grpc_service_pb2 as pb
+from service.errors import InvalidArgument, NotFound, OverLimit, Overloaded, ServiceError, Unauthenticated
+from service.frontends import codec
+from service.frontends.http import cohere, kserve, openai, tei
+from service.frontends.http.errors import (
+    INTERNAL_MESSAGE,
+    MethodNotAllowed,
+    UnsupportedMediaType,
+    http_status,
+    kserve_error,
+    openai_error,
+    tei_error,
+    tei_status,
+)
+from service.ops import metrics, tenants, tracing
+from service.ops.security import ApiKeys
+from service.pipeline.answers import HeldAnswer
+from service.pipeline.engine import Engine, InferenceResult
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+BINARY = "application/octet-stream"
+UNMATCHED = "unmatched"
+CLIENT_CLOSED = "499"
+"""The status label of requests whose client left before the answer (nginx's code for it; nothing is sent)."""
+RETRY_AFTER_S = b"1"
+"""Retry-After (seconds) on 429 (queue full) and 503 (draining, model unavailable)."""
+SEND_PART_BYTES = 256 * 1024
+"""A large body is sent in parts of this size (see HttpApp._send_body)."""
+OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
+"""Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
+TRACED_ROUTES = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/models/{name}/infer", "/embed", "/rerank", "/predict"})
+"""Routes whose requests get a trace span while tracing is on: the inferences."""
+UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send the header 'Authorization: Bearer <key>'"
+_MODEL_PATH = re.compile(
+    r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/stats|/infer)?"
+)
+_OPENAI_MODEL_PATH = re.compile(r"/v1/models/(?P<name>[^/]+)")
+_UNSUPPORTED_ROUTES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("/v2/repository/models/{name}/load", r"/v2/repository/models/[^/]+/load", ("POST",), "RepositoryModelLoad"),
+    ("/v2/repository/models/{name}/unload", r"/v2/repository/models/[^/]+/unload", ("POST",), "RepositoryModelUnload"),
+    *(
+        (f"/v2/{kind}sharedmemory/{action}", rf"/v2/{kind}sharedmemory(/region/[^/]+)?/{action}", (method,), rpc)
+        for kind, memory in (("system", "SystemSharedMemory"), ("cuda", "CudaSharedMemory"))
+        for action, method, rpc in (
+            ("status", "GET", f"{memory}Status"),
+            ("register", "POST", f"{memory}Register"),
+            ("unregister", "POST", f"{memory}Unregister"),
+        )
+    ),
+    ("/v2/trace/setting", r"/v2(/models/[^/]+)?/trace/setting", ("GET", "POST"), "TraceSetting"),
+    ("/v2/logging", r"/v2/logging", ("GET", "POST"), "LogSettings"),
+)
+"""Triton's REST routes this server declares but does not offer: (route template, path pattern, methods,
+the gRPC method whose UNIMPLEMENTED reason they answer, with 501)."""
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class Response:
+    """What one request is answered with."""
+
+    status: int
+    body: bytes = b""
+    content_type: str | None = JSON
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    answer: InferenceResult | HeldAnswer | None = None
+    """The answer whose bytes the engine counts in flight until the body is sent."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request as the handlers see it: its route's parameters, headers (lower-case names) and body."""
+
+    path_params: dict[str, str]
+    headers: dict[bytes, bytes]
+    body: bytes
+    trace: tracing.RequestTrace | None = None
+    """The request's span, while tracing is on and the route is traced."""
+
+
+Handler = Callable[[Call], Awaitable[Response]]
+
+
+class _Disconnected(Exception):
+    """The client went away before its request was read or answered: nothing is sent."""
+
+
+def _json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:
+        raise InvalidArgument(f"the request body is not valid JSON: {error}") from error
+
+
+def _media_type(headers: dict[bytes, bytes]) -> str | None:
+    value = headers.get(b"content-type")
+    return None if value is None else value.split(b";")[0].strip().lower().decode("latin-1")
+
+
+def _check_body_form(headers: dict[bytes, bytes], accepted: tuple[str | None, ...]) -> None:
+    """Refuse bodies in a content type or encoding the route does not read (415)."""
+    media_type = _media_type(headers)
+    if media_type not in accepted:
+        names = " or ".join(kind for kind in accepted if kind is not None)
+        raise UnsupportedMediaType(f"content type {media_type or '(none)'} is not accepted here: send {names}")
+    encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+    if encoding != b"identity":
+        raise UnsupportedMediaType(f"content encoding {encoding.decode('latin-1')} is not supported: send it as is")
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (uvicorn answers receive() so once the body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class HttpApp:
+    """The HTTP port's ASGI application over the same engine and API keys as the gRPC port."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        api_keys: ApiKeys | None,
+        max_body_bytes: int,
+        max_embedding_inputs: int,
+        max_concurrent_requests: int,
+    ) -> None:
+        self.engine = engine
+        self.max_concurrent_requests = max_concurrent_requests
+        self.active_requests = 0
+        """Requests being read, run or answered now (OPEN_ROUTES' excepted)."""
+        self._metadata = json.dumps(kserve.proto_json(codec.server_metadata())).encode()
+        self.api_keys = api_keys
+        self.max_body_bytes = max_body_bytes
+        self.max_embedding_inputs = max_embedding_inputs
+        self.created = int(time.time())
+        self.info = tei.InfoSettings(
+            max_concurrent_requests=max_concurrent_requests,
+            max_client_batch_size=max_embedding_inputs,
+            tokenization_workers=engine.settings.tokenizer_threads,
+            version=codec.server_metadata().version,
+        )
+        self._fixed: dict[str, dict[str, Handler]] = {
+            "/v1/embeddings": {"POST": self._embeddings},
+            "/v1/rerank": {"POST": self._task(cohere.rerank)},
+            "/embed": {"POST": self._task(tei.embed)},
+            "/rerank": {"POST": self._task(tei.rerank)},
+            "/predict": {"POST": self._task(tei.predict)},
+            "/tokenize": {"POST": self._task(tei.tokenize)},
+            "/info": {"GET": self._info},
+            "/v1/models": {"GET": self._openai_models},
+            "/v2/health/live": {"GET": self._live},
+            "/v2/health/ready": {"GET": self._ready},
+            "/v2": {"GET": self._server_metadata},
+            "/v2/models/stats": {"GET": self._statistics},
+            "/v2/repository/index": {"POST": self._repository_index},
+        }
+        self._model_actions: dict[str, dict[str, Handler]] = {
+            "": {"GET": self._model_metadata},
+            "/ready": {"GET": self._model_ready},
+            "/config": {"GET": self._model_config},
+            "/stats": {"GET": self._statistics},
+            "/infer": {"POST": self._infer},
+        }
+        self._unsupported = [
+            (re.compile(pattern), template, dict.fromkeys(methods, self._refusal(rpc)))
+            for template, pattern, methods, rpc in _UNSUPPORTED_ROUTES
+        ]
+
+    def _route(self, path: str) -> tuple[str, dict[str, str], dict[str, Handler]]:
+        """The route template (a metric label), its path parameters and handlers by method."""
+        handlers = self._fixed.get(path)
+        if handlers is not None:
+            return path, {}, handlers
+        match = _MODEL_PATH.fullmatch(path)
+        if match is not None:
+            action = match["action"] or ""
+            params = {"name": match["name"], "version": match["version"] or ""}
+            return "/v2/models/{name}" + action, params, self._model_actions[action]
+        for pattern, template, refusals in self._unsupported:
+            if pattern.fullmatch(path):
+                return template, {}, refusals
+        match = _OPENAI_MODEL_PATH.fullmatch(path)
+        if match is not None:
+            return "/v1/models/{name}", {"name": match["name"]}, {"GET": self._openai_model}
+        return UNMATCHED, {}, {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer one HTTP request (uvicorn runs each in its own task)."""
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        route, params, handlers = self._route(path)
+        counted = route not in OPEN_ROUTES  # the probes' answers are never refused for load
+        if counted:
+            self.active_requests += 1
+            metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
+        response = None
+        trace = tracing.http_request(method, route, scope["headers"]) if route in TRACED_ROUTES else None
+        try:
+            try:
+                if counted and self.active_requests > self.max_concurrent_requests:
+                    self._over_concurrency()
+                response = await self._answer(scope, receive, route, params, handlers, trace=trace)
+            except _Disconnected:
+                metrics.HTTP_REQUESTS.labels(route, CLIENT_CLOSED).inc()
+                return
+            except ServiceError as error:
+                response = self._error(path, error)
+            except Exception:
+                log.exception("unhandled error answering %s %s", method, path)
+                response = self._error(path, ServiceError(INTERNAL_MESSAGE))
+            metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
+            headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
+            if response.content_type is not None:
+                headers.append((b"content-type", response.content_type.encode()))
+            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            await self._send_body(send, response.body)
+        finally:
+            if trace is not None:
+                trace.end_http(int(CLIENT_CLOSED) if response is None else response.status)
+            if response is not None and response.answer is not None:
+                self.engine.answered(response.answer)  # sent, or never will be
+            if counted:
+                self.active_requests -= 1
+                metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
+
+    @staticmethod
+    async def _send_body(send: Send, body: bytes) -> None:
+        """Send a body; a large one in parts, each once the connection has taken most of the one before.
+
+        uvicorn waits for a slow reader before a write, never after one: the last send returns once
+        the body is in the connection's buffer. Written in parts and closed with an empty part, a
+        large answer is out of the buffer (all but its last part) when this returns, so it stays in
+        the answer budget while a client that reads slowly holds it.
+        """
+        if len(body) <= SEND_PART_BYTES:
+            await send({"type": "http.response.body", "body": body})
+            return
+        for start in range(0, len(body), SEND_PART_BYTES):
+            await send({"type": "http.response.body", "body": body[start : start + SEND_PART_BYTES], "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    def _over_concurrency(self) -> None:
+        metrics.REJECTED.labels("http_concurrency").inc()
+        raise Overloaded(
+            f"{self.active_requests - 1} HTTP requests are being served, the most this server takes at once"
+            " (--max-concurrent-http-requests); retry later",
+            "http_concurrency",
+        )
+
+    async def _answer(
+        self,
+        scope: Scope,
+        receive: Receive,
+        route: str,
+        params: dict[str, str],
+        handlers: dict[str, Handler],
+        *,
+        trace: tracing.RequestTrace | None,
+    ) -> Response:
+        method = scope["method"]
+        if not handlers:
+            raise NotFound(
+                f"no route {scope['path']}: this server answers OpenAI's /v1/embeddings and /v1/models, /v1/rerank,"
+                " text-embeddings-inference's /embed, /rerank, /predict, /tokenize and /info, and KServe v2 REST"
+                " under /v2"
+            )
+        handler = handlers.get(method)
+        if handler is None:
+            allowed = tuple(handlers)
+            raise MethodNotAllowed(f"{scope['path']} answers {' and '.join(allowed)}, not {method}", allowed)
+        headers = dict(scope["headers"])
+        if self.api_keys is not None and route not in OPEN_ROUTES:
+            authorization = headers.get(b"authorization")
+            tenant = self.api_keys.tenant(None if authorization is None else authorization.decode("latin-1"))
+            if tenant is None:
+                metrics.REJECTED.labels("unauthenticated").inc()
+                raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+            tenants.CURRENT.set(tenant)  # this request's task, and its handler's (a copy of its context)
+        if method != "POST":
+            return await handler(Call(params, headers, b""))
+        if route.endswith("/infer"):
+            # The model is named by the path: a full queue answers before the body is read or parsed.
+            self.engine.check_room(params["name"], params["version"])
+        body = await self._read_body(headers, receive)
+        # Cancelling the handler when the client goes away drops its queued work, as for gRPC.
+        work = asyncio.ensure_future(handler(Call(params, headers, body, trace)))
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            work.cancel()
+            await asyncio.wait((work,))  # let it unwind: its queued work leaves the queue
+            raise _Disconnected
+        finally:
+            gone.cancel()
+            work.cancel()  # when this task itself is cancelled (a drain past its grace period)
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+        """The whole body, refused (413) as soon as it is known to exceed --max-message-bytes."""
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            self._too_large(int(declared))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                self._too_large(size)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _too_large(self, size: int) -> None:
+        metrics.REJECTED.labels("message_too_large").inc()
+        raise InvalidArgument(
+            f"the request body is {size} bytes or more, over the limit of {self.max_body_bytes} bytes"
+            " (--max-message-bytes)",
+            "message_too_large",
+        )
+
+    def _error(self, path: str, error: ServiceError) -> Response:
+        status = http_status(error)
+        message = str(error)
+        if path.startswith("/v1/"):
+            body = openai_error(status, message, error.reason)
+        elif path in tei.TEI_ROUTES:
+            status = tei_status(status)
+            body = tei_error(status, message)
+        else:
+            body = kserve_error(message)
+        headers = []
+        if isinstance(error, MethodNotAllowed):
+            headers.append((b"allow", ", ".join(error.allowed).encode()))
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        if isinstance(error, OverLimit):
+            # A tenant over its limit: when its bucket lets it in again.
+            headers.append((b"retry-after", str(error.retry_after_s).encode()))
+        elif status in (429, 503):
+            # Queue full or draining: worth another try soon (on this pod or, behind a Service, another).
+            headers.append((b"retry-after", RETRY_AFTER_S))
+        if status == 413:
+            # The rest of an oversized body is never read: close the connection rather than parse it.
+            headers.append((b"connection", b"close"))
+        return Response(status, json.dumps(body).encode(), headers=headers)
+
+    async def _embeddings(self, call: Call) -> Response:
+        with tracing.stage(call.trace, "decode"):
+            _check_body_form(call.headers, (JSON,))
+            request = openai.parse_embeddings(_json(call.body))
+        body, result = await openai.embeddings(self.engine, request, self.max_embedding_inputs, call.trace)
+        return Response(200, body, answer=result)
+
+    def _task(self, route: Callable[[tei.TaskCall, object], Awaitable[tei.Answer]]) -> Handler:
+        """A handler for a task route (TEI's, /v1/rerank): a JSON body in, the route's JSON answer out."""
+
+        async def handler(call: Call) -> Response:
+            with tracing.stage(call.trace, "decode"):
+                _check_body_form(call.headers, (JSON,))
+                payload = _json(call.body)
+            answer = await route(tei.TaskCall(self.engine, self.max_embedding_inputs, call.trace), payload)
+            return Response(200, answer.body, answer=answer.result)
+
+        return handler
+
+    async def _info(self, call: Call) -> Response:
+        return Response(200, tei.info(self.engine, self.info))
+
+    async def _openai_models(self, call: Call) -> Response:
+        return Response(200, openai.models_list(self.engine, self.created))
+
+    async def _openai_model(self, call: Call) -> Response:
+        return Response(200, openai.model_card(self.engine, call.path_params["name"], self.created))
+
+    async def _live(self, call: Call) -> Response:
+        return Response(200, content_type=None)
+
+    async def _ready(self, call: Call) -> Response:
+        return Response(200 if self.engine.ready else 503, content_type=None)
+
+    async def _server_metadata(self, call: Call) -> Response:
+        return Response(200, self._metadata)
+
+    async def _model_metadata(self, call: Call) -> Response:
+        metadata = codec.model_metadata(self.engine.model(**call.path_params).signature)
+        return Response(200, json.dumps(kserve.proto_json(metadata)).encode())
+
+    async def _model_ready(self, call: Call) -> Response:
+        return Response(200 if self.engine.model_ready(**call.path_params) else 503, content_type=None)
+
+    async def _model_config(self, call: Call) -> Response:
+        config = codec.effective_config(self.engine.model(**call.path_params))
+        return Response(200, json.dumps(kserve.proto_json(config)).encode())
+
+    async def _statistics(self, call: Call) -> Response:
+        # /v2/models/stats has no path parameters: every model's statistics, as ModelStatistics without a name.
+        figures = self.engine.statistics(**call.path_params)
+        statistics = pb.ModelStatisticsResponse(model_stats=[codec.model_statistics(*model) for model in figures])
+        return Response(200, json.dumps(kserve.proto_json(statistics, every_field=True)).encode())
+
+    async def _repository_index(self, call: Call) -> Response:
+        _check_body_form(call.headers, (None, JSON))
+        ready_only = kserve.parse_repository_index(_json(call.body) if call.body.strip() else {})
+        index = codec.repository_index(self.engine.index(ready_only))
+        return Response(200, json.dumps([kserve.proto_json(model) for model in index.models]).encode())
+
+    @staticmethod
+    def _refusal(rpc: str) -> Handler:
+        """A handler answering as the gRPC port's `rpc` does: UNIMPLEMENTED with its reason, here 501."""
+
+        async def refusal(call: Call) -> Response:
+            raise codec.unsupported(rpc)
+
+        return refusal
+
+    async def _infer(self, call: Call) -> Response:
+        received = time.perf_counter()
+        with tracing.stage(call.trace, "decode"):
+            header_length = call.headers.get(kserve.HEADER_LENGTH.encode())
+            _check_body_form(call.headers, (None, JSON, BINARY))
+            json_part, binary = kserve.split_body(
+                call.body, None if header_length is None else header_length.decode("latin-1")
+            )
+            payload = _json(json_part)
+            name, version = call.path_params["name"], call.path_params["version"]
+            rest = kserve.parse_infer(payload, binary, name, version, received)
+        result = await self.engine.infer(rest.request, call.trace)
+        with tracing.stage(call.trace, "encode"):
+            body, json_length = await self.engine.encode(result, lambda: kserve.encode_outputs(rest, result))
+        if json_length is None:
+            return Response(200, body, answer=result)
+        header = (kserve.HEADER_LENGTH.encode(), str(json_length).encode())
+        return Response(200, body, BINARY, [header], answer=result)

@@ -1,0 +1,375 @@
+"""text-embeddings-inference's routes: POST /embed, /rerank, /predict, /tokenize and GET /info, to the engine and back.
+
+Request and answer shapes are TEI's, so its clients (LangChain's HuggingFaceEndpointEmbeddings,
+huggingface_hub's InferenceClient, TEI's own examples) work unchanged. These routes name no model:
+each goes to the one served model of the task it needs (an embedder for /embed and /tokenize, a
+reranker, a classifier of one label, for /rerank, any classifier for /predict); an optional
+`model` field chooses when several are served.
+
+Where this server differs from TEI: `truncate` defaults to true (as sentence-transformers and the
+server's other routes; false refuses over-long inputs with 422, where TEI answers 413), and
+`normalize: false` is refused for a model that normalises inside its graph (its unnormalised
+vectors are not there). A model failure is 424 ("Backend"), as TEI answers it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from service.errors import InvalidArgument, NotFound, TooLarge
+from service.ops import tracing
+from service.pipeline.answers import JSON_VALUE_BYTES, HeldAnswer
+from service.pipeline.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
+from service.pipeline.models import ModelInfo
+from service.pipeline.tokenizer import Token
+from service.pipeline.validation import (
+    DIMENSIONS,
+    PROMPT_NAME,
+    QUERY_INPUT,
+    TEXT_INPUT,
+    TRUNCATE,
+    check_rows,
+    check_text_sizes,
+    decode_texts,
+)
+
+TEI_ROUTES = frozenset({"/embed", "/rerank", "/predict", "/tokenize", "/info"})
+TASK_OF_ROUTE = {"/embed": "embed", "/tokenize": "embed", "/rerank": "classify", "/predict": "classify"}
+EMBED_FIELDS = ("inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions", "model")
+RERANK_FIELDS = ("query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction", "model")
+PREDICT_FIELDS = ("inputs", "raw_scores", "truncate", "truncation_direction", "model")
+TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model")
+
+
+def choose_model(engine: Engine, task: str, name: object, *, reranker: bool = False) -> ModelInfo:
+    """The model a nameless route serves: the one of its task, or the one `name` picks; a precise refusal otherwise.
+
+    reranker: the route needs one score per pair, so only classifiers of one label are candidates.
+    """
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument("model must be the name of a served model")
+        model = engine.model(name)
+        if model.spec.task != task:
+            raise InvalidArgument(f"model {name} is a {model.spec.task} model; this route needs a {task} model")
+        return model
+    candidates = [
+        model for model in engine.models() if model.spec.task == task and (not reranker or len(model.spec.labels) == 1)
+    ]
+    if not candidates:
+        kind = " of one label (a reranker)" if reranker else ""
+        raise NotFound(f"no {task} model{kind} is served here (served: {', '.join(engine.served_names()) or 'none'})")
+    if len(candidates) > 1:
+        names = ", ".join(model.spec.name for model in candidates)
+        kind = " as one-label rerankers" if reranker else ""
+        raise InvalidArgument(f"several {task} models are served{kind} ({names}): name one in the model field")
+    return candidates[0]
+
+
+def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
+    """Scores from logits [rows, labels]: raw, or sigmoid for one label and softmax over several (as TEI does)."""
+    if raw:
+        return logits
+    if logits.shape[1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def _object(payload: object, fields: tuple[str, ...]) -> dict:
+    if not isinstance(payload, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    unknown = [name for name in payload if name not in fields]
+    if unknown:
+        raise InvalidArgument(f"unknown field {unknown[0]!r} (accepted: {', '.join(fields)})")
+    if payload.get("truncation_direction", "Right") not in ("Right", "right"):
+        raise InvalidArgument("truncation_direction must be Right: this server keeps the start of long inputs")
+    return payload
+
+
+def _flag(payload: dict, name: str, default: bool) -> bool:
+    value = payload.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be true or false")
+    return value
+
+
+def _strings(value: object, name: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return value
+    raise InvalidArgument(f"{name} must be a string or a non-empty list of strings")
+
+
+def _utf8(texts: list[str]) -> list[bytes]:
+    # surrogatepass: a lone surrogate (legal in JSON) reaches the UTF-8 check and its message.
+    return [text.encode("utf-8", "surrogatepass") for text in texts]
+
+
+def _bytes_tensor(name: str, texts: list[str]) -> InputTensor:
+    elements = _utf8(texts)
+    return InputTensor(name, "BYTES", (len(elements),), elements, raw=False)
+
+
+def _parameters(payload: dict, *names: str) -> dict[str, bool | int | float | str]:
+    """The engine's request parameters from the body's fields of the same names (absent ones left out)."""
+    return {name: payload[name] for name in names if payload.get(name) is not None}
+
+
+@dataclass(frozen=True)
+class TaskCall:
+    """What every task route runs with: the engine, the front end's bound on inputs, the request's span."""
+
+    engine: Engine
+    max_inputs: int
+    """--max-embedding-inputs: the most texts (or pairs) one request may carry."""
+    trace: tracing.RequestTrace | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A route's JSON body, with what its bytes are counted under in the engine's budget until sent.
+
+    The inference it came from, or (for /tokenize, which runs none) the answer held on its own.
+    """
+
+    body: bytes
+    result: InferenceResult | HeldAnswer
+
+
+async def _run(
+    call: TaskCall, model: ModelInfo, inputs: tuple[InputTensor, ...], output: str, parameters: dict
+) -> InferenceResult:
+    request = InferenceRequest(
+        model=model.spec.name,
+        inputs=inputs,
+        outputs=(output,),
+        parameters=parameters,
+        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        value_bytes={output: JSON_VALUE_BYTES},
+    )
+    return await call.engine.infer(request, call.trace)
+
+
+async def encoded(call: TaskCall, result: InferenceResult, make: Callable[[], object]) -> Answer:
+    """The route's JSON answer made from an inference (the request's encode stage, when traced)."""
+    with tracing.stage(call.trace, "encode"):
+        body = await call.engine.encode(result, lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
+    return Answer(body, result)
+
+
+async def embed(call: TaskCall, payload: object) -> Answer:
+    """POST /embed: {"inputs": str | [str], "normalize", "truncate", "prompt_name", "dimensions"} -> [[float]]."""
+    fields = _object(payload, EMBED_FIELDS)
+    if "inputs" not in fields:
+        raise InvalidArgument("inputs is required: a string or a list of strings")
+    texts = _strings(fields["inputs"], "inputs")
+    model = choose_model(call.engine, "embed", fields.get("model"))
+    normalize = _flag(fields, "normalize", True)
+    if not normalize and model.spec.normalize:
+        raise InvalidArgument(
+            f"model {model.spec.name} normalises its embeddings in its graph: normalize false is not available"
+        )
+    _flag(fields, TRUNCATE, True)
+    parameters = _parameters(fields, TRUNCATE, PROMPT_NAME, DIMENSIONS)
+    result = await _run(call, model, (_bytes_tensor(TEXT_INPUT, texts),), "embedding", parameters)
+    vectors = result.outputs["embedding"]
+    if normalize and not model.spec.normalize:
+        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return await encoded(call, result, lambda: vectors)
+
+
+async def rerank(call: TaskCall, payload: object) -> Answer:
+    """POST /rerank: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}].
+
+    Best first; a score is the sigmoid of the reranker's logit, or the logit itself with raw_scores.
+    """
+    fields = _object(payload, RERANK_FIELDS)
+    query = fields.get("query")
+    if not isinstance(query, str) or not query:
+        raise InvalidArgument("query is required: a non-empty string")
+    if "texts" not in fields:
+        raise InvalidArgument("texts is required: a list of strings")
+    texts = _strings(fields["texts"], "texts")
+    raw, return_text = _flag(fields, "raw_scores", False), _flag(fields, "return_text", False)
+    _flag(fields, TRUNCATE, True)
+    model = choose_model(call.engine, "classify", fields.get("model"), reranker=True)
+    logits = await rerank_logits(call, model, query, texts, _parameters(fields, TRUNCATE))
+    ranked = scores(logits.outputs["logits"], raw)[:, 0]
+    order = np.argsort(-ranked, kind="stable")
+
+    def body() -> object:
+        return [
+            {"index": int(i), "score": float(ranked[i]), **({"text": texts[i]} if return_text else {})} for i in order
+        ]
+
+    return await encoded(call, logits, body)
+
+
+async def rerank_logits(
+    call: TaskCall, model: ModelInfo, query: str, documents: list[str], parameters: dict
+) -> InferenceResult:
+    """The reranker's logits for (query, document) pairs; it must answer one score per pair (one label)."""
+    if len(model.spec.labels) != 1:
+        raise InvalidArgument(
+            f"model {model.spec.name} is a classifier of {len(model.spec.labels)} labels, not a reranker"
+            " (one score per pair): use /predict"
+        )
+    inputs = (_bytes_tensor(QUERY_INPUT, [query] * len(documents)), _bytes_tensor(TEXT_INPUT, documents))
+    return await _run(call, model, inputs, "logits", parameters)
+
+
+def _predict_inputs(value: object) -> tuple[list[list[str]], bool]:
+    """TEI's predict inputs: a text, a pair ([a, b]), or a batch of those; and whether it was a batch."""
+    if isinstance(value, str):
+        return [[value]], False
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        if len(value) > 2:
+            raise InvalidArgument("inputs: a list of strings is one pair [a, b]; send a batch as a list of lists")
+        return [value], False
+    if isinstance(value, list) and value and all(isinstance(item, list) for item in value):
+        for index, item in enumerate(value):
+            if not 1 <= len(item) <= 2 or not all(isinstance(text, str) for text in item):
+                raise InvalidArgument(f"inputs[{index}] must be [text] or [text, text_pair]")
+        return value, True
+    raise InvalidArgument("inputs must be a string, a pair [a, b], or a list of [text] or [text, text_pair]")
+
+
+async def predict(call: TaskCall, payload: object) -> Answer:
+    """POST /predict: {"inputs", "raw_scores", "truncate"} -> [{"label", "score"}] best first; a batch: a list each."""
+    fields = _object(payload, PREDICT_FIELDS)
+    if "inputs" not in fields:
+        raise InvalidArgument("inputs is required: a string, a pair [a, b], or a list of those")
+    items, batch = _predict_inputs(fields["inputs"])
+    if len({len(item) for item in items}) > 1:
+        raise InvalidArgument("inputs: a batch is all single texts or all pairs")
+    raw = _flag(fields, "raw_scores", False)
+    _flag(fields, TRUNCATE, True)
+    model = choose_model(call.engine, "classify", fields.get("model"))
+    inputs = (_bytes_tensor(TEXT_INPUT, [item[-1] for item in items]),)
+    if len(items[0]) == 2:
+        inputs = (_bytes_tensor(QUERY_INPUT, [item[0] for item in items]), *inputs)
+    result = await _run(call, model, inputs, "logits", _parameters(fields, TRUNCATE))
+    table = scores(result.outputs["logits"], raw)
+    labels = model.spec.labels
+
+    def body() -> object:
+        answers = [
+            [{"label": labels[j], "score": float(row[j])} for j in np.argsort(-row, kind="stable")] for row in table
+        ]
+        return answers if batch else answers[0]
+
+    return await encoded(call, result, body)
+
+
+async def tokenize(call: TaskCall, payload: object) -> Answer:
+    """POST /tokenize: {"inputs", "add_special_tokens", "prompt_name"} -> a list of tokens per text.
+
+    Each token is {"id", "text", "special", "start", "stop"}: its place in the text (truncated at
+    the model's maximum); special tokens have none. The texts are held to the limits of /embed
+    (--max-embedding-inputs, --max-text-bytes, --max-request-text-bytes), the answer to
+    --max-response-bytes and, until sent, to --max-answer-bytes-in-flight; a large request is
+    tokenised and written on a worker, as inference is.
+    """
+    fields = _object(payload, TOKENIZE_FIELDS)
+    if "inputs" not in fields:
+        raise InvalidArgument("inputs is required: a string or a list of strings")
+    texts = _strings(fields["inputs"], "inputs")
+    special = _flag(fields, "add_special_tokens", True)
+    model = _tokenizing_model(call.engine, fields.get("model"))
+    served = call.engine.served(model.spec.name)
+    tokenizer = served.tokenizer
+    if tokenizer is None:
+        raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
+    prompt_name = fields.get(PROMPT_NAME)
+    prompts = model.spec.prompts
+    if prompt_name is not None and prompt_name not in prompts:
+        known = ", ".join(prompts) or "none"
+        raise InvalidArgument(
+            f"prompt_name {prompt_name!r} is not a prompt of model {model.spec.name} (prompts: {known})"
+        )
+    check_rows(len(texts), served.signature, RowLimit(call.max_inputs, "--max-embedding-inputs"))
+    elements = _utf8(texts)
+    check_text_sizes({"inputs": elements}, served.signature.text_limits)
+    prefix = prompts.get(prompt_name or model.spec.default_prompt_name, "")
+    texts = [prefix + text for text in decode_texts(elements, "inputs")]
+
+    def answer() -> bytes:
+        return orjson.dumps([[_token(token) for token in tokenizer.tokens(text, special)] for text in texts])
+
+    body = await served.tokenizer_work(sum(map(len, texts)), answer)
+    limit = call.engine.answers.max_response_bytes
+    if len(body) > limit:
+        raise TooLarge(
+            f"the tokens of these texts take {len(body)} bytes as JSON, over the limit of {limit} bytes per"
+            " response (--max-response-bytes); send fewer texts",
+            "response_too_large",
+        )
+    # In the answers in flight, as an inference's answer is, until the transport has taken it.
+    return Answer(body, call.engine.hold(len(body)))
+
+
+def _tokenizing_model(engine: Engine, name: object) -> ModelInfo:
+    """The model whose tokenizer /tokenize uses: the one named (any task), else the embedder, else the classifier."""
+    if isinstance(name, str) and name:
+        return engine.model(name)
+    if name is not None:
+        raise InvalidArgument("model must be the name of a served model")
+    if any(model.spec.task == "embed" for model in engine.models()):
+        return choose_model(engine, "embed", None)
+    return choose_model(engine, "classify", None)
+
+
+def _token(token: Token) -> dict[str, object]:
+    """One token as TEI writes it: special tokens have no place in the text."""
+    if token.special:
+        return {"id": token.id, "text": token.text, "special": True, "start": None, "stop": None}
+    return {"id": token.id, "text": token.text, "special": False, "start": token.start, "stop": token.stop}
+
+
+def info(engine: Engine, settings: InfoSettings) -> bytes:
+    """GET /info: the served model as TEI describes its own (the one embedder, else the one classifier)."""
+    models = engine.models()
+    if not models:
+        raise NotFound("no model is loaded")
+    embedders = [model for model in models if model.spec.task == "embed"]
+    model = (embedders or models)[0]
+    spec = model.spec
+    if spec.task == "embed":
+        model_type: dict[str, object] = {"embedding": {"pooling": spec.pooling}}
+    else:
+        id2label = {str(i): label for i, label in enumerate(spec.labels)}
+        label2id = {label: i for i, label in enumerate(spec.labels)}
+        kind = "reranker" if len(spec.labels) == 1 else "classifier"
+        model_type = {kind: {"id2label": id2label, "label2id": label2id}}
+    return orjson.dumps(
+        {
+            "model_id": spec.name,
+            "model_sha": None,
+            "model_dtype": model.instances[0].variant if model.instances else "fp32",
+            "model_type": model_type,
+            "max_concurrent_requests": settings.max_concurrent_requests,
+            "max_input_length": spec.max_sequence_length,
+            "max_batch_tokens": model.policy.max_batch_tokens,
+            "max_batch_requests": model.policy.max_batch_size,
+            "max_client_batch_size": settings.max_client_batch_size,
+            "tokenization_workers": settings.tokenization_workers,
+            "version": settings.version,
+            "models": [{"id": m.spec.name, "task": m.spec.task} for m in models],
+        }
+    )
+
+
+@dataclass(frozen=True)
+class InfoSettings:
+    """Server facts /info reports beside the model's."""
+
+    max_concurrent_requests: int
+    max_client_batch_size: int
+    tokenization_workers: int
+    version: str

@@ -1,0 +1,1 @@
+"""What operates the server: settings, metrics, statistics, tracing, tenants, security, health probes."""

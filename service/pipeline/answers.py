@@ -1,0 +1,87 @@
+"""Answers budgeted like requests: their size as sent, one process's bytes in flight, and encoding off the loop.
+
+Before a request runs, its answer's size is known from its rows and tokens: values per output
+times the bytes each value takes as the front end will send it (4 as raw float32 over gRPC or
+KServe binary data, up to `JSON_VALUE_BYTES` as a JSON number, `BASE64_VALUE_BYTES` in OpenAI's
+base64). An answer over `--max-response-bytes` is refused (TooLarge: RESOURCE_EXHAUSTED, HTTP
+413); an answer that would take the answers in flight past this process's share of
+`--max-answer-bytes-in-flight` is refused for now (Overloaded: RESOURCE_EXHAUSTED, HTTP 429 with
+Retry-After). Its bytes stay counted until the front end has handed the answer to the transport:
+a client that reads slowly holds its share of the budget, not more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from service.errors import Overloaded, TooLarge
+from service.ops import metrics
+
+RAW_VALUE_BYTES = 4.0
+"""A float32 as raw little-endian bytes (gRPC raw_output_contents, KServe binary data)."""
+JSON_VALUE_BYTES = 16.0
+"""A float32 as a JSON number at most (shortest round-trip form, 9 significant digits, sign, exponent, comma)."""
+BASE64_VALUE_BYTES = 16.0 / 3.0
+"""A float32 in base64 (OpenAI's encoding_format=base64)."""
+INLINE_ENCODE_BYTES = 1024 * 1024
+"""Answers up to this size are encoded on the event loop; larger ones on a worker thread."""
+JSON_CHUNK_VALUES = 32 * 1024
+"""Values written to JSON in one call (~2 ms here): the worker thread holds the GIL no longer at a time,
+so the event loop keeps answering while a large answer is written."""
+
+
+@dataclass
+class HeldAnswer:
+    """The bytes of an answer made apart from any inference (a /tokenize answer), counted in flight until sent."""
+
+    answer_bytes: int
+
+
+class AnswerBudget:
+    """The bytes of answers this process has accepted to send and not yet handed to the transport."""
+
+    def __init__(self, max_response_bytes: int, max_in_flight_bytes: int) -> None:
+        self.max_response_bytes = max_response_bytes
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.in_flight_bytes = 0
+
+    def reserve(self, size: int) -> int:
+        """Count an answer of `size` bytes (as sent) in flight, or refuse it (over its limit, or over the budget)."""
+        if size > self.max_response_bytes:
+            raise TooLarge(
+                f"the requested outputs would take {size} bytes as sent, over the limit of {self.max_response_bytes}"
+                " bytes per response (--max-response-bytes); request fewer rows, only the embedding, or binary"
+                " outputs",
+                "response_too_large",
+            )
+        # An answer alone may exceed the budget (it is within --max-response-bytes): it then waits for none.
+        if self.in_flight_bytes + size > self.max_in_flight_bytes and self.in_flight_bytes:
+            raise Overloaded(
+                f"answers in flight hold {self.in_flight_bytes} bytes and this one needs {size} more, over the"
+                f" {self.max_in_flight_bytes} bytes this process may hold (--max-answer-bytes-in-flight); retry later",
+                "answer_budget",
+            )
+        self.in_flight_bytes += size
+        metrics.ANSWER_BYTES.set(self.in_flight_bytes)
+        return size
+
+    def release(self, size: int) -> None:
+        """An answer was handed to the transport (or failed): its bytes leave the budget."""
+        self.in_flight_bytes -= size
+        metrics.ANSWER_BYTES.set(self.in_flight_bytes)
+
+
+def json_values(values: np.ndarray) -> orjson.Fragment:
+    """A float32 array as one flat JSON array (row-major), each value in its shortest exact form.
+
+    Written JSON_CHUNK_VALUES at a time: between chunks other threads run, the event loop's among them.
+    """
+    flat = np.ascontiguousarray(values, dtype=np.float32).ravel()
+    chunks = [
+        orjson.dumps(flat[start : start + JSON_CHUNK_VALUES], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
+        for start in range(0, flat.size, JSON_CHUNK_VALUES)
+    ]
+    return orjson.Fragment(b"[" + b",".join(chunks) + b"]")

@@ -1,0 +1,325 @@
+"""The engine: the one API every front end calls, with plain request and result types.
+
+gRPC (unary and streaming), OpenAI and KServe REST are adapters over it: each turns its wire format
+into an `InferenceRequest`, makes one `Engine.infer` call and encodes the `InferenceResult`; they
+ask the same object whether the server and its models are ready, and for their metadata,
+configuration, statistics and repository index. Nothing here holds a protobuf message, an HTTP
+request or a gRPC context: requests and results are numpy arrays, strings and small scalars.
+
+Inside `infer`, in one place for every protocol: the request is counted (encoder_requests_total and
+Triton's statistics), checked against its model (service.pipeline.validation), admitted or refused at once,
+tokenised when it carries text, and its rows batched with everyone's (service.core.batcher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from service.core.repository import RepositoryError, model_directories
+from service.errors import ExecutionError, NotFound, ServiceError, Unavailable
+from service.ops import metrics, tenants, tracing
+from service.ops.settings import Settings
+from service.ops.statistics import TABLES, ModelStatistics
+from service.pipeline.answers import INLINE_ENCODE_BYTES, AnswerBudget, HeldAnswer
+from service.pipeline.models import InstanceInfo, ModelInfo, ServedModel
+from service.pipeline.validation import InputTensor, RowLimit, validate
+
+log = logging.getLogger(__name__)
+Encoded = TypeVar("Encoded")
+
+__all__ = [
+    "Engine",
+    "InferenceRequest",
+    "InferenceResult",
+    "InputTensor",
+    "InstanceInfo",
+    "ModelInfo",
+    "ModelState",
+    "RowLimit",
+]
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """One inference as a front end received it: which model, its inputs unchecked, what it wants back.
+
+    Like every type on the request path, a slotted dataclass that is not changed after it is made.
+    """
+
+    model: str
+    version: str = ""
+    id: str = ""
+    inputs: tuple[InputTensor, ...] = ()
+    outputs: tuple[str, ...] = ()
+    """Requested output names, in the order to answer them; empty = every output."""
+    parameters: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Triton's request parameters (`timeout`, microseconds, is honoured)."""
+    deadline: float | None = None
+    """The transport's deadline (time.monotonic), if the caller set one."""
+    received: float = field(default_factory=time.perf_counter)
+    """When the front end received it (time.perf_counter): the statistics count from here."""
+    row_limit: RowLimit | None = None
+    """The front end's own bound on its rows; None = the model's max_batch_size."""
+    dimensions: int | None = None
+    """Embedding width asked for (OpenAI's `dimensions`); None = the model's own."""
+    value_bytes: dict[str, float] = field(default_factory=dict)
+    """Bytes one value of an output takes as the front end will send it, by output name; 4 (raw float32) if absent."""
+
+
+@dataclass(slots=True)
+class InferenceResult:
+    """The engine's answer: each requested output (rows in the request's order), and what the request held."""
+
+    model: str
+    version: str
+    id: str
+    outputs: dict[str, np.ndarray]
+    """Requested output name -> float32 array, in the order requested."""
+    prompt_tokens: int
+    """Real (unpadded) tokens of the request's sequences, special tokens included (OpenAI's `usage`)."""
+    answer_bytes: int = 0
+    """The answer's size as sent, counted in flight until the front end calls `Engine.answered` with it."""
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A model's place in the repository index."""
+
+    name: str
+    version: str
+    state: str
+    """READY, LOADING or UNAVAILABLE (as Triton reports it)."""
+    reason: str = ""
+
+
+def shortened(embeddings: np.ndarray, width: int, normalize: bool) -> np.ndarray:
+    """Matryoshka embeddings cut to their first `width` values, L2-normalised again when the model normalises."""
+    cut = np.ascontiguousarray(embeddings[:, :width])
+    if normalize:
+        cut /= np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+    return cut
+
+
+class Engine:
+    """The models of one repository behind one API: loading, readiness, description, statistics, inference."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._models: dict[str, ServedModel] = {}
+        self._states: dict[str, ModelState] = {}
+        self.draining = False
+        self.answers = AnswerBudget(
+            settings.max_response_bytes, settings.max_answer_bytes_in_flight // max(1, settings.frontends)
+        )
+        """This process's answers in flight: its share of --max-answer-bytes-in-flight."""
+        self._tokenizer_pool = ThreadPoolExecutor(
+            max_workers=settings.tokenizer_threads, thread_name_prefix="tokenizer"
+        )
+
+    def discover(self) -> list[str]:
+        """Model folders in the repository; each starts LOADING."""
+        names = [directory.name for directory in model_directories(self.settings.model_repository)]
+        for name in names:
+            self.set_state(name, "LOADING")
+        return names
+
+    async def load(self, name: str) -> ModelInfo:
+        """Load and warm one model off the event loop and serve it; a failure marks it UNAVAILABLE and re-raises."""
+        # Here, not at the top: front-end processes use this module and never load ONNX Runtime (~18 MB each).
+        from service.core.loading import load_model  # noqa: PLC0415
+
+        try:
+            model = await asyncio.get_running_loop().run_in_executor(
+                None, load_model, self.settings.model_repository / name, self.settings, self._tokenizer_pool
+            )
+        except (RepositoryError, ExecutionError) as error:
+            self.set_state(name, "UNAVAILABLE", str(error))
+            raise
+        self.add(model)
+        return model.info
+
+    def add(self, model: ServedModel) -> None:
+        """Serve a model (its queue started on the running loop): READY from now on."""
+        model.queue.start()
+        self._models[model.spec.name] = model
+        self.set_state(model.spec.name, "READY", version=model.spec.version)
+        labels = model.metrics.labels.values()
+        metrics.MODEL_READY.labels(*labels).set(1)
+        for (provider, variant), count in Counter((i.provider, i.variant) for i in model.info.instances).items():
+            metrics.PROVIDER.labels(*labels, provider, variant).set(count)
+
+    def set_state(self, name: str, state: str, reason: str = "", version: str = "") -> None:
+        """A model's place in the repository index: LOADING, READY or UNAVAILABLE (with why)."""
+        self._states[name] = ModelState(name, version, state, reason)
+
+    def tokenizer_pool(self) -> ThreadPoolExecutor:
+        """The threads that tokenise large requests, for models served here."""
+        return self._tokenizer_pool
+
+    def served_names(self) -> list[str]:
+        """The names of the models served now."""
+        return sorted(self._models)
+
+    def models(self) -> list[ModelInfo]:
+        """Every loaded model, by name."""
+        return [model.info for _, model in sorted(self._models.items())]
+
+    def on_serving_change(self, name: str, listener: Callable[[bool], None]) -> None:
+        """Tell `listener(serving)` when the model loses, or gets back, its last working instance."""
+        self._models[name].queue.on_serving_change = listener
+
+    @property
+    def ready(self) -> bool:
+        """Every discovered model is loaded and has an instance in service, and the server is not draining."""
+        loaded = bool(self._states) and all(state.state == "READY" for state in self._states.values())
+        return loaded and not self.draining and all(model.queue.serving for model in self._models.values())
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        """That model (and version, if given) is loaded and in service, and the server is not draining."""
+        model = self._models.get(name)
+        return model is not None and version in ("", model.spec.version) and model.queue.serving and not self.draining
+
+    def model(self, name: str, version: str = "") -> ModelInfo:
+        """What a served model is (its signature, batching and instances); NOT_FOUND or UNAVAILABLE otherwise."""
+        return self.served(name, version).info
+
+    def statistics(self, name: str = "", version: str = "") -> list[tuple[str, str, ModelStatistics]]:
+        """Triton's cumulative statistics (model, version, figures) of one model (and version), or of every model."""
+        models = [self.served(name, version)] if name else [model for _, model in sorted(self._models.items())]
+        return [
+            (model.spec.name, model.spec.version, TABLES.snapshot(model.spec.name, model.spec.version))
+            for model in models
+        ]
+
+    def index(self, ready_only: bool = False) -> list[ModelState]:
+        """Every model of the repository with its state (only READY ones if asked), by name."""
+        states = sorted(self._states.values(), key=lambda state: state.name)
+        return [state for state in states if state.state == "READY" or not ready_only]
+
+    def served(self, name: str, version: str = "") -> ServedModel:
+        """A served model by name (and version); NOT_FOUND or UNAVAILABLE otherwise."""
+        model = self._models.get(name)
+        if model is None:
+            state = self._states.get(name)
+            if state is not None and state.state == "LOADING":
+                raise Unavailable(f"model {name} is loading")
+            if state is not None:
+                # The reason (paths, library messages) is the log's and the repository index's, not every caller's.
+                raise Unavailable(f"model {name} failed to load; see the server log or the repository index")
+            raise NotFound(f"unknown model {name!r}")
+        if version not in ("", model.spec.version):
+            raise NotFound(f"model {name} has no version {version!r} (served: {model.spec.version})")
+        return model
+
+    def check_room(self, name: str, version: str = "") -> None:
+        """Refuse at once, before a request is read, what its model's queue would refuse now (ServiceError)."""
+        model = self.served(name, version)
+        try:
+            model.queue.check_room()
+        except ServiceError as error:
+            if error.reason is not None:
+                metrics.REJECTED.labels(error.reason).inc()
+            raise
+
+    async def infer(self, request: InferenceRequest, trace: tracing.RequestTrace | None = None) -> InferenceResult:
+        """Count, check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError.
+
+        `trace`: the request's span (while tracing is on), which gets the stages from here on. The caller's
+        tenant (service.ops.tenants, set where its API key was checked) is held to its limits and charged its tokens.
+        """
+        tenant = tenants.CURRENT.get()
+        tenant_metrics = None if tenant is None else tenant.metrics
+        served = self._models.get(request.model)
+        if served is not None and request.version in ("", served.spec.version):
+            tracked = metrics.TrackedRequest(
+                served.metrics, served.statistics, request.deadline, request.received, tenant_metrics
+            )
+        else:
+            tracked = metrics.TrackedRequest(
+                metrics.of(metrics.UNKNOWN_MODEL), None, request.deadline, request.received, tenant_metrics
+            )
+        if trace is not None:
+            trace.describe(request.model, request.version)
+        with tracked:
+            if tenant is not None:
+                tenant.admit()
+            model = self.served(request.model, request.version)
+            with tracing.stage(trace, "validate"):
+                valid = validate(
+                    request.inputs,
+                    request.outputs,
+                    request.parameters,
+                    model.signature,
+                    request.row_limit,
+                    dimensions=request.dimensions,
+                )
+            work, prompt_tokens, answer_bytes = await model.run(
+                valid, request.deadline, request.value_bytes, self.answers, trace
+            )
+            tracked.inferred(valid.rows, work.queue_s, work.compute_s)
+            if tenant is not None:
+                tenant.charge(prompt_tokens)
+            if trace is not None:
+                trace.answered(valid.rows, prompt_tokens, work.batch_rows)
+            outputs = work.outputs
+            if valid.dimensions is not None and "embedding" in outputs:
+                outputs = {
+                    **outputs,
+                    "embedding": shortened(outputs["embedding"], valid.dimensions, model.spec.normalize),
+                }
+            return InferenceResult(
+                model.spec.name, model.spec.version, request.id, outputs, prompt_tokens, answer_bytes
+            )
+
+    async def encode(self, result: InferenceResult, encode: Callable[[], Encoded]) -> Encoded:
+        """Encode an answer: a small one on the event loop, a large one on a worker thread (the loop keeps serving).
+
+        If encoding fails or is cancelled, the answer's bytes leave the budget.
+        """
+        try:
+            if result.answer_bytes <= INLINE_ENCODE_BYTES:
+                return encode()
+            return await asyncio.to_thread(encode)
+        except BaseException:
+            self.answered(result)
+            raise
+
+    def hold(self, size: int) -> HeldAnswer:
+        """Count an answer made apart from any inference in flight (until `answered`), or refuse it (Overloaded)."""
+        try:
+            return HeldAnswer(self.answers.reserve(size))
+        except ServiceError as error:
+            metrics.REJECTED.labels(error.reason).inc()
+            raise
+
+    def answered(self, result: InferenceResult | HeldAnswer) -> None:
+        """The front end handed the answer to its transport (or gave up on it): its bytes leave the budget."""
+        self.answers.release(result.answer_bytes)
+        result.answer_bytes = 0
+
+    def drain(self) -> None:
+        """Start draining: not ready from now on, and queued work runs without waiting for fuller batches.
+
+        Requests that reach the engine meanwhile are still taken: the transports stop accepting new
+        ones themselves, and what they accepted is answered.
+        """
+        self.draining = True
+        for model in self._models.values():
+            model.queue.flush()
+
+    async def close(self, timeout_s: float) -> None:
+        """Drain every model's queue (bounded by timeout_s), then refuse new work and release the workers."""
+        self.drain()
+        await asyncio.gather(*(model.queue.close(timeout_s) for model in self._models.values()))
+        for model in self._models.values():
+            metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(0)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,382 @@
+"""All validation of what an inference request carries, against the model it names.
+
+Every front end hands the engine the same `InferenceRequest` (service.pipeline.engine): inputs as received,
+names, datatypes, shapes and data unchecked. Here they are checked against the model's signature,
+once for every protocol, and become a `ValidRequest`: texts, or token rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.core.repository import ModelSpec
+from service.core.rows import TokenRows
+from service.errors import InvalidArgument
+
+TEXT_INPUT = "text"
+QUERY_INPUT = "query"
+"""A classifier's optional first member of each pair: row i is (query[i], text[i])."""
+PROMPT_NAME = "prompt_name"
+TRUNCATE = "truncate"
+DIMENSIONS = "dimensions"
+REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
+"""Token inputs a token request must carry; token_type_ids defaults to zeros."""
+ELEMENT_BYTES = {"INT64": 8}
+"""Bytes per element of the fixed-size datatypes the models take."""
+_LENGTH_PREFIX = struct.Struct("<I")
+_INT64 = np.dtype("<i8")
+
+
+@dataclass(slots=True)
+class InputTensor:
+    """One input as a front end received it: declared name, datatype and shape, and its data, unchecked."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes | Sequence[bytes] | Sequence[int]
+    """Raw contents (`raw`: little-endian; BYTES as a 4-byte length then the bytes, per element), or the
+    typed values themselves."""
+    raw: bool
+
+
+@dataclass(frozen=True)
+class RowLimit:
+    """A front end's own bound on the rows of one request (without one, the model's max_batch_size)."""
+
+    rows: int
+    setting: str
+    """The flag that sets it, named in the refusal."""
+
+
+@dataclass(frozen=True)
+class TextLimits:
+    """Bounds on the text one request may carry, checked before any tokenisation."""
+
+    max_text_bytes: int = 64 * 1024
+    """One text, UTF-8 bytes (--max-text-bytes)."""
+    max_request_text_bytes: int = 1024 * 1024
+    """All texts of a request together, UTF-8 bytes (--max-request-text-bytes)."""
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    """What a model accepts, as requests are checked against it."""
+
+    spec: ModelSpec
+    accepts_text: bool
+    max_batch_size: int
+    text_limits: TextLimits = TextLimits()
+
+    @functools.cached_property
+    def input_datatypes(self) -> dict[str, str]:
+        """Accepted input name -> KServe datatype (built once: every request is checked against it)."""
+        names = {name: "INT64" for name in self.spec.input_names}
+        if self.accepts_text:
+            names[TEXT_INPUT] = "BYTES"
+            if self.spec.task == "classify":
+                names[QUERY_INPUT] = "BYTES"
+        return names
+
+
+@dataclass(slots=True)
+class ValidRequest:
+    """A request checked against its model: texts to tokenise, or token rows; what to answer with."""
+
+    texts: list[str] | None
+    """Texts, each with the prompt's prefix already put before it."""
+    tokens: TokenRows | None
+    outputs: tuple[str, ...]
+    """Requested outputs, in the order they are to be returned."""
+    timeout_s: float | None
+    """Triton's per-request `timeout` parameter, when given."""
+    queries: list[str] | None = None
+    """A classifier's first pair members (row i is (queries[i], texts[i])); None: single texts."""
+    truncate: bool = True
+    """False: a sequence longer than the model's maximum is refused, not cut."""
+    dimensions: int | None = None
+    """The embedding width to answer with (a Matryoshka width); None: the model's own."""
+
+    @property
+    def rows(self) -> int:
+        """Sequences in the request."""
+        return len(self.texts) if self.texts is not None else self.tokens.rows
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """A shape as messages write it: [2, 3]."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _split_bytes(name: str, raw: bytes, count: int) -> list[bytes]:
+    """BYTES raw contents: each element a 4-byte little-endian length then the bytes."""
+    view = memoryview(raw)
+    elements: list[bytes] = []
+    offset = 0
+    while offset < len(view):
+        if offset + 4 > len(view):
+            raise InvalidArgument(f"input {name}: truncated length prefix at byte {offset} of raw contents")
+        (size,) = _LENGTH_PREFIX.unpack_from(view, offset)
+        offset += 4
+        if offset + size > len(view):
+            raise InvalidArgument(
+                f"input {name}: element {len(elements)} claims {size} bytes, {len(view) - offset} remain"
+            )
+        elements.append(bytes(view[offset : offset + size]))
+        offset += size
+    if len(elements) != count:
+        raise InvalidArgument(f"input {name}: raw contents hold {len(elements)} elements, shape needs {count}")
+    return elements
+
+
+def _tensor_data(tensor: InputTensor) -> np.ndarray | list[bytes]:
+    """The tensor's elements, from raw or typed data, checked against its shape."""
+    count = math.prod(tensor.shape)
+    if tensor.raw:
+        if tensor.datatype == "BYTES":
+            return _split_bytes(tensor.name, tensor.data, count)
+        size = count * ELEMENT_BYTES[tensor.datatype]
+        if len(tensor.data) != size:
+            raise InvalidArgument(
+                f"input {tensor.name}: raw contents are {len(tensor.data)} bytes, shape {shape_text(tensor.shape)} of "
+                f"{tensor.datatype} needs {size}"
+            )
+        return np.frombuffer(tensor.data, dtype=_INT64).reshape(tensor.shape)
+    if len(tensor.data) != count:
+        field = "bytes_contents" if tensor.datatype == "BYTES" else "int64_contents"
+        shape = shape_text(tensor.shape)
+        raise InvalidArgument(
+            f"input {tensor.name}: {len(tensor.data)} elements in {field}, shape {shape} needs {count}"
+        )
+    if tensor.datatype == "BYTES":
+        return list(tensor.data)
+    return np.array(tensor.data, dtype=np.int64).reshape(tensor.shape)
+
+
+def check_text_sizes(inputs: dict[str, Sequence[bytes]], limits: TextLimits) -> None:
+    """Refuse a text (named by its input and place), or the texts of a request together, over their byte limits."""
+    total = 0
+    for name, elements in inputs.items():
+        for index, element in enumerate(elements):
+            if len(element) > limits.max_text_bytes:
+                raise InvalidArgument(
+                    f"input {name}[{index}] is {len(element)} bytes, over the limit of {limits.max_text_bytes} bytes"
+                    " per text (--max-text-bytes)",
+                    "text_too_large",
+                )
+            total += len(element)
+    if total > limits.max_request_text_bytes:
+        raise InvalidArgument(
+            f"the texts of this request total {total} bytes, over the limit of {limits.max_request_text_bytes} bytes"
+            " per request (--max-request-text-bytes)",
+            "request_text_too_large",
+        )
+
+
+def decode_texts(elements: list[bytes], name: str) -> list[str]:
+    """UTF-8 elements as texts; InvalidArgument naming the first that is not valid UTF-8 or is blank."""
+    texts = []
+    for index, element in enumerate(elements):
+        try:
+            text = element.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidArgument(
+                f"input {name}[{index}] is not valid UTF-8 ({error.reason} at byte {error.start})"
+            ) from error
+        if not text.strip():
+            raise InvalidArgument(f"input {name}[{index}] is empty")
+        texts.append(text)
+    return texts
+
+
+def _check_tokens(tokens: dict[str, np.ndarray], signature: ModelSignature) -> None:
+    spec = signature.spec
+    missing = [n for n in REQUIRED_TOKEN_INPUTS if n not in tokens]
+    if missing:
+        raise InvalidArgument(f"missing input {missing[0]} (token inputs are input_ids and attention_mask)")
+    shape = tokens["input_ids"].shape
+    for name, array in tokens.items():
+        if array.ndim != 2:
+            raise InvalidArgument(f"input {name}: shape {shape_text(array.shape)} must be [batch, sequence]")
+        if array.shape != shape:
+            raise InvalidArgument(
+                f"input {name}: shape {shape_text(array.shape)} differs from input_ids {shape_text(shape)}"
+            )
+    length = shape[1]
+    if length < 1:
+        raise InvalidArgument("token inputs must hold at least one token per sequence")
+    if length > spec.max_sequence_length:
+        raise InvalidArgument(f"sequence length {length} exceeds the model's maximum {spec.max_sequence_length}")
+    ids = tokens["input_ids"]
+    if ids.size and (ids.min() < 0 or ids.max() >= spec.vocab_size):
+        bad = ids[(ids < 0) | (ids >= spec.vocab_size)][0]
+        raise InvalidArgument(f"input_ids: token id {bad} is outside the vocabulary [0, {spec.vocab_size})")
+    mask = tokens["attention_mask"]
+    if ((mask != 0) & (mask != 1)).any():
+        raise InvalidArgument("attention_mask: values must be 0 or 1")
+    empty_rows = np.flatnonzero(mask.sum(axis=1) == 0)
+    if empty_rows.size:
+        raise InvalidArgument(f"attention_mask: row {empty_rows[0]} attends to no token")
+    types = tokens.get("token_type_ids")
+    if types is not None and types.size and (types.min() < 0 or types.max() >= signature.spec.type_vocab_size):
+        raise InvalidArgument(f"token_type_ids: values must be in [0, {signature.spec.type_vocab_size})")
+
+
+def requested_outputs(names: Sequence[str], spec: ModelSpec) -> tuple[str, ...]:
+    """The outputs to answer with, in order: the names given (each known, once), or every output."""
+    known = spec.output_names
+    if not names:
+        return known
+    for name in names:
+        if name not in known:
+            raise InvalidArgument(f"unknown output {name!r} (outputs: {', '.join(known)})")
+    if len(set(names)) != len(names):
+        raise InvalidArgument("an output is requested twice")
+    return tuple(names)
+
+
+def timeout_s(parameters: dict[str, object]) -> float | None:
+    """Triton's `timeout` parameter (microseconds, a non-negative integer; 0 = none) in seconds."""
+    if "timeout" not in parameters:
+        return None
+    value = parameters["timeout"]
+    if type(value) is not int or value < 0:
+        raise InvalidArgument("parameter timeout must be a non-negative integer (microseconds)")
+    return value / 1e6 if value else None
+
+
+def prompt_prefix(parameters: dict[str, object], spec: ModelSpec) -> str:
+    """The prefix the request's prompt_name names (or the model's default prompt's); "" for none."""
+    name = parameters.get(PROMPT_NAME)
+    if name is None:
+        return spec.prompts.get(spec.default_prompt_name, "")
+    if spec.task != "embed":
+        raise InvalidArgument(f"parameter {PROMPT_NAME}: model {spec.name} is a {spec.task} model and has no prompts")
+    if not isinstance(name, str) or name not in spec.prompts:
+        known = ", ".join(spec.prompts) or "none"
+        raise InvalidArgument(
+            f"parameter {PROMPT_NAME} {name!r} is not a prompt of model {spec.name} (prompts: {known})"
+        )
+    return spec.prompts[name]
+
+
+def truncate_choice(parameters: dict[str, object]) -> bool:
+    """The `truncate` parameter: true (default) cuts long sequences at the model's maximum, false refuses them."""
+    value = parameters.get(TRUNCATE, True)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"parameter {TRUNCATE} must be true or false")
+    return value
+
+
+def dimensions_choice(requested: int | None, parameters: dict[str, object], spec: ModelSpec) -> int | None:
+    """The embedding width asked for (OpenAI's `dimensions` or the `dimensions` parameter), checked; None: full."""
+    value = parameters.get(DIMENSIONS, requested)
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise InvalidArgument(f"dimensions must be a positive integer, got {value!r}")
+    if spec.task != "embed":
+        raise InvalidArgument(f"dimensions: model {spec.name} is a {spec.task} model and answers no embedding")
+    if value == spec.hidden_size:
+        return None
+    if value not in spec.matryoshka_dimensions:
+        if not spec.matryoshka_dimensions:
+            raise InvalidArgument(
+                f"model {spec.name} gives {spec.hidden_size} dimensions and cannot give {value}:"
+                " its embeddings are not trained to be shortened"
+            )
+        allowed = ", ".join(str(d) for d in (spec.hidden_size, *spec.matryoshka_dimensions))
+        raise InvalidArgument(f"model {spec.name} can give {allowed} dimensions, not {value}")
+    return value
+
+
+def _decode_inputs(inputs: Sequence[InputTensor], accepted: dict[str, str]) -> dict[str, np.ndarray | list[bytes]]:
+    """Each input's elements by name, checked for name, datatype, shape and content size."""
+    if not inputs:
+        raise InvalidArgument(f"no inputs; the model takes {', '.join(accepted)}")
+    decoded: dict[str, np.ndarray | list[bytes]] = {}
+    for tensor in inputs:
+        if tensor.name not in accepted:
+            raise InvalidArgument(f"unknown input {tensor.name!r} (inputs: {', '.join(accepted)})")
+        if tensor.name in decoded:
+            raise InvalidArgument(f"input {tensor.name} given twice")
+        if tensor.datatype != accepted[tensor.name]:
+            raise InvalidArgument(
+                f"input {tensor.name}: datatype {tensor.datatype or '(none)'}, expected {accepted[tensor.name]}"
+            )
+        if any(d < 0 for d in tensor.shape) or not tensor.shape:
+            raise InvalidArgument(f"input {tensor.name}: shape {shape_text(tensor.shape)} is not a valid shape")
+        decoded[tensor.name] = _tensor_data(tensor)
+    return decoded
+
+
+def validate(
+    inputs: Sequence[InputTensor],
+    outputs: Sequence[str],
+    parameters: dict[str, object],
+    signature: ModelSignature,
+    row_limit: RowLimit | None = None,
+    *,
+    dimensions: int | None = None,
+) -> ValidRequest:
+    """Check a request's inputs, outputs and parameters against a model; texts (or pairs) or token rows come back.
+
+    dimensions: the embedding width a front end asked for in its own field (OpenAI's), if any.
+    """
+    spec = signature.spec
+    decoded = _decode_inputs(inputs, signature.input_datatypes)
+    texts = tokens = queries = None
+    prefix = prompt_prefix(parameters, spec)
+    if TEXT_INPUT in decoded:
+        if set(decoded) - {TEXT_INPUT, QUERY_INPUT}:
+            raise InvalidArgument("input text cannot be combined with token inputs")
+        shape = next(tensor.shape for tensor in inputs if tensor.name == TEXT_INPUT)
+        if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
+            raise InvalidArgument(f"input text: shape {shape_text(shape)} must be [batch] or [batch, 1]")
+        elements = decoded[TEXT_INPUT]
+        check_rows(len(elements), signature, row_limit)
+        query_elements = decoded.get(QUERY_INPUT)
+        if query_elements is not None and len(query_elements) != len(elements):
+            raise InvalidArgument(
+                f"input query holds {len(query_elements)} elements and text {len(elements)}: each text needs its query"
+            )
+        check_text_sizes({TEXT_INPUT: elements, QUERY_INPUT: query_elements or ()}, signature.text_limits)
+        texts = decode_texts(elements, TEXT_INPUT)
+        if prefix:
+            texts = [prefix + text for text in texts]
+        if query_elements is not None:
+            queries = decode_texts(query_elements, QUERY_INPUT)
+    elif QUERY_INPUT in decoded:
+        raise InvalidArgument("input query needs input text: row i is the pair (query[i], text[i])")
+    else:
+        arrays = {name: np.asarray(value) for name, value in decoded.items()}
+        _check_tokens(arrays, signature)
+        check_rows(arrays["input_ids"].shape[0], signature, row_limit)
+        tokens = TokenRows.from_padded(arrays)
+    return ValidRequest(
+        texts,
+        tokens,
+        requested_outputs(outputs, spec),
+        timeout_s(parameters),
+        queries=queries,
+        truncate=truncate_choice(parameters),
+        dimensions=dimensions_choice(dimensions, parameters, spec),
+    )
+
+
+def check_rows(rows: int, signature: ModelSignature, limit: RowLimit | None) -> None:
+    """Refuse an empty batch, or one over the front end's limit (or else the model's max_batch_size)."""
+    if rows < 1:
+        raise InvalidArgument("the batch is empty")
+    if limit is not None and rows > limit.rows:
+        raise InvalidArgument(
+            f"{rows} inputs, over the limit of {limit.rows} per request ({limit.setting})", "too_many_inputs"
+        )
+    if limit is None and rows > signature.max_batch_size:
+        raise InvalidArgument(f"batch of {rows} exceeds the model's max_batch_size {signature.max_batch_size}")
