@@ -1,25 +1,59 @@
-"""Typed request errors and the gRPC status of each (mapped to the wire in service.frontends.grpc.interceptor)."""
+"""Typed request errors of a few protocol-neutral kinds; each protocol maps kinds to its statuses in one table.
+
+The core and the pipeline raise these and know no wire: the gRPC port's table is
+service.frontends.grpc.status, the HTTP port's service.frontends.http.errors. A request is counted
+(encoder_requests_total, Triton's statistics, traces) by its outcome, named as the KServe v2 / Triton
+protocol names statuses (gRPC's code names): `outcome` gives it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
-
-import grpc
 
 DEADLINE_CLOCK_SLACK_S = 0.05
 """gRPC cancels a call at its deadline by its own clock, which differs by milliseconds from the deadline
 the server derives from `time_remaining()` (measured here: gRPC cancelled up to ~8 ms before it). A
 caller that goes away this close to its deadline, or after it, is counted as expired, not cancelled."""
 
+INTERNAL_MESSAGE = "internal error; see the server log"
+"""What a caller is told of a failure nobody planned for (the log has the traceback)."""
+
+
+class Kind(enum.Enum):
+    """What kind of refusal or failure an error is: the one thing a protocol's status table reads.
+
+    Each member is (its name in logs and on the engine's wire, the outcome a request refused so is
+    counted under: the protocol's status name).
+    """
+
+    INVALID = ("invalid", "INVALID_ARGUMENT")
+    """The request itself is wrong (inputs, shapes, contents, values)."""
+    REQUEST_TOO_LARGE = ("request_too_large", "INVALID_ARGUMENT")
+    """The request carries more than a limit allows (a body, a text, the texts together, inputs)."""
+    ANSWER_TOO_LARGE = ("answer_too_large", "RESOURCE_EXHAUSTED")
+    """The answer asked for would be larger than the server sends in one response."""
+    NOT_FOUND = ("not_found", "NOT_FOUND")
+    OVERLOADED = ("overloaded", "RESOURCE_EXHAUSTED")
+    UNAVAILABLE = ("unavailable", "UNAVAILABLE")
+    DEADLINE_EXCEEDED = ("deadline_exceeded", "DEADLINE_EXCEEDED")
+    UNAUTHENTICATED = ("unauthenticated", "UNAUTHENTICATED")
+    UNIMPLEMENTED = ("unimplemented", "UNIMPLEMENTED")
+    INTERNAL = ("internal", "INTERNAL")
+
+    def __init__(self, label: str, outcome: str) -> None:
+        self.label = label
+        self.outcome = outcome
+
 
 class ServiceError(Exception):
-    """A request that cannot be answered; subclasses fix the gRPC status.
+    """A request that cannot be answered; subclasses fix its kind.
 
     `reason` names the limit or check that refused it, for `encoder_requests_rejected_total`.
     """
 
-    code = grpc.StatusCode.UNKNOWN
+    kind = Kind.INTERNAL
 
     def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)
@@ -29,19 +63,25 @@ class ServiceError(Exception):
 class InvalidArgument(ServiceError):
     """The request itself is wrong (inputs, shapes, contents, values)."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    kind = Kind.INVALID
+
+
+class RequestTooLarge(InvalidArgument):
+    """The request carries more than a limit allows: its body, a text, its texts together, its inputs."""
+
+    kind = Kind.REQUEST_TOO_LARGE
 
 
 class NotFound(ServiceError):
     """Unknown model or version."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    kind = Kind.NOT_FOUND
 
 
 class Overloaded(ServiceError):
     """The queue is full: rejected at once rather than queued without bound."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    kind = Kind.OVERLOADED
 
 
 class OverLimit(Overloaded):
@@ -56,37 +96,37 @@ class OverLimit(Overloaded):
 class TooLarge(ServiceError):
     """The answer asked for is larger than the server sends in one response: refused before running."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    kind = Kind.ANSWER_TOO_LARGE
 
 
 class Unavailable(ServiceError):
     """Not ready yet, or draining for shutdown."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    kind = Kind.UNAVAILABLE
 
 
 class DeadlineExceeded(ServiceError):
     """The request's timeout passed before it could be run."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    kind = Kind.DEADLINE_EXCEEDED
 
 
 class Unauthenticated(ServiceError):
     """No accepted API key in the request's `authorization: Bearer <key>` metadata."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
+    kind = Kind.UNAUTHENTICATED
 
 
 class Unimplemented(ServiceError):
     """A method of Triton's protocol that this server declares but does not offer."""
 
-    code = grpc.StatusCode.UNIMPLEMENTED
+    kind = Kind.UNIMPLEMENTED
 
 
 class ModelFailure(ServiceError):
     """Running the model failed; only the requests of that batch get this."""
 
-    code = grpc.StatusCode.INTERNAL
+    kind = Kind.INTERNAL
 
 
 class ExecutionError(RuntimeError):
@@ -98,15 +138,15 @@ def past_deadline(deadline: float | None) -> bool:
     return deadline is not None and deadline - DEADLINE_CLOCK_SLACK_S <= time.monotonic()
 
 
-def status_of(error: BaseException | None, deadline: float | None = None) -> grpc.StatusCode:
-    """The gRPC status an outcome is reported with (None is success).
+def outcome(error: BaseException | None, deadline: float | None = None) -> str:
+    """The outcome a request is counted under: OK, its kind's, CANCELLED, DEADLINE_EXCEEDED or INTERNAL.
 
     A cancellation at the caller's deadline is DEADLINE_EXCEEDED, as the caller sees it.
     """
     if error is None:
-        return grpc.StatusCode.OK
+        return "OK"
     if isinstance(error, ServiceError):
-        return error.code
+        return error.kind.outcome
     if isinstance(error, asyncio.CancelledError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED if past_deadline(deadline) else grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.INTERNAL
+        return "DEADLINE_EXCEEDED" if past_deadline(deadline) else "CANCELLED"
+    return "INTERNAL"

@@ -21,13 +21,14 @@ from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
 from service.core.remote import RemoteModels
 from service.core.wire import EngineLink
+from service.envelope import Envelope
 from service.frontends.grpc.health import NOT_SERVING, SERVING, HealthService
 from service.frontends.grpc.interceptor import ErrorInterceptor
 from service.frontends.grpc.servicer import InferenceServicer
 from service.frontends.http.app import HttpApp
 from service.frontends.http.listener import HttpListener
 from service.ops import metrics
-from service.ops.security import ApiKeys, ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
+from service.ops.security import ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, TritonMetricsCollector
 from service.pipeline.engine import Engine
@@ -140,6 +141,8 @@ class InferenceServer:
         self.settings = settings
         self.frontend = frontend
         self.engine = Engine(settings)
+        self.envelope = Envelope(self.engine, api_keys=None)
+        """Every request's envelope, over both ports; its API keys are read at start."""
         self.health = HealthService()
         self.grpc_port = 0
         self.metrics_port = 0
@@ -148,7 +151,7 @@ class InferenceServer:
         self.tls = None
         self._server: grpc.aio.Server | None = None
         self._servicer = InferenceServicer(
-            self.engine, settings.max_stream_inflight, settings.max_connection_age_s * STREAM_AGE_SHARE
+            self.envelope, settings.max_stream_inflight, settings.max_connection_age_s * STREAM_AGE_SHARE
         )
         self._health_server: grpc.aio.Server | None = None
         self._http: HttpListener | None = None
@@ -166,8 +169,8 @@ class InferenceServer:
         files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         self.tls = ReloadingTls(files) if files is not None else None
         # Each front end holds every tenant to its share of the limits (the kernel spreads connections among them).
-        keys = api_keys(settings.api_key_file, 1 / max(1, settings.frontends))
-        interceptor = ErrorInterceptor(keys)
+        self.envelope.api_keys = api_keys(settings.api_key_file, 1 / max(1, settings.frontends))
+        interceptor = ErrorInterceptor(self.envelope)
         self._server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings, reuse_port))
         services = GenericHandlersOnly(self._server)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, services)
@@ -190,7 +193,7 @@ class InferenceServer:
         if settings.health_port:
             await self._start_health_listener(reuse_port)
         if settings.http_port:
-            await self._start_http_listener(files, keys, reuse_port)
+            await self._start_http_listener(files, reuse_port)
         if self.frontend is None:
             if settings.triton_metrics:
                 REGISTRY.register(TritonMetricsCollector(TABLES))
@@ -265,12 +268,11 @@ class InferenceServer:
             raise OSError(f"cannot bind health port {settings.host}:{settings.health_port}")
         await self._health_server.start()
 
-    async def _start_http_listener(self, tls: TlsFiles | None, keys: ApiKeys | None, reuse_port: bool) -> None:
-        """The HTTP port: OpenAI's API and KServe v2 REST, with the gRPC port's TLS files and API keys."""
+    async def _start_http_listener(self, tls: TlsFiles | None, reuse_port: bool) -> None:
+        """The HTTP port (its route families: service.frontends.http.app), with the TLS files and envelope of gRPC."""
         settings = self.settings
         app = HttpApp(
-            self.engine,
-            keys,
+            self.envelope,
             settings.max_message_bytes,
             settings.max_embedding_inputs,
             max(1, settings.max_concurrent_http_requests // max(1, settings.frontends)),

@@ -28,8 +28,7 @@ import numpy as np
 import uvloop
 
 from service.core import wire as ipc
-from service.core.batcher import WorkResult
-from service.core.rows import TokenRows
+from service.core.rows import TokenRows, WorkResult
 from service.core.wire import EngineLink, EngineServer, Submit
 from tools.local_server import process_cpu_seconds
 

@@ -16,24 +16,27 @@ Cancelled and expired requests leave the queue at once and their waiting rows ne
 theirs already in a running batch are discarded when it returns. Every batch resolves every one
 of its futures, with results or with an error; a run that does not return within
 `max_batch_run_s` fails its requests and takes its instance out of service until it does.
+
+This module holds the queue, its one consumer loop and the instances' threads; which rows make a
+batch is `service.core.policy`'s choice, how they are padded and handed back `service.core.layout`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import msgspec
 import numpy as np
 
-from service.core.rows import TokenRows
+from service.core.layout import Group, padded_feed, place_outputs, request_outputs
+from service.core.policy import SELECTION_WINDOW_BATCHES, BatchingPolicy, select_rows
+from service.core.rows import Done, TokenRows, WorkItem, WorkResult
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable, past_deadline
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
@@ -45,8 +48,6 @@ log = logging.getLogger(__name__)
 
 EXECUTION_FAILED = "model execution failed for this request's batch; see the server log"
 """What a client is told when its batch fails: the cause (paths, library internals) goes to the log only."""
-SELECTION_WINDOW_BATCHES = 2
-"""A batch is chosen among the waiting rows of the queue's first requests, up to this many batches' worth."""
 
 
 class Runner(Protocol):
@@ -57,167 +58,11 @@ class Runner(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class BatchingPolicy:
-    """Limits that shape batches and the queue."""
-
-    max_batch_size: int
-    """Rows per batch."""
-    max_batch_tokens: int
-    """Padded tokens (rows x longest) per batch; a single row may exceed it alone."""
-    max_queue_delay_s: float
-    """Longest the oldest request waits for a fuller batch."""
-    max_queue_size: int
-    """Requests waiting before new ones are rejected."""
-    length_bucket: int = 1
-    """Batch length is rounded up to a multiple of this (bounds the shapes a GPU sees)."""
-    pad_token_id: int = 0
-    max_batch_run_s: float = 120.0
-    """A run taking longer fails its requests and retires its instance until it returns."""
-    max_length: int = 0
-    """Bucketed lengths never exceed this (the model's max_sequence_length); 0 = no cap."""
-    max_padding_factor: float = 2.0
-    padding_slack_tokens: int = 32
-    """No row of a batch is padded past the larger of max_padding_factor times the (bucketed) length it
-    would have alone and that length plus padding_slack_tokens.
-
-    A padded encoder's cost grows with rows x padded length: [40, 60, 200] padded to 200 costs 600
-    tokens where [40, 60] at 60 and [200] alone cost 320. Short rows batch together whatever their
-    lengths: a batch also has a fixed cost (each operator's start, threads waking), which a few tokens
-    of padding cost less than. With length buckets (CUDA), rows in one bucket batch together freely."""
-
-    def padded_length(self, longest: int) -> int:
-        """The length a batch whose longest row is `longest` is padded to: bucketed, capped at max_length."""
-        bucketed = -(-longest // self.length_bucket) * self.length_bucket
-        return min(bucketed, max(self.max_length, longest)) if self.max_length else bucketed
-
-
-class WorkResult(msgspec.Struct, gc=False):
-    """A request's own rows of each requested output, in its order, and where its time went.
-
-    A msgspec Struct: built in C, at a third of a dataclass's cost (one per request on the loop).
-    """
-
-    outputs: dict[str, np.ndarray]
-    queue_s: float
-    """Time in the batcher not spent running its batches."""
-    compute_s: float
-    """Run time of the batches its rows rode in."""
-    batch_rows: int
-    """Rows of the largest batch it rode in."""
-
-
-Done = Callable[["WorkItem", "WorkResult | None", "Exception | None"], None]
-"""Told a settled request: its result, or its error."""
-
-
-class WorkItem:
-    """One queued request: its token rows, those still waiting for a batch, and who is told when it settles."""
-
-    __slots__ = (
-        "_settled",
-        "batch_rows",
-        "compute_s",
-        "deadline",
-        "enqueued_at",
-        "expiry",
-        "future",
-        "lengths",
-        "on_done",
-        "outputs",
-        "owner",
-        "results",
-        "rows",
-        "starts",
-        "trace",
-        "unanswered",
-        "waiting",
-    )
-
-    def __init__(
-        self,
-        rows: TokenRows,
-        outputs: tuple[str, ...],
-        future: asyncio.Future[WorkResult] | None,
-        deadline: float | None,
-        trace: SpanContext | None = None,
-    ) -> None:
-        self.rows = rows
-        self.trace = trace
-        """The request's span context (while tracing is on): its batches' spans link to it."""
-        self.outputs = outputs
-        self.future = future
-        """What an awaiting caller waits on (None for callers told by `on_done`)."""
-        self._settled = False
-        self.deadline = deadline
-        self.enqueued_at = time.monotonic()
-        self.lengths: list[int] = rows.lengths.tolist()
-        self.waiting: list[int]
-        """Rows not yet in a batch, shortest first (the longest is taken next)."""
-        if len(self.lengths) == 1:  # most requests: one text
-            self.starts: list[int] = [0]
-            self.waiting = [0]
-        else:
-            self.starts = [0, *itertools.accumulate(self.lengths[:-1])]
-            self.waiting = np.argsort(rows.lengths, kind="stable").tolist()
-        self.unanswered = len(self.lengths)
-        """Rows not yet back from a run."""
-        self.results: dict[str, np.ndarray] | None = None
-        """The outputs being filled in, once rows come back from more than one batch."""
-        self.compute_s = 0.0
-        self.batch_rows = 0
-        self.expiry: asyncio.TimerHandle | None = None
-        """The timer that fails the request at its deadline, while it has rows waiting."""
-        self.on_done: Done | None = None
-        """Told (on the loop, at once) the result or error the request is settled with; None: await `future`."""
-        self.owner: object = None
-        """The caller's own note of whose request this is (the batcher never reads it)."""
-
-    def resolve(self, result: WorkResult | None, error: Exception | None = None) -> None:
-        """Settle the request: its result or its error; its expiry timer, its future and `on_done` follow."""
-        self._settled = True
-        if self.expiry is not None:
-            self.expiry.cancel()
-        if self.future is not None:
-            if error is None:
-                self.future.set_result(result)
-            else:
-                self.future.set_exception(error)
-        if self.on_done is not None:
-            self.on_done(self, result, error)
-
-    @property
-    def settled(self) -> bool:
-        """Answered, failed or cancelled (its awaiting caller gone counts): its rows are never answered again."""
-        return self._settled or (self.future is not None and self.future.done())
-
-    def cancel(self) -> None:
-        """The caller went away: settled, without an answer."""
-        self._settled = True
-        if self.expiry is not None:
-            self.expiry.cancel()
-        if self.future is not None:
-            self.future.cancel()
-
-    @property
-    def next_length(self) -> int:
-        """Length of the longest waiting row."""
-        return self.lengths[self.waiting[-1]]
-
-
-class _Group(msgspec.Struct, eq=False, gc=False):
-    """One request's rows in a batch: which rows (ascending), from which position of the batch."""
-
-    item: WorkItem
-    rows: list[int]
-    start: int
-
-
 @dataclass(eq=False)
 class _Batch:
     """Rows handed to one model instance together: the padded feed, when it started, its watchdog."""
 
-    groups: list[_Group]
+    groups: list[Group]
     instance: _Instance
     feed: dict[str, np.ndarray]
     started: float
@@ -267,59 +112,6 @@ class _Instance:
                 self._loop.call_soon_threadsafe(self._finished, batch, results, error)
             except RuntimeError:  # the loop closed while this batch ran: nobody waits for it
                 return
-
-
-def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tuple[WorkItem, int]]:
-    """The first request's longest waiting row, then the waiting rows nearest its length that fit both budgets.
-
-    Rows are considered from the queue's first requests, up to SELECTION_WINDOW_BATCHES batches'
-    worth; among rows equally near, older requests' come first.
-    """
-    anchor = pending[0]
-    anchor_row = anchor.waiting[-1]
-    target = anchor.lengths[anchor_row]
-    window = policy.max_batch_size * SELECTION_WINDOW_BATCHES
-    enough_exact = policy.max_batch_size - 1
-    candidates: list[tuple[int, int, WorkItem, int]] = []
-    exact = 0  # candidates of the anchor's length: once they fill the batch, no later row comes before them
-    for item in pending:
-        rows = item.waiting[:-1] if item is anchor else item.waiting
-        if len(rows) == 1:  # most requests: one text
-            distance = abs(item.lengths[rows[0]] - target)
-            exact += distance == 0
-            candidates.append((distance, len(candidates), item, rows[0]))
-        else:
-            lengths, first = item.lengths, len(candidates)
-            candidates += [(abs(lengths[row] - target), first + i, item, row) for i, row in enumerate(rows)]
-            exact += sum(lengths[row] == target for row in rows)
-        if len(candidates) >= window or exact >= enough_exact:
-            break
-    candidates.sort()  # by distance, then age: (distance, order) never ties, so items are never compared
-    chosen = [(anchor, anchor_row)]
-    shortest = longest = target
-    max_rows, max_tokens, padded_length = policy.max_batch_size, policy.max_batch_tokens, policy.padded_length
-    padded_longest = padded_length(longest)
-    for _, _, item, row in candidates:
-        if len(chosen) >= max_rows:
-            break
-        length = item.lengths[row]
-        if length <= longest and length >= shortest:  # within the batch's range: it pads to the same length
-            if (len(chosen) + 1) * padded_longest > max_tokens:
-                break  # every later candidate needs at least as many tokens as this one
-            chosen.append((item, row))
-            continue
-        wider, narrower = max(longest, length), min(shortest, length)
-        padded = padded_length(wider)
-        if (len(chosen) + 1) * padded > max_tokens:
-            if length <= longest:
-                break  # every later candidate needs at least as many tokens as this one
-            continue
-        own = padded_length(narrower)
-        if padded > max(policy.max_padding_factor * own, own + policy.padding_slack_tokens):
-            continue  # cheaper in a batch of its own length than padded this far
-        chosen.append((item, row))
-        shortest, longest, padded_longest = narrower, wider, padded
-    return chosen
 
 
 class Batcher:
@@ -533,7 +325,7 @@ class Batcher:
             log.exception("batch formation failed")
             self._fail(list(self._pending), ModelFailure("batch formation failed; see the server log"))
 
-    def _take(self, chosen: list[tuple[WorkItem, int]]) -> list[_Group]:
+    def _take(self, chosen: list[tuple[WorkItem, int]]) -> list[Group]:
         """Take the chosen rows out of the queue: each request's rows together, in its order.
 
         A leading request larger than one batch (more than max_batch_size rows) goes to the back of
@@ -551,7 +343,7 @@ class Batcher:
                 taken = set(rows)
                 item.waiting = [row for row in item.waiting if row not in taken]
             rows.sort()
-            groups.append(_Group(item, rows, start))
+            groups.append(Group(item, rows, start))
             start += len(rows)
         self._waiting_rows -= start
         leader = self._pending[0]
@@ -564,10 +356,10 @@ class Batcher:
         self._statistics.set_pending(len(self._pending))
         return groups
 
-    def _start(self, instance: _Instance, groups: list[_Group]) -> None:
+    def _start(self, instance: _Instance, groups: list[Group]) -> None:
         """Pad a batch and hand it to an instance, under a watchdog of max_batch_run_s."""
         try:
-            feed, real_tokens = self._pad(groups)
+            feed, real_tokens = padded_feed(groups, self.policy)
         except Exception:
             log.exception("padding a batch of %d requests failed", len(groups))
             self._fail([group.item for group in groups], ModelFailure(EXECUTION_FAILED))
@@ -608,53 +400,6 @@ class Batcher:
                 item.resolve(None, DeadlineExceeded("the request's timeout passed while it was queued"))
                 self._metrics.dropped("expired")
 
-    def _pad(self, groups: list[_Group]) -> tuple[dict[str, np.ndarray], int]:
-        """The batch's feed, every row right-padded to the batch's (bucketed) longest; and its real tokens.
-
-        Each array is filled in one step from the rows' tokens laid end to end: the positions kept
-        (row by row, up to each row's length) are the same, in the same order, as those tokens.
-        """
-        ids: list[np.ndarray] = []
-        lengths: list[int] = []
-        masked = typed = False
-        for group in groups:
-            item = group.item
-            tokens, starts, item_lengths = item.rows, item.starts, item.lengths
-            masked = masked or tokens.attention_mask is not None
-            typed = typed or tokens.token_type_ids is not None
-            if len(item_lengths) == 1:  # most requests: one text, its ids whole
-                lengths.append(item_lengths[0])
-                ids.append(tokens.input_ids)
-                continue
-            for row in group.rows:
-                start, length = starts[row], item_lengths[row]
-                lengths.append(length)
-                ids.append(tokens.input_ids[start : start + length])
-        shape = (len(lengths), self.policy.padded_length(max(lengths)))
-        # Rows that all fill the batch (one text, or equal lengths) need no padding placed.
-        kept = None if min(lengths) == shape[1] else np.arange(shape[1]) < np.array(lengths)[:, None]
-        feed_ids = _laid_out(ids[0] if len(ids) == 1 else np.concatenate(ids), kept, shape, self.policy.pad_token_id)
-        if masked:
-            feed_mask = _laid_out(np.concatenate(list(self._each_row(groups, "attention_mask", 1))), kept, shape, 0)
-        else:
-            feed_mask = np.ones(shape, dtype=np.int64) if kept is None else kept.astype(np.int64)
-        if typed:
-            feed_types = _laid_out(np.concatenate(list(self._each_row(groups, "token_type_ids", 0))), kept, shape, 0)
-        else:
-            feed_types = np.zeros(shape, dtype=np.int64)
-        real_tokens = int(np.count_nonzero(feed_mask)) if masked else sum(lengths)
-        return {"input_ids": feed_ids, "attention_mask": feed_mask, "token_type_ids": feed_types}, real_tokens
-
-    @staticmethod
-    def _each_row(groups: list[_Group], name: str, default: int) -> Iterator[np.ndarray]:
-        """Each row's values of one optional per-token array, in batch order (`default` where a request has none)."""
-        for group in groups:
-            item = group.item
-            values = getattr(item.rows, name)
-            for row in group.rows:
-                start, length = item.starts[row], item.lengths[row]
-                yield np.full(length, default, np.int64) if values is None else values[start : start + length]
-
     def _finished(self, batch: _Batch, results: dict[str, np.ndarray] | None, error: Exception | None) -> None:
         """A batch came back from its instance (on the loop): restart the instance, then answer its rows."""
         self._running.discard(batch)
@@ -685,55 +430,23 @@ class Batcher:
             self._fail(items, ModelFailure(EXECUTION_FAILED))
 
     def _answer(
-        self, group: _Group, results: dict[str, np.ndarray], compute_s: float, batch_rows: int, now: float
+        self, group: Group, results: dict[str, np.ndarray], compute_s: float, batch_rows: int, now: float
     ) -> None:
         """Hand a request its rows from this batch (back at `now`); resolve it once all of its rows are back."""
-        item, count, start = group.item, len(group.rows), group.start
+        item = group.item
         item.compute_s += compute_s
         item.batch_rows = max(item.batch_rows, batch_rows)
-        item.unanswered -= count
+        item.unanswered -= len(group.rows)
         if item.unanswered == 0 and item.results is None:  # all of its rows, in its order, in this batch
-            outputs = {}
-            for name in item.outputs:
-                block = results[name][start : start + count]
-                outputs[name] = block if block.ndim == 2 else self._own(block, item, group.rows)
+            outputs = request_outputs(group, results)
         else:
-            if item.results is None:
-                item.results = {name: self._empty(results[name], item) for name in item.outputs}
-            for name, own in item.results.items():
-                block = results[name][start : start + count]
-                if own.ndim == 2:
-                    own[group.rows] = block
-                else:
-                    for position, row in enumerate(group.rows):
-                        length = item.lengths[row]
-                        own[row, :length] = block[position, :length]
+            place_outputs(group, results)
             if item.unanswered:
                 return
             outputs = item.results
         total_s = now - item.enqueued_at
         compute_total = min(item.compute_s, total_s)
         item.resolve(WorkResult(outputs, total_s - compute_total, compute_total, item.batch_rows))
-
-    @staticmethod
-    def _empty(like: np.ndarray, item: WorkItem) -> np.ndarray:
-        """A request's output array: per row, or per row and position up to its width (zeros past each row's end)."""
-        rows = item.rows.rows
-        if like.ndim == 2:
-            return np.empty((rows, like.shape[1]), like.dtype)
-        return np.zeros((rows, item.rows.width, like.shape[2]), like.dtype)
-
-    @classmethod
-    def _own(cls, block: np.ndarray, item: WorkItem, rows: list[int]) -> np.ndarray:
-        """A request's whole per-position output from its block of the batch (zeros past each row's end)."""
-        width = item.rows.width
-        if block.shape[1] >= width and all(length == width for length in item.lengths):
-            return block[:, :width]
-        own = cls._empty(block, item)
-        for position, row in enumerate(rows):
-            length = item.lengths[row]
-            own[row, :length] = block[position, :length]
-        return own
 
     def _record(self, batch: _Batch, compute_s: float) -> None:
         rows, length = batch.feed["input_ids"].shape
@@ -775,12 +488,3 @@ class Batcher:
             self._abandon(item)
             if not item.settled:
                 item.resolve(None, error)
-
-
-def _laid_out(tokens: np.ndarray, kept: np.ndarray | None, shape: tuple[int, int], fill: int) -> np.ndarray:
-    """Rows' values laid end to end, as a [rows, length] array: `fill` where `kept` is False (None: kept everywhere)."""
-    if kept is None:
-        return tokens.reshape(shape)
-    array = np.full(shape, fill, dtype=np.int64)
-    array[kept] = tokens
-    return array

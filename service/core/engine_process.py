@@ -15,11 +15,10 @@ import logging
 import signal
 from collections.abc import Callable
 
-from service.core.batcher import WorkItem, WorkResult
 from service.core.repository import RepositoryError
-from service.core.rows import TokenRows
+from service.core.rows import TokenRows, WorkItem, WorkResult
 from service.core.wire import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
-from service.errors import ExecutionError, ModelFailure, ServiceError
+from service.errors import INTERNAL_MESSAGE, ExecutionError, ModelFailure, ServiceError
 from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.pipeline.engine import Engine
@@ -68,7 +67,7 @@ class EngineRole:
             connection.fail(request_id, error)
         else:
             log.error("request %d failed", request_id, exc_info=error)
-            connection.fail(request_id, ModelFailure("internal error; see the server log"))
+            connection.fail(request_id, ModelFailure(INTERNAL_MESSAGE))
 
     def _cancel(self, connection: EngineConnection, request_id: int) -> None:
         item = self._items.get(connection, {}).pop(request_id, None)

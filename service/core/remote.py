@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from service.core.batcher import BatchingPolicy, WorkResult
+from service.core.policy import BatchingPolicy
 from service.core.repository import read_model
-from service.core.rows import TokenRows
+from service.core.rows import TokenRows, WorkResult
 from service.core.wire import EngineLink, ModelUpdate
 from service.errors import Unavailable
 from service.ops.tracing import to_wire

@@ -27,8 +27,7 @@ import msgspec
 import numpy as np
 
 from service import errors
-from service.core.batcher import WorkResult
-from service.core.rows import TokenRows
+from service.core.rows import TokenRows, WorkResult
 from service.errors import ServiceError, Unavailable
 
 log = logging.getLogger(__name__)

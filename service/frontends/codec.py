@@ -7,7 +7,6 @@ sits in its datatype's field); everything about the model is checked by the engi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from importlib import metadata
 
@@ -97,9 +96,8 @@ def _typed_data(tensor: pb.ModelInferRequest.InferInputTensor) -> list:
     return list(getattr(tensor.contents, wanted)) if wanted is not None else []
 
 
-def decode_infer_request(request: pb.ModelInferRequest, deadline: float | None = None) -> InferenceRequest:
-    """A ModelInferRequest as the engine's request (raw data is not copied); `deadline`: the call's, monotonic."""
-    received = time.perf_counter()
+def decode_infer_request(request: pb.ModelInferRequest) -> InferenceRequest:
+    """A ModelInferRequest as the engine's request (raw data is not copied)."""
     tensors = request.inputs
     raw_contents = request.raw_input_contents
     inputs = []
@@ -123,8 +121,6 @@ def decode_infer_request(request: pb.ModelInferRequest, deadline: float | None =
         tuple(inputs),
         tuple([output.name for output in outputs]) if outputs else (),
         _parameters(request.parameters) if request.parameters else {},
-        deadline,
-        received,
     )
 
 

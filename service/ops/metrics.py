@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_creat
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from service.errors import status_of
+from service.errors import outcome
 from service.ops.statistics import TABLES, StatisticsTable, StatisticsTables
 
 # `*_created` timestamps double the series count and no dashboard or alert here reads them.
@@ -309,9 +309,9 @@ class TrackedRequest:
     `statistics`: the model's table (None for a request naming a model that is not served). The
     duration counts from `received` (time.perf_counter, when the front end received it); `inferred`
     marks its rows' return (rows, queue and compute time). It counts in the statistics as a success
-    if `inferred` was called and no exception left the block, else as a failure. A refusal that
-    carries a `reason` (a limit or check) is also counted in encoder_requests_rejected_total. `tenant`: the
-    metrics of the caller's tenant (API keys on), which count it too.
+    if `inferred` was called and no exception left the block, else as a failure; its outcome is
+    service.errors.outcome's. `tenant`: the metrics of the caller's tenant (API keys on), which count it too.
+    The request envelope (service.envelope) is its one user; refusals at a limit are counted there.
     """
 
     __slots__ = (
@@ -358,13 +358,7 @@ class TrackedRequest:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
         answered = time.perf_counter()
         total_s = answered - self._received
-        if error is None:
-            code = "OK"
-        else:
-            reason = getattr(error, "reason", None)
-            if reason is not None:
-                REJECTED.labels(reason).inc()
-            code = status_of(error, self._deadline).name
+        code = outcome(error, self._deadline)
         self._metrics.answered(code, total_s)
         if self._tenant is not None:
             self._tenant.answered(code)

@@ -24,7 +24,6 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass, fields
 
 from service.errors import OverLimit
@@ -42,10 +41,6 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 REQUESTS_REASON = "tenant_requests"
 TOKENS_REASON = "tenant_tokens"
 SECONDS_PER_MINUTE = 60.0
-
-CURRENT: ContextVar[Tenant | None] = ContextVar("tenant", default=None)
-"""The tenant of the request being served: set by the API-key check of each front end (gRPC's
-interceptor, the HTTP app), read by the engine, which counts and limits the request for it."""
 
 Clock = Callable[[], float]
 

@@ -30,12 +30,13 @@ import time
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from service.errors import ServiceError, status_of
+import grpc
+
+from service.errors import ServiceError, outcome
 from service.ops import metrics
 from service.ops.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
-    import grpc
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -70,7 +71,7 @@ Result = TypeVar("Result", bound="QueuedWork")
 
 
 class QueuedWork(Protocol):
-    """What the batcher hands back (service.core.batcher.WorkResult): where the request's time went."""
+    """What the batcher hands back (service.core.rows.WorkResult): where the request's time went."""
 
     queue_s: float
     batch_rows: int
@@ -351,8 +352,8 @@ class RequestTrace:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
-        """A gRPC request ends: its status code (as service.errors reports it), ERROR if it failed."""
-        code = status_of(error, self._deadline)
+        """A gRPC request ends: its status code (its outcome, service.errors.outcome), ERROR if it failed."""
+        code = grpc.StatusCode[outcome(error, self._deadline)]
         self.span.set_attribute("rpc.grpc.status_code", code.value[0])
         if error is not None:
             _error_status(self.span, error)

@@ -1,40 +1,38 @@
-"""The engine: the one API every front end calls, with plain request and result types.
+"""The engine: the pipeline's one API under every front end, with plain request and result types.
 
-gRPC (unary and streaming), OpenAI and KServe REST are adapters over it: each turns its wire format
-into an `InferenceRequest`, makes one `Engine.infer` call and encodes the `InferenceResult`; they
-ask the same object whether the server and its models are ready, and for their metadata,
+gRPC (unary and streaming), OpenAI, TEI, Cohere and KServe REST turn their wire format into an
+`InferenceRequest` and, inside the request's envelope (service.envelope), make one `Engine.infer`
+call; they ask the same object whether the server and its models are ready, and for their metadata,
 configuration, statistics and repository index. Nothing here holds a protobuf message, an HTTP
 request or a gRPC context: requests and results are numpy arrays, strings and small scalars.
 
-Inside `infer`, in one place for every protocol: the request is counted (encoder_requests_total and
-Triton's statistics), checked against its model (service.pipeline.validation), admitted or refused at once,
-tokenised when it carries text, and its rows batched with everyone's (service.core.batcher).
+Inside `infer`, in one place for every protocol: the request is checked against its model
+(service.pipeline.validation), admitted or refused at once, tokenised when it carries text, its
+answer budgeted, and its rows batched with everyone's (service.core.batcher, here or in the engine
+process). Counting, tenants and failures are the envelope's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
 from service.core.repository import RepositoryError, model_directories
-from service.errors import ExecutionError, NotFound, ServiceError, Unavailable
-from service.ops import metrics, tenants, tracing
+from service.errors import ExecutionError, NotFound, Unavailable
+from service.ops import metrics, tracing
 from service.ops.settings import Settings
-from service.ops.statistics import TABLES, ModelStatistics
-from service.pipeline.answers import INLINE_ENCODE_BYTES, AnswerBudget, HeldAnswer
+from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
+from service.pipeline.answers import AnswerBudget, HeldAnswer
 from service.pipeline.models import InstanceInfo, ModelInfo, ServedModel
 from service.pipeline.validation import InputTensor, RowLimit, validate
 
 log = logging.getLogger(__name__)
-Encoded = TypeVar("Encoded")
 
 __all__ = [
     "Engine",
@@ -63,10 +61,6 @@ class InferenceRequest:
     """Requested output names, in the order to answer them; empty = every output."""
     parameters: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Triton's request parameters (`timeout`, microseconds, is honoured)."""
-    deadline: float | None = None
-    """The transport's deadline (time.monotonic), if the caller set one."""
-    received: float = field(default_factory=time.perf_counter)
-    """When the front end received it (time.perf_counter): the statistics count from here."""
     row_limit: RowLimit | None = None
     """The front end's own bound on its rows; None = the model's max_batch_size."""
     dimensions: int | None = None
@@ -88,6 +82,12 @@ class InferenceResult:
     """Real (unpadded) tokens of the request's sequences, special tokens included (OpenAI's `usage`)."""
     answer_bytes: int = 0
     """The answer's size as sent, counted in flight until the front end calls `Engine.answered` with it."""
+    rows: int = 0
+    """The request's rows (texts, pairs or token sequences)."""
+    queue_s: float = 0.0
+    """How long its rows waited to run."""
+    compute_s: float = 0.0
+    """How long the batches its rows ran in took."""
 
 
 @dataclass(frozen=True)
@@ -222,84 +222,54 @@ class Engine:
 
     def check_room(self, name: str, version: str = "") -> None:
         """Refuse at once, before a request is read, what its model's queue would refuse now (ServiceError)."""
-        model = self.served(name, version)
-        try:
-            model.queue.check_room()
-        except ServiceError as error:
-            if error.reason is not None:
-                metrics.REJECTED.labels(error.reason).inc()
-            raise
+        self.served(name, version).queue.check_room()
 
-    async def infer(self, request: InferenceRequest, trace: tracing.RequestTrace | None = None) -> InferenceResult:
-        """Count, check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError.
+    def counters(self, name: str, version: str = "") -> tuple[metrics.ModelMetrics, StatisticsTable | None]:
+        """Where a request for this model is counted: its metrics and Triton's statistics table.
 
-        `trace`: the request's span (while tracing is on), which gets the stages from here on. The caller's
-        tenant (service.ops.tenants, set where its API key was checked) is held to its limits and charged its tokens.
+        A request naming a model (or version) that is not served is counted without a model label and
+        in no table (client-chosen names would explode the metrics' cardinality).
         """
-        tenant = tenants.CURRENT.get()
-        tenant_metrics = None if tenant is None else tenant.metrics
-        served = self._models.get(request.model)
-        if served is not None and request.version in ("", served.spec.version):
-            tracked = metrics.TrackedRequest(
-                served.metrics, served.statistics, request.deadline, request.received, tenant_metrics
+        served = self._models.get(name)
+        if served is not None and version in ("", served.spec.version):
+            return served.metrics, served.statistics
+        return metrics.of(metrics.UNKNOWN_MODEL), None
+
+    async def infer(
+        self, request: InferenceRequest, deadline: float | None = None, trace: tracing.RequestTrace | None = None
+    ) -> InferenceResult:
+        """Check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError.
+
+        `deadline`: the caller's (time.monotonic), if any. `trace`: the request's span (while tracing is
+        on), which gets the stages from here on. Counting and tenants are the envelope's (service.envelope).
+        """
+        model = self.served(request.model, request.version)
+        with tracing.stage(trace, "validate"):
+            valid = validate(
+                request.inputs,
+                request.outputs,
+                request.parameters,
+                model.signature,
+                request.row_limit,
+                dimensions=request.dimensions,
             )
-        else:
-            tracked = metrics.TrackedRequest(
-                metrics.of(metrics.UNKNOWN_MODEL), None, request.deadline, request.received, tenant_metrics
-            )
+        work, prompt_tokens, answer_bytes = await model.run(valid, deadline, request.value_bytes, self.answers, trace)
         if trace is not None:
-            trace.describe(request.model, request.version)
-        with tracked:
-            if tenant is not None:
-                tenant.admit()
-            model = self.served(request.model, request.version)
-            with tracing.stage(trace, "validate"):
-                valid = validate(
-                    request.inputs,
-                    request.outputs,
-                    request.parameters,
-                    model.signature,
-                    request.row_limit,
-                    dimensions=request.dimensions,
-                )
-            work, prompt_tokens, answer_bytes = await model.run(
-                valid, request.deadline, request.value_bytes, self.answers, trace
-            )
-            tracked.inferred(valid.rows, work.queue_s, work.compute_s)
-            if tenant is not None:
-                tenant.charge(prompt_tokens)
-            if trace is not None:
-                trace.answered(valid.rows, prompt_tokens, work.batch_rows)
-            outputs = work.outputs
-            if valid.dimensions is not None and "embedding" in outputs:
-                outputs = {
-                    **outputs,
-                    "embedding": shortened(outputs["embedding"], valid.dimensions, model.spec.normalize),
-                }
-            return InferenceResult(
-                model.spec.name, model.spec.version, request.id, outputs, prompt_tokens, answer_bytes
-            )
-
-    async def encode(self, result: InferenceResult, encode: Callable[[], Encoded]) -> Encoded:
-        """Encode an answer: a small one on the event loop, a large one on a worker thread (the loop keeps serving).
-
-        If encoding fails or is cancelled, the answer's bytes leave the budget.
-        """
-        try:
-            if result.answer_bytes <= INLINE_ENCODE_BYTES:
-                return encode()
-            return await asyncio.to_thread(encode)
-        except BaseException:
-            self.answered(result)
-            raise
-
-    def hold(self, size: int) -> HeldAnswer:
-        """Count an answer made apart from any inference in flight (until `answered`), or refuse it (Overloaded)."""
-        try:
-            return HeldAnswer(self.answers.reserve(size))
-        except ServiceError as error:
-            metrics.REJECTED.labels(error.reason).inc()
-            raise
+            trace.answered(valid.rows, prompt_tokens, work.batch_rows)
+        outputs = work.outputs
+        if valid.dimensions is not None and "embedding" in outputs:
+            outputs = {**outputs, "embedding": shortened(outputs["embedding"], valid.dimensions, model.spec.normalize)}
+        return InferenceResult(
+            model.spec.name,
+            model.spec.version,
+            request.id,
+            outputs,
+            prompt_tokens,
+            answer_bytes,
+            valid.rows,
+            work.queue_s,
+            work.compute_s,
+        )
 
     def answered(self, result: InferenceResult | HeldAnswer) -> None:
         """The front end handed the answer to its transport (or gave up on it): its bytes leave the budget."""

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from service.core.batcher import BatchingPolicy, WorkResult
+from service.core.policy import BatchingPolicy
 from service.core.repository import ModelSpec
-from service.core.rows import TokenRows
+from service.core.rows import TokenRows, WorkResult
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings

@@ -17,7 +17,7 @@ import numpy as np
 
 from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
-from service.errors import InvalidArgument
+from service.errors import InvalidArgument, RequestTooLarge
 
 TEXT_INPUT = "text"
 QUERY_INPUT = "query"
@@ -165,14 +165,14 @@ def check_text_sizes(inputs: dict[str, Sequence[bytes]], limits: TextLimits) -> 
     for name, elements in inputs.items():
         for index, element in enumerate(elements):
             if len(element) > limits.max_text_bytes:
-                raise InvalidArgument(
+                raise RequestTooLarge(
                     f"input {name}[{index}] is {len(element)} bytes, over the limit of {limits.max_text_bytes} bytes"
                     " per text (--max-text-bytes)",
                     "text_too_large",
                 )
             total += len(element)
     if total > limits.max_request_text_bytes:
-        raise InvalidArgument(
+        raise RequestTooLarge(
             f"the texts of this request total {total} bytes, over the limit of {limits.max_request_text_bytes} bytes"
             " per request (--max-request-text-bytes)",
             "request_text_too_large",
@@ -375,7 +375,7 @@ def check_rows(rows: int, signature: ModelSignature, limit: RowLimit | None) -> 
     if rows < 1:
         raise InvalidArgument("the batch is empty")
     if limit is not None and rows > limit.rows:
-        raise InvalidArgument(
+        raise RequestTooLarge(
             f"{rows} inputs, over the limit of {limit.rows} per request ({limit.setting})", "too_many_inputs"
         )
     if limit is None and rows > signature.max_batch_size:

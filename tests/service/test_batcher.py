@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from service.core.batcher import EXECUTION_FAILED, Batcher, BatchingPolicy, WorkItem, WorkResult, select_rows
-from service.core.rows import TokenRows
+from service.core.batcher import EXECUTION_FAILED, Batcher
+from service.core.policy import BatchingPolicy, select_rows
+from service.core.rows import TokenRows, WorkItem, WorkResult
 from service.errors import DEADLINE_CLOCK_SLACK_S, DeadlineExceeded, ModelFailure, Overloaded, Unavailable
 from service.ops.metrics import ModelLabels
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.core import wire as ipc
-from service.core.batcher import WorkResult
+from service.core.rows import WorkResult
 from service.errors import Overloaded
 
 

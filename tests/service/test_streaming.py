@@ -16,8 +16,9 @@ import tritonclient.grpc as triton
 from client.protocol import output_array, text_request, token_request
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
-from service.errors import Overloaded
-from service.frontends.grpc.interceptor import INTERNAL_MESSAGE, ErrorInterceptor, StreamBehaviour
+from service.envelope import Envelope
+from service.errors import INTERNAL_MESSAGE, Overloaded
+from service.frontends.grpc.interceptor import ErrorInterceptor, StreamBehaviour
 from service.frontends.grpc.streaming import (
     ANSWER_WINDOW_S,
     MAX_INFLIGHT_PER_STREAM,
@@ -26,6 +27,7 @@ from service.frontends.grpc.streaming import (
     InferenceStreams,
 )
 from service.ops.settings import Settings
+from service.pipeline.engine import Engine
 from service.server import STREAM_AGE_SHARE, grpc_options
 from tests.conftest import TINY_MODEL
 from tests.servers import (
@@ -252,7 +254,8 @@ async def stream_door(behaviour: StreamBehaviour) -> AsyncIterator[grpc.aio.Stre
         request_deserializer=pb.ModelInferRequest.FromString,
         response_serializer=pb.ModelStreamInferResponse.SerializeToString,
     )
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    door = Envelope(Engine(Settings(model_repository=Path("."))), api_keys=None)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(door)])
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {"ModelStreamInfer": handler}),)
     )

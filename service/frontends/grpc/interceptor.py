@@ -1,9 +1,12 @@
-"""The one door of every RPC: API keys checked, then typed errors mapped to gRPC statuses."""
+"""The gRPC port's door: every call's request context stamped, its API key checked, its errors mapped to statuses.
+
+What happens at the door is the envelope's (service.envelope); this module adapts it to grpc.aio's
+interceptor and handler shapes, and maps error kinds through the port's one table (status.py).
+"""
 
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -11,19 +14,18 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from service.errors import InvalidArgument, ServiceError, Unauthenticated
-from service.ops import metrics, tenants
-from service.ops.security import ApiKeys
-
-log = logging.getLogger(__name__)
+from service import envelope
+from service.envelope import Envelope
+from service.errors import InvalidArgument, Unauthenticated
+from service.frontends.grpc.status import status_of
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 StreamBehaviour = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]
 Deserializer = Callable[[bytes], Any] | None
 PROTECTED_PREFIX = "/inference.GRPCInferenceService/"
 """Methods that need an API key when keys are configured (health and reflection stay open)."""
-UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send metadata 'authorization: Bearer <key>'"
-INTERNAL_MESSAGE = "internal error; see the server log"
+SEND_KEY = "send metadata 'authorization: Bearer <key>'"
+"""How a gRPC caller sends its API key (the end of the refusal's message)."""
 
 
 def _parsed(raw: bytes, deserializer: Deserializer) -> Any:
@@ -39,11 +41,9 @@ def _parsed(raw: bytes, deserializer: Deserializer) -> Any:
 
 
 async def _abort_with_status(error: Exception, behaviour: object, context: grpc.aio.ServicerContext) -> None:
-    """End the call with the error's status: a ServiceError's own, INTERNAL (logged) for anything else."""
-    if isinstance(error, ServiceError):
-        await context.abort(error.code, str(error))
-    log.error("unhandled error in %s", getattr(behaviour, "__qualname__", behaviour), exc_info=error)
-    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+    """End the call with the status of the error it ends with (Envelope.failed: counted, or logged as INTERNAL)."""
+    failure = Envelope.failed(error, getattr(behaviour, "__qualname__", str(behaviour)))
+    await context.abort(status_of(failure), str(failure))
 
 
 def _abort_on_error(behaviour: Behaviour, deserializer: Deserializer) -> Behaviour:
@@ -95,21 +95,20 @@ def _abort_stream_on_error(behaviour: StreamBehaviour, deserializer: Deserialize
     return guarded
 
 
-async def _deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-    metrics.REJECTED.labels("unauthenticated").inc()
-    await context.abort(Unauthenticated.code, UNAUTHENTICATED_MESSAGE)
+def _denying(handler: grpc.RpcMethodHandler, refusal: Unauthenticated) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers `refusal` without reading the request."""
 
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _abort_with_status(refusal, "an unauthenticated call", context)
 
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED without reading the request."""
     serializers = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_deny, **serializers)
+        return grpc.unary_unary_rpc_method_handler(deny, **serializers)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_deny, **serializers)
+        return grpc.unary_stream_rpc_method_handler(deny, **serializers)
     if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(_deny, **serializers)
-    return grpc.stream_stream_rpc_method_handler(_deny, **serializers)
+        return grpc.stream_unary_rpc_method_handler(deny, **serializers)
+    return grpc.stream_stream_rpc_method_handler(deny, **serializers)
 
 
 def _authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
@@ -120,16 +119,18 @@ def _authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | 
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """The one door of every RPC: checks the API key (when keys are set), then maps errors to statuses.
+    """The door of every RPC: stamps the call's request context, checks its API key, maps its errors to statuses.
 
-    ServiceError (and anything unexpected) becomes a gRPC status for every unary method, every
-    server stream written with context.write (health's Watch) and every asynchronous bidirectional
-    stream (ModelStreamInfer), whose handlers take raw bytes and get their messages parsed here; a
-    protected method called without an accepted key gets UNAUTHENTICATED before its handler runs.
+    The context (service.envelope.RequestContext) is stamped when the call arrives, in the call's task,
+    where the handler reads it (envelope.CURRENT). ServiceError (and anything unexpected) becomes a gRPC
+    status for every unary method, every server stream written with context.write (health's Watch) and
+    every asynchronous bidirectional stream (ModelStreamInfer), whose handlers take raw bytes and get
+    their messages parsed here; a protected method called without an accepted key gets UNAUTHENTICATED
+    before its handler runs.
     """
 
-    def __init__(self, api_keys: ApiKeys | None = None) -> None:
-        self._api_keys = api_keys
+    def __init__(self, door: Envelope) -> None:
+        self._envelope = door
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
 
     async def intercept_service(
@@ -144,33 +145,39 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             handler = await continuation(handler_call_details)
             if handler is None:
                 return handler
-            wrapped = handler
-            if handler.unary_unary is not None:
-                wrapped = grpc.unary_unary_rpc_method_handler(
-                    _abort_on_error(handler.unary_unary, handler.request_deserializer),
-                    request_deserializer=None,
-                    response_serializer=handler.response_serializer,
-                )
-            elif handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
-                # A server stream written with context.write (health's Watch): parsed and mapped like a unary call.
-                wrapped = grpc.unary_stream_rpc_method_handler(
-                    _abort_on_error(handler.unary_stream, handler.request_deserializer),
-                    request_deserializer=None,
-                    response_serializer=handler.response_serializer,
-                )
-            elif handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
-                wrapped = grpc.stream_stream_rpc_method_handler(
-                    _abort_stream_on_error(handler.stream_stream, handler.request_deserializer),
-                    request_deserializer=None,
-                    response_serializer=handler.response_serializer,
-                )
-            denied = _denying(handler) if method.startswith(PROTECTED_PREFIX) else None
-            cached = self._wrapped[method] = (wrapped, denied)
-        wrapped, denied = cached
-        if denied is not None and self._api_keys is not None:
-            tenant = self._api_keys.tenant(_authorization(handler_call_details.invocation_metadata))
-            if tenant is None:
-                return denied
-            # grpc.aio runs the interceptor and then the handler in the call's one task: the engine reads it there.
-            tenants.CURRENT.set(tenant)
+            protected = handler if method.startswith(PROTECTED_PREFIX) else None
+            cached = self._wrapped[method] = (_guarded(handler), protected)
+        wrapped, protected = cached
+        # grpc.aio runs the interceptor and then the handler in the call's one task: the handler reads it there.
+        context = envelope.stamp()
+        envelope.CURRENT.set(context)
+        if protected is not None:
+            try:
+                self._envelope.authenticate(context, _authorization(handler_call_details.invocation_metadata), SEND_KEY)
+            except Unauthenticated as refusal:
+                return _denying(protected, refusal)
         return wrapped
+
+
+def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The handler taking raw bytes, its failures mapped to statuses (as it is for kinds grpc.aio cannot wrap)."""
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            _abort_on_error(handler.unary_unary, handler.request_deserializer),
+            request_deserializer=None,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
+        # A server stream written with context.write (health's Watch): parsed and mapped like a unary call.
+        return grpc.unary_stream_rpc_method_handler(
+            _abort_on_error(handler.unary_stream, handler.request_deserializer),
+            request_deserializer=None,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+        return grpc.stream_stream_rpc_method_handler(
+            _abort_stream_on_error(handler.stream_stream, handler.request_deserializer),
+            request_deserializer=None,
+            response_serializer=handler.response_serializer,
+        )
+    return handler

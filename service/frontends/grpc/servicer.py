@@ -1,4 +1,4 @@
-"""The KServe v2 / Triton GRPCInferenceService: each method decodes, makes one engine call, encodes."""
+"""The KServe v2 / Triton GRPCInferenceService: each method decodes, makes one call inside the envelope, encodes."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import grpc
 
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
+from service import envelope
+from service.envelope import Envelope, RequestContext
 from service.frontends import codec
 from service.frontends.grpc.streaming import MAX_INFLIGHT_PER_STREAM, InferenceStreams
 from service.ops import tracing
-from service.pipeline.engine import Engine, InferenceResult
+from service.pipeline.engine import InferenceResult
 
 
 def _unsupported(method: str) -> Callable[..., Awaitable[NoReturn]]:
@@ -29,12 +31,13 @@ def _unsupported(method: str) -> Callable[..., Awaitable[NoReturn]]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """Thin protocol layer over the engine; errors become statuses in service.frontends.grpc.interceptor."""
+    """Thin protocol layer over the envelope and the engine; errors become statuses at the door (interceptor.py)."""
 
     def __init__(
-        self, engine: Engine, max_stream_inflight: int = MAX_INFLIGHT_PER_STREAM, max_stream_age_s: float | None = None
+        self, door: Envelope, max_stream_inflight: int = MAX_INFLIGHT_PER_STREAM, max_stream_age_s: float | None = None
     ) -> None:
-        self.engine = engine
+        self.envelope = door
+        self.engine = door.engine
         self._metadata = codec.server_metadata()
         self.streams = InferenceStreams(self.infer, max_stream_inflight, max_stream_age_s)
         """Open ModelStreamInfer streams: each ends by itself at `max_stream_age_s`, all when the server drains."""
@@ -73,12 +76,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
         """Decode, run through the engine, encode the requested outputs."""
+        request_context = envelope.CURRENT.get()
         remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        with tracing.grpc_request("ModelInfer", context, deadline) as trace:
-            response, result = await self._answer(request, deadline, trace)
+        if remaining is not None:
+            request_context.deadline = time.monotonic() + remaining
+        with tracing.grpc_request("ModelInfer", context, request_context.deadline) as trace:
+            request_context.trace = trace
+            response, result = await self._answer(request, request_context)
         # The answer's bytes stay counted until gRPC has sent it (or the call ended otherwise).
-        context.add_done_callback(lambda _: self.engine.answered(result))
+        context.add_done_callback(lambda _: self.envelope.answered(result))
         return response
 
     async def ModelStreamInfer(
@@ -91,25 +97,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def infer(
         self, request: pb.ModelInferRequest, deadline: float | None, stream: grpc.aio.ServicerContext | None = None
     ) -> pb.ModelInferResponse:
-        """One inference of a stream: its answer leaves the budget once encoded.
+        """One inference of a stream, in a context of its own: its answer leaves the budget once encoded.
 
         A stream's answers not yet sent are bounded by --max-stream-inflight instead. `stream`: the
         stream's call, whose metadata may carry the caller's trace (given while tracing is on).
         """
+        # The stream's own context (its tenant) was stamped at the door, in the task this one copies.
+        opened = envelope.CURRENT.get()
+        request_context = envelope.stamp(deadline)
+        request_context.tenant = opened.tenant
         with tracing.grpc_request("ModelStreamInfer", stream, deadline) as trace:
-            response, result = await self._answer(request, deadline, trace)
-        self.engine.answered(result)
+            request_context.trace = trace
+            response, result = await self._answer(request, request_context)
+        self.envelope.answered(result)
         return response
 
     async def _answer(
-        self, request: pb.ModelInferRequest, deadline: float | None, trace: tracing.RequestTrace | None
+        self, request: pb.ModelInferRequest, request_context: RequestContext
     ) -> tuple[pb.ModelInferResponse, InferenceResult]:
-        """Decode, one engine call, encode (a large answer off the event loop)."""
-        with tracing.stage(trace, "decode"):
-            decoded = codec.decode_infer_request(request, deadline)
-        result = await self.engine.infer(decoded, trace)
-        with tracing.stage(trace, "encode"):
-            return await self.engine.encode(result, partial(codec.encode_infer_response, result)), result
+        """Decode, one inference inside the envelope, encode (a large answer off the event loop)."""
+        decoded = self.envelope.decode(request_context, partial(codec.decode_infer_request, request))
+        async with self.envelope.inference(request_context, decoded) as inference:
+            return await inference.encode(partial(codec.encode_infer_response, inference.result)), inference.result
 
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext

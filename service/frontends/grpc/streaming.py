@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from protocol import grpc_service_pb2 as pb
+from service.envelope import Envelope
 from service.errors import ServiceError, Unavailable
 from service.ops import tracing
 
@@ -153,7 +154,8 @@ class InferenceStreams:
                     request = await anext(requests, None)
                 except ServiceError as error:  # this message was not a request: refused in its place
                     refused = loop.create_future()
-                    refused.set_result(_error_answer(pb.ModelInferRequest(), str(error)))
+                    failure = Envelope.failed(error, "a ModelStreamInfer message")
+                    refused.set_result(_error_answer(pb.ModelInferRequest(), str(failure)))
                     answers.put_nowait(refused)
                     continue
                 if request is None:
@@ -172,14 +174,11 @@ class InferenceStreams:
         """One request's answer: its response, or its error in error_message with its id."""
         try:
             return pb.ModelStreamInferResponse(infer_response=await infer(request, deadline))
-        except ServiceError as error:
-            message = str(error)
         except asyncio.CancelledError:
             # Only its stream cancels this task: at the stream's last moment, or with the stream gone.
             message = UNANSWERED_MESSAGE
-        except Exception:
-            log.exception("unhandled error in a ModelStreamInfer request")
-            message = "internal error; see the server log"
+        except Exception as error:
+            message = str(Envelope.failed(error, "a ModelStreamInfer request"))
         return _error_answer(request, message)
 
 

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol import grpc_service_pb2 as pb
-from service.errors import InvalidArgument, NotFound, OverLimit, Overloaded, ServiceError, Unauthenticated
+from service import envelope
+from service.envelope import Envelope, RequestContext
+from service.errors import InvalidArgument, NotFound, OverLimit, Overloaded, RequestTooLarge, ServiceError
 from service.frontends import codec
 from service.frontends.http import cohere, kserve, openai, tei
 from service.frontends.http.errors import (
-    INTERNAL_MESSAGE,
     MethodNotAllowed,
     UnsupportedMediaType,
     http_status,
@@ -31,10 +32,9 @@ from service.frontends.http.errors import (
     tei_error,
     tei_status,
 )
-from service.ops import metrics, tenants, tracing
-from service.ops.security import ApiKeys
+from service.ops import metrics, tracing
 from service.pipeline.answers import HeldAnswer
-from service.pipeline.engine import Engine, InferenceResult
+from service.pipeline.engine import InferenceResult
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
 """Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
 TRACED_ROUTES = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/models/{name}/infer", "/embed", "/rerank", "/predict"})
 """Routes whose requests get a trace span while tracing is on: the inferences."""
-UNAUTHENTICATED_MESSAGE = "missing or unknown API key: send the header 'Authorization: Bearer <key>'"
+SEND_KEY = "send the header 'Authorization: Bearer <key>'"
+"""How an HTTP caller sends its API key (the end of the refusal's message)."""
 _MODEL_PATH = re.compile(
     r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/stats|/infer)?"
 )
@@ -88,18 +89,17 @@ class Response:
     content_type: str | None = JSON
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     answer: InferenceResult | HeldAnswer | None = None
-    """The answer whose bytes the engine counts in flight until the body is sent."""
+    """The answer whose bytes the envelope counts in flight until the body is sent."""
 
 
 @dataclass(frozen=True)
 class Call:
-    """One request as the handlers see it: its route's parameters, headers (lower-case names) and body."""
+    """One request as the handlers see it: its context, its route's parameters, headers (lower-case names) and body."""
 
+    context: RequestContext
     path_params: dict[str, str]
     headers: dict[bytes, bytes]
     body: bytes
-    trace: tracing.RequestTrace | None = None
-    """The request's span, while tracing is on and the route is traced."""
 
 
 Handler = Callable[[Call], Awaitable[Response]]
@@ -139,22 +139,21 @@ async def _disconnect(receive: Receive) -> None:
 
 
 class HttpApp:
-    """The HTTP port's ASGI application over the same engine and API keys as the gRPC port."""
+    """The HTTP port's ASGI application: its route families over the same envelope and engine as the gRPC port."""
 
     def __init__(
         self,
-        engine: Engine,
-        api_keys: ApiKeys | None,
+        door: Envelope,
         max_body_bytes: int,
         max_embedding_inputs: int,
         max_concurrent_requests: int,
     ) -> None:
-        self.engine = engine
+        self.envelope = door
+        self.engine = engine = door.engine
         self.max_concurrent_requests = max_concurrent_requests
         self.active_requests = 0
         """Requests being read, run or answered now (OPEN_ROUTES' excepted)."""
         self._metadata = json.dumps(kserve.proto_json(codec.server_metadata())).encode()
-        self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
         self.max_embedding_inputs = max_embedding_inputs
         self.created = int(time.time())
@@ -221,19 +220,17 @@ class HttpApp:
             metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
         response = None
         trace = tracing.http_request(method, route, scope["headers"]) if route in TRACED_ROUTES else None
+        context = envelope.stamp(trace=trace)
         try:
             try:
                 if counted and self.active_requests > self.max_concurrent_requests:
                     self._over_concurrency()
-                response = await self._answer(scope, receive, route, params, handlers, trace=trace)
+                response = await self._answer(scope, receive, route, params, handlers, context=context)
             except _Disconnected:
                 metrics.HTTP_REQUESTS.labels(route, CLIENT_CLOSED).inc()
                 return
-            except ServiceError as error:
-                response = self._error(path, error)
-            except Exception:
-                log.exception("unhandled error answering %s %s", method, path)
-                response = self._error(path, ServiceError(INTERNAL_MESSAGE))
+            except Exception as error:
+                response = self._error(path, Envelope.failed(error, f"{method} {path}"))
             metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
             headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
             if response.content_type is not None:
@@ -244,7 +241,7 @@ class HttpApp:
             if trace is not None:
                 trace.end_http(int(CLIENT_CLOSED) if response is None else response.status)
             if response is not None and response.answer is not None:
-                self.engine.answered(response.answer)  # sent, or never will be
+                self.envelope.answered(response.answer)  # sent, or never will be
             if counted:
                 self.active_requests -= 1
                 metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
@@ -266,7 +263,6 @@ class HttpApp:
         await send({"type": "http.response.body", "body": b""})
 
     def _over_concurrency(self) -> None:
-        metrics.REJECTED.labels("http_concurrency").inc()
         raise Overloaded(
             f"{self.active_requests - 1} HTTP requests are being served, the most this server takes at once"
             " (--max-concurrent-http-requests); retry later",
@@ -281,7 +277,7 @@ class HttpApp:
         params: dict[str, str],
         handlers: dict[str, Handler],
         *,
-        trace: tracing.RequestTrace | None,
+        context: RequestContext,
     ) -> Response:
         method = scope["method"]
         if not handlers:
@@ -295,21 +291,19 @@ class HttpApp:
             allowed = tuple(handlers)
             raise MethodNotAllowed(f"{scope['path']} answers {' and '.join(allowed)}, not {method}", allowed)
         headers = dict(scope["headers"])
-        if self.api_keys is not None and route not in OPEN_ROUTES:
+        if route not in OPEN_ROUTES:
             authorization = headers.get(b"authorization")
-            tenant = self.api_keys.tenant(None if authorization is None else authorization.decode("latin-1"))
-            if tenant is None:
-                metrics.REJECTED.labels("unauthenticated").inc()
-                raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
-            tenants.CURRENT.set(tenant)  # this request's task, and its handler's (a copy of its context)
+            self.envelope.authenticate(
+                context, None if authorization is None else authorization.decode("latin-1"), SEND_KEY
+            )
         if method != "POST":
-            return await handler(Call(params, headers, b""))
+            return await handler(Call(context, params, headers, b""))
         if route.endswith("/infer"):
             # The model is named by the path: a full queue answers before the body is read or parsed.
             self.engine.check_room(params["name"], params["version"])
         body = await self._read_body(headers, receive)
         # Cancelling the handler when the client goes away drops its queued work, as for gRPC.
-        work = asyncio.ensure_future(handler(Call(params, headers, body, trace)))
+        work = asyncio.ensure_future(handler(Call(context, params, headers, body)))
         gone = asyncio.ensure_future(_disconnect(receive))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -341,8 +335,7 @@ class HttpApp:
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _too_large(self, size: int) -> None:
-        metrics.REJECTED.labels("message_too_large").inc()
-        raise InvalidArgument(
+        raise RequestTooLarge(
             f"the request body is {size} bytes or more, over the limit of {self.max_body_bytes} bytes"
             " (--max-message-bytes)",
             "message_too_large",
@@ -375,20 +368,24 @@ class HttpApp:
         return Response(status, json.dumps(body).encode(), headers=headers)
 
     async def _embeddings(self, call: Call) -> Response:
-        with tracing.stage(call.trace, "decode"):
+        def parse() -> openai.EmbeddingsRequest:
             _check_body_form(call.headers, (JSON,))
-            request = openai.parse_embeddings(_json(call.body))
-        body, result = await openai.embeddings(self.engine, request, self.max_embedding_inputs, call.trace)
+            return openai.parse_embeddings(_json(call.body))
+
+        request = self.envelope.decode(call.context, parse)
+        body, result = await openai.embeddings(self.envelope, call.context, request, self.max_embedding_inputs)
         return Response(200, body, answer=result)
 
     def _task(self, route: Callable[[tei.TaskCall, object], Awaitable[tei.Answer]]) -> Handler:
         """A handler for a task route (TEI's, /v1/rerank): a JSON body in, the route's JSON answer out."""
 
         async def handler(call: Call) -> Response:
-            with tracing.stage(call.trace, "decode"):
+            def parse() -> object:
                 _check_body_form(call.headers, (JSON,))
-                payload = _json(call.body)
-            answer = await route(tei.TaskCall(self.engine, self.max_embedding_inputs, call.trace), payload)
+                return _json(call.body)
+
+            payload = self.envelope.decode(call.context, parse)
+            answer = await route(tei.TaskCall(self.envelope, call.context, self.max_embedding_inputs), payload)
             return Response(200, answer.body, answer=answer.result)
 
         return handler
@@ -444,19 +441,19 @@ class HttpApp:
         return refusal
 
     async def _infer(self, call: Call) -> Response:
-        received = time.perf_counter()
-        with tracing.stage(call.trace, "decode"):
+        def parse() -> kserve.RestInferRequest:
             header_length = call.headers.get(kserve.HEADER_LENGTH.encode())
             _check_body_form(call.headers, (None, JSON, BINARY))
             json_part, binary = kserve.split_body(
                 call.body, None if header_length is None else header_length.decode("latin-1")
             )
             payload = _json(json_part)
-            name, version = call.path_params["name"], call.path_params["version"]
-            rest = kserve.parse_infer(payload, binary, name, version, received)
-        result = await self.engine.infer(rest.request, call.trace)
-        with tracing.stage(call.trace, "encode"):
-            body, json_length = await self.engine.encode(result, lambda: kserve.encode_outputs(rest, result))
+            return kserve.parse_infer(payload, binary, call.path_params["name"], call.path_params["version"])
+
+        rest = self.envelope.decode(call.context, parse)
+        async with self.envelope.inference(call.context, rest.request) as inference:
+            result = inference.result
+            body, json_length = await inference.encode(lambda: kserve.encode_outputs(rest, result))
         if json_length is None:
             return Response(200, body, answer=result)
         header = (kserve.HEADER_LENGTH.encode(), str(json_length).encode())

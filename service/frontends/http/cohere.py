@@ -8,11 +8,13 @@ Cohere's), results best first. `model` may be left out when exactly one reranker
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
 from service.errors import InvalidArgument
-from service.frontends.http.tei import Answer, TaskCall, choose_model, encoded, rerank_logits, scores
+from service.frontends.http.tei import Answer, TaskCall, choose_model, reranked, scores
+from service.pipeline.engine import InferenceResult
 
 FIELDS = ("model", "query", "documents", "top_n", "return_documents", "max_chunks_per_doc", "rank_fields")
 
@@ -47,24 +49,27 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     if not isinstance(return_documents, bool):
         raise InvalidArgument("return_documents must be true or false")
     model = choose_model(call.engine, "classify", payload.get("model"), reranker=True)
-    result = await rerank_logits(call, model, query, documents, {})
-    relevance = scores(result.outputs["logits"], raw=False)[:, 0]
-    best = np.argsort(-relevance, kind="stable")[:top_n]
 
-    def body() -> object:
-        results = [
-            {
-                "index": int(i),
-                "relevance_score": float(relevance[i]),
-                **({"document": {"text": documents[i]}} if return_documents else {}),
+    def body_of(result: InferenceResult) -> Callable[[], object]:
+        relevance = scores(result.outputs["logits"], raw=False)[:, 0]
+        best = np.argsort(-relevance, kind="stable")[:top_n]
+
+        def body() -> object:
+            results = [
+                {
+                    "index": int(i),
+                    "relevance_score": float(relevance[i]),
+                    **({"document": {"text": documents[i]}} if return_documents else {}),
+                }
+                for i in best
+            ]
+            return {
+                "id": str(uuid.uuid4()),
+                "model": model.spec.name,
+                "results": results,
+                "usage": {"total_tokens": result.prompt_tokens},
             }
-            for i in best
-        ]
-        return {
-            "id": str(uuid.uuid4()),
-            "model": model.spec.name,
-            "results": results,
-            "usage": {"total_tokens": result.prompt_tokens},
-        }
 
-    return await encoded(call, result, body)
+        return body
+
+    return await reranked(call, model, query, documents, {}, body_of=body_of)

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from service.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    ModelFailure,
-    NotFound,
-    Overloaded,
-    ServiceError,
-    TooLarge,
-    Unauthenticated,
-    Unavailable,
-    Unimplemented,
-)
+from service.errors import InvalidArgument, Kind, ServiceError
 
 
 class MethodNotAllowed(InvalidArgument):
-    """A known path asked with a method it does not serve."""
+    """A known path asked with a method it does not serve (HTTP's own refusal: 405)."""
 
     def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
         super().__init__(message)
@@ -25,41 +14,35 @@ class MethodNotAllowed(InvalidArgument):
 
 
 class UnsupportedMediaType(InvalidArgument):
-    """A body of a content type or encoding the route does not read."""
+    """A body of a content type or encoding the route does not read (HTTP's own refusal: 415)."""
 
 
-TOO_LARGE_REASONS = frozenset({"message_too_large", "text_too_large", "request_text_too_large", "too_many_inputs"})
-"""Refusals of what the request carries (body, texts, inputs): 413, as is an answer over its limit (TooLarge)."""
+STATUS: dict[Kind, int] = {
+    Kind.INVALID: 400,
+    Kind.REQUEST_TOO_LARGE: 413,
+    Kind.ANSWER_TOO_LARGE: 413,
+    Kind.UNAUTHENTICATED: 401,
+    Kind.NOT_FOUND: 404,
+    Kind.OVERLOADED: 429,
+    Kind.UNAVAILABLE: 503,
+    Kind.DEADLINE_EXCEEDED: 504,
+    Kind.UNIMPLEMENTED: 501,
+    Kind.INTERNAL: 500,
+}
+"""Each kind's HTTP status; a route family's dialect may answer another (`tei_status`)."""
 
-_STATUS_BY_ERROR: tuple[tuple[type[ServiceError], int], ...] = (
-    (MethodNotAllowed, 405),
-    (UnsupportedMediaType, 415),
-    (InvalidArgument, 400),
-    (TooLarge, 413),
-    (Unauthenticated, 401),
-    (NotFound, 404),
-    (Overloaded, 429),
-    (Unavailable, 503),
-    (DeadlineExceeded, 504),
-    (ModelFailure, 500),
-    (Unimplemented, 501),
-)
-"""Most specific first: the first class the error is an instance of decides."""
 
 _OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error"}
 """OpenAI's error `type` where it is not invalid_request_error (4xx) or server_error (5xx)."""
 
-INTERNAL_MESSAGE = "internal error; see the server log"
-
 
 def http_status(error: ServiceError) -> int:
     """The HTTP status an error is answered with."""
-    if error.reason in TOO_LARGE_REASONS:
-        return 413
-    for kind, status in _STATUS_BY_ERROR:
-        if isinstance(error, kind):
-            return status
-    return 500
+    if isinstance(error, MethodNotAllowed):
+        return 405
+    if isinstance(error, UnsupportedMediaType):
+        return 415
+    return STATUS[error.kind]
 
 
 def openai_error(status: int, message: str, reason: str | None) -> dict[str, object]:

@@ -176,7 +176,7 @@ def parse_repository_index(payload: object) -> bool:
     return ready
 
 
-def parse_infer(payload: object, binary: memoryview, name: str, version: str, received: float) -> RestInferRequest:
+def parse_infer(payload: object, binary: memoryview, name: str, version: str) -> RestInferRequest:
     """A v2 REST infer body (its JSON, and the binary data after it) as the engine's request."""
     fields = _fields("the request", payload, _REQUEST_FIELDS)
     request_id = fields.get("id", "")
@@ -210,7 +210,6 @@ def parse_infer(payload: object, binary: memoryview, name: str, version: str, re
         inputs=tuple(inputs),
         outputs=outputs,
         parameters=values,
-        received=received,
         value_bytes=value_bytes,
     )
     return RestInferRequest(request, binary_outputs, binary_by_default)

@@ -16,8 +16,8 @@ import numpy as np
 import orjson
 
 from service.core.repository import ModelSpec
+from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument
-from service.ops import tracing
 from service.pipeline.answers import BASE64_VALUE_BYTES, JSON_VALUE_BYTES, json_values
 from service.pipeline.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
 from service.pipeline.validation import TEXT_INPUT
@@ -94,32 +94,29 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
 
 
 async def embeddings(
-    engine: Engine, request: EmbeddingsRequest, max_inputs: int, trace: tracing.RequestTrace | None = None
+    door: Envelope, context: RequestContext, request: EmbeddingsRequest, max_inputs: int
 ) -> tuple[bytes, InferenceResult]:
-    """Answer a /v1/embeddings request (`parse_embeddings`): its texts to the engine in one call, OpenAI's answer.
+    """Answer a /v1/embeddings request (`parse_embeddings`): its texts in one inference, OpenAI's answer.
 
-    The result comes back with the body: its bytes stay in the engine's budget until the body is sent.
-    `trace`: the request's span (while tracing is on).
+    The result comes back with the body: its bytes stay in the answer budget until the body is sent.
     """
     # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
     elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
     texts = InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False)
     value_bytes = BASE64_VALUE_BYTES if request.encoding_format == "base64" else JSON_VALUE_BYTES
-    result = await engine.infer(
-        InferenceRequest(
-            model=request.model,
-            inputs=(texts,),
-            outputs=("embedding",),
-            row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
-            dimensions=request.dimensions,
-            parameters={} if request.prompt_name is None else {"prompt_name": request.prompt_name},
-            value_bytes={"embedding": value_bytes},
-        ),
-        trace,
+    inference_request = InferenceRequest(
+        model=request.model,
+        inputs=(texts,),
+        outputs=("embedding",),
+        row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
+        dimensions=request.dimensions,
+        parameters={} if request.prompt_name is None else {"prompt_name": request.prompt_name},
+        value_bytes={"embedding": value_bytes},
     )
-    vectors = result.outputs["embedding"]
-    with tracing.stage(trace, "encode"):
-        body = await engine.encode(result, lambda: _embeddings_body(vectors, request, result.prompt_tokens))
+    async with door.inference(context, inference_request) as inference:
+        result = inference.result
+        vectors = result.outputs["embedding"]
+        body = await inference.encode(lambda: _embeddings_body(vectors, request, result.prompt_tokens))
     return body, result
 
 

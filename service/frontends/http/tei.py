@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound, TooLarge
-from service.ops import tracing
 from service.pipeline.answers import JSON_VALUE_BYTES, HeldAnswer
 from service.pipeline.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
 from service.pipeline.models import ModelInfo
@@ -123,17 +123,22 @@ def _parameters(payload: dict, *names: str) -> dict[str, bool | int | float | st
 
 @dataclass(frozen=True)
 class TaskCall:
-    """What every task route runs with: the engine, the front end's bound on inputs, the request's span."""
+    """What every task route runs with: the envelope, the request's context, the front end's bound on inputs."""
 
-    engine: Engine
+    envelope: Envelope
+    context: RequestContext
     max_inputs: int
     """--max-embedding-inputs: the most texts (or pairs) one request may carry."""
-    trace: tracing.RequestTrace | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the envelope runs inferences on."""
+        return self.envelope.engine
 
 
 @dataclass(frozen=True)
 class Answer:
-    """A route's JSON body, with what its bytes are counted under in the engine's budget until sent.
+    """A route's JSON body, with what its bytes are counted under in the answer budget until sent.
 
     The inference it came from, or (for /tokenize, which runs none) the answer held on its own.
     """
@@ -142,9 +147,16 @@ class Answer:
     result: InferenceResult | HeldAnswer
 
 
-async def _run(
-    call: TaskCall, model: ModelInfo, inputs: tuple[InputTensor, ...], output: str, parameters: dict
-) -> InferenceResult:
+async def answered(
+    call: TaskCall,
+    model: ModelInfo,
+    inputs: tuple[InputTensor, ...],
+    output: str,
+    parameters: dict,
+    *,
+    body_of: Callable[[InferenceResult], Callable[[], object]],
+) -> Answer:
+    """One inference of a task route, answered: `body_of(result)` gives what the JSON answer is made from."""
     request = InferenceRequest(
         model=model.spec.name,
         inputs=inputs,
@@ -153,14 +165,10 @@ async def _run(
         row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
         value_bytes={output: JSON_VALUE_BYTES},
     )
-    return await call.engine.infer(request, call.trace)
-
-
-async def encoded(call: TaskCall, result: InferenceResult, make: Callable[[], object]) -> Answer:
-    """The route's JSON answer made from an inference (the request's encode stage, when traced)."""
-    with tracing.stage(call.trace, "encode"):
-        body = await call.engine.encode(result, lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
-    return Answer(body, result)
+    async with call.envelope.inference(call.context, request) as inference:
+        make = body_of(inference.result)
+        body = await inference.encode(lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
+    return Answer(body, inference.result)
 
 
 async def embed(call: TaskCall, payload: object) -> Answer:
@@ -177,11 +185,14 @@ async def embed(call: TaskCall, payload: object) -> Answer:
         )
     _flag(fields, TRUNCATE, True)
     parameters = _parameters(fields, TRUNCATE, PROMPT_NAME, DIMENSIONS)
-    result = await _run(call, model, (_bytes_tensor(TEXT_INPUT, texts),), "embedding", parameters)
-    vectors = result.outputs["embedding"]
-    if normalize and not model.spec.normalize:
-        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    return await encoded(call, result, lambda: vectors)
+
+    def body_of(result: InferenceResult) -> Callable[[], object]:
+        vectors = result.outputs["embedding"]
+        if normalize and not model.spec.normalize:
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return lambda: vectors
+
+    return await answered(call, model, (_bytes_tensor(TEXT_INPUT, texts),), "embedding", parameters, body_of=body_of)
 
 
 async def rerank(call: TaskCall, payload: object) -> Answer:
@@ -199,29 +210,34 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     raw, return_text = _flag(fields, "raw_scores", False), _flag(fields, "return_text", False)
     _flag(fields, TRUNCATE, True)
     model = choose_model(call.engine, "classify", fields.get("model"), reranker=True)
-    logits = await rerank_logits(call, model, query, texts, _parameters(fields, TRUNCATE))
-    ranked = scores(logits.outputs["logits"], raw)[:, 0]
-    order = np.argsort(-ranked, kind="stable")
 
-    def body() -> object:
-        return [
+    def body_of(result: InferenceResult) -> Callable[[], object]:
+        ranked = scores(result.outputs["logits"], raw)[:, 0]
+        order = np.argsort(-ranked, kind="stable")
+        return lambda: [
             {"index": int(i), "score": float(ranked[i]), **({"text": texts[i]} if return_text else {})} for i in order
         ]
 
-    return await encoded(call, logits, body)
+    return await reranked(call, model, query, texts, _parameters(fields, TRUNCATE), body_of=body_of)
 
 
-async def rerank_logits(
-    call: TaskCall, model: ModelInfo, query: str, documents: list[str], parameters: dict
-) -> InferenceResult:
-    """The reranker's logits for (query, document) pairs; it must answer one score per pair (one label)."""
+async def reranked(
+    call: TaskCall,
+    model: ModelInfo,
+    query: str,
+    documents: list[str],
+    parameters: dict,
+    *,
+    body_of: Callable[[InferenceResult], Callable[[], object]],
+) -> Answer:
+    """The reranker run on (query, document) pairs, answered; it must give one score per pair (one label)."""
     if len(model.spec.labels) != 1:
         raise InvalidArgument(
             f"model {model.spec.name} is a classifier of {len(model.spec.labels)} labels, not a reranker"
             " (one score per pair): use /predict"
         )
     inputs = (_bytes_tensor(QUERY_INPUT, [query] * len(documents)), _bytes_tensor(TEXT_INPUT, documents))
-    return await _run(call, model, inputs, "logits", parameters)
+    return await answered(call, model, inputs, "logits", parameters, body_of=body_of)
 
 
 def _predict_inputs(value: object) -> tuple[list[list[str]], bool]:
@@ -254,17 +270,20 @@ async def predict(call: TaskCall, payload: object) -> Answer:
     inputs = (_bytes_tensor(TEXT_INPUT, [item[-1] for item in items]),)
     if len(items[0]) == 2:
         inputs = (_bytes_tensor(QUERY_INPUT, [item[0] for item in items]), *inputs)
-    result = await _run(call, model, inputs, "logits", _parameters(fields, TRUNCATE))
-    table = scores(result.outputs["logits"], raw)
     labels = model.spec.labels
 
-    def body() -> object:
-        answers = [
-            [{"label": labels[j], "score": float(row[j])} for j in np.argsort(-row, kind="stable")] for row in table
-        ]
-        return answers if batch else answers[0]
+    def body_of(result: InferenceResult) -> Callable[[], object]:
+        table = scores(result.outputs["logits"], raw)
 
-    return await encoded(call, result, body)
+        def body() -> object:
+            answers = [
+                [{"label": labels[j], "score": float(row[j])} for j in np.argsort(-row, kind="stable")] for row in table
+            ]
+            return answers if batch else answers[0]
+
+        return body
+
+    return await answered(call, model, inputs, "logits", _parameters(fields, TRUNCATE), body_of=body_of)
 
 
 async def tokenize(call: TaskCall, payload: object) -> Answer:
@@ -311,7 +330,7 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
             "response_too_large",
         )
     # In the answers in flight, as an inference's answer is, until the transport has taken it.
-    return Answer(body, call.engine.hold(len(body)))
+    return Answer(body, call.envelope.hold(len(body)))
 
 
 def _tokenizing_model(engine: Engine, name: object) -> ModelInfo:

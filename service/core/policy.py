@@ -1,0 +1,105 @@
+"""The batching policy: the limits that shape batches and the queue, and which waiting rows make the next batch.
+
+A batch starts from the longest waiting row of the request at the head of the queue, then takes the
+waiting rows nearest its length (older requests first among equals), up to `max_batch_size` rows
+and `max_batch_tokens` padded tokens (rows x the batch's longest), none of them padded far past its
+own length (the policy's padding factor and slack).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from service.core.rows import WorkItem
+
+SELECTION_WINDOW_BATCHES = 2
+"""A batch is chosen among the waiting rows of the queue's first requests, up to this many batches' worth."""
+
+
+@dataclass(frozen=True)
+class BatchingPolicy:
+    """Limits that shape batches and the queue."""
+
+    max_batch_size: int
+    """Rows per batch."""
+    max_batch_tokens: int
+    """Padded tokens (rows x longest) per batch; a single row may exceed it alone."""
+    max_queue_delay_s: float
+    """Longest the oldest request waits for a fuller batch."""
+    max_queue_size: int
+    """Requests waiting before new ones are rejected."""
+    length_bucket: int = 1
+    """Batch length is rounded up to a multiple of this (bounds the shapes a GPU sees)."""
+    pad_token_id: int = 0
+    max_batch_run_s: float = 120.0
+    """A run taking longer fails its requests and retires its instance until it returns."""
+    max_length: int = 0
+    """Bucketed lengths never exceed this (the model's max_sequence_length); 0 = no cap."""
+    max_padding_factor: float = 2.0
+    padding_slack_tokens: int = 32
+    """No row of a batch is padded past the larger of max_padding_factor times the (bucketed) length it
+    would have alone and that length plus padding_slack_tokens.
+
+    A padded encoder's cost grows with rows x padded length: [40, 60, 200] padded to 200 costs 600
+    tokens where [40, 60] at 60 and [200] alone cost 320. Short rows batch together whatever their
+    lengths: a batch also has a fixed cost (each operator's start, threads waking), which a few tokens
+    of padding cost less than. With length buckets (CUDA), rows in one bucket batch together freely."""
+
+    def padded_length(self, longest: int) -> int:
+        """The length a batch whose longest row is `longest` is padded to: bucketed, capped at max_length."""
+        bucketed = -(-longest // self.length_bucket) * self.length_bucket
+        return min(bucketed, max(self.max_length, longest)) if self.max_length else bucketed
+
+
+def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tuple[WorkItem, int]]:
+    """The first request's longest waiting row, then the waiting rows nearest its length that fit both budgets.
+
+    Rows are considered from the queue's first requests, up to SELECTION_WINDOW_BATCHES batches'
+    worth; among rows equally near, older requests' come first.
+    """
+    anchor = pending[0]
+    anchor_row = anchor.waiting[-1]
+    target = anchor.lengths[anchor_row]
+    window = policy.max_batch_size * SELECTION_WINDOW_BATCHES
+    enough_exact = policy.max_batch_size - 1
+    candidates: list[tuple[int, int, WorkItem, int]] = []
+    exact = 0  # candidates of the anchor's length: once they fill the batch, no later row comes before them
+    for item in pending:
+        rows = item.waiting[:-1] if item is anchor else item.waiting
+        if len(rows) == 1:  # most requests: one text
+            distance = abs(item.lengths[rows[0]] - target)
+            exact += distance == 0
+            candidates.append((distance, len(candidates), item, rows[0]))
+        else:
+            lengths, first = item.lengths, len(candidates)
+            candidates += [(abs(lengths[row] - target), first + i, item, row) for i, row in enumerate(rows)]
+            exact += sum(lengths[row] == target for row in rows)
+        if len(candidates) >= window or exact >= enough_exact:
+            break
+    candidates.sort()  # by distance, then age: (distance, order) never ties, so items are never compared
+    chosen = [(anchor, anchor_row)]
+    shortest = longest = target
+    max_rows, max_tokens, padded_length = policy.max_batch_size, policy.max_batch_tokens, policy.padded_length
+    padded_longest = padded_length(longest)
+    for _, _, item, row in candidates:
+        if len(chosen) >= max_rows:
+            break
+        length = item.lengths[row]
+        if length <= longest and length >= shortest:  # within the batch's range: it pads to the same length
+            if (len(chosen) + 1) * padded_longest > max_tokens:
+                break  # every later candidate needs at least as many tokens as this one
+            chosen.append((item, row))
+            continue
+        wider, narrower = max(longest, length), min(shortest, length)
+        padded = padded_length(wider)
+        if (len(chosen) + 1) * padded > max_tokens:
+            if length <= longest:
+                break  # every later candidate needs at least as many tokens as this one
+            continue
+        own = padded_length(narrower)
+        if padded > max(policy.max_padding_factor * own, own + policy.padding_slack_tokens):
+            continue  # cheaper in a batch of its own length than padded this far
+        chosen.append((item, row))
+        shortest, longest, padded_longest = narrower, wider, padded
+    return chosen

@@ -1,0 +1,181 @@
+"""The request envelope: what happens around every request, whatever its protocol, written once.
+
+Where a request enters (its socket's handler), its front end stamps a `RequestContext`: when it
+was received, its deadline, its peer, its trace, and (once `Envelope.authenticate` has checked its
+key) its tenant. Every front end then goes through the same `Envelope`:
+
+- `authenticate`: the API key, its tenant, or Unauthenticated;
+- `inference`: the request's tenant admitted, the pipeline's one call (service.pipeline.engine),
+  the answer encoded, and the request counted once its answer is encoded (encoder_requests_total,
+  Triton's statistics, the tenant's figures), from the moment it was received;
+- `answered`: the answer's bytes leave the answer budget once the transport has taken them;
+- `failed`: the error a request ends with, counted once in encoder_requests_rejected_total when
+  it is a refusal at a limit, and an unplanned failure logged and turned into an internal error.
+
+A front end only parses its wire format, renders answers and maps error kinds to its statuses
+(service.frontends.grpc.status, service.frontends.http.errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TypeVar
+
+from service.errors import INTERNAL_MESSAGE, ServiceError, Unauthenticated
+from service.ops import metrics, tracing
+from service.ops.security import ApiKeys
+from service.ops.tenants import Tenant
+from service.pipeline.answers import INLINE_ENCODE_BYTES, HeldAnswer
+from service.pipeline.engine import Engine, InferenceRequest, InferenceResult
+
+log = logging.getLogger(__name__)
+Encoded = TypeVar("Encoded")
+Decoded = TypeVar("Decoded")
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One request's envelope, stamped once where it entered the server."""
+
+    received: float
+    """When it entered (time.perf_counter): its latency and Triton's statistics count from here."""
+    deadline: float | None = None
+    """The caller's deadline (time.monotonic), from the transport (gRPC's grpc-timeout), if any."""
+    peer: str = ""
+    """The caller's address as the transport gives it."""
+    trace: tracing.RequestTrace | None = None
+    """Its span, while tracing is on and the request is an inference."""
+    tenant: Tenant | None = None
+    """Its tenant, once `Envelope.authenticate` accepted its key (None while keys are off)."""
+
+
+def stamp(deadline: float | None = None, peer: str = "", trace: tracing.RequestTrace | None = None) -> RequestContext:
+    """A request's context, received now."""
+    return RequestContext(time.perf_counter(), deadline, peer, trace)
+
+
+CURRENT: ContextVar[RequestContext | None] = ContextVar("request", default=None)
+"""The context of the gRPC call being handled: its door (service.frontends.grpc.interceptor) stamps it
+in the call's task before the handler runs, as gRPC gives a handler no other way to receive it."""
+
+
+class Inference:
+    """One inference inside the envelope: the pipeline's result, and its answer encoded by the front end."""
+
+    __slots__ = ("_engine", "context", "result")
+
+    def __init__(self, engine: Engine, context: RequestContext, result: InferenceResult) -> None:
+        self._engine = engine
+        self.context = context
+        self.result = result
+
+    async def encode(self, render: Callable[[], Encoded]) -> Encoded:
+        """The answer in the front end's wire format: a small one on the event loop, a large one on a worker thread.
+
+        If rendering fails or is cancelled, the answer's bytes leave the budget.
+        """
+        with tracing.stage(self.context.trace, "encode"):
+            try:
+                if self.result.answer_bytes <= INLINE_ENCODE_BYTES:
+                    return render()
+                return await asyncio.to_thread(render)
+            except BaseException:
+                self._engine.answered(self.result)
+                raise
+
+
+class _CountedInference:
+    """The async context manager `Envelope.inference` returns: runs the request on entry, counts it on exit."""
+
+    __slots__ = ("_context", "_engine", "_request", "_tracked")
+
+    def __init__(self, engine: Engine, context: RequestContext, request: InferenceRequest) -> None:
+        self._engine = engine
+        self._context = context
+        self._request = request
+        tenant = context.tenant
+        model_metrics, statistics = engine.counters(request.model, request.version)
+        self._tracked = metrics.TrackedRequest(
+            model_metrics, statistics, context.deadline, context.received, None if tenant is None else tenant.metrics
+        )
+
+    async def __aenter__(self) -> Inference:
+        tracked = self._tracked.__enter__()
+        context = self._context
+        try:
+            if context.tenant is not None:
+                context.tenant.admit()
+            result = await self._engine.infer(self._request, context.deadline, context.trace)
+            tracked.inferred(result.rows, result.queue_s, result.compute_s)
+            if context.tenant is not None:
+                context.tenant.charge(result.prompt_tokens)
+        except BaseException as error:
+            tracked.__exit__(type(error), error, None)
+            raise
+        return Inference(self._engine, context, result)
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
+        self._tracked.__exit__(kind, error, traceback)
+
+
+class Envelope:
+    """Authentication, admission, counting, the answer budget and failures: once, for every protocol's requests."""
+
+    def __init__(self, engine: Engine, api_keys: ApiKeys | None) -> None:
+        self.engine = engine
+        self.api_keys = api_keys
+
+    def authenticate(self, context: RequestContext, authorization: str | None, how: str) -> None:
+        """Accept the request's `authorization` (Bearer key) and note its tenant, or refuse it (Unauthenticated).
+
+        Nothing is checked while API keys are off. `how`: how this protocol sends a key, for the refusal.
+        """
+        if self.api_keys is None:
+            return
+        tenant = self.api_keys.tenant(authorization)
+        if tenant is None:
+            raise Unauthenticated(f"missing or unknown API key: {how}", "unauthenticated")
+        context.tenant = tenant
+
+    @staticmethod
+    def decode(context: RequestContext, parse: Callable[[], Decoded]) -> Decoded:
+        """The front end's reading of its request into the engine's types (the request's decode stage, when traced)."""
+        with tracing.stage(context.trace, "decode"):
+            return parse()
+
+    def inference(self, context: RequestContext, request: InferenceRequest) -> _CountedInference:
+        """Run one inference as an async context manager: `async with envelope.inference(...) as inference:`.
+
+        On entry the tenant is admitted (or refused), the pipeline runs the request and the tenant is
+        charged its tokens; inside, the front end reads `inference.result` and renders its answer with
+        `inference.encode`; on exit the request is counted, a success only if nothing failed up to there.
+        """
+        if context.trace is not None:
+            context.trace.describe(request.model, request.version)
+        return _CountedInference(self.engine, context, request)
+
+    def hold(self, size: int) -> HeldAnswer:
+        """Count an answer made apart from any inference (until `answered`), or refuse it (TooLarge, Overloaded)."""
+        return HeldAnswer(self.engine.answers.reserve(size))
+
+    def answered(self, answer: InferenceResult | HeldAnswer) -> None:
+        """The transport took the answer (or never will): its bytes leave the answer budget."""
+        self.engine.answered(answer)
+
+    @staticmethod
+    def failed(error: BaseException, where: str) -> ServiceError:
+        """The error a request ends with: a refusal at a limit counted by its reason; anything unplanned logged.
+
+        `where`: what was being answered, for the log. Returns the ServiceError to map to the protocol's status.
+        """
+        if isinstance(error, ServiceError):
+            if error.reason is not None:
+                metrics.REJECTED.labels(error.reason).inc()
+            return error
+        log.error("unhandled error answering %s", where, exc_info=error)
+        return ServiceError(INTERNAL_MESSAGE)

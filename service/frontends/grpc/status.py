@@ -1,0 +1,26 @@
+"""The gRPC status of every kind of error: the gRPC port's one table."""
+
+from __future__ import annotations
+
+import grpc
+
+from service.errors import Kind, ServiceError
+
+STATUS: dict[Kind, grpc.StatusCode] = {
+    Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Kind.REQUEST_TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,
+    Kind.ANSWER_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Kind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Kind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Kind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Kind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Kind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Kind.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
+    Kind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+"""Each kind's status; a request refused with a kind is counted under the same name (Kind.outcome)."""
+
+
+def status_of(error: ServiceError) -> grpc.StatusCode:
+    """The status a call ending with `error` is answered with."""
+    return STATUS[error.kind]
