@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from export import modernbert
+from export.architecture_error import ArchitectureError
 from export.config import ConfigError, EncoderConfig
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -22,10 +24,6 @@ HEAD_PREFIXES = ("pooler.", "classifier.", "pre_classifier.", "lm_head.", "vocab
 """Weights of task heads, kept apart from the encoder's."""
 MPNET_PADDING_ID = 1
 """MPNet's embeddings take id 1 as padding whatever the config says (its vocabulary pads with 1)."""
-
-
-class ArchitectureError(ValueError):
-    """A config.json or weight that the architecture cannot be built from; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,7 @@ class Architecture:
     """How one Hugging Face model_type maps onto an encoder here."""
 
     model_type: str
-    config: Callable[[dict, str, bool], object]
+    config: Callable[[dict, str, bool], EncoderConfig | modernbert.ModernBertConfig]
     """config.json (with pooling and normalisation) -> the encoder's configuration."""
     rename: Renamer
     """The checkpoint's weights -> (the encoder's, under its names; the task heads', apart)."""
@@ -172,18 +170,6 @@ def _bert_like(model_type: str, prefix: str) -> Architecture:
     return Architecture(model_type, _bert_config, names.rename)
 
 
-def _modernbert_config(hf_config: dict, pooling: str, normalize: bool) -> object:
-    from export import modernbert  # noqa: PLC0415  (it builds on this module)
-
-    return modernbert.config_from_hf(hf_config, pooling, normalize)
-
-
-def _modernbert_rename(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from export import modernbert  # noqa: PLC0415
-
-    return modernbert.rename_weights(weights)
-
-
 _DISTILBERT_NAMES = WeightNames(
     ("distilbert.", *_WRAPPERS),
     re.compile(r"^transformer\.layer\.(\d+)\.(.+)\.(weight|bias)$"),
@@ -220,7 +206,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "xlm-roberta": _bert_like("xlm-roberta", "roberta."),
     "distilbert": Architecture("distilbert", _distilbert_config, _DISTILBERT_NAMES.rename),
     "mpnet": Architecture("mpnet", _bert_config, _MPNET_NAMES.rename),
-    "modernbert": Architecture("modernbert", _modernbert_config, _modernbert_rename),
+    "modernbert": Architecture("modernbert", modernbert.config_from_hf, modernbert.rename_weights),
 }
 """Supported model_type -> how to read it."""
 

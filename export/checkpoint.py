@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
-from export.architectures import ArchitectureError, architecture
+from export.architecture_error import ArchitectureError
+from export.architectures import architecture
 from export.config import EncoderConfig
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
@@ -176,8 +178,6 @@ def _max_seq_length(folder: Path, max_positions: int) -> int:
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     safetensors_file = folder / "model.safetensors"
     if safetensors_file.is_file():
-        from safetensors.torch import load_file  # noqa: PLC0415
-
         try:
             return load_file(str(safetensors_file))
         except Exception as error:

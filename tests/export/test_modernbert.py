@@ -24,7 +24,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
 from export import modernbert
-from export.architectures import ArchitectureError
+from export.architecture_error import ArchitectureError
 from export.onnx_export import export_onnx
 from tests.export import tiny_models
 
