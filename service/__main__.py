@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service: error: {error}", file=sys.stderr)
         return 2
     try:
-        # uvloop: measured 65-110 us less server CPU per gRPC call than asyncio's own loop (docs/benchmarks.md).
+        # uvloop: less server CPU per gRPC call than asyncio's own loop (docs/decisions.md#uvloop).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(_serve(role, settings))
     except (RepositoryError, ExecutionError, SecurityError, OSError) as error:

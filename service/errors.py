@@ -14,8 +14,8 @@ import time
 
 DEADLINE_CLOCK_SLACK_S = 0.05
 """gRPC cancels a call at its deadline by its own clock, which differs by milliseconds from the deadline
-the server derives from `time_remaining()` (measured here: gRPC cancelled up to ~8 ms before it). A
-caller that goes away this close to its deadline, or after it, is counted as expired, not cancelled."""
+the server derives from `time_remaining()` (docs/decisions.md#deadline-clock-slack). A caller that
+goes away this close to its deadline, or after it, is counted as expired, not cancelled."""
 
 INTERNAL_MESSAGE = "internal error; see the server log"
 """What a caller is told of a failure nobody planned for (the log has the traceback)."""

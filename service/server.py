@@ -103,8 +103,8 @@ class GenericHandlersOnly:
 
     Generated `add_*_to_server` functions also register every method with gRPC core. grpc.aio's
     accept loop then keeps one pending call per registered method (about 30 here) and waits on all
-    of them with `asyncio.wait` for every RPC it accepts; with generic handlers it waits on one.
-    Measured on the tiny model: ~50 us less server CPU per ModelReady, 30-90 us per ModelInfer.
+    of them with `asyncio.wait` for every RPC it accepts; with generic handlers it waits on one, for
+    less server CPU per call (docs/decisions.md#generic-grpc-handlers-only).
     """
 
     def __init__(self, server: grpc.aio.Server) -> None:

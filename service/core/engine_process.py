@@ -29,10 +29,9 @@ log = logging.getLogger(__name__)
 GC_YOUNG_THRESHOLD = 10_000
 """Net container allocations between the engine's young-generation collections (CPython: 700).
 
-With hundreds of requests in flight, the default threshold collected about ninety times a second,
-each time walking every in-flight request's objects: 2 of the engine loop's 22 us per request at
-saturation (`python -m tools.capacity_bench`, 2 vCPUs). Requests' objects are freed by reference
-counting as they are answered; the collector is only for cycles, and now runs a few times a minute.
+Requests' objects are freed by reference counting as they are answered; the collector is only for
+cycles, and at CPython's threshold it walked every in-flight request's objects many times a second
+under load (docs/decisions.md#engine-gc-threshold).
 """
 
 

@@ -100,9 +100,9 @@ class ModelSpec:
     graph_optimization: str = "all"
     """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU (`optimization.graph.level`).
 
-    The exporter writes basic: its fp32 file already is the graph form measured fastest, and the
-    extended level's own fusions would rewrite it (Add + LayerNormalization into
-    SkipLayerNormalization) into a form it measured slower."""
+    The exporter writes basic: its fp32 file already is the graph form it timed fastest, which the
+    higher levels' own fusions would rewrite into a slower one
+    (docs/decisions.md#fp32-graph-at-basic-optimisation)."""
 
     def online_optimization(self, variant: str, device: str) -> str:
         """The online graph optimisation a variant runs at on a device (cpu/cuda)."""

@@ -217,8 +217,8 @@ GRAPH_OPTIMIZATION = {
 def session_options(settings: ExecutionSettings, graph_optimization: str = "all") -> ort.SessionOptions:
     """Session options for a server: fixed thread counts; spinning, if allowed, only while a run is under way.
 
-    Threads that spin between operators skip a wake-up per parallel section (measured on 2 vCPUs:
-    0.6-0.8 ms off a lone 4 ms request, for ~15% more CPU per request); `force_spinning_stop`
+    Threads that spin between operators skip a wake-up per parallel section: a lone request is
+    faster, each request costs more CPU (docs/decisions.md#onnx-runtime-spinning). `force_spinning_stop`
     ends the spinning when the last run returns, so an idle server burns no CPU either way.
     `graph_optimization`: the online graph optimisation (GRAPH_OPTIMIZATION's names).
     """

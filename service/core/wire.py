@@ -8,11 +8,10 @@ so a busy server pays one write and one read for many requests; the answers of s
 as one message per shape of outputs, each output stacked into one array (a batch of one-text
 requests: one message, one array).
 
-Chosen by measurement (`python -m tools.ipc_bench`: 16 callers, one-row requests answered at
-once, the same messages built and read either way; CPU per request on each side, 2 vCPUs, two
-runs): these frames over uvloop's Unix socket cost 14-16 us in the front end and 12-14 us in the
-engine; pyzmq's DEALER/ROUTER, coalesced the same way, 19-26 and 17-22 us (its I/O thread hands
-every message over once more), and 98-123 and 111-122 us with one message per request.
+These frames over a Unix socket cost less CPU per request on both sides than ZeroMQ
+(docs/decisions.md#engine-transport). The message types, the framing and both peers (the engine's
+EngineServer and EngineConnection, the front end's EngineLink) stay in this one module: they are the
+two ends of one protocol, kept together so the format cannot drift between them.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from typing import Any
 ENV_PREFIX = "ENCODER_"
 CPUS_PER_FRONTEND_ON_CPU = 8
 """--frontends 0 with the model on the CPU: one front end per this many CPUs (one process below twice
-that). Measured: a one-sentence request costs ~0.8 ms of front-end CPU over gRPC and ~5.8 ms of
-model CPU (all-MiniLM-L6-v2 fp32, batches of 32), so the front end needs about 1/8 of the CPUs."""
+that): the front end's share of a one-sentence request's CPU is about 1/8
+(docs/decisions.md#front-ends-per-cpu)."""
 MAX_CONNECTION_AGE_S = 2_000_000
 """gRPC takes the connection age and its grace (the age + 30 s) as 32-bit milliseconds: ~2.1 million s at most."""
 TRUE_WORDS = {"1", "true", "yes", "on"}

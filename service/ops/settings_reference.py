@@ -16,7 +16,7 @@ from pathlib import Path
 
 from service.ops.settings import ENV_PREFIX, Settings
 
-REFERENCE_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 HEADER = """# Configuration reference
 
 Generated from `service/ops/settings.py` by `python -m service.ops.settings_reference`; a test checks that

@@ -29,8 +29,8 @@ BASE64_VALUE_BYTES = 16.0 / 3.0
 INLINE_ENCODE_BYTES = 1024 * 1024
 """Answers up to this size are encoded on the event loop; larger ones on a worker thread."""
 JSON_CHUNK_VALUES = 32 * 1024
-"""Values written to JSON in one call (~2 ms here): the worker thread holds the GIL no longer at a time,
-so the event loop keeps answering while a large answer is written."""
+"""Values written to JSON in one call: the worker thread holds the GIL for no more than one such call at a
+time, so the event loop keeps answering while a large answer is written (docs/decisions.md#json-chunk-size)."""
 
 
 @dataclass

@@ -1,9 +1,12 @@
-"""The ASGI application of the HTTP port: routing, the API-key check, bounded bodies, errors to statuses.
+"""The ASGI application of the HTTP port: routing, bounded bodies, the envelope's door, errors to statuses.
 
-Routes under /v1 are OpenAI's and answer errors as OpenAI error objects; the others are KServe v2
-REST and answer `{"error": message}`. Every route asks the engine (service.pipeline.engine), as the gRPC
-port does; metadata, configuration, statistics and the repository index are the gRPC port's own
-messages (service.frontends.codec) written in Triton's JSON.
+Four route families share it, each in its own body dialect: OpenAI's under /v1 (and Cohere's and
+Jina's /v1/rerank), text-embeddings-inference's (/embed, /rerank, /predict, /tokenize, /info) and
+KServe v2 REST under /v2. Each request gets its context where it is received, its key checked by
+the envelope (service.envelope), and its inferences run inside the envelope, as the gRPC port's
+are; errors map to statuses and bodies in one table (errors.py). Metadata, configuration,
+statistics and the repository index are the gRPC port's own messages (service.frontends.codec)
+written in Triton's JSON.
 """
 
 from __future__ import annotations
