@@ -1,16 +1,16 @@
 """Dynamic batching of rows: one bounded queue per model, dispatched to the model's instances.
 
-Callers `admit` a request (refused at once when the queue is full), then `submit` its token rows
-and await them back, in their own order. The queue holds requests, the batches hold rows: whenever
-a request arrives or an instance finishes, and an instance is idle, a batch is formed from the
-waiting rows of every queued request — the longest waiting row of the request at the head of the
-queue, then the waiting rows nearest its length (older requests first among equals), up to
-`max_batch_size` rows and `max_batch_tokens` padded tokens (rows x the batch's longest), none of
-them padded far past its own length (the policy's padding factor and slack), waiting no longer than
-`max_queue_delay` after the oldest request arrived. Each batch is padded to its own longest row.
-A request larger than one batch (over `max_batch_size` rows) goes to the back of the queue after
-each batch it leads, so it is spread over batches by length while others are served between them;
-smaller requests lead in the order they came.
+Callers `submit` a request's token rows (admitted there, or refused at once when the queue is full)
+and await them back, in their own order; `check_room` refuses early what `submit` would. The queue
+holds requests, the batches hold rows: whenever a request arrives or an instance finishes, and an
+instance is idle, a batch is formed from the waiting rows of every queued request — the longest
+waiting row of the request at the head of the queue, then the waiting rows nearest its length (older
+requests first among equals), up to `max_batch_size` rows and `max_batch_tokens` padded tokens (rows
+x the batch's longest), none of them padded far past its own length (the policy's padding factor and
+slack), waiting no longer than `max_queue_delay` after the oldest request arrived. Each batch is
+padded to its own longest row. A request larger than one batch (over `max_batch_size` rows) goes to
+the back of the queue after each batch it leads, so it is spread over batches by length while others
+are served between them; smaller requests lead in the order they came.
 
 Cancelled and expired requests leave the queue at once and their waiting rows never run; rows of
 theirs already in a running batch are discarded when it returns. Every batch resolves every one
@@ -143,8 +143,6 @@ class Batcher:
         self._flushing = False
         """Draining: queued rows run at once, without waiting for fuller batches."""
         self._stopped = False
-        self._admitted = 0
-        """Requests admitted and not yet queued (being tokenised): they hold a queue place."""
         self._stuck = 0
         self.on_serving_change: Callable[[bool], None] | None = None
         """Told False when every instance is stuck, True when one comes back."""
@@ -170,52 +168,40 @@ class Batcher:
         """Whether at least one instance is in service (not stuck in an overlong run)."""
         return self._stuck < len(self._runners)
 
-    def admit(self) -> None:
-        """Take a queue place for a request about to be prepared; refuses at once when there is none.
-
-        Every admitted request is then either submitted (`submit(..., admitted=True)`) or
-        `withdraw`n.
-        """
-        self.check_room()
-        self._admitted += 1
-
     def check_room(self) -> None:
-        """Refuse at once (ServiceError) what `admit` would refuse now; takes no place."""
+        """Refuse at once (ServiceError) a new request now: closing, no instance in service, or the queue full."""
         if self._closing:
             raise Unavailable("the model is shutting down")
+        self._check_capacity()
+
+    def _check_capacity(self) -> None:
         if not self.serving:
             raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
-        waiting = len(self._pending) + self._admitted
+        waiting = len(self._pending)
         if waiting >= self.policy.max_queue_size:
             raise Overloaded(
                 f"queue full: {waiting} requests waiting (--max-queue-size {self.policy.max_queue_size}); retry later",
                 "queue_full",
             )
 
-    def withdraw(self) -> None:
-        """Give back the place of an admitted request that will not be submitted."""
-        self._admitted -= 1
-
     def enqueue(
         self,
         rows: TokenRows,
         outputs: tuple[str, ...],
         deadline: float | None,
-        admitted: bool = False,
         on_done: Done | None = None,
         *,
         trace: SpanContext | None = None,
     ) -> WorkItem:
-        """Queue a request's rows; `on_done` is told its WorkResult once all of them are back, or its error.
+        """Admit a request's rows into the queue, or refuse them (no instance in service, queue full, stopped).
 
-        `admitted`: its place was taken by `admit` (and is handed over here); otherwise it is
-        admitted now, or refused. Without `on_done` the item has a `future` to await instead.
-        A caller that goes away calls `cancel`. `trace`: the request's span context, for its batches' spans.
+        The one admission point: a closing batcher still takes the rows of requests accepted before it
+        began to close (their callers were told nothing else), until it stops. `on_done` is told the
+        WorkResult once all rows are back, or the error; without it the item has a `future` to await
+        instead. A caller that goes away calls `cancel`. `trace`: the request's span context, for its
+        batches' spans.
         """
-        if admitted:
-            self._admitted -= 1
-        else:
-            self.check_room()
+        self._check_capacity()
         if self._stopped:
             raise Unavailable("the model is shutting down")
         loop = self._loop
@@ -242,11 +228,10 @@ class Batcher:
         rows: TokenRows,
         outputs: tuple[str, ...],
         deadline: float | None,
-        admitted: bool = False,
         trace: SpanContext | None = None,
     ) -> WorkResult:
         """Queue a request's rows and wait for all of them (see `enqueue`)."""
-        item = self.enqueue(rows, outputs, deadline, admitted, trace=trace)
+        item = self.enqueue(rows, outputs, deadline, trace=trace)
         try:
             return await item.future
         except asyncio.CancelledError:
@@ -280,14 +265,11 @@ class Batcher:
         return True
 
     async def close(self, timeout_s: float) -> None:
-        """Refuse new work, let admitted, queued and running requests finish (up to timeout_s), then stop.
-
-        Admitted requests not yet queued (being tokenised) are accepted work: the drain waits for them too.
-        """
+        """Refuse new work (`check_room`), let queued and running requests finish (up to timeout_s), then stop."""
         self._closing = True
         self.flush()
         deadline = time.monotonic() + timeout_s
-        while (self._pending or self._running or self._admitted) and time.monotonic() < deadline:
+        while (self._pending or self._running) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self._stopped = True
         if self._delay_timer is not None:

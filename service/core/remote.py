@@ -56,10 +56,6 @@ class RemoteQueue:
             if self.on_serving_change is not None:
                 self.on_serving_change(serving)
 
-    def admit(self) -> None:
-        """Refuse at once while draining or with no instance in service; the engine checks the queue bound."""
-        self.check_room()
-
     def check_room(self) -> None:
         """Refuse at once while draining or with no instance in service; takes no place."""
         if self._closing:
@@ -67,18 +63,16 @@ class RemoteQueue:
         if not self._serving:
             raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
 
-    def withdraw(self) -> None:
-        """Nothing to give back: places are taken in the engine."""
-
     async def submit(
         self,
         rows: TokenRows,
         outputs: tuple[str, ...],
         deadline: float | None,
-        admitted: bool = False,
         trace: SpanContext | None = None,
     ) -> WorkResult:
-        """Send the rows to the engine and wait for their outputs; a caller that goes away cancels them there.
+        """Send the rows to the engine, whose batcher admits or refuses them, and wait for their outputs.
+
+        A caller that goes away cancels them there.
 
         `trace` (the request's span context) goes with them, for the span of the batch they run in.
         """

@@ -253,9 +253,10 @@ class Engine:
                 request.row_limit,
                 dimensions=request.dimensions,
             )
-        work, prompt_tokens, answer_bytes = await model.run(valid, deadline, request.value_bytes, self.answers, trace)
+        answered = await model.run(valid, deadline, request.value_bytes, self.answers, trace)
+        work = answered.work
         if trace is not None:
-            trace.answered(valid.rows, prompt_tokens, work.batch_rows)
+            trace.answered(valid.rows, answered.prompt_tokens, work.batch_rows)
         outputs = work.outputs
         if valid.dimensions is not None and "embedding" in outputs:
             outputs = {**outputs, "embedding": shortened(outputs["embedding"], valid.dimensions, model.spec.normalize)}
@@ -264,8 +265,8 @@ class Engine:
             model.spec.version,
             request.id,
             outputs,
-            prompt_tokens,
-            answer_bytes,
+            answered.prompt_tokens,
+            answered.answer_bytes,
             valid.rows,
             work.queue_s,
             work.compute_s,
@@ -289,7 +290,9 @@ class Engine:
     async def close(self, timeout_s: float) -> None:
         """Drain every model's queue (bounded by timeout_s), then refuse new work and release the workers."""
         self.drain()
-        await asyncio.gather(*(model.queue.close(timeout_s) for model in self._models.values()))
+        for model in self._models.values():
+            model.stop_accepting()  # now, not when each close first runs
+        await asyncio.gather(*(model.close(timeout_s) for model in self._models.values()))
         for model in self._models.values():
             metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(0)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

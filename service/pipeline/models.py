@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from service.core.policy import BatchingPolicy
 from service.core.repository import ModelSpec
 from service.core.rows import TokenRows, WorkResult
+from service.errors import Unavailable
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
@@ -32,13 +33,11 @@ CPU_MAX_BATCH_TOKENS = 4096
 CUDA_MAX_BATCH_TOKENS = 16384
 CPU_PADDING = (1.25, 16)
 """On the CPU no row is padded past 1.25 times its own length or its length plus 16 tokens, whichever
-is more: a CPU's run costs about rows x padded length, plus little per batch. Measured on mixed-length
-ingestion (32 chunks of 8-240 words a request, 4 clients, 2 vCPUs): the server's batches cost 0.91
-of the in-process length-sorted batches' ORT time with (2, 32), 0.96-0.97 with (1.25, 16); served
-share of that ceiling 0.87-0.88 -> 0.95 (docs/benchmarks.md)."""
+is more: a CPU's run costs about rows x padded length, plus little per batch
+(docs/decisions.md#padding-limits-per-device)."""
 CUDA_PADDING = (2.0, 32)
 """On CUDA rows may be padded to twice their length (or plus 32 tokens): a GPU's fixed cost per batch
-is larger against its cost per token (not measured here yet; the batcher's earlier rule kept)."""
+is larger against its cost per token (docs/decisions.md#padding-limits-per-device)."""
 
 
 @dataclass(frozen=True)
@@ -99,16 +98,8 @@ class ModelQueue(Protocol):
         """Whether the model can run rows now (an instance in service)."""
         ...
 
-    def admit(self) -> None:
-        """Take a queue place for a request about to be prepared, or refuse at once (ServiceError)."""
-        ...
-
     def check_room(self) -> None:
-        """Refuse at once (ServiceError) what `admit` would refuse now, taking no place."""
-        ...
-
-    def withdraw(self) -> None:
-        """Give back the place of an admitted request that will not be submitted."""
+        """Refuse at once (ServiceError) what `submit` would refuse now, or any new request while closing."""
         ...
 
     async def submit(
@@ -116,12 +107,13 @@ class ModelQueue(Protocol):
         rows: TokenRows,
         outputs: tuple[str, ...],
         deadline: float | None,
-        admitted: bool = False,
         trace: SpanContext | None = None,
     ) -> WorkResult:
-        """Run a request's rows and return each requested output, rows in the request's order.
+        """Admit a request's rows (the one admission point, or a ServiceError), run them, return each requested output.
 
-        `trace`: the request's span context (while tracing is on): the span of a batch its rows run in links to it.
+        Rows come back in the request's order. A closing queue still admits the rows of requests
+        accepted before it began to close. `trace`: the request's span context (while tracing is on):
+        the span of a batch its rows run in links to it.
         """
         ...
 
@@ -130,7 +122,7 @@ class ModelQueue(Protocol):
         ...
 
     async def close(self, timeout_s: float) -> None:
-        """Refuse new work, let accepted work finish (up to timeout_s), then stop."""
+        """Refuse new work (`check_room`), let submitted work finish (up to timeout_s), then stop."""
         ...
 
 
@@ -149,6 +141,17 @@ def warm_up_shapes(spec: ModelSpec, policy: BatchingPolicy) -> list[tuple[int, i
     widest = policy.padded_length(longest)
     largest_rows = max(1, min(policy.max_batch_size, policy.max_batch_tokens // widest))
     return [(1, length) for length in lengths] + [(largest_rows, widest)]
+
+
+@dataclass(frozen=True, slots=True)
+class RowsAnswered:
+    """A request's rows back from the core, with what the pipeline learnt on the way."""
+
+    work: WorkResult
+    prompt_tokens: int
+    """Real (unpadded) tokens of its sequences, special tokens included."""
+    answer_bytes: int
+    """Its answer's size as sent, counted in the answer budget until released."""
 
 
 class ServedModel:
@@ -176,6 +179,9 @@ class ServedModel:
         )
         self._tokenizer_pool = tokenizer_pool
         self._inline_tokenize_chars = settings.inline_tokenize_chars
+        self.accepted = 0
+        """Requests inside `run`: being tokenised, or queued or running (a drain waits for them)."""
+        self._closing = False
         self.signature = ModelSignature(
             spec,
             self.tokenizer is not None,
@@ -191,17 +197,20 @@ class ServedModel:
         value_bytes: dict[str, float],
         answers: AnswerBudget,
         trace: tracing.RequestTrace | None = None,
-    ) -> tuple[WorkResult, int, int]:
-        """Admit (or refuse at once), tokenise if needed, budget the answer, and wait for the request's rows.
+    ) -> RowsAnswered:
+        """Accept (or refuse at once), tokenise if needed, budget the answer, submit the rows and wait for them.
 
-        Returns the result, the request's real tokens and the answer's bytes as sent, which stay
-        counted in `answers` until the front end releases them. Small texts are tokenised inline,
-        larger ones on a worker. `trace`: the request's span (while tracing is on), for the tokenize and queue stages.
+        The answer's bytes as sent stay counted in `answers` until the front end releases them. Small
+        texts are tokenised inline, larger ones on a worker. `trace`: the request's span (while tracing
+        is on), for the tokenize and queue stages.
         """
         if request.timeout_s is not None:
             own_deadline = time.monotonic() + request.timeout_s
             deadline = own_deadline if deadline is None else min(deadline, own_deadline)
-        self.queue.admit()
+        if self._closing:
+            raise Unavailable("the model is shutting down")
+        self.queue.check_room()
+        self.accepted += 1
         try:
             if request.texts is not None:
                 started = time.perf_counter()
@@ -211,20 +220,31 @@ class ServedModel:
             else:
                 rows = request.tokens
             answer_bytes = answers.reserve(self._answer_size(rows, request.outputs, value_bytes))
-        except BaseException:
-            self.queue.withdraw()
-            raise
-        try:
-            if trace is None:
-                work = await self.queue.submit(rows, request.outputs, deadline, admitted=True)
-            else:
-                work = await trace.queued(
-                    self.queue.submit(rows, request.outputs, deadline, admitted=True, trace=trace.span_context)
-                )
-        except BaseException:
-            answers.release(answer_bytes)
-            raise
-        return work, rows.real_tokens, answer_bytes
+            try:
+                if trace is None:
+                    work = await self.queue.submit(rows, request.outputs, deadline)
+                else:
+                    work = await trace.queued(
+                        self.queue.submit(rows, request.outputs, deadline, trace=trace.span_context)
+                    )
+            except BaseException:
+                answers.release(answer_bytes)
+                raise
+        finally:
+            self.accepted -= 1
+        return RowsAnswered(work, rows.real_tokens, answer_bytes)
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (Unavailable); those accepted are still submitted and answered."""
+        self._closing = True
+
+    async def close(self, timeout_s: float) -> None:
+        """Refuse new requests, wait (up to timeout_s) for those accepted, then close the queue in the time left."""
+        self.stop_accepting()
+        deadline = time.monotonic() + timeout_s
+        while self.accepted and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await self.queue.close(max(0.0, deadline - time.monotonic()))
 
     def _answer_size(self, rows: TokenRows, outputs: tuple[str, ...], value_bytes: dict[str, float]) -> int:
         """Bytes the requested outputs take as the front end sends them (values x each one's bytes)."""

@@ -112,18 +112,25 @@ async def test_each_request_gets_exactly_its_own_rows() -> None:
     await batcher.close(WAIT_S)
 
 
-async def test_a_drain_waits_for_requests_admitted_and_still_being_prepared() -> None:
-    """A request admitted before the drain (its texts still on the tokenizer thread) is answered, not refused."""
-    batcher = await make_batcher("drain-admitted", [FakeRunner()])
-    batcher.admit()
+async def test_a_closing_batcher_refuses_new_requests_but_admits_the_rows_of_accepted_ones() -> None:
+    """While it drains, `check_room` refuses a new request; rows submitted then (of a request its front end accepted
+    before the drain) are still admitted and answered, until the batcher stops."""
+    runner = FakeRunner()
+    runner.release.clear()
+    batcher = await make_batcher("drain-accepted", [runner], max_batch_size=1)
+    running = submit(batcher, [[1]])
+    await runner.started()
     closing = asyncio.ensure_future(batcher.close(WAIT_S))
-    await asyncio.sleep(0)  # the drain has begun, and found the queue empty
-    with pytest.raises(Unavailable):
-        batcher.admit()  # new work is refused
-    assert not closing.done()
-    result = await batcher.submit(tokens([[3, 4]]), OUTPUTS, None, admitted=True)
-    assert result.outputs["embedding"].tolist() == [[7, 2]]
+    await asyncio.sleep(0)  # the drain has begun, with a batch still running
+    with pytest.raises(Unavailable, match="shutting down"):
+        batcher.check_room()  # new work is refused
+    accepted = submit(batcher, [[3, 4]])
+    runner.release.set()
+    assert (await accepted).outputs["embedding"].tolist() == [[7, 2]]
+    await running
     await closing
+    with pytest.raises(Unavailable):
+        await batcher.submit(tokens([[5]]), OUTPUTS, None)  # stopped
 
 
 async def test_multi_row_requests_and_output_subsets() -> None:
@@ -191,11 +198,12 @@ async def test_a_full_queue_refuses_at_once_and_a_place_frees_when_a_request_lea
     waiting = [submit(batcher, [[2]]) for _ in range(3)]
     await queued("full", 3)
     with pytest.raises(Overloaded, match="queue full"):
-        batcher.admit()
+        batcher.check_room()
+    with pytest.raises(Overloaded, match="queue full"):
+        await batcher.submit(tokens([[3]]), OUTPUTS, None)
     waiting[0].cancel()
     await queued("full", 2)
-    batcher.admit()  # the cancelled request's place is free again
-    batcher.withdraw()
+    batcher.check_room()  # the cancelled request's place is free again
     runner.release.set()
     await asyncio.gather(running, *waiting[1:])
     await batcher.close(WAIT_S)
@@ -387,7 +395,7 @@ async def test_close_answers_queued_work_then_refuses_new_work() -> None:
     closing = asyncio.ensure_future(batcher.close(WAIT_S))
     await asyncio.sleep(0)  # close() starts: from its first step on, new work is refused
     with pytest.raises(Unavailable):
-        batcher.admit()
+        batcher.check_room()
     runner.release.set()
     await closing
     assert [(await future).outputs["embedding"][0, 0] for future in waiting] == [1, 2, 3, 4, 5]
@@ -503,18 +511,34 @@ async def test_a_request_cancelled_while_a_row_runs_has_its_waiting_rows_dropped
 
 
 async def test_a_request_expiring_with_rows_still_waiting_fails_and_they_never_run() -> None:
-    runner = FakeRunner()
-    runner.release.clear()
-    batcher = await make_batcher("partial-expiry", [runner], max_batch_size=1)
-    expiring = submit(batcher, [[55] * 2, [56]], deadline=time.monotonic() + 0.05)
-    await runner.started()
-    with pytest.raises(DeadlineExceeded):
-        await expiring
-    runner.release.set()
-    assert (await batcher.submit(tokens([[2]]), OUTPUTS, None)).outputs["embedding"].tolist() == [[2, 1]]
-    assert runner.batches == [(1, 2), (1, 1)]  # its running row, then the later request: not its waiting row
-    assert metric("encoder_requests_dropped_total", "partial-expiry", reason="expired") == 1
-    await batcher.close(WAIT_S)
+    # The queue's expiry is a timer on the event loop's clock. The test moves that clock past the deadline
+    # once one row runs and the other waits: no wall clock can pass the deadline before the first row has
+    # started, however slowly the machine gets there.
+    loop = asyncio.get_running_loop()
+    real_time = loop.time
+    moved_s = 0.0
+    loop.time = lambda: real_time() + moved_s
+    try:
+        runner = FakeRunner()
+        runner.release.clear()
+        # The running batch's watchdog is a timer on the same clock: beyond the move, so only the expiry is due.
+        batcher = await make_batcher("partial-expiry", [runner], max_batch_size=1, max_batch_run_s=3600)
+        expiring = submit(batcher, [[55] * 2, [56]], deadline=time.monotonic() + 600)
+        await runner.started()  # its longest row runs
+        await queued("partial-expiry", 1)  # its other row waits
+        assert not expiring.done()
+        moved_s = 601.0  # past the deadline: its expiry timer is due
+        await until(expiring.done, "the expiry")  # in the loop's next turn, while the runner is still held
+        with pytest.raises(DeadlineExceeded):
+            await expiring
+        assert metric("encoder_queue_depth", "partial-expiry") == 0  # the waiting row left with it
+        runner.release.set()
+        assert (await batcher.submit(tokens([[2]]), OUTPUTS, None)).outputs["embedding"].tolist() == [[2, 1]]
+        assert runner.batches == [(1, 2), (1, 1)]  # its running row, then the later request: not its waiting row
+        assert metric("encoder_requests_dropped_total", "partial-expiry", reason="expired") == 1
+        await batcher.close(WAIT_S)
+    finally:
+        del loop.time  # the class's own clock again
 
 
 async def test_left_padded_and_holed_rows_keep_their_slots_and_mask() -> None:

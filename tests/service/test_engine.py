@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +58,33 @@ async def test_a_model_that_cannot_load_is_reported_with_its_reason(repository_c
     assert engine.index(ready_only=True) == []
     with pytest.raises(Unavailable, match="failed to load"):
         engine.model(TINY_MODEL)
+
+
+async def test_a_drain_answers_a_request_accepted_while_its_texts_were_still_being_tokenised(
+    tiny_repository: Path,
+) -> None:
+    """Accepted before the drain, still on the tokenizer thread when it began: admitted to the queue and answered.
+
+    A request arriving after the drain began is refused, and the drain ends only once the accepted one is answered.
+    """
+    settings = Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, inline_tokenize_chars=0)
+    engine = Engine(settings)
+    engine.discover()
+    await engine.load(TINY_MODEL)
+    tokenizer_free = threading.Event()
+    engine.tokenizer_pool().submit(tokenizer_free.wait)  # the one tokenizer thread is busy until the test says
+    accepted = asyncio.ensure_future(engine.infer(text_request("accepted before the drain")))
+    served = engine.served(TINY_MODEL)
+    while not served.accepted:
+        await asyncio.sleep(0)
+    closing = asyncio.ensure_future(engine.close(30))
+    await asyncio.sleep(0)
+    with pytest.raises(Unavailable, match="shutting down"):
+        await engine.infer(text_request("arrived during the drain"))
+    assert not closing.done() and not accepted.done()
+    tokenizer_free.set()
+    assert (await accepted).outputs["embedding"].shape == (1, 32)
+    await closing
 
 
 def _token_request(rows: int, length: int) -> InferenceRequest:
