@@ -43,7 +43,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(PY) protos/generate.py --check
 
-# The venv's tools (kubectl, hadolint, perf_analyzer) come first on PATH. The end-to-end suites then
+# The venv's tools (kubectl, hadolint, perf_analyzer) come first on PATH. ENCODER_TEST_REQUIRE_TOOLS=1:
+# a test whose external program (promtool, prometheus, kubectl, locust) is missing fails instead of
+# skipping, so the suite cannot shrink quietly (make setup installs them). The end-to-end suites then
 # run again against servers of two front-end processes and an engine process (ENCODER_FRONTENDS=2).
 MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py test_http_openai.py \
 	test_http_kserve.py test_http_security.py test_http_lifecycle.py test_security.py test_shutdown.py \
@@ -52,9 +54,10 @@ MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py
 TEST_REPOSITORY := $(abspath .test-cache/default-repository)
 test: setup lint
 	rm -rf .test-cache
-	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) $(PY) -m pytest
-	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_FRONTENDS=2 \
-		$(PY) -m pytest $(MULTIPROCESS_SUITES)
+	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
+		$(PY) -m pytest
+	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
+		ENCODER_FRONTENDS=2 $(PY) -m pytest $(MULTIPROCESS_SUITES)
 
 protos: $(VENV)/.installed
 	$(PY) protos/generate.py

@@ -41,6 +41,34 @@ of inputs the promise is not about (left-padded or holed rows, one-word texts: d
 """
 
 
+REQUIRE_TOOLS = "ENCODER_TEST_REQUIRE_TOOLS"
+"""Set (to 1) by `make test`, which CI runs: a test whose external program is missing fails instead of skipping."""
+PROMETHEUS_INSTALL = "`make setup` installs Debian's prometheus package (promtool and the server), as root"
+"""How to install what the monitoring tests run: promtool and prometheus."""
+
+
+def tools_required() -> bool:
+    """Whether a missing external program must fail its tests: under `make test` (REQUIRE_TOOLS) or CI (CI set)."""
+    required = os.environ.get(REQUIRE_TOOLS, "").strip() not in ("", "0")
+    return required or os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+def require_tool(name: str, install: str) -> str:
+    """The path of the external program `name` (beside this interpreter first, then on PATH).
+
+    Where it is missing the test is skipped, or, when tools are required (`make test`, CI), failed with
+    `install` (how to install it): a suite that quietly shrinks where a tool is missing proves less than it says.
+    """
+    search_path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    found = shutil.which(name, path=search_path)
+    if found is not None:
+        return found
+    message = f"{name} is not installed: {install}"
+    if tools_required():
+        pytest.fail(f"{message} (required here: {REQUIRE_TOOLS} or CI is set)", pytrace=False)
+    pytest.skip(message)
+
+
 DEVICE_MARKERS = ("gpu", "no_gpu")
 """Markers of tests that run only where a CUDA device is usable (gpu), or only where none is (no_gpu)."""
 

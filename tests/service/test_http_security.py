@@ -21,6 +21,8 @@ from tests.pki import Pki
 from tests.servers import RunningServer, free_port, metric_samples, metric_value, start_server
 
 KEY = "k-http-0123456789"
+CLIENT_TIMEOUT_S = 30
+"""Bounds each SDK call: a refusal comes at once, and a server that hangs fails the test as a timeout."""
 
 
 def tls_server(repository: Path, folder: Path, pki: Pki, *arguments: str) -> RunningServer:
@@ -44,6 +46,7 @@ def sdk(server: RunningServer, context: ssl.SSLContext | None = None, api_key: s
         base_url=f"{scheme}://127.0.0.1:{server.http_port}/v1",
         api_key=api_key,
         max_retries=0,
+        timeout=CLIENT_TIMEOUT_S,
         http_client=httpx2.Client(verify=context) if context is not None else None,
     )
 
@@ -54,6 +57,18 @@ def embed(client: openai.OpenAI) -> int:
         return len(client.embeddings.create(model=TINY_MODEL, input="a secured sentence").data[0].embedding)
 
 
+def cannot_connect(client: openai.OpenAI) -> openai.APIConnectionError:
+    """The SDK's error for an embedding call refused at the connection (a TLS handshake or the protocol).
+
+    APITimeoutError is an APIConnectionError too: a server that never answered must not pass for one that
+    refused, so a timeout fails here (the client's timeout is short, so such a failure is quick).
+    """
+    with pytest.raises(openai.APIConnectionError) as refused:
+        embed(client)
+    assert not isinstance(refused.value, openai.APITimeoutError), f"timed out instead of refused: {refused.value!r}"
+    return refused.value
+
+
 @pytest.fixture
 def pki(tmp_path: Path) -> Pki:
     return Pki(tmp_path / "pki")
@@ -62,10 +77,8 @@ def pki(tmp_path: Path) -> Pki:
 def test_tls_serves_trusting_clients_and_refuses_others(tiny_repository: Path, tmp_path: Path, pki: Pki) -> None:
     with tls_server(tiny_repository, tmp_path, pki) as server:
         assert embed(sdk(server, pki.ssl_context())) == 32
-        with pytest.raises(openai.APIConnectionError):
-            embed(sdk(server, ssl.create_default_context(cadata=trustme.CA().cert_pem.bytes().decode())))
-        with pytest.raises(openai.APIConnectionError):
-            embed(sdk(server))  # plaintext to a TLS port
+        cannot_connect(sdk(server, ssl.create_default_context(cadata=trustme.CA().cert_pem.bytes().decode())))
+        cannot_connect(sdk(server))  # plaintext to a TLS port
         assert " ERROR " not in server.log()
 
 
@@ -78,8 +91,7 @@ def test_a_rotated_certificate_is_used_for_new_connections(tiny_repository: Path
             rotated = Pki(tmp_path / "rotated")  # a new CA, as a renewal with a new issuer would be
             rotated.write_server_files(tmp_path / "tls.crt", tmp_path / "tls.key")
             assert embed(sdk(server, rotated.ssl_context())) == 32
-            with pytest.raises(openai.APIConnectionError):
-                embed(sdk(server, pki.ssl_context()))
+            cannot_connect(sdk(server, pki.ssl_context()))  # new handshakes present the new certificate only
             # The connection opened before the rotation keeps what it negotiated.
             kept.request("GET", "/v2/health/ready")
             assert kept.getresponse().status == 200
@@ -90,8 +102,7 @@ def test_a_rotated_certificate_is_used_for_new_connections(tiny_repository: Path
 def test_mutual_tls_needs_a_client_certificate(tiny_repository: Path, tmp_path: Path, pki: Pki) -> None:
     with tls_server(tiny_repository, tmp_path, pki, "--tls-client-ca", str(pki.ca_file)) as server:
         assert embed(sdk(server, pki.ssl_context(with_client_cert=True))) == 32
-        with pytest.raises(openai.APIConnectionError):
-            embed(sdk(server, pki.ssl_context()))
+        cannot_connect(sdk(server, pki.ssl_context()))  # no client certificate
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 import urllib.parse
@@ -14,13 +13,15 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from tests.conftest import TINY_MODEL
+from tests.conftest import PROMETHEUS_INSTALL, TINY_MODEL, require_tool
 from tests.servers import RunningServer, free_port, start_server
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("prometheus") is None or shutil.which("promtool") is None,
-    reason="Debian's prometheus package is not installed (make setup installs it)",
-)
+
+@pytest.fixture(scope="module", autouse=True)
+def prometheus_installed() -> None:
+    """Skip where Debian's prometheus package is missing; fail there under `make test` and CI."""
+    require_tool("prometheus", PROMETHEUS_INSTALL)
+    require_tool("promtool", PROMETHEUS_INSTALL)
 
 
 def query(port: int, expression: str) -> list[dict]:

@@ -1,12 +1,14 @@
 """Batches of rows, end to end: a request's rows come back in its order, rows of several requests share batches.
 
 What the batcher did is read from the server's own ModelStatistics (batch_stats: executions per
-batch size), never from timing.
+batch size), never from timing; which rows meet in a batch is decided by what is sent (batches that
+run when they fill), never by how quickly it arrives.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,11 +57,24 @@ def test_a_requests_rows_come_back_in_order_and_equal_each_text_sent_alone(
     assert similarity.min() >= SAME_AS_ALONE[variant], similarity
 
 
+BATCH_ROWS = 6
+"""The held server's rows per batch: the two requests' six rows fill one, so it runs when the second arrives."""
+HOLD_US = 600_000_000
+"""The held server's batching delay: a batch that does not fill waits this long, i.e. for the rows the test sends."""
+WAIT_S = 60.0
+"""Bounds the wait for a batch that should run; never what is asserted."""
+
+
 @pytest.fixture(scope="module")
 def held_server(tiny_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
-    """A tiny-model server that holds a batch for 2 s unless it fills: requests sent together meet in the queue."""
+    """A tiny-model server whose batches run only when they fill (BATCH_ROWS rows): requests meet in the queue.
+
+    What the test sends decides each batch, not how fast it gets there: a batch waits for its rows, not for a
+    delay that a slow machine could outlast.
+    """
     log_path = tmp_path_factory.mktemp("held-server") / "server.log"
-    running = start_server(tiny_repository, log_path, "--max-queue-delay-us", "2000000")
+    flags = ("--max-batch-size", str(BATCH_ROWS), "--max-queue-delay-us", str(HOLD_US))
+    running = start_server(tiny_repository, log_path, *flags)
     try:
         yield running
     finally:
@@ -70,20 +85,37 @@ def words(count: int) -> str:
     return " ".join(["house"] * count)
 
 
+def batches_ran(client: triton.InferenceServerClient, before: dict[int, int]) -> dict[int, int]:
+    """Executions per batch size since `before`, sizes that ran only."""
+    after = batch_sizes(client, TINY_MODEL)
+    ran = {size: after.get(size, 0) - before.get(size, 0) for size in after}
+    return {size: count for size, count in ran.items() if count}
+
+
 def test_rows_of_several_requests_share_batches_by_length(held_server: RunningServer) -> None:
     client = triton.InferenceServerClient(held_server.target)
     request = [words(60), words(2), words(3)]  # one long row, two short ones
+    later = [words(2), words(3)]  # two more short rows, sent once the long rows have run
     before = batch_sizes(client, TINY_MODEL)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda _: embed(client, TINY_MODEL, request), range(2)))
-    after = batch_sizes(client, TINY_MODEL)
-    ran = {size: after.get(size, 0) - before.get(size, 0) for size in after}
-    # Both requests' long rows in one batch, their four short rows in another: whole requests would run
-    # as batches of 3 or 6.
-    assert {size: count for size, count in ran.items() if count} == {2: 1, 4: 1}
-    alone = np.concatenate([embed(client, TINY_MODEL, [text]) for text in request])
-    for answer in answers:
-        assert cosines(answer, alone).min() >= 0.99999
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = [pool.submit(embed, client, TINY_MODEL, request) for _ in range(2)]
+        # The second request's rows fill a batch (six waiting): it starts from the oldest request's long row
+        # and takes the rows nearest its length that may be padded to it, i.e. the other long row only.
+        deadline = time.monotonic() + WAIT_S
+        while not (ran := batches_ran(client, before)):
+            assert time.monotonic() < deadline, "the two requests' rows never ran"
+            time.sleep(0.05)
+        # Whole requests would have run as one batch of 6 (or of 3), rows in arrival order as 6 too.
+        assert ran == {2: 1}, ran
+        assert not any(answer.done() for answer in answers)  # their four short rows wait for a full batch
+        # Two more short rows fill it: the four waiting ones and these two run together.
+        answers.append(pool.submit(embed, client, TINY_MODEL, later))
+        results = [answer.result(timeout=WAIT_S) for answer in answers]
+    assert batches_ran(client, before) == {2: 1, 6: 1}
+    # Each text in a batch of its own: as many copies as fill one, so none waits and none is padded.
+    alone = {text: embed(client, TINY_MODEL, [text] * BATCH_ROWS)[:1] for text in request}
+    for texts, answer in zip([request, request, later], results, strict=True):
+        assert cosines(answer, np.concatenate([alone[text] for text in texts])).min() >= 0.99999
     client.close()
 
 

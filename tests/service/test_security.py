@@ -124,8 +124,9 @@ def test_a_rotated_certificate_is_used_for_new_connections_and_open_ones_keep_wo
         rotated = Pki(tmp_path / "rotated")  # a new CA, as a renewal with a new issuer would be
         rotated.write_server_files(cert, key)
         assert len(infer(server.target, rotated.grpc_credentials()).raw_output_contents) == 1
-        with pytest.raises(grpc.RpcError):  # new handshakes present the new certificate only
+        with pytest.raises(grpc.RpcError) as refused:  # new handshakes present the new certificate only
             infer(server.target, pki.grpc_credentials())
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # a failed handshake, not a timeout
         old_stub.ModelInfer(text_request(), timeout=10)  # the connection made before still works
     finally:
         old_channel.close()
@@ -145,8 +146,9 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(tiny_repository: P
             private_key=foreign.private_key_pem.bytes(),
             certificate_chain=foreign.cert_chain_pems[0].bytes(),
         )
-        with pytest.raises(grpc.RpcError):
+        with pytest.raises(grpc.RpcError) as foreign_refused:
             infer(server.target, credentials)
+        assert foreign_refused.value.code() == grpc.StatusCode.UNAVAILABLE  # a failed handshake, not a timeout
     finally:
         server.stop()
 
@@ -246,8 +248,9 @@ def test_unauthenticated_calls_are_counted(keyed_server) -> None:
     server, _ = keyed_server
     before = metric_value(metric_samples(server), "encoder_requests_rejected_total", reason="unauthenticated")
     for metadata in ((), (("authorization", "Bearer wrong"),)):
-        with pytest.raises(grpc.RpcError):
+        with pytest.raises(grpc.RpcError) as refused:
             call(server, "ModelInfer", text_request(), metadata)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     after = metric_value(metric_samples(server), "encoder_requests_rejected_total", reason="unauthenticated")
     assert after - before == 2
 

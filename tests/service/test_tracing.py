@@ -198,6 +198,28 @@ def traced_server(
         yield server
 
 
+BATCH_ROWS = 4
+"""Rows per batch of `filling_server`: four one-text requests fill one."""
+
+
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "two-frontends"])
+def filling_server(
+    request: pytest.FixtureRequest,
+    grpc_receiver: Receiver,
+    tiny_repository: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RunningServer]:
+    """A traced server whose batches run only once they fill (BATCH_ROWS rows; the delay is ten minutes).
+
+    Requests sent together meet in one batch because it waits for them, not because they arrive within a
+    delay that a slow machine could outlast.
+    """
+    log = tmp_path_factory.mktemp("traced-filling") / "server.log"
+    arguments = ("--frontends", request.param, "--max-batch-size", str(BATCH_ROWS), "--max-queue-delay-us", "600000000")
+    with start_server(tiny_repository, log, *arguments, env=tracing_env(grpc_receiver.endpoint)) as server:
+        yield server
+
+
 def new_parent() -> tuple[str, str, str]:
     """A caller's trace id and span id (hex), and the traceparent header naming them (sampled)."""
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
@@ -347,9 +369,9 @@ def test_a_kserve_rest_request_joins_the_callers_trace(traced_server: RunningSer
     assert request.attributes["http.response.status_code"] == 200
 
 
-def test_one_batch_span_links_every_request_it_ran(traced_server: RunningServer, grpc_receiver: Receiver) -> None:
-    parents = [new_parent() for _ in range(4)]
-    with grpc.insecure_channel(traced_server.target) as channel:
+def test_one_batch_span_links_every_request_it_ran(filling_server: RunningServer, grpc_receiver: Receiver) -> None:
+    parents = [new_parent() for _ in range(BATCH_ROWS)]
+    with grpc.insecure_channel(filling_server.target) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         calls = [
             stub.ModelInfer.future(text_request([f"text {i}"]), metadata=(("traceparent", parent),), timeout=30)
@@ -368,7 +390,7 @@ def test_one_batch_span_links_every_request_it_ran(traced_server: RunningServer,
         assert batch.parent_id in {span_id for _, span_id in batch.links}  # the child of a request it ran
     for batch in batches.values():
         assert batch.attributes["encoder.requests"] == len(batch.links) == batch.attributes["encoder.batch_size"]
-    assert len(batches) < len(parents)  # sent together, within the batching delay: some shared a batch
+    assert len(batches) == 1  # the four filled one batch, which waited for them
 
 
 def exporter_threads(server: RunningServer) -> list[str]:

@@ -1,62 +1,94 @@
-"""The stuck-run watchdog, end to end: a run past --max-batch-run-s fails its request, takes the model out of
-service (NOT_SERVING) until the run returns, and then the model serves again.
+"""The stuck-run watchdog, end to end: a run past --max-batch-run-s fails its request and those queued behind
+it, takes the model out of service (NOT_SERVING) until the run returns, and then the model serves again.
 
 The model here is a real ONNX graph that takes seconds for one input and microseconds for others:
-a Loop of millions of empty turns when the first token id is 29999.
+a Loop of millions of empty turns when the first token id is 29999. Each step waits on an event, not
+on how long something takes: the slow request is queued before its batch starts, so the request behind
+it is in the queue when the watchdog fires; the health changes are pushed on a Watch stream as they
+happen, not polled while they last. The one speed assumption left is that STUCK_TURNS outlast the limit.
 """
 
 from __future__ import annotations
 
-import time
+import struct
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.core.repository import FIDELITY_FILE
 from tests.conftest import TINY_MODEL
 from tests.onnx_graphs import SLOW_ID, slow_on_demand_model, token_request
-from tests.servers import health_status, start_server
+from tests.servers import start_server, wait_for_queue_depth
 
 WAIT_S = 120
 """Bounds the wait for the slow run to return; a server that hangs fails the test instead of blocking it."""
+BATCH_ROWS = 2
+"""Rows per batch: a batch runs when two rows wait (the batching delay is ten minutes), never on a timer."""
+STUCK_TURNS = 10_000_000
+"""Loop turns of the slow run: 7-9 s on this project's 2-core machines (0.7-0.9 us a turn), and the run only
+has to outlast --max-batch-run-s 1: a CPU would have to be about 7 times faster for this test to be wrong."""
 
 
-def wait_for_health(target: str, status: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while health_status(target, TINY_MODEL) != status:
-        assert time.monotonic() < deadline, f"model health never became {status}"
-        time.sleep(0.1)
+def rows_request(rows: list[list[int]]) -> pb.ModelInferRequest:
+    """A ModelInfer of rows of token ids of one length (all attended), asking for the embedding."""
+    request = pb.ModelInferRequest(model_name=TINY_MODEL)
+    values = [value for row in rows for value in row]
+    for name, data in (("input_ids", values), ("attention_mask", [1] * len(values))):
+        request.inputs.add(name=name, datatype="INT64", shape=[len(rows), len(rows[0])])
+        request.raw_input_contents.append(struct.pack(f"<{len(data)}q", *data))
+    request.outputs.add(name="embedding")
+    return request
 
 
-def test_a_run_past_the_limit_fails_its_request_and_takes_the_model_out_until_it_returns(
+def row_sums(response: pb.ModelInferResponse) -> list[float]:
+    """The graph's answer for each row: the sum of its ids."""
+    return np.frombuffer(response.raw_output_contents[0], "<f4").reshape(response.outputs[0].shape)[:, 0].tolist()
+
+
+def test_a_run_past_the_limit_fails_its_requests_and_takes_the_model_out_until_it_returns(
     repository_copy: Path, tmp_path: Path
 ) -> None:
-    slow_on_demand_model(repository_copy / TINY_MODEL / "1" / "model.onnx")
+    slow_on_demand_model(repository_copy / TINY_MODEL / "1" / "model.onnx", STUCK_TURNS)
     (repository_copy / TINY_MODEL / FIDELITY_FILE).unlink(missing_ok=True)  # references of the real model
     flags = ("--no-warmup", "--device", "cpu", "--max-batch-run-s", "1")
+    flags += ("--max-batch-size", str(BATCH_ROWS), "--max-queue-delay-us", "600000000")
     with (
         start_server(repository_copy, tmp_path / "server.log", *flags) as server,
         grpc.insecure_channel(server.target) as channel,
     ):
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        fast = stub.ModelInfer(token_request(TINY_MODEL, [101, 5, 102]), timeout=20)
-        assert np.frombuffer(fast.raw_output_contents[0], "<f4")[0] == 101 + 5 + 102
-        with pytest.raises(grpc.RpcError) as stuck:
-            stub.ModelInfer(token_request(TINY_MODEL, [SLOW_ID, 5]), timeout=WAIT_S)
-        assert stuck.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "did not finish this request's batch within 1 s" in stuck.value.details()
-        # Its only instance is still running that batch: the model is out of service, and says so.
-        assert health_status(server.target, TINY_MODEL) == health_pb2.HealthCheckResponse.NOT_SERVING
-        with pytest.raises(grpc.RpcError) as refused:
-            stub.ModelInfer(token_request(TINY_MODEL, [101, 6, 102]), timeout=20)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no model instance is in service" in refused.value.details()
-        # The run returns at last: the instance, the model and the server serve again.
-        wait_for_health(server.target, health_pb2.HealthCheckResponse.SERVING)
-        again = stub.ModelInfer(token_request(TINY_MODEL, [101, 7, 102]), timeout=20)
-        assert np.frombuffer(again.raw_output_contents[0], "<f4")[0] == 101 + 7 + 102
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=TINY_MODEL), timeout=WAIT_S
+        )
+        try:
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            fast = stub.ModelInfer(rows_request([[101, 5, 102], [101, 6, 102]]), timeout=20)  # fills a batch
+            assert row_sums(fast) == [101 + 5 + 102, 101 + 6 + 102]
+
+            slow = stub.ModelInfer.future(token_request(TINY_MODEL, [SLOW_ID, 5]), timeout=WAIT_S)
+            wait_for_queue_depth(server, 1, TINY_MODEL)  # queued, waiting for a second row
+            # A second row fills the batch but stays out of it (a row of 2 tokens is never padded to 60): the
+            # slow row runs alone, and this request waits behind it, queued before the watchdog can fire.
+            queued = stub.ModelInfer.future(token_request(TINY_MODEL, [101, *[7] * 58, 102]), timeout=WAIT_S)
+            with pytest.raises(grpc.RpcError) as stuck:
+                slow.result()
+            assert stuck.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "did not finish this request's batch within 1 s" in stuck.value.details()
+            # Its only instance is still running that batch: what waited for it is refused, not left to hang.
+            with pytest.raises(grpc.RpcError) as refused:
+                queued.result()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no model instance is in service" in refused.value.details()
+            # The model said it was out of service when the watchdog fired, and back when the run returned.
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            watch.cancel()
+        again = stub.ModelInfer(rows_request([[101, 7, 102], [101, 8, 102]]), timeout=20)
+        assert row_sums(again) == [101 + 7 + 102, 101 + 8 + 102]
     assert server.process.returncode == 0

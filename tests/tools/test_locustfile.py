@@ -4,28 +4,18 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import TINY_MODEL, Pki
+from tests.conftest import TINY_MODEL, Pki, require_tool
 from tests.servers import ROOT, RunningServer
 
 LOCUSTFILE = ROOT / "deploy" / "loadtest" / "locustfile.py"
 
 
 def locust_command() -> list[str]:
-    """The locust executable of this virtualenv."""
-    executable = Path(sys.executable).with_name("locust")
-    if executable.exists():
-        return [str(executable)]
-    found = shutil.which("locust")
-    if found is None:
-        pytest.skip("locust is not installed")
-    return [found]
+    """The locust executable of this virtualenv (or on PATH)."""
+    return [require_tool("locust", "`make setup` installs it into the venv (PyPI locust, in the test extra)")]
 
 
 def run_locust(target: str, folder: Path, seconds: int, *options: str, env: dict[str, str] | None = None) -> dict:
