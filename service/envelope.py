@@ -1,11 +1,11 @@
 """The request envelope: what happens around every request, whatever its protocol, written once.
 
 Where a request enters (its socket's handler), its front end stamps a `RequestContext`: when it
-was received, its deadline, its peer, its trace, and (once `Envelope.authenticate` has checked its
+was received, its deadline, its trace, and (once `Envelope.authenticate` has checked its
 key) its tenant. Every front end then goes through the same `Envelope`:
 
 - `authenticate`: the API key, its tenant, or Unauthenticated;
-- `inference`: the request's tenant admitted, the pipeline's one call (service.pipeline.engine),
+- `inference`: the request's tenant admitted, the pipeline's one call (service.pipeline.api),
   the answer encoded, and the request counted once its answer is encoded (encoder_requests_total,
   Triton's statistics, the tenant's figures), from the moment it was received;
 - `answered`: the answer's bytes leave the answer budget once the transport has taken them;
@@ -31,7 +31,7 @@ from service.ops import metrics, tracing
 from service.ops.security import ApiKeys
 from service.ops.tenants import Tenant
 from service.pipeline.answers import INLINE_ENCODE_BYTES, HeldAnswer
-from service.pipeline.engine import Engine, InferenceRequest, InferenceResult
+from service.pipeline.api import InferenceRequest, InferenceResult, Pipeline
 
 log = logging.getLogger(__name__)
 Encoded = TypeVar("Encoded")
@@ -46,17 +46,15 @@ class RequestContext:
     """When it entered (time.perf_counter): its latency and Triton's statistics count from here."""
     deadline: float | None = None
     """The caller's deadline (time.monotonic), from the transport (gRPC's grpc-timeout), if any."""
-    peer: str = ""
-    """The caller's address as the transport gives it."""
     trace: tracing.RequestTrace | None = None
     """Its span, while tracing is on and the request is an inference."""
     tenant: Tenant | None = None
     """Its tenant, once `Envelope.authenticate` accepted its key (None while keys are off)."""
 
 
-def stamp(deadline: float | None = None, peer: str = "", trace: tracing.RequestTrace | None = None) -> RequestContext:
-    """A request's context, received now."""
-    return RequestContext(time.perf_counter(), deadline, peer, trace)
+def stamp(deadline: float | None = None, trace: tracing.RequestTrace | None = None) -> RequestContext:
+    """A request's context, received now (the caller's address is the transport's, read only for a failure's log)."""
+    return RequestContext(time.perf_counter(), deadline, trace)
 
 
 CURRENT: ContextVar[RequestContext | None] = ContextVar("request", default=None)
@@ -69,8 +67,8 @@ class Inference:
 
     __slots__ = ("_engine", "context", "result")
 
-    def __init__(self, engine: Engine, context: RequestContext, result: InferenceResult) -> None:
-        self._engine = engine
+    def __init__(self, pipeline: Pipeline, context: RequestContext, result: InferenceResult) -> None:
+        self._engine = pipeline
         self.context = context
         self.result = result
 
@@ -94,12 +92,12 @@ class _CountedInference:
 
     __slots__ = ("_context", "_engine", "_request", "_tracked")
 
-    def __init__(self, engine: Engine, context: RequestContext, request: InferenceRequest) -> None:
-        self._engine = engine
+    def __init__(self, pipeline: Pipeline, context: RequestContext, request: InferenceRequest) -> None:
+        self._engine = pipeline
         self._context = context
         self._request = request
         tenant = context.tenant
-        model_metrics, statistics = engine.counters(request.model, request.version)
+        model_metrics, statistics = pipeline.counters(request.model, request.version)
         self._tracked = metrics.TrackedRequest(
             model_metrics, statistics, context.deadline, context.received, None if tenant is None else tenant.metrics
         )
@@ -126,8 +124,8 @@ class _CountedInference:
 class Envelope:
     """Authentication, admission, counting, the answer budget and failures: once, for every protocol's requests."""
 
-    def __init__(self, engine: Engine, api_keys: ApiKeys | None) -> None:
-        self.engine = engine
+    def __init__(self, pipeline: Pipeline, api_keys: ApiKeys | None) -> None:
+        self.pipeline = pipeline
         self.api_keys = api_keys
 
     def authenticate(self, context: RequestContext, authorization: str | None, how: str) -> None:
@@ -157,25 +155,26 @@ class Envelope:
         """
         if context.trace is not None:
             context.trace.describe(request.model, request.version)
-        return _CountedInference(self.engine, context, request)
+        return _CountedInference(self.pipeline, context, request)
 
     def hold(self, size: int) -> HeldAnswer:
         """Count an answer made apart from any inference (until `answered`), or refuse it (TooLarge, Overloaded)."""
-        return HeldAnswer(self.engine.answers.reserve(size))
+        return HeldAnswer(self.pipeline.answers.reserve(size))
 
     def answered(self, answer: InferenceResult | HeldAnswer) -> None:
         """The transport took the answer (or never will): its bytes leave the answer budget."""
-        self.engine.answered(answer)
+        self.pipeline.answered(answer)
 
     @staticmethod
-    def failed(error: BaseException, where: str) -> ServiceError:
+    def failed(error: BaseException, where: str, peer: str = "") -> ServiceError:
         """The error a request ends with: a refusal at a limit counted by its reason; anything unplanned logged.
 
-        `where`: what was being answered, for the log. Returns the ServiceError to map to the protocol's status.
+        `where`: what was being answered, and `peer` for whom (the transport's address), for the log.
+        Returns the ServiceError to map to the protocol's status.
         """
         if isinstance(error, ServiceError):
             if error.reason is not None:
                 metrics.REJECTED.labels(error.reason).inc()
             return error
-        log.error("unhandled error answering %s", where, exc_info=error)
+        log.error("unhandled error answering %s for %s", where, peer or "an unknown peer", exc_info=error)
         return ServiceError(INTERNAL_MESSAGE)

@@ -19,7 +19,6 @@ from prometheus_client import REGISTRY, start_http_server
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
-from service.core.remote import RemoteModels
 from service.core.wire import EngineLink
 from service.envelope import Envelope
 from service.frontends.grpc.health import NOT_SERVING, SERVING, HealthService
@@ -31,7 +30,8 @@ from service.ops import metrics
 from service.ops.security import ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, TritonMetricsCollector
-from service.pipeline.engine import Engine
+from service.pipeline.api import Pipeline
+from service.pipeline.remote_models import RemoteModels
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,8 @@ class InferenceServer:
     def __init__(self, settings: Settings, frontend: FrontendRole | None = None) -> None:
         self.settings = settings
         self.frontend = frontend
-        self.engine = Engine(settings)
-        self.envelope = Envelope(self.engine, api_keys=None)
+        self.pipeline = Pipeline(settings)
+        self.envelope = Envelope(self.pipeline, api_keys=None)
         """Every request's envelope, over both ports; its API keys are read at start."""
         self.health = HealthService()
         self.grpc_port = 0
@@ -163,9 +163,9 @@ class InferenceServer:
         """Bind the ports (health NOT_SERVING), then serve each model as it is ready: SERVING once all are."""
         settings = self.settings
         self._in_background(metrics.watch_event_loop_lag())
-        metrics.ANSWER_BYTES_CAPACITY.set(self.engine.answers.max_in_flight_bytes)
+        metrics.ANSWER_BYTES_CAPACITY.set(self.pipeline.answers.max_in_flight_bytes)
         reuse_port = self.frontend is not None
-        names = self.engine.discover()
+        names = self.pipeline.discover()
         files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         self.tls = ReloadingTls(files) if files is not None else None
         # Each front end holds every tenant to its share of the limits (the kernel spreads connections among them).
@@ -215,7 +215,7 @@ class InferenceServer:
             return
         for name in names:
             started = time.perf_counter()
-            model = await self.engine.load(name)
+            model = await self.pipeline.load(name)
             log.info(
                 "model %s version %s ready in %.1f s (%s, %s, batch <= %d rows / %d tokens, delay %d us)",
                 name,
@@ -231,7 +231,7 @@ class InferenceServer:
 
     async def _connect(self, frontend: FrontendRole) -> None:
         """Connect to the engine process (once its socket is open): its models are served as it announces them."""
-        models = RemoteModels(self.engine, self._model_ready)
+        models = RemoteModels(self.pipeline, self._model_ready)
         while True:
             try:
                 link = await EngineLink.connect(
@@ -245,14 +245,14 @@ class InferenceServer:
 
     def _engine_lost(self) -> None:
         """The engine process is gone: nothing can be served (the supervisor stops the whole server)."""
-        if not self.engine.draining:
+        if not self.pipeline.draining:
             log.error("the engine process is gone")
-            self._publish({service: False for service in (OVERALL, *self.engine.served_names())})
+            self._publish({service: False for service in (OVERALL, *self.pipeline.served_names())})
 
     def _model_ready(self, name: str) -> None:
         """A model is served: its health (and the server's, once every model is) follow its instances."""
-        self.engine.on_serving_change(name, lambda serving: self._serving_changed(name, serving))
-        self._serving_changed(name, self.engine.model_ready(name))
+        self.pipeline.on_serving_change(name, lambda serving: self._serving_changed(name, serving))
+        self._serving_changed(name, self.pipeline.model_ready(name))
 
     def _security_summary(self) -> str:
         transport = "plaintext" if self.tls is None else "mutual TLS" if self.tls.files.client_ca else "TLS"
@@ -284,8 +284,8 @@ class InferenceServer:
 
     def _serving_changed(self, name: str, serving: bool) -> None:
         """A model lost (or got back) its last working instance: its health and the server's follow."""
-        if not self.engine.draining:
-            self._publish({name: serving, OVERALL: serving and self.engine.ready})
+        if not self.pipeline.draining:
+            self._publish({name: serving, OVERALL: serving and self.pipeline.ready})
 
     def _publish(self, statuses: dict[str, bool]) -> None:
         """Set health statuses (SERVING or not) in the background."""
@@ -310,7 +310,7 @@ class InferenceServer:
         """
         deadline = time.monotonic() + self.settings.drain_timeout_s
         await self.health.enter_graceful_shutdown()
-        self.engine.drain()
+        self.pipeline.drain()
         self._servicer.streams.close()  # open streams answer what they accepted, then end
         await self.health.end_watches()  # they saw NOT_SERVING: they must not hold the grace period
         log.info("draining (up to %.0f s)", self.settings.drain_timeout_s)
@@ -320,7 +320,7 @@ class InferenceServer:
         if self._http is not None:
             transports.append(self._http.stop(max(0.0, deadline - time.monotonic())))
         await asyncio.gather(*transports)
-        await self.engine.close(max(0.0, deadline - time.monotonic()))
+        await self.pipeline.close(max(0.0, deadline - time.monotonic()))
         if self._health_server is not None:
             await self._health_server.stop(grace=0)
         if self._metrics_server is not None:

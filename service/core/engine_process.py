@@ -14,15 +14,18 @@ import gc
 import logging
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from service.core.host import ModelHost
 from service.core.repository import RepositoryError
 from service.core.rows import TokenRows, WorkItem, WorkResult
 from service.core.wire import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
 from service.errors import INTERNAL_MESSAGE, ExecutionError, ModelFailure, ServiceError
 from service.ops import metrics, tracing
 from service.ops.settings import Settings
-from service.pipeline.engine import Engine
-from service.pipeline.models import ModelInfo
+
+if TYPE_CHECKING:
+    from service.core.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +38,11 @@ under load (docs/decisions.md#engine-gc-threshold).
 """
 
 
-class EngineRole:
-    """The engine's side of every front end's requests: rows into the batchers, outputs back."""
+class EngineProcess:
+    """The engine process's side of every front end's requests: rows into the batchers, outputs back."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, host: ModelHost) -> None:
+        self.host = host
         self.server = EngineServer(self._submit, self._cancel, self._lost, self._flush)
         self._on_done = self._done  # bound once, not per request
         self._items: dict[EngineConnection, dict[int, WorkItem]] = {}
@@ -48,7 +51,7 @@ class EngineRole:
 
     def _submit(self, connection: EngineConnection, message: Submit, rows: TokenRows) -> None:
         try:
-            queue = self.engine.served(message.model, message.version).queue
+            queue = self.host.batcher(message.model, message.version)
             trace = None if message.trace is None else tracing.from_wire(message.trace)
             item = queue.enqueue(rows, message.outputs, message.deadline, on_done=self._on_done, trace=trace)
         except ServiceError as error:
@@ -76,25 +79,24 @@ class EngineRole:
 
     def _flush(self) -> None:
         """A front end is draining, so is the server: queued rows run without waiting for fuller batches."""
-        for name in self.engine.served_names():
-            self.engine.served(name).queue.flush()
+        self.host.flush()
 
     def _lost(self, connection: EngineConnection) -> None:
         for item in self._items.pop(connection, {}).values():
             _, _, queue = item.owner
             queue.cancel(item)
 
-    def announce(self, name: str, state: str, reason: str = "", model: ModelInfo | None = None) -> None:
+    def announce(self, name: str, state: str, reason: str = "", model: LoadedModel | None = None) -> None:
         """Tell every front end a model's state."""
         if model is None:
             self.server.publish(ModelUpdate(name, "", state, reason, False, None, ()))
             return
         instances = tuple(Instance(i.provider, i.variant, i.cuda_device_id) for i in model.instances)
         policy = dataclasses.asdict(model.policy)
-        serving = self.engine.model_ready(name)
+        serving = self.host.serving(name)
         self.server.publish(ModelUpdate(name, model.spec.version, state, reason, serving, policy, instances))
 
-    def serving_listener(self, name: str, model: ModelInfo) -> Callable[[bool], None]:
+    def serving_listener(self, name: str, model: LoadedModel) -> Callable[[bool], None]:
         """What to do when a model loses, or gets back, its last working instance: tell the front ends."""
         return lambda serving: self.announce(name, "READY", model=model)
 
@@ -102,15 +104,15 @@ class EngineRole:
 async def run_engine(settings: Settings, socket_path: str) -> int:
     """Load the models, serve the front ends' rows until SIGTERM, then finish accepted work and exit."""
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    engine = Engine(settings)
-    role = EngineRole(engine)
+    host = ModelHost(settings)
+    role = EngineProcess(host)
     await role.server.start(socket_path)
     lag = asyncio.ensure_future(metrics.watch_event_loop_lag())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    names = engine.discover()
+    names = host.discover()
     for name in names:
         role.announce(name, "LOADING")
     # Every front end is listening (NOT_SERVING) before the models load, as a lone server binds first.
@@ -119,22 +121,22 @@ async def run_engine(settings: Settings, socket_path: str) -> int:
     waiting.cancel()
     for name in names if not stop.is_set() else ():
         try:
-            model = await engine.load(name)
+            model = await host.load(name)
         except (RepositoryError, ExecutionError) as error:
             role.announce(name, "UNAVAILABLE", str(error))
             raise
-        engine.on_serving_change(name, role.serving_listener(name, model))
+        host.on_serving_change(name, role.serving_listener(name, model))
         role.announce(name, "READY", model=model)
         log.info("model %s version %s ready (%s, %s)", name, model.spec.version, *_placement(model))
     await stop.wait()
     log.info("draining (up to %.0f s)", settings.drain_timeout_s)
-    await engine.close(settings.drain_timeout_s)
+    await host.close(settings.drain_timeout_s)
     role.server.close()
     lag.cancel()
     log.info("stopped")
     return 0
 
 
-def _placement(model: ModelInfo) -> tuple[str, str]:
+def _placement(model: LoadedModel) -> tuple[str, str]:
     first = model.instances[0]
     return first.variant, first.provider

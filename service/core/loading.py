@@ -1,20 +1,31 @@
 """Loading a model here: its ONNX Runtime instances, warmed up, behind a batcher in this process.
 
 Only a lone server and the engine process load models; front-end processes never import this
-module, nor ONNX Runtime with it.
+module, nor ONNX Runtime with it. What is loaded is the core's part of a model: no tokenizer.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from service.core.batcher import Batcher
-from service.core.repository import read_model
+from service.core.placement import InstanceInfo
+from service.core.policy import BatchingPolicy, batching_policy, warm_up_shapes
+from service.core.repository import ModelSpec, read_model
 from service.core.runtime import ExecutionSettings, create_instances
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
-from service.pipeline.models import InstanceInfo, ServedModel, batching_policy, warm_up_shapes
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model loaded here: what it is, how it batches, where its instances run, and its batcher."""
+
+    spec: ModelSpec
+    policy: BatchingPolicy
+    instances: tuple[InstanceInfo, ...]
+    batcher: Batcher
 
 
 def execution_settings(settings: Settings) -> ExecutionSettings:
@@ -32,7 +43,7 @@ def execution_settings(settings: Settings) -> ExecutionSettings:
     )
 
 
-def load_model(directory: Path, settings: Settings, tokenizer_pool: ThreadPoolExecutor) -> ServedModel:
+def load_model(directory: Path, settings: Settings) -> LoadedModel:
     """Read a model folder, create its instances behind a batcher here, warm them up (blocking).
 
     RepositoryError or ExecutionError when it cannot be served. The batcher is started by the
@@ -47,4 +58,4 @@ def load_model(directory: Path, settings: Settings, tokenizer_pool: ThreadPoolEx
             runtime.warm_up(shapes)
     batcher = Batcher(runtimes, policy, ModelLabels(spec.name, spec.version), spec.output_names)
     instances = tuple(InstanceInfo(r.provider, r.variant, r.settings.cuda_device_id) for r in runtimes)
-    return ServedModel(spec, policy, instances, batcher, settings=settings, tokenizer_pool=tokenizer_pool)
+    return LoadedModel(spec, policy, instances, batcher)

@@ -3,7 +3,9 @@
 A batch starts from the longest waiting row of the request at the head of the queue, then takes the
 waiting rows nearest its length (older requests first among equals), up to `max_batch_size` rows
 and `max_batch_tokens` padded tokens (rows x the batch's longest), none of them padded far past its
-own length (the policy's padding factor and slack).
+own length (the policy's padding factor and slack). `batching_policy` says which limits are in
+force for a model on its device (the settings, else its config.pbtxt, else the device's defaults),
+and `warm_up_shapes` which batch shapes to run before serving.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from service.core.repository import ModelSpec
 from service.core.rows import WorkItem
+from service.ops.settings import Settings
 
 SELECTION_WINDOW_BATCHES = 2
 """A batch is chosen among the waiting rows of the queue's first requests, up to this many batches' worth."""
@@ -103,3 +107,55 @@ def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tup
         chosen.append((item, row))
         shortest, longest, padded_longest = narrower, wider, padded
     return chosen
+
+
+# Defaults that depend on the device (settings of 0 mean "auto").
+CUDA_LENGTH_BUCKET = 32
+CPU_MAX_BATCH_TOKENS = 4096
+CUDA_MAX_BATCH_TOKENS = 16384
+CPU_PADDING = (1.25, 16)
+"""On the CPU no row is padded past 1.25 times its own length or its length plus 16 tokens, whichever
+is more: a CPU's run costs about rows x padded length, plus little per batch
+(docs/decisions.md#padding-limits-per-device)."""
+CUDA_PADDING = (2.0, 32)
+"""On CUDA rows may be padded to twice their length (or plus 32 tokens): a GPU's fixed cost per batch
+is larger against its cost per token (docs/decisions.md#padding-limits-per-device)."""
+
+
+def batching_policy(spec: ModelSpec, settings: Settings, device: str) -> BatchingPolicy:
+    """The batching limits in force: the settings where given, else the model's config.pbtxt and device defaults."""
+    batching = spec.config.dynamic_batching
+    delay_us = (
+        settings.max_queue_delay_us if settings.max_queue_delay_us >= 0 else batching.max_queue_delay_microseconds
+    )
+    padding = CUDA_PADDING if device == "cuda" else CPU_PADDING
+    return BatchingPolicy(
+        max_batch_size=settings.max_batch_size or spec.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens
+        or (CUDA_MAX_BATCH_TOKENS if device == "cuda" else CPU_MAX_BATCH_TOKENS),
+        max_queue_delay_s=delay_us / 1e6,
+        max_queue_size=settings.max_queue_size or batching.default_queue_policy.max_queue_size or 1024,
+        length_bucket=settings.length_bucket or (CUDA_LENGTH_BUCKET if device == "cuda" else 1),
+        pad_token_id=spec.pad_token_id,
+        max_batch_run_s=settings.max_batch_run_s,
+        max_length=spec.max_sequence_length,
+        max_padding_factor=padding[0],
+        padding_slack_tokens=padding[1],
+    )
+
+
+def warm_up_shapes(spec: ModelSpec, policy: BatchingPolicy) -> list[tuple[int, int]]:
+    """(rows, length) shapes the batcher can form: every bucketed length, then the largest batch.
+
+    Without length buckets (CPU) a short batch stands for the lengths. The largest batch, by
+    memory, is the longest length with as many rows as the token budget allows there (a batch of
+    longer rows holds fewer of them; a single row is always allowed).
+    """
+    longest = spec.max_sequence_length
+    if policy.length_bucket > 1:
+        lengths = sorted({policy.padded_length(n) for n in range(1, longest + 1, policy.length_bucket)})
+    else:
+        lengths = [min(8, longest)]
+    widest = policy.padded_length(longest)
+    largest_rows = max(1, min(policy.max_batch_size, policy.max_batch_tokens // widest))
+    return [(1, length) for length in lengths] + [(largest_rows, widest)]

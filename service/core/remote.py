@@ -1,9 +1,8 @@
-"""Models served by the engine process, as a front-end process sees them.
+"""A model's queue in the engine process, as a front-end process uses it: the core behind a socket.
 
-A front end reads each model's repository folder itself (its tokenizer, its signature) and hears
-from the engine, over its `EngineLink`, whether the model is loading, ready (with the batching in
-force and where each instance runs) or unavailable, and whether it is in service. Its rows go to
-the engine through a `RemoteQueue`, the front end's stand-in for the model's batcher.
+A front end's rows go to the engine through a `RemoteQueue`, its stand-in for the model's batcher:
+the same `ModelQueue` contract (service.pipeline.models), admitted at the same one point, the
+engine's batcher.
 """
 
 from __future__ import annotations
@@ -14,14 +13,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from service.core.policy import BatchingPolicy
-from service.core.repository import read_model
 from service.core.rows import TokenRows, WorkResult
-from service.core.wire import EngineLink, ModelUpdate
+from service.core.wire import EngineLink
 from service.errors import Unavailable
 from service.ops.tracing import to_wire
-from service.pipeline.engine import Engine
-from service.pipeline.models import InstanceInfo, ServedModel
 
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
@@ -97,34 +92,3 @@ class RemoteQueue:
         deadline = time.monotonic() + timeout_s
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-
-
-class RemoteModels:
-    """Keeps a front end's engine in step with the engine process: models added as they become ready."""
-
-    def __init__(self, engine: Engine, on_ready: Callable[[str], None]) -> None:
-        self._engine = engine
-        self._on_ready = on_ready
-        self._queues: dict[str, RemoteQueue] = {}
-        self.link: EngineLink | None = None
-
-    def update(self, update: ModelUpdate) -> None:
-        """A model's state in the engine changed (or is told for the first time)."""
-        queue = self._queues.get(update.name)
-        if queue is not None:
-            queue.set_serving(update.serving)
-            return
-        if update.state != "READY":
-            self._engine.set_state(update.name, update.state, update.reason, update.version)
-            return
-        settings = self._engine.settings
-        spec = read_model(settings.model_repository / update.name)
-        policy = BatchingPolicy(**update.policy)
-        instances = tuple(InstanceInfo(i.provider, i.variant, i.cuda_device_id) for i in update.instances)
-        queue = self._queues[update.name] = RemoteQueue(self.link, spec.name, spec.version)
-        model = ServedModel(
-            spec, policy, instances, queue, settings=settings, tokenizer_pool=self._engine.tokenizer_pool()
-        )
-        self._engine.add(model)
-        queue.set_serving(update.serving)
-        self._on_ready(update.name)

@@ -17,7 +17,7 @@ from protocol import model_config_pb2 as mc
 from service.core.repository import PLATFORM
 from service.errors import InvalidArgument, Unimplemented
 from service.ops.statistics import Duration, ModelStatistics
-from service.pipeline.engine import InferenceRequest, InferenceResult, InputTensor, ModelInfo, ModelState
+from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, ModelState
 from service.pipeline.validation import QUERY_INPUT, REQUIRED_TOKEN_INPUTS, TEXT_INPUT, ModelSignature
 
 SERVER_NAME = "encoder-serve"

@@ -7,8 +7,9 @@ model and version.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,6 +219,14 @@ class ModelLabels:
     def values(self) -> tuple[str, str]:
         """As positional label values."""
         return (self.model, self.version)
+
+
+def report_in_service(labels: ModelLabels, placements: Iterable[tuple[str, str]]) -> None:
+    """A model version loaded and in service: encoder_model_ready 1, its instances by (provider, variant)."""
+    values = labels.values()
+    MODEL_READY.labels(*values).set(1)
+    for (provider, variant), count in collections.Counter(placements).items():
+        PROVIDER.labels(*values, provider, variant).set(count)
 
 
 UNKNOWN_MODEL = ModelLabels("", "")

@@ -1,6 +1,6 @@
 """All validation of what an inference request carries, against the model it names.
 
-Every front end hands the engine the same `InferenceRequest` (service.pipeline.engine): inputs as received,
+Every front end hands the engine the same `InferenceRequest` (service.pipeline.api): inputs as received,
 names, datatypes, shapes and data unchecked. Here they are checked against the model's signature,
 once for every protocol, and become a `ValidRequest`: texts, or token rows.
 """

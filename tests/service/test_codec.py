@@ -15,7 +15,7 @@ from protocol import grpc_service_pb2 as pb
 from service.core.repository import read_model
 from service.errors import InvalidArgument
 from service.frontends import codec
-from service.pipeline.engine import InferenceResult
+from service.pipeline.api import InferenceResult
 from service.pipeline.validation import ModelSignature, ValidRequest, validate
 from tests.conftest import TINY_MODEL
 

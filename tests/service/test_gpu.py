@@ -37,10 +37,10 @@ from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
 from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
 from service.core.loading import load_model
+from service.core.policy import warm_up_shapes
 from service.core.repository import read_model
 from service.core.runtime import CPU, CUDA, ExecutionSettings, ModelRuntime
 from service.ops.settings import Settings
-from service.pipeline.models import warm_up_shapes
 from tests.conftest import DEFAULT_MODEL
 from tests.servers import ROOT, RunningServer, start_server
 from tests.vectors import FP32_RELATIVE_DIFF, relative_differences, row_cosines

@@ -27,7 +27,7 @@ from service.frontends.grpc.streaming import (
     InferenceStreams,
 )
 from service.ops.settings import Settings
-from service.pipeline.engine import Engine
+from service.pipeline.api import Pipeline
 from service.server import STREAM_AGE_SHARE, grpc_options
 from tests.conftest import TINY_MODEL
 from tests.servers import (
@@ -254,7 +254,7 @@ async def stream_door(behaviour: StreamBehaviour) -> AsyncIterator[grpc.aio.Stre
         request_deserializer=pb.ModelInferRequest.FromString,
         response_serializer=pb.ModelStreamInferResponse.SerializeToString,
     )
-    door = Envelope(Engine(Settings(model_repository=Path("."))), api_keys=None)
+    door = Envelope(Pipeline(Settings(model_repository=Path("."))), api_keys=None)
     server = grpc.aio.server(interceptors=[ErrorInterceptor(door)])
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {"ModelStreamInfer": handler}),)

@@ -42,7 +42,7 @@ def _parsed(raw: bytes, deserializer: Deserializer) -> Any:
 
 async def _abort_with_status(error: Exception, behaviour: object, context: grpc.aio.ServicerContext) -> None:
     """End the call with the status of the error it ends with (Envelope.failed: counted, or logged as INTERNAL)."""
-    failure = Envelope.failed(error, getattr(behaviour, "__qualname__", str(behaviour)))
+    failure = Envelope.failed(error, getattr(behaviour, "__qualname__", str(behaviour)), context.peer())
     await context.abort(status_of(failure), str(failure))
 
 

@@ -16,7 +16,7 @@ from service.envelope import Envelope, RequestContext
 from service.frontends import codec
 from service.frontends.grpc.streaming import MAX_INFLIGHT_PER_STREAM, InferenceStreams
 from service.ops import tracing
-from service.pipeline.engine import InferenceResult
+from service.pipeline.api import InferenceResult
 
 
 def _unsupported(method: str) -> Callable[..., Awaitable[NoReturn]]:
@@ -37,7 +37,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, door: Envelope, max_stream_inflight: int = MAX_INFLIGHT_PER_STREAM, max_stream_age_s: float | None = None
     ) -> None:
         self.envelope = door
-        self.engine = door.engine
+        self.pipeline = door.pipeline
         self._metadata = codec.server_metadata()
         self.streams = InferenceStreams(self.infer, max_stream_inflight, max_stream_age_s)
         """Open ModelStreamInfer streams: each ends by itself at `max_stream_age_s`, all when the server drains."""
@@ -52,13 +52,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerReadyResponse:
         """Ready when every model is loaded and warmed, and not draining."""
-        return pb.ServerReadyResponse(ready=self.engine.ready)
+        return pb.ServerReadyResponse(ready=self.pipeline.ready)
 
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelReadyResponse:
         """Ready when that model (and version, if given) is loaded and in service, and the server is not draining."""
-        return pb.ModelReadyResponse(ready=self.engine.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=self.pipeline.model_ready(request.name, request.version))
 
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
@@ -70,7 +70,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelMetadataResponse:
         """Inputs (text and token forms) and outputs of a model."""
-        return codec.model_metadata(self.engine.model(request.name, request.version).signature)
+        return codec.model_metadata(self.pipeline.model(request.name, request.version).signature)
 
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -124,20 +124,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelConfigResponse:
         """The model's configuration as served."""
-        return pb.ModelConfigResponse(config=codec.effective_config(self.engine.model(request.name, request.version)))
+        return pb.ModelConfigResponse(config=codec.effective_config(self.pipeline.model(request.name, request.version)))
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStatisticsResponse:
         """Triton's cumulative inference statistics of one model (and version), or of every model if no name."""
-        figures = self.engine.statistics(request.name, request.version)
+        figures = self.pipeline.statistics(request.name, request.version)
         return pb.ModelStatisticsResponse(model_stats=[codec.model_statistics(*model) for model in figures])
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryIndexResponse:
         """Every model in the repository with its state (only READY ones if asked)."""
-        return codec.repository_index(self.engine.index(request.ready))
+        return codec.repository_index(self.pipeline.index(request.ready))
 
     RepositoryModelLoad = _unsupported("RepositoryModelLoad")
     RepositoryModelUnload = _unsupported("RepositoryModelUnload")

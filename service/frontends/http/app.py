@@ -37,7 +37,7 @@ from service.frontends.http.errors import (
 )
 from service.ops import metrics, tracing
 from service.pipeline.answers import HeldAnswer
-from service.pipeline.engine import InferenceResult
+from service.pipeline.api import InferenceResult
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class HttpApp:
         max_concurrent_requests: int,
     ) -> None:
         self.envelope = door
-        self.engine = engine = door.engine
+        self.pipeline = pipeline = door.pipeline
         self.max_concurrent_requests = max_concurrent_requests
         self.active_requests = 0
         """Requests being read, run or answered now (OPEN_ROUTES' excepted)."""
@@ -163,7 +163,7 @@ class HttpApp:
         self.info = tei.InfoSettings(
             max_concurrent_requests=max_concurrent_requests,
             max_client_batch_size=max_embedding_inputs,
-            tokenization_workers=engine.settings.tokenizer_threads,
+            tokenization_workers=pipeline.settings.tokenizer_threads,
             version=codec.server_metadata().version,
         )
         self._fixed: dict[str, dict[str, Handler]] = {
@@ -233,7 +233,9 @@ class HttpApp:
                 metrics.HTTP_REQUESTS.labels(route, CLIENT_CLOSED).inc()
                 return
             except Exception as error:
-                response = self._error(path, Envelope.failed(error, f"{method} {path}"))
+                client = scope.get("client")
+                peer = f"{client[0]}:{client[1]}" if client else ""
+                response = self._error(path, Envelope.failed(error, f"{method} {path}", peer))
             metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
             headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
             if response.content_type is not None:
@@ -303,7 +305,7 @@ class HttpApp:
             return await handler(Call(context, params, headers, b""))
         if route.endswith("/infer"):
             # The model is named by the path: a full queue answers before the body is read or parsed.
-            self.engine.check_room(params["name"], params["version"])
+            self.pipeline.check_room(params["name"], params["version"])
         body = await self._read_body(headers, receive)
         # Cancelling the handler when the client goes away drops its queued work, as for gRPC.
         work = asyncio.ensure_future(handler(Call(context, params, headers, body)))
@@ -394,44 +396,44 @@ class HttpApp:
         return handler
 
     async def _info(self, call: Call) -> Response:
-        return Response(200, tei.info(self.engine, self.info))
+        return Response(200, tei.info(self.pipeline, self.info))
 
     async def _openai_models(self, call: Call) -> Response:
-        return Response(200, openai.models_list(self.engine, self.created))
+        return Response(200, openai.models_list(self.pipeline, self.created))
 
     async def _openai_model(self, call: Call) -> Response:
-        return Response(200, openai.model_card(self.engine, call.path_params["name"], self.created))
+        return Response(200, openai.model_card(self.pipeline, call.path_params["name"], self.created))
 
     async def _live(self, call: Call) -> Response:
         return Response(200, content_type=None)
 
     async def _ready(self, call: Call) -> Response:
-        return Response(200 if self.engine.ready else 503, content_type=None)
+        return Response(200 if self.pipeline.ready else 503, content_type=None)
 
     async def _server_metadata(self, call: Call) -> Response:
         return Response(200, self._metadata)
 
     async def _model_metadata(self, call: Call) -> Response:
-        metadata = codec.model_metadata(self.engine.model(**call.path_params).signature)
+        metadata = codec.model_metadata(self.pipeline.model(**call.path_params).signature)
         return Response(200, json.dumps(kserve.proto_json(metadata)).encode())
 
     async def _model_ready(self, call: Call) -> Response:
-        return Response(200 if self.engine.model_ready(**call.path_params) else 503, content_type=None)
+        return Response(200 if self.pipeline.model_ready(**call.path_params) else 503, content_type=None)
 
     async def _model_config(self, call: Call) -> Response:
-        config = codec.effective_config(self.engine.model(**call.path_params))
+        config = codec.effective_config(self.pipeline.model(**call.path_params))
         return Response(200, json.dumps(kserve.proto_json(config)).encode())
 
     async def _statistics(self, call: Call) -> Response:
         # /v2/models/stats has no path parameters: every model's statistics, as ModelStatistics without a name.
-        figures = self.engine.statistics(**call.path_params)
+        figures = self.pipeline.statistics(**call.path_params)
         statistics = pb.ModelStatisticsResponse(model_stats=[codec.model_statistics(*model) for model in figures])
         return Response(200, json.dumps(kserve.proto_json(statistics, every_field=True)).encode())
 
     async def _repository_index(self, call: Call) -> Response:
         _check_body_form(call.headers, (None, JSON))
         ready_only = kserve.parse_repository_index(_json(call.body) if call.body.strip() else {})
-        index = codec.repository_index(self.engine.index(ready_only))
+        index = codec.repository_index(self.pipeline.index(ready_only))
         return Response(200, json.dumps([kserve.proto_json(model) for model in index.models]).encode())
 
     @staticmethod

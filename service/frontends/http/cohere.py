@@ -14,7 +14,7 @@ import numpy as np
 
 from service.errors import InvalidArgument
 from service.frontends.http.tei import Answer, TaskCall, choose_model, reranked, scores
-from service.pipeline.engine import InferenceResult
+from service.pipeline.api import InferenceResult
 
 FIELDS = ("model", "query", "documents", "top_n", "return_documents", "max_chunks_per_doc", "rank_fields")
 
@@ -48,7 +48,7 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     return_documents = payload.get("return_documents", False)
     if not isinstance(return_documents, bool):
         raise InvalidArgument("return_documents must be true or false")
-    model = choose_model(call.engine, "classify", payload.get("model"), reranker=True)
+    model = choose_model(call.pipeline, "classify", payload.get("model"), reranker=True)
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
         relevance = scores(result.outputs["logits"], raw=False)[:, 0]

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from service.core.repository import TASK_OUTPUTS
 from service.errors import InvalidArgument
 from service.pipeline.answers import JSON_VALUE_BYTES, RAW_VALUE_BYTES, json_values
-from service.pipeline.engine import InferenceRequest, InferenceResult, InputTensor
+from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor
 
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_OUTPUT = "binary_data_output"

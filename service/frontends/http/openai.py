@@ -19,7 +19,7 @@ from service.core.repository import ModelSpec
 from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument
 from service.pipeline.answers import BASE64_VALUE_BYTES, JSON_VALUE_BYTES, json_values
-from service.pipeline.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
+from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
 from service.pipeline.validation import TEXT_INPUT
 
 ENCODINGS = ("float", "base64")
@@ -133,12 +133,12 @@ def _model_card(spec: ModelSpec, created: int) -> dict[str, object]:
     return card
 
 
-def models_list(engine: Engine, created: int) -> bytes:
+def models_list(pipeline: Pipeline, created: int) -> bytes:
     """GET /v1/models: every loaded model (`created`: when the server started, seconds since the epoch)."""
-    data = [_model_card(model.spec, created) for model in engine.models()]
+    data = [_model_card(model.spec, created) for model in pipeline.models()]
     return json.dumps({"object": "list", "data": data}).encode()
 
 
-def model_card(engine: Engine, name: str, created: int) -> bytes:
+def model_card(pipeline: Pipeline, name: str, created: int) -> bytes:
     """GET /v1/models/{model}: one loaded model, or NotFound."""
-    return json.dumps(_model_card(engine.model(name).spec, created)).encode()
+    return json.dumps(_model_card(pipeline.model(name).spec, created)).encode()

@@ -23,7 +23,7 @@ import orjson
 from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound, TooLarge
 from service.pipeline.answers import JSON_VALUE_BYTES, HeldAnswer
-from service.pipeline.engine import Engine, InferenceRequest, InferenceResult, InputTensor, RowLimit
+from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
 from service.pipeline.models import ModelInfo
 from service.pipeline.tokenizer import Token
 from service.pipeline.validation import (
@@ -45,7 +45,7 @@ PREDICT_FIELDS = ("inputs", "raw_scores", "truncate", "truncation_direction", "m
 TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model")
 
 
-def choose_model(engine: Engine, task: str, name: object, *, reranker: bool = False) -> ModelInfo:
+def choose_model(pipeline: Pipeline, task: str, name: object, *, reranker: bool = False) -> ModelInfo:
     """The model a nameless route serves: the one of its task, or the one `name` picks; a precise refusal otherwise.
 
     reranker: the route needs one score per pair, so only classifiers of one label are candidates.
@@ -53,16 +53,18 @@ def choose_model(engine: Engine, task: str, name: object, *, reranker: bool = Fa
     if name is not None:
         if not isinstance(name, str) or not name:
             raise InvalidArgument("model must be the name of a served model")
-        model = engine.model(name)
+        model = pipeline.model(name)
         if model.spec.task != task:
             raise InvalidArgument(f"model {name} is a {model.spec.task} model; this route needs a {task} model")
         return model
     candidates = [
-        model for model in engine.models() if model.spec.task == task and (not reranker or len(model.spec.labels) == 1)
+        model
+        for model in pipeline.models()
+        if model.spec.task == task and (not reranker or len(model.spec.labels) == 1)
     ]
     if not candidates:
         kind = " of one label (a reranker)" if reranker else ""
-        raise NotFound(f"no {task} model{kind} is served here (served: {', '.join(engine.served_names()) or 'none'})")
+        raise NotFound(f"no {task} model{kind} is served here (served: {', '.join(pipeline.served_names()) or 'none'})")
     if len(candidates) > 1:
         names = ", ".join(model.spec.name for model in candidates)
         kind = " as one-label rerankers" if reranker else ""
@@ -131,9 +133,9 @@ class TaskCall:
     """--max-embedding-inputs: the most texts (or pairs) one request may carry."""
 
     @property
-    def engine(self) -> Engine:
+    def pipeline(self) -> Pipeline:
         """The engine the envelope runs inferences on."""
-        return self.envelope.engine
+        return self.envelope.pipeline
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
     if "inputs" not in fields:
         raise InvalidArgument("inputs is required: a string or a list of strings")
     texts = _strings(fields["inputs"], "inputs")
-    model = choose_model(call.engine, "embed", fields.get("model"))
+    model = choose_model(call.pipeline, "embed", fields.get("model"))
     normalize = _flag(fields, "normalize", True)
     if not normalize and model.spec.normalize:
         raise InvalidArgument(
@@ -209,7 +211,7 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     texts = _strings(fields["texts"], "texts")
     raw, return_text = _flag(fields, "raw_scores", False), _flag(fields, "return_text", False)
     _flag(fields, TRUNCATE, True)
-    model = choose_model(call.engine, "classify", fields.get("model"), reranker=True)
+    model = choose_model(call.pipeline, "classify", fields.get("model"), reranker=True)
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
         ranked = scores(result.outputs["logits"], raw)[:, 0]
@@ -266,7 +268,7 @@ async def predict(call: TaskCall, payload: object) -> Answer:
         raise InvalidArgument("inputs: a batch is all single texts or all pairs")
     raw = _flag(fields, "raw_scores", False)
     _flag(fields, TRUNCATE, True)
-    model = choose_model(call.engine, "classify", fields.get("model"))
+    model = choose_model(call.pipeline, "classify", fields.get("model"))
     inputs = (_bytes_tensor(TEXT_INPUT, [item[-1] for item in items]),)
     if len(items[0]) == 2:
         inputs = (_bytes_tensor(QUERY_INPUT, [item[0] for item in items]), *inputs)
@@ -300,8 +302,8 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
         raise InvalidArgument("inputs is required: a string or a list of strings")
     texts = _strings(fields["inputs"], "inputs")
     special = _flag(fields, "add_special_tokens", True)
-    model = _tokenizing_model(call.engine, fields.get("model"))
-    served = call.engine.served(model.spec.name)
+    model = _tokenizing_model(call.pipeline, fields.get("model"))
+    served = call.pipeline.served(model.spec.name)
     tokenizer = served.tokenizer
     if tokenizer is None:
         raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
@@ -322,7 +324,7 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
         return orjson.dumps([[_token(token) for token in tokenizer.tokens(text, special)] for text in texts])
 
     body = await served.tokenizer_work(sum(map(len, texts)), answer)
-    limit = call.engine.answers.max_response_bytes
+    limit = call.pipeline.answers.max_response_bytes
     if len(body) > limit:
         raise TooLarge(
             f"the tokens of these texts take {len(body)} bytes as JSON, over the limit of {limit} bytes per"
@@ -333,15 +335,15 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
     return Answer(body, call.envelope.hold(len(body)))
 
 
-def _tokenizing_model(engine: Engine, name: object) -> ModelInfo:
+def _tokenizing_model(pipeline: Pipeline, name: object) -> ModelInfo:
     """The model whose tokenizer /tokenize uses: the one named (any task), else the embedder, else the classifier."""
     if isinstance(name, str) and name:
-        return engine.model(name)
+        return pipeline.model(name)
     if name is not None:
         raise InvalidArgument("model must be the name of a served model")
-    if any(model.spec.task == "embed" for model in engine.models()):
-        return choose_model(engine, "embed", None)
-    return choose_model(engine, "classify", None)
+    if any(model.spec.task == "embed" for model in pipeline.models()):
+        return choose_model(pipeline, "embed", None)
+    return choose_model(pipeline, "classify", None)
 
 
 def _token(token: Token) -> dict[str, object]:
@@ -351,9 +353,9 @@ def _token(token: Token) -> dict[str, object]:
     return {"id": token.id, "text": token.text, "special": False, "start": token.start, "stop": token.stop}
 
 
-def info(engine: Engine, settings: InfoSettings) -> bytes:
+def info(pipeline: Pipeline, settings: InfoSettings) -> bytes:
     """GET /info: the served model as TEI describes its own (the one embedder, else the one classifier)."""
-    models = engine.models()
+    models = pipeline.models()
     if not models:
         raise NotFound("no model is loaded")
     embedders = [model for model in models if model.spec.task == "embed"]

@@ -1,4 +1,4 @@
-"""The engine: readiness, lookups and refusals before any model is served; a model's batching and instances."""
+"""The pipeline: readiness, lookups and refusals before any model is served; a model's batching and instances."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from protocol import model_config_pb2 as mc
+from service.core.policy import batching_policy, warm_up_shapes
 from service.core.repository import RepositoryError, read_model
 from service.core.runtime import ExecutionError
 from service.errors import NotFound, Unavailable
 from service.frontends import codec
 from service.ops import metrics
 from service.ops.settings import Settings
-from service.pipeline.engine import Engine, InferenceRequest, InputTensor
-from service.pipeline.models import batching_policy, warm_up_shapes
+from service.pipeline.api import InferenceRequest, InputTensor, Pipeline
 from tests.conftest import TINY_MODEL
 from tests.servers import ROOT
 
@@ -30,34 +30,34 @@ def text_request(text: str) -> InferenceRequest:
 
 
 async def test_a_loading_model_is_unavailable_then_ready(tiny_repository: Path) -> None:
-    engine = Engine(Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1))
-    assert engine.discover() == [TINY_MODEL]
-    assert not engine.ready and not engine.model_ready(TINY_MODEL)
+    pipeline = Pipeline(Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1))
+    assert pipeline.discover() == [TINY_MODEL]
+    assert not pipeline.ready and not pipeline.model_ready(TINY_MODEL)
     with pytest.raises(Unavailable, match=f"model {TINY_MODEL} is loading"):
-        await engine.infer(text_request("hello"))
+        await pipeline.infer(text_request("hello"))
     with pytest.raises(NotFound, match="unknown model 'other'"):
-        engine.model("other")
-    model = await engine.load(TINY_MODEL)
-    assert engine.ready and engine.model(TINY_MODEL, "1") == model and engine.model_ready(TINY_MODEL, "1")
-    assert [(state.name, state.state) for state in engine.index()] == [(TINY_MODEL, "READY")]
-    assert (await engine.infer(text_request("hello"))).outputs["embedding"].shape == (1, 32)
-    await engine.close(1)
-    assert not engine.ready and not engine.model_ready(TINY_MODEL)
+        pipeline.model("other")
+    model = await pipeline.load(TINY_MODEL)
+    assert pipeline.ready and pipeline.model(TINY_MODEL, "1") == model and pipeline.model_ready(TINY_MODEL, "1")
+    assert [(state.name, state.state) for state in pipeline.index()] == [(TINY_MODEL, "READY")]
+    assert (await pipeline.infer(text_request("hello"))).outputs["embedding"].shape == (1, 32)
+    await pipeline.close(1)
+    assert not pipeline.ready and not pipeline.model_ready(TINY_MODEL)
     with pytest.raises(Unavailable, match="shutting down"):
-        await engine.infer(text_request("hello"))
+        await pipeline.infer(text_request("hello"))
 
 
 async def test_a_model_that_cannot_load_is_reported_with_its_reason(repository_copy: Path) -> None:
     (repository_copy / TINY_MODEL / "1" / "model.onnx").write_bytes(b"not an onnx graph")
-    engine = Engine(Settings(model_repository=repository_copy, device="cpu", intra_op_threads=1))
-    engine.discover()
+    pipeline = Pipeline(Settings(model_repository=repository_copy, device="cpu", intra_op_threads=1))
+    pipeline.discover()
     with pytest.raises(ExecutionError, match="cannot load"):
-        await engine.load(TINY_MODEL)
-    (state,) = engine.index()
+        await pipeline.load(TINY_MODEL)
+    (state,) = pipeline.index()
     assert state.state == "UNAVAILABLE" and "cannot load" in state.reason
-    assert engine.index(ready_only=True) == []
+    assert pipeline.index(ready_only=True) == []
     with pytest.raises(Unavailable, match="failed to load"):
-        engine.model(TINY_MODEL)
+        pipeline.model(TINY_MODEL)
 
 
 async def test_a_drain_answers_a_request_accepted_while_its_texts_were_still_being_tokenised(
@@ -68,19 +68,19 @@ async def test_a_drain_answers_a_request_accepted_while_its_texts_were_still_bei
     A request arriving after the drain began is refused, and the drain ends only once the accepted one is answered.
     """
     settings = Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, inline_tokenize_chars=0)
-    engine = Engine(settings)
-    engine.discover()
-    await engine.load(TINY_MODEL)
+    pipeline = Pipeline(settings)
+    pipeline.discover()
+    await pipeline.load(TINY_MODEL)
     tokenizer_free = threading.Event()
-    engine.tokenizer_pool().submit(tokenizer_free.wait)  # the one tokenizer thread is busy until the test says
-    accepted = asyncio.ensure_future(engine.infer(text_request("accepted before the drain")))
-    served = engine.served(TINY_MODEL)
+    pipeline.tokenizer_pool().submit(tokenizer_free.wait)  # the one tokenizer thread is busy until the test says
+    accepted = asyncio.ensure_future(pipeline.infer(text_request("accepted before the drain")))
+    served = pipeline.served(TINY_MODEL)
     while not served.accepted:
         await asyncio.sleep(0)
-    closing = asyncio.ensure_future(engine.close(30))
+    closing = asyncio.ensure_future(pipeline.close(30))
     await asyncio.sleep(0)
     with pytest.raises(Unavailable, match="shutting down"):
-        await engine.infer(text_request("arrived during the drain"))
+        await pipeline.infer(text_request("arrived during the drain"))
     assert not closing.done() and not accepted.done()
     tokenizer_free.set()
     assert (await accepted).outputs["embedding"].shape == (1, 32)
@@ -102,15 +102,15 @@ async def test_bucketed_lengths_never_pass_the_models_maximum(tiny_repository: P
     settings = Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, length_bucket=48)
     spec = read_model(tiny_repository / TINY_MODEL)
     assert warm_up_shapes(spec, batching_policy(spec, settings, "cpu"))[:-1] == [(1, 48), (1, 96), (1, 128)]
-    engine = Engine(settings)
-    engine.discover()
+    pipeline = Pipeline(settings)
+    pipeline.discover()
     try:
-        model = await engine.load(TINY_MODEL)
+        model = await pipeline.load(TINY_MODEL)
         assert model.policy.padded_length(100) == 128 and model.policy.padded_length(20) == 48
-        result = await engine.infer(_token_request(2, 100))
+        result = await pipeline.infer(_token_request(2, 100))
         assert result.outputs["embedding"].shape == (2, 32)
     finally:
-        await engine.close(1)
+        await pipeline.close(1)
 
 
 def test_warm_up_covers_the_bucketed_lengths_and_the_largest_batch(tiny_repository: Path) -> None:
@@ -124,10 +124,10 @@ def test_warm_up_covers_the_bucketed_lengths_and_the_largest_batch(tiny_reposito
 
 
 async def test_every_instance_is_reported_in_metrics_and_model_config(tiny_repository: Path) -> None:
-    engine = Engine(Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, instances=2))
-    engine.discover()
+    pipeline = Pipeline(Settings(model_repository=tiny_repository, device="cpu", intra_op_threads=1, instances=2))
+    pipeline.discover()
     try:
-        model = await engine.load(TINY_MODEL)
+        model = await pipeline.load(TINY_MODEL)
         config = codec.effective_config(model)
         assert [(group.kind, group.count) for group in config.instance_group] == [(mc.ModelInstanceGroup.KIND_CPU, 2)]
         assert config.parameters["execution_provider"].string_value == "CPUExecutionProvider"
@@ -135,7 +135,7 @@ async def test_every_instance_is_reported_in_metrics_and_model_config(tiny_repos
         gauge = metrics.PROVIDER.labels(TINY_MODEL, model.spec.version, "CPUExecutionProvider", "fp32")
         assert gauge._value.get() == 2
     finally:
-        await engine.close(1)
+        await pipeline.close(1)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +159,7 @@ def test_contradictory_device_settings_are_refused_at_start(
 def test_hidden_folders_of_the_repository_are_not_models(repository_copy: Path) -> None:
     # What a publish interrupted between its renames leaves behind: the replaced model, hidden.
     shutil.copytree(repository_copy / TINY_MODEL, repository_copy / f".retired-{TINY_MODEL}-staging")
-    assert Engine(Settings(model_repository=repository_copy, device="cpu")).discover() == [TINY_MODEL]
+    assert Pipeline(Settings(model_repository=repository_copy, device="cpu")).discover() == [TINY_MODEL]
 
 
 @pytest.mark.parametrize(

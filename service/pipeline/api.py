@@ -1,7 +1,7 @@
-"""The engine: the pipeline's one API under every front end, with plain request and result types.
+"""The pipeline's one API under every front end, with plain request and result types.
 
 gRPC (unary and streaming), OpenAI, TEI, Cohere and KServe REST turn their wire format into an
-`InferenceRequest` and, inside the request's envelope (service.envelope), make one `Engine.infer`
+`InferenceRequest` and, inside the request's envelope (service.envelope), make one `Pipeline.infer`
 call; they ask the same object whether the server and its models are ready, and for their metadata,
 configuration, statistics and repository index. Nothing here holds a protobuf message, an HTTP
 request or a gRPC context: requests and results are numpy arrays, strings and small scalars.
@@ -16,32 +16,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.core.placement import InstanceInfo
 from service.core.repository import RepositoryError, model_directories
 from service.errors import ExecutionError, NotFound, Unavailable
 from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
 from service.pipeline.answers import AnswerBudget, HeldAnswer
-from service.pipeline.models import InstanceInfo, ModelInfo, ServedModel
+from service.pipeline.models import ModelInfo, ServedModel
 from service.pipeline.validation import InputTensor, RowLimit, validate
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "Engine",
     "InferenceRequest",
     "InferenceResult",
     "InputTensor",
     "InstanceInfo",
     "ModelInfo",
     "ModelState",
+    "Pipeline",
     "RowLimit",
 ]
 
@@ -81,7 +81,7 @@ class InferenceResult:
     prompt_tokens: int
     """Real (unpadded) tokens of the request's sequences, special tokens included (OpenAI's `usage`)."""
     answer_bytes: int = 0
-    """The answer's size as sent, counted in flight until the front end calls `Engine.answered` with it."""
+    """The answer's size as sent, counted in flight until the front end calls `Pipeline.answered` with it."""
     rows: int = 0
     """The request's rows (texts, pairs or token sequences)."""
     queue_s: float = 0.0
@@ -109,7 +109,7 @@ def shortened(embeddings: np.ndarray, width: int, normalize: bool) -> np.ndarray
     return cut
 
 
-class Engine:
+class Pipeline:
     """The models of one repository behind one API: loading, readiness, description, statistics, inference."""
 
     def __init__(self, settings: Settings) -> None:
@@ -134,28 +134,35 @@ class Engine:
 
     async def load(self, name: str) -> ModelInfo:
         """Load and warm one model off the event loop and serve it; a failure marks it UNAVAILABLE and re-raises."""
-        # Here, not at the top: front-end processes use this module and never load ONNX Runtime (~18 MB each).
-        from service.core.loading import load_model  # noqa: PLC0415
-
         try:
-            model = await asyncio.get_running_loop().run_in_executor(
-                None, load_model, self.settings.model_repository / name, self.settings, self._tokenizer_pool
-            )
+            model = await asyncio.get_running_loop().run_in_executor(None, self._load, name)
         except (RepositoryError, ExecutionError) as error:
             self.set_state(name, "UNAVAILABLE", str(error))
             raise
         self.add(model)
         return model.info
 
+    def _load(self, name: str) -> ServedModel:
+        """A model loaded in this process (the core's part), with its tokenizer: blocking."""
+        # Here, not at the top: front-end processes use this module and never load ONNX Runtime (~18 MB each).
+        from service.core.loading import load_model  # noqa: PLC0415
+
+        loaded = load_model(self.settings.model_repository / name, self.settings)
+        return ServedModel(
+            loaded.spec,
+            loaded.policy,
+            loaded.instances,
+            loaded.batcher,
+            settings=self.settings,
+            tokenizer_pool=self._tokenizer_pool,
+        )
+
     def add(self, model: ServedModel) -> None:
         """Serve a model (its queue started on the running loop): READY from now on."""
         model.queue.start()
         self._models[model.spec.name] = model
         self.set_state(model.spec.name, "READY", version=model.spec.version)
-        labels = model.metrics.labels.values()
-        metrics.MODEL_READY.labels(*labels).set(1)
-        for (provider, variant), count in Counter((i.provider, i.variant) for i in model.info.instances).items():
-            metrics.PROVIDER.labels(*labels, provider, variant).set(count)
+        metrics.report_in_service(model.metrics.labels, ((i.provider, i.variant) for i in model.info.instances))
 
     def set_state(self, name: str, state: str, reason: str = "", version: str = "") -> None:
         """A model's place in the repository index: LOADING, READY or UNAVAILABLE (with why)."""

@@ -1,0 +1,78 @@
+"""The models the engine process runs: found in the repository, loaded here, their batchers, their drain.
+
+Only what the core needs: no tokenizer, no answer budget, no request counting (the front ends do
+those). A lone server's pipeline loads its models through the same `load_model`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from service.core.batcher import Batcher
+from service.core.repository import model_directories
+from service.errors import NotFound
+from service.ops import metrics
+from service.ops.metrics import ModelLabels
+from service.ops.settings import Settings
+
+if TYPE_CHECKING:
+    from service.core.loading import LoadedModel
+
+
+class ModelHost:
+    """The repository's models loaded in this process, each behind its batcher."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._models: dict[str, LoadedModel] = {}
+
+    def discover(self) -> list[str]:
+        """The model folders of the repository, by name."""
+        return [directory.name for directory in model_directories(self.settings.model_repository)]
+
+    async def load(self, name: str) -> LoadedModel:
+        """Load and warm one model off the event loop, and start its batcher here (RepositoryError, ExecutionError)."""
+        # Here, not at the top: every process imports the entry point that imports this module, and only the
+        # process that loads models maps ONNX Runtime (~18 MB each).
+        from service.core.loading import load_model  # noqa: PLC0415
+
+        model = await asyncio.get_running_loop().run_in_executor(
+            None, load_model, self.settings.model_repository / name, self.settings
+        )
+        model.batcher.start()
+        self._models[name] = model
+        labels = ModelLabels(model.spec.name, model.spec.version)
+        metrics.report_in_service(labels, ((i.provider, i.variant) for i in model.instances))
+        return model
+
+    def batcher(self, name: str, version: str = "") -> Batcher:
+        """A loaded model's batcher (NotFound for a name or version not loaded here)."""
+        model = self._models.get(name)
+        if model is None:
+            raise NotFound(f"unknown model {name!r}")
+        if version not in ("", model.spec.version):
+            raise NotFound(f"model {name} has no version {version!r} (served: {model.spec.version})")
+        return model.batcher
+
+    def serving(self, name: str) -> bool:
+        """Whether that model is loaded and has an instance in service."""
+        model = self._models.get(name)
+        return model is not None and model.batcher.serving
+
+    def on_serving_change(self, name: str, listener: Callable[[bool], None]) -> None:
+        """Tell `listener(serving)` when the model loses, or gets back, its last working instance."""
+        self._models[name].batcher.on_serving_change = listener
+
+    def flush(self) -> None:
+        """Queued rows of every model run from now on without waiting for fuller batches (a drain)."""
+        for model in self._models.values():
+            model.batcher.flush()
+
+    async def close(self, timeout_s: float) -> None:
+        """Let every model's queued and running rows finish (up to timeout_s), then stop its batcher."""
+        self.flush()
+        await asyncio.gather(*(model.batcher.close(timeout_s) for model in self._models.values()))
+        for model in self._models.values():
+            metrics.MODEL_READY.labels(model.spec.name, model.spec.version).set(0)
