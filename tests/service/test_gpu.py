@@ -156,9 +156,8 @@ def test_cuda_variants_match_the_model_over_rows_lengths_and_masks(
 
 def test_cuda_warm_up_covers_the_bucketed_lengths(default_repository: Path) -> None:
     settings = Settings(model_repository=default_repository, require_gpu=True, intra_op_threads=1)
-    with ThreadPoolExecutor(1) as pool:
-        model = load_model(default_repository / DEFAULT_MODEL, settings, pool)
-    assert model.info.instances[0].provider == CUDA and model.policy.length_bucket == 32
+    model = load_model(default_repository / DEFAULT_MODEL, settings)
+    assert model.instances[0].provider == CUDA and model.policy.length_bucket == 32
     shapes = warm_up_shapes(model.spec, model.policy)
     assert [length for _, length in shapes[:-1]] == list(range(32, 257, 32))
     assert shapes[-1] == (min(model.policy.max_batch_size, model.policy.max_batch_tokens // 256), 256)
