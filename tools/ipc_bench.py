@@ -60,7 +60,7 @@ def _zmq_engine(path: str) -> None:
             identity, header, payload = await socket.recv_multipart()
             answers, offset = [], 0
             words = np.frombuffer(payload, np.int64)
-            for submit in ipc.to_engine(header):
+            for submit in ipc.decode_to_engine(header):
                 _, offset = ipc.rows_of(submit, words, offset)
                 answers.append((submit.id, WorkResult({"embedding": EMBEDDING}, 0.0, 0.0, 1)))
             messages = ipc.answer_messages(answers)
@@ -102,7 +102,7 @@ async def _drive_zmq(path: str, callers: int, seconds: float, coalesce: bool) ->
         while True:
             header, payload = await socket.recv_multipart()
             offset = 0
-            for message in ipc.to_frontend(header):
+            for message in ipc.decode_to_frontend(header):
                 results, offset = ipc.answered(message, payload, offset)
                 for request_id, result in zip(message.ids, results, strict=True):
                     pending.pop(request_id).set_result(result)

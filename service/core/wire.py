@@ -218,12 +218,12 @@ def encode(messages: list[msgspec.Struct]) -> bytes:
     return _ENCODER.encode(messages)
 
 
-def to_engine(header: bytes) -> list[ToEngine]:
+def decode_to_engine(header: bytes) -> list[ToEngine]:
     """The messages of a frame a front end sent."""
     return _TO_ENGINE.decode(header)
 
 
-def to_frontend(header: bytes) -> list[ToFrontend]:
+def decode_to_frontend(header: bytes) -> list[ToFrontend]:
     """The messages of a frame the engine sent."""
     return _TO_FRONTEND.decode(header)
 
@@ -349,7 +349,7 @@ class EngineConnection(_Frames):
         """Submits, cancels, a drain and a hello from the front end."""
         offset = 0
         words = np.frombuffer(payload, _INT64)
-        for message in to_engine(header):
+        for message in decode_to_engine(header):
             if isinstance(message, Submit):
                 rows, offset = rows_of(message, words, offset)
                 self._server.on_submit(self, message, rows)
@@ -512,7 +512,7 @@ class EngineLink(_Frames):
         """Results and model states from the engine."""
         offset = 0
         pending = self._pending
-        for message in to_frontend(header):
+        for message in decode_to_frontend(header):
             if isinstance(message, Answers):
                 results, offset = answered(message, payload, offset)
                 for request_id, result in zip(message.ids, results, strict=True):

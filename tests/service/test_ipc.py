@@ -30,7 +30,7 @@ def test_answers_of_mixed_shapes_travel_stacked_and_come_back_to_their_requests(
     payload = b"".join(array.tobytes() for _, stacked in messages for array in stacked)
 
     received, offset = {}, 0
-    for message in ipc.to_frontend(header):
+    for message in ipc.decode_to_frontend(header):
         results, offset = ipc.answered(message, payload, offset)
         received.update(zip(message.ids, results, strict=True))
     assert offset == len(payload)
@@ -45,6 +45,6 @@ def test_answers_of_mixed_shapes_travel_stacked_and_come_back_to_their_requests(
 
 def test_a_failure_travels_as_its_typed_error() -> None:
     header = ipc.encode([ipc.Failed(7, ipc.failure_of(Overloaded("queue full", "queue_full")))])
-    (message,) = ipc.to_frontend(header)
+    (message,) = ipc.decode_to_frontend(header)
     error = ipc.error_of(message.failure)
     assert (message.id, type(error), str(error), error.reason) == (7, Overloaded, "queue full", "queue_full")
