@@ -316,6 +316,20 @@ def _decode_inputs(inputs: Sequence[InputTensor], accepted: dict[str, str]) -> d
     return decoded
 
 
+def valid_texts(
+    inputs: dict[str, Sequence[bytes]], prefix: str, signature: ModelSignature, row_limit: RowLimit | None
+) -> list[str]:
+    """The texts of a request's first input, checked (rows, sizes with the other inputs', UTF-8) and prompted.
+
+    Every route that reads texts checks them here: inferences (`validate`) and /tokenize alike.
+    """
+    name, elements = next(iter(inputs.items()))
+    check_rows(len(elements), signature, row_limit)
+    check_text_sizes(inputs, signature.text_limits)
+    texts = decode_texts(list(elements), name)
+    return [prefix + text for text in texts] if prefix else texts
+
+
 def validate(
     inputs: Sequence[InputTensor],
     outputs: Sequence[str],
@@ -340,16 +354,12 @@ def validate(
         if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
             raise InvalidArgument(f"input text: shape {shape_text(shape)} must be [batch] or [batch, 1]")
         elements = decoded[TEXT_INPUT]
-        check_rows(len(elements), signature, row_limit)
         query_elements = decoded.get(QUERY_INPUT)
         if query_elements is not None and len(query_elements) != len(elements):
             raise InvalidArgument(
                 f"input query holds {len(query_elements)} elements and text {len(elements)}: each text needs its query"
             )
-        check_text_sizes({TEXT_INPUT: elements, QUERY_INPUT: query_elements or ()}, signature.text_limits)
-        texts = decode_texts(elements, TEXT_INPUT)
-        if prefix:
-            texts = [prefix + text for text in texts]
+        texts = valid_texts({TEXT_INPUT: elements, QUERY_INPUT: query_elements or ()}, prefix, signature, row_limit)
         if query_elements is not None:
             queries = decode_texts(query_elements, QUERY_INPUT)
     elif QUERY_INPUT in decoded:

@@ -32,9 +32,8 @@ from service.pipeline.validation import (
     QUERY_INPUT,
     TEXT_INPUT,
     TRUNCATE,
-    check_rows,
-    check_text_sizes,
-    decode_texts,
+    prompt_prefix,
+    valid_texts,
 )
 
 TEI_ROUTES = frozenset({"/embed", "/rerank", "/predict", "/tokenize", "/info"})
@@ -307,18 +306,10 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
     tokenizer = served.tokenizer
     if tokenizer is None:
         raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
-    prompt_name = fields.get(PROMPT_NAME)
-    prompts = model.spec.prompts
-    if prompt_name is not None and prompt_name not in prompts:
-        known = ", ".join(prompts) or "none"
-        raise InvalidArgument(
-            f"prompt_name {prompt_name!r} is not a prompt of model {model.spec.name} (prompts: {known})"
-        )
-    check_rows(len(texts), served.signature, RowLimit(call.max_inputs, "--max-embedding-inputs"))
-    elements = _utf8(texts)
-    check_text_sizes({"inputs": elements}, served.signature.text_limits)
-    prefix = prompts.get(prompt_name or model.spec.default_prompt_name, "")
-    texts = [prefix + text for text in decode_texts(elements, "inputs")]
+    parameters = _parameters(fields, PROMPT_NAME)
+    prefix = prompt_prefix(parameters, model.spec)
+    row_limit = RowLimit(call.max_inputs, "--max-embedding-inputs")
+    texts = valid_texts({"inputs": _utf8(texts)}, prefix, served.signature, row_limit)
 
     def answer() -> bytes:
         return orjson.dumps([[_token(token) for token in tokenizer.tokens(text, special)] for text in texts])
