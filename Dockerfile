@@ -29,6 +29,7 @@ COPY pyproject.toml README.md ./
 COPY service/ service/
 COPY export/ export/
 COPY client/ client/
+COPY protocol/ protocol/
 RUN pip install "./[export]" \
     && python -m export --repository /models
 
@@ -53,6 +54,7 @@ COPY pyproject.toml README.md ./
 COPY service/ service/
 COPY export/ export/
 COPY client/ client/
+COPY protocol/ protocol/
 # A regular (non-editable) install: the runtime stage copies the venv, not the sources.
 RUN uv pip install --python /opt/venv/bin/python ".[server]"
 

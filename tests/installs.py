@@ -10,9 +10,9 @@ from pathlib import Path
 from tests.servers import ROOT
 
 SOURCE_FILES = ("pyproject.toml", "README.md")
-SOURCE_PACKAGES = ("client", "service", "export", "tools")
-"""What the sdist takes from the checkout; the Dockerfile's build stages take the same but `tools` (the image
-measures nothing)."""
+SOURCE_PACKAGES = ("client", "protocol", "service", "export", "tools")
+"""What the sdist takes from the checkout (pyproject.toml's packages); the Dockerfile's build stages take the same
+but `tools` (the image measures nothing)."""
 
 
 def copy_project_source(destination: Path) -> Path:

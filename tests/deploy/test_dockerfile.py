@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
+
+from tests.installs import SOURCE_PACKAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -144,7 +147,10 @@ def test_build_context_sources_exist_and_are_not_ignored(parsed: tuple[dict[str,
         if origin is None
         for source in paths
     }
-    assert {"pyproject.toml", "README.md", "service/", "export/"} <= sources
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    assert set(project["tool"]["setuptools"]["packages"]["find"]["include"]) == {f"{p}*" for p in SOURCE_PACKAGES}
+    packages = {f"{package}/" for package in SOURCE_PACKAGES if package != "tools"}  # the image measures nothing
+    assert {"pyproject.toml", "README.md", *packages} <= sources
     for source in sorted(sources):
         assert (REPO_ROOT / source).exists(), f"COPY {source}: not in the repository"
         assert not _ignored(source), f"COPY {source}: excluded by .dockerignore"
