@@ -24,8 +24,8 @@ INTERNAL_MESSAGE = "internal error; see the server log"
 class Kind(enum.Enum):
     """What kind of refusal or failure an error is: the one thing a protocol's status table reads.
 
-    Each member is (its name in logs and on the engine's wire, the outcome a request refused so is
-    counted under: the protocol's status name).
+    Each member is (its own name, the outcome a request refused so is counted under: the protocol's
+    status name, which several kinds may share).
     """
 
     INVALID = ("invalid", "INVALID_ARGUMENT")
@@ -42,8 +42,7 @@ class Kind(enum.Enum):
     UNIMPLEMENTED = ("unimplemented", "UNIMPLEMENTED")
     INTERNAL = ("internal", "INTERNAL")
 
-    def __init__(self, label: str, outcome: str) -> None:
-        self.label = label
+    def __init__(self, _name: str, outcome: str) -> None:
         self.outcome = outcome
 
 
