@@ -75,6 +75,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         default=(),
         help="comma-separated widths the embedding was trained to be shortened to (e.g. 768,512,256)",
     )
+    parser.add_argument(
+        "--embedding-calibration",
+        type=Path,
+        default=ExportOptions.embedding_calibration,
+        help="texts (one a line) the embedding's int8/uint8 ranges are measured on (default: the gate sentences)",
+    )
     parser.add_argument("--variants", type=_variants, default=VARIANTS, help="comma-separated, fp32 always")
     parser.add_argument("--threads", type=_positive, default=2, help="threads for the measurements")
     parser.add_argument("--int8-min-speedup", type=float, default=1.6, help="int8 speed bar over fp32")
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         variants=arguments.variants,
         threads=arguments.threads,
         int8_min_speedup=arguments.int8_min_speedup,
+        embedding_calibration=arguments.embedding_calibration,
         serving=ServingDefaults(
             max_batch_size=arguments.max_batch_size,
             max_queue_delay_us=arguments.max_queue_delay_us,

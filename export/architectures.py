@@ -106,6 +106,8 @@ def _bert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfi
     _require(hf_config, "vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
     if hf_config.get("position_embedding_type", "absolute") != "absolute":
         raise ArchitectureError(f"unsupported position_embedding_type {hf_config['position_embedding_type']!r}")
+    if hf_config.get("is_decoder") and hf_config.get("model_type") != "mpnet":  # MPNet's attention ignores it
+        raise ArchitectureError("unsupported is_decoder true (causal attention): only bidirectional encoders")
     roberta_style = hf_config.get("model_type") in ("roberta", "xlm-roberta", "mpnet")
     if hf_config.get("model_type") == "mpnet" and hf_config.get("pad_token_id", MPNET_PADDING_ID) != MPNET_PADDING_ID:
         raise ArchitectureError(f"MPNet counts positions after id {MPNET_PADDING_ID}: pad_token_id must be it")

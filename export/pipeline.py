@@ -4,6 +4,8 @@ Every graph form that is measured is gated too: a CPU candidate that misses its 
 tolerance (on any mask shape) is never eligible, and a variant with no passing form refuses the
 whole export. What a user of the server gets (texts in, `embedding` out) is measured for every
 published variant and decides the default on CUDA (the fidelity rule, service.core.fidelity).
+Last, every published variant is held to the library that made the source folder, run on that
+folder (export.reference_library): the gates before it compare with our own reading of the folder.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from export import optimize, parity
+from export import optimize, parity, reference_library
 from export.checkpoint import Checkpoint
+from export.embedding_ranges import calibration_ranges
 from export.onnx_export import OPSET, export_onnx, input_names
 from export.publish import ServingDefaults, build_config, publish
 from export.quantize import quantize_int8
@@ -62,6 +65,9 @@ class ExportOptions:
     serving: ServingDefaults = field(default_factory=ServingDefaults)
     sentences: Path = parity.SENTENCES_FILE
     calibration: Path = CALIBRATION_FILE
+    """Texts the int8 graph's activations are calibrated on."""
+    embedding_calibration: Path = parity.SENTENCES_FILE
+    """Texts the embedding's ranges (int8/uint8 embeddings) are measured on."""
 
 
 @dataclass
@@ -78,6 +84,8 @@ class _Gate:
     load_checks: dict[str, FidelityCheck] = field(default_factory=dict)
     forms: dict[str, dict[str, parity.GateResult]] = field(default_factory=dict)
     """variant -> CPU graph form -> verdict, for every form measured."""
+    sessions: dict[str, ort.InferenceSession] = field(default_factory=dict)
+    """variant -> the session of its graph as published (for the reference library's check)."""
 
     def check(self, variant: str, session: ort.InferenceSession) -> parity.GateResult:
         return parity.check_variant(variant, session, self.references)
@@ -99,6 +107,7 @@ class _Gate:
     def record(self, variant: str, form: str | None, session: ort.InferenceSession) -> None:
         """The verdict, served figures and load check of the variant as published."""
         self.results[variant] = self.forms[variant][form] if form is not None else self.check(variant, session)
+        self.sessions[variant] = session
         if self.served is not None:
             self.served_figures[variant] = self.served.measure(session)
         (embedding,) = session.run([self.fidelity.output], self.fidelity.feed)
@@ -340,10 +349,37 @@ def export_model(
         preferred = preferred_variants(gate, list(build.files), build.cuda_problem)
         report["preferred_variants"] = {device: choice["variant"] for device, choice in preferred.items()}
         report["preferred_variants_basis"] = preferred
+        stage("reference library: each published variant against sentence-transformers on the source folder")
+        library, library_failures = reference_library.check_published(
+            checkpoint,
+            build.tokenizer,
+            build.names,
+            {variant: gate.sessions[variant] for variant in build.files},
+            parity.read_sentences(options.sentences),
+        )
+        if library_failures:
+            raise GateRefused("reference library refused: " + "; ".join(library_failures))
+        for variant, figures in library.items():
+            report["variants"][variant]["reference_library"] = figures
+        ranges: dict[int, np.ndarray] = {}
+        if checkpoint.task == "embed" and build.tokenizer is not None:
+            stage("embedding ranges for int8 and uint8 embeddings")
+            ranges, report["embedding_ranges"] = calibration_ranges(
+                checkpoint, build.model, build.tokenizer, build.names, options.embedding_calibration
+            )
         stage("publish")
         variants = list(build.files)
-        config = build_config(checkpoint, build.names, variants, report["preferred_variants"], options.serving)
-        target = publish(repository, checkpoint, config, build.files, parity=report, fidelity=gate.fidelity)
+        config = build_config(
+            checkpoint,
+            build.names,
+            variants,
+            report["preferred_variants"],
+            options.serving,
+            calibration=report.get("embedding_ranges"),
+        )
+        target = publish(
+            repository, checkpoint, config, build.files, parity=report, fidelity=gate.fidelity, embedding_ranges=ranges
+        )
     log.info("published %s", target)
     return report
 

@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from export.checkpoint import Checkpoint
@@ -22,9 +23,12 @@ from protocol import model_config_pb2 as mc
 from service.core.fidelity import FidelityReference
 from service.core.repository import (
     CONFIG_FILE,
+    EMBEDDING_RANGES_FILE,
     FIDELITY_FILE,
     GRAPH_LEVELS,
     P_DEFAULT_PROMPT_NAME,
+    P_EMBEDDING_CALIBRATION,
+    P_EMBEDDING_RANGES,
     P_LABELS,
     P_MATRYOSHKA_DIMENSIONS,
     P_MAX_SEQUENCE_LENGTH,
@@ -44,6 +48,7 @@ from service.core.repository import (
     PLATFORM,
     VARIANT_FILES,
     config_text,
+    write_embedding_ranges,
 )
 
 VERSION = "1"
@@ -69,8 +74,13 @@ def build_config(
     variants: list[str],
     preferred: dict[str, str],
     defaults: ServingDefaults,
+    *,
+    calibration: dict[str, object] | None = None,
 ) -> mc.ModelConfig:
-    """The model's Triton ModelConfig, with our serving facts as parameters."""
+    """The model's Triton ModelConfig, with our serving facts as parameters.
+
+    calibration: what the embedding's ranges were measured on (export.embedding_ranges), when they were.
+    """
     config = mc.ModelConfig(
         name=checkpoint.name,
         platform=PLATFORM,
@@ -105,6 +115,9 @@ def build_config(
         parameters |= _embedding_parameters(checkpoint)
     else:
         parameters[P_LABELS] = labels_parameter(checkpoint.head)
+    if calibration is not None:
+        parameters[P_EMBEDDING_RANGES] = EMBEDDING_RANGES_FILE
+        parameters[P_EMBEDDING_CALIBRATION] = f"{calibration['corpus']}: {calibration['texts']} texts"
     if checkpoint.tokenizer_files:
         parameters[P_TOKENIZER] = "tokenizer.json"
     for variant in variants:
@@ -150,6 +163,7 @@ def publish(
     *,
     parity: dict[str, object],
     fidelity: FidelityReference,
+    embedding_ranges: dict[int, np.ndarray],
 ) -> Path:
     """Write the model folder atomically into the repository and return its path."""
     repository.mkdir(parents=True, exist_ok=True)
@@ -164,6 +178,8 @@ def publish(
             shutil.copyfile(tokenizer_file, staging / tokenizer_file.name)
         (staging / PARITY_FILE).write_text(json.dumps(parity, indent=2) + "\n")
         fidelity.save(staging / FIDELITY_FILE)
+        if embedding_ranges:
+            write_embedding_ranges(staging / EMBEDDING_RANGES_FILE, embedding_ranges)
         (staging / CONFIG_FILE).write_text(config_text(config))
         target = repository / checkpoint.name
         _replace_folder(staging, target)

@@ -3,7 +3,8 @@
 No model hub here: each test makes its model. Tokenizers are trained on the exporter's own
 sentences: WordPiece for BERT, DistilBERT and MPNet, byte-level BPE in RoBERTa's form, Unigram
 in XLM-R's form. Folders are what `transformers.save_pretrained` writes, optionally wrapped as a
-sentence-transformers model (Transformer + Pooling (+ Normalize)).
+sentence-transformers model (Transformer + Pooling (+ Dense) (+ Normalize)), or as a SparseEncoder
+(MLMTransformer + SpladePooling).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from sentence_transformers import SentenceTransformer
+from sentence_transformers import SentenceTransformer, SparseEncoder
+from sentence_transformers.base.modules import Dense
 from sentence_transformers.sentence_transformer import modules as st_models
+from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from export.parity import SENTENCES_FILE, read_sentences
@@ -221,15 +224,34 @@ def save_sentence_transformer(
     prompts: dict[str, str] | None = None,
     default_prompt_name: str | None = None,
     seed: int = 0,
+    dense_width: int = 0,
 ) -> Path:
-    """A tiny sentence-transformers model (Transformer + Pooling (+ Normalize)) of the family, saved in folder."""
+    """A tiny sentence-transformers model (Transformer + Pooling (+ Dense to dense_width) (+ Normalize)) in folder."""
     base = save_model(family, folder / "base", seed=seed)
     transformer = st_models.Transformer(str(base), max_seq_length=MAX_POSITIONS - 2)
     pool = st_models.Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)
-    modules = [transformer, pool] + ([st_models.Normalize()] if normalize else [])
+    modules = [transformer, pool]
+    if dense_width:
+        modules.append(Dense(transformer.get_embedding_dimension(), dense_width))
+    modules += [st_models.Normalize()] if normalize else []
     model = SentenceTransformer(modules=modules, prompts=prompts, default_prompt_name=default_prompt_name)
     target = folder / "model"
     model.save(str(target))
+    return target
+
+
+def save_sparse_encoder(folder: Path, seed: int = 0) -> Path:
+    """A tiny SPLADE model as sentence-transformers' SparseEncoder saves it: MLMTransformer + SpladePooling."""
+    base = folder / "base"
+    base.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_tokenizer("bert", base)
+    torch.manual_seed(seed)
+    masked_lm = transformers.BertForMaskedLM(hf_config("bert", tokenizer)).eval()
+    _randomise(masked_lm, seed)
+    masked_lm.save_pretrained(str(base))
+    modules = [MLMTransformer(str(base), max_seq_length=MAX_POSITIONS - 2), SpladePooling(pooling_strategy="max")]
+    target = folder / "model"
+    SparseEncoder(modules=modules).save(str(target))
     return target
 
 

@@ -1,0 +1,241 @@
+"""The gate's last reference: the library that made a folder, run on that folder, against every published variant.
+
+The other gates compare the ONNX graphs with our PyTorch encoder, which is built from our own
+reading of the folder (export.checkpoint): a folder read wrongly would pass them all. Here
+sentence-transformers loads the same folder its own way (`SentenceTransformer.encode` for an
+embedder, `CrossEncoder.predict` without an activation for a reranker's or classifier's logits)
+and each published variant, fed as the server feeds it (the server's tokenizer configuration, the
+model's default prompt, each text alone and in padded batches), must give the same answers.
+
+The library is imported here only, when an export runs: the server never loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from export.checkpoint import Checkpoint
+from export.parity import TOLERANCES, sentence_pairs, served_feeds
+from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
+from service.pipeline.tokenizer import TextTokenizer
+
+FP32_MIN_COSINE = FIDELITY_MIN_COSINE
+"""fp32's least cosine to the library's embeddings: the fidelity rule (served embeddings equal the model's)."""
+FP32_MAX_ABS_DIFF = 1e-4
+"""fp32's largest difference from the library: embedding values, or logits."""
+LONG_TEXT_LABEL = "the gate sentences as one text"
+"""The last gate input: longer than most models' window, so that truncation is compared too."""
+
+
+@dataclass(frozen=True)
+class LibraryReference:
+    """The library's answers on the gate inputs, and those inputs as the server receives them."""
+
+    library: str
+    """Name and version: "sentence-transformers 6.2.0"."""
+    model_class: str
+    """SentenceTransformer or CrossEncoder."""
+    inputs: list
+    """Texts with the model's default prompt before each (as encode puts it), or (query, text) pairs."""
+    labels: list[str]
+    expected: np.ndarray
+    """The library's answer per input: an embedding, or a classifier's logits [inputs, labels]."""
+    output: str
+    """The graph output compared: embedding or logits."""
+    normalized: bool
+    """Compared after L2-normalising both sides: the folder has no modules.json, so sentence-transformers
+    mean-pools without normalising while the exporter normalises; direction and values after scaling compare."""
+
+    def describe(self) -> str:
+        """What was compared, for parity.json."""
+        if self.output == "logits":
+            return "CrossEncoder.predict logits (no activation) on sentence pairs"
+        described = "SentenceTransformer.encode embeddings, default prompt applied"
+        if self.normalized:
+            described += (
+                "; compared after L2-normalising both (no modules.json: sentence-transformers"
+                " mean-pools without normalising, the exporter normalises)"
+            )
+        return described
+
+
+@dataclass(frozen=True)
+class LibraryFigures:
+    """One published variant against the library: its worst figures, where they were, and what it had to meet."""
+
+    provider: str
+    min_cosine: float | None
+    """None for logits (which have no meaningful cosine)."""
+    worst_cosine_input: str
+    max_abs_diff: float
+    worst_diff_input: str
+    rows: int
+    required: dict[str, float]
+    failures: list[str]
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """The weight-loading progress bars of transformers off while the library loads the folder (not a stage)."""
+    from transformers.utils import logging as transformers_logging  # noqa: PLC0415  (build-time only)
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryReference:
+    """sentence-transformers' answers for a checkpoint's folder on the gate sentences (and all of them as one text)."""
+    import sentence_transformers  # noqa: PLC0415  (build-time only: the server never imports it)
+    import torch  # noqa: PLC0415
+
+    folder = str(checkpoint.folder)
+    texts = [*sentences, " ".join(sentences)]
+    labels = [f"input {i + 1}: {text[:40]!r}" for i, text in enumerate(sentences)] + [LONG_TEXT_LABEL]
+    # fp32 whatever the weights are stored in (transformers runs float16 weights in float16): the reference for fp32.
+    loading = {"device": "cpu", "local_files_only": True, "model_kwargs": {"dtype": torch.float32}}
+    library = f"sentence-transformers {sentence_transformers.__version__}"
+    if checkpoint.task == "classify":
+        pairs = sentence_pairs(texts)
+        with _quiet_loading():
+            cross_encoder = sentence_transformers.CrossEncoder(folder, **loading)
+        logits = cross_encoder.predict(pairs, activation_fn=torch.nn.Identity(), show_progress_bar=False)
+        expected = np.asarray(logits, dtype=np.float32).reshape(len(pairs), -1)
+        return LibraryReference(library, "CrossEncoder", pairs, labels, expected, "logits", normalized=False)
+    with _quiet_loading():
+        model = sentence_transformers.SentenceTransformer(folder, **loading)
+    expected = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
+    prefix = checkpoint.serving.prompts.get(checkpoint.serving.default_prompt_name, "")
+    normalized = not (checkpoint.folder / "modules.json").is_file()
+    served = [prefix + text for text in texts]
+    return LibraryReference(library, "SentenceTransformer", served, labels, expected, "embedding", normalized)
+
+
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-30)
+
+
+def required_figures(variant: str, output: str) -> dict[str, float]:
+    """What a variant must meet against the library: fp32 the fidelity rule and 1e-4, the others their gate cosine."""
+    if output == "logits":
+        return {"max_abs_diff": FP32_MAX_ABS_DIFF}
+    if variant == "fp32":
+        return {"min_cosine": FP32_MIN_COSINE, "max_abs_diff": FP32_MAX_ABS_DIFF}
+    return {"min_cosine": TOLERANCES[variant].min_cosine}
+
+
+def measure(
+    reference: LibraryReference,
+    variant: str,
+    session: ort.InferenceSession,
+    tokenizer: TextTokenizer,
+    input_names: list[str],
+    *,
+    max_length: int,
+    pad_token_id: int,
+) -> LibraryFigures:
+    """A variant's answers on the reference's inputs (each alone and batched: the worse counts) against the library."""
+    feeds = served_feeds(tokenizer, reference.inputs, input_names, max_length=max_length, pad_token_id=pad_token_id)
+    answers = [np.concatenate([session.run([reference.output], feed)[0] for feed in way]) for way in feeds]
+    expected = reference.expected
+    if reference.normalized:
+        expected, answers = _unit(expected), [_unit(answer) for answer in answers]
+    differences = np.max([np.abs(answer - expected).max(axis=1) for answer in answers], axis=0)
+    worst_diff = int(np.argmax(differences))
+    required = required_figures(variant, reference.output)
+    against = f"sentence-transformers' {reference.model_class} on the folder"
+    failures = []
+    min_cosine, worst_cosine_input = None, ""
+    if reference.output == "embedding":
+        row_cosines = np.min([cosines(answer, expected) for answer in answers], axis=0)
+        worst = int(np.argmin(row_cosines))
+        min_cosine, worst_cosine_input = float(row_cosines[worst]), reference.labels[worst]
+        if min_cosine < required["min_cosine"]:
+            failures.append(
+                f"{variant}: embedding cosine {min_cosine:.6f} < {required['min_cosine']} to {against}"
+                f" at {worst_cosine_input}"
+            )
+    if "max_abs_diff" in required and differences[worst_diff] > required["max_abs_diff"]:
+        failures.append(
+            f"{variant}: {reference.output} max |diff| {differences[worst_diff]:.3g} > {required['max_abs_diff']}"
+            f" to {against} at {reference.labels[worst_diff]}"
+        )
+    return LibraryFigures(
+        provider=session.get_providers()[0],
+        min_cosine=min_cosine,
+        worst_cosine_input=worst_cosine_input,
+        max_abs_diff=float(differences[worst_diff]),
+        worst_diff_input=reference.labels[worst_diff],
+        rows=len(reference.inputs),
+        required=required,
+        failures=failures,
+    )
+
+
+def _figures_for_report(reference: LibraryReference, figures: LibraryFigures) -> dict[str, object]:
+    """One variant's figures as parity.json records them."""
+    report: dict[str, object] = {
+        "library": reference.library,
+        "class": reference.model_class,
+        "compared": reference.describe(),
+        "provider": figures.provider,
+    }
+    if figures.min_cosine is not None:
+        report |= {"min_cosine": round(figures.min_cosine, 8), "worst_cosine_input": figures.worst_cosine_input}
+    return report | {
+        "max_abs_diff": float(f"{figures.max_abs_diff:.3g}"),
+        "worst_diff_input": figures.worst_diff_input,
+        "rows": figures.rows,
+        "required": figures.required,
+        "passed": not figures.failures,
+    }
+
+
+def unavailable_reason(checkpoint: Checkpoint, tokenizer: TextTokenizer | None) -> str | None:
+    """Why a checkpoint has no library reference (None: it has one)."""
+    if checkpoint.folder is None:
+        return "random initialisation: there is no folder for a library to load"
+    if tokenizer is None:
+        return "no tokenizer.json: the server takes token ids only, and the library answers texts"
+    return None
+
+
+def check_published(
+    checkpoint: Checkpoint,
+    tokenizer: TextTokenizer | None,
+    input_names: list[str],
+    sessions: dict[str, ort.InferenceSession],
+    sentences: list[str],
+) -> tuple[dict[str, dict[str, object]], list[str]]:
+    """Every published variant (its session) against the library: figures per variant for parity.json, and failures."""
+    reason = unavailable_reason(checkpoint, tokenizer)
+    if reason is not None:
+        return {variant: {"library": None, "reason": reason} for variant in sessions}, []
+    try:
+        reference = library_reference(checkpoint, sentences)
+    except Exception as error:  # whatever stops the library from answering: the folder cannot be checked
+        failure = f"sentence-transformers could not answer for {checkpoint.folder}: {type(error).__name__}: {error}"
+        return {variant: {"library": None, "reason": failure} for variant in sessions}, [failure]
+    report, failures = {}, []
+    for variant, session in sessions.items():
+        figures = measure(
+            reference,
+            variant,
+            session,
+            tokenizer,
+            input_names,
+            max_length=checkpoint.max_seq_length,
+            pad_token_id=checkpoint.config.pad_token_id,
+        )
+        report[variant] = _figures_for_report(reference, figures)
+        failures += figures.failures
+    return report, failures
