@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 from protocol import model_config_pb2 as mc
 from service.core.repository import (
     P_DEFAULT_PROMPT_NAME,
+    P_EMBEDDING_RANGES,
     P_LABELS,
     P_MATRYOSHKA_DIMENSIONS,
     P_MODEL_TYPE,
@@ -156,8 +157,10 @@ def write_embedder(source: Path, folder: Path) -> None:
     (folder / "1").mkdir(parents=True)
     (folder / "tokenizer.json").symlink_to(source / "tokenizer.json")
     (folder / "1" / "model.onnx").symlink_to(source / "1" / "model.onnx")
+    # The source's ranges do not cover the widths declared here: this embedder serves no int8/uint8.
     for key in [key for key in config.parameters if key.startswith(("variant.", "preferred_variant."))]:
         del config.parameters[key]
+    del config.parameters[P_EMBEDDING_RANGES]
     config.name, config.default_model_filename = folder.name, "model.onnx"
     config.parameters[P_PROMPTS].string_value = json.dumps(PROMPTS)
     config.parameters[P_DEFAULT_PROMPT_NAME].string_value = "passage"

@@ -6,6 +6,8 @@
     REPO/<model>/tokenizer.json ...    tokenizer files, when the model takes text
     REPO/<model>/parity.json           the parity gate's figures
     REPO/<model>/fidelity.npz          gate inputs and the model's fp32 embeddings (checked at load)
+    REPO/<model>/embedding_ranges.npz  per-dimension [min, max] of the embedding over a calibration corpus,
+                                       for each served width (int8/uint8 embeddings), when the model has them
 
 Serving facts that Triton has no field for live in `parameters` (string values).
 `optimization.graph.level` is Triton's own field, read as Triton's ONNX Runtime backend reads it:
@@ -18,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+import numpy as np
 from google.protobuf import text_format
 
 from protocol import model_config_pb2 as mc
@@ -25,6 +28,7 @@ from protocol import model_config_pb2 as mc
 CONFIG_FILE = "config.pbtxt"
 PARITY_FILE = "parity.json"
 FIDELITY_FILE = "fidelity.npz"
+EMBEDDING_RANGES_FILE = "embedding_ranges.npz"
 PLATFORM = "onnxruntime_onnx"
 VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -47,6 +51,10 @@ P_PROMPTS = "prompts"
 P_DEFAULT_PROMPT_NAME = "default_prompt_name"
 P_SIMILARITY_FN_NAME = "similarity_fn_name"
 P_MATRYOSHKA_DIMENSIONS = "matryoshka_dimensions"
+P_EMBEDDING_RANGES = "embedding_ranges"
+"""The file of the embedding's calibrated ranges (EMBEDDING_RANGES_FILE); absent: none were calibrated."""
+P_EMBEDDING_CALIBRATION = "embedding_calibration"
+"""What the ranges were calibrated on (a corpus and its size), as reported to clients."""
 GRAPH_LEVELS = {-1: "basic", 0: "all", 1: "extended", 2: "disabled"}
 """Triton's `optimization.graph.level` values and the ONNX Runtime online optimisation each stands for."""
 P_VARIANT_PREFIX = "variant."
@@ -97,6 +105,9 @@ class ModelSpec:
     similarity_fn_name: str = ""
     matryoshka_dimensions: tuple[int, ...] = ()
     """Widths the embedding may be shortened to (it was trained for them)."""
+    embedding_ranges: dict[int, np.ndarray] = field(default_factory=dict)
+    """Served width -> float32 [2, width]: each dimension's minimum and maximum over the export's calibration
+    corpus (what int8/uint8 embeddings are scaled by); empty when the repository has none."""
     graph_optimization: str = "all"
     """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU (`optimization.graph.level`).
 
@@ -221,6 +232,38 @@ def _json_parameter(config: mc.ModelConfig, key: str, source: Path, kind: type) 
     return value
 
 
+def range_key(width: int) -> str:
+    """The array name of one width's ranges in EMBEDDING_RANGES_FILE."""
+    return f"width_{width}"
+
+
+def write_embedding_ranges(path: Path, ranges: dict[int, np.ndarray]) -> None:
+    """Save calibrated ranges (width -> [2, width] minimum and maximum) as EMBEDDING_RANGES_FILE."""
+    np.savez(path, **{range_key(width): np.asarray(array, dtype=np.float32) for width, array in ranges.items()})
+
+
+def _embedding_ranges(config: mc.ModelConfig, directory: Path, source: Path, widths: tuple[int, ...]) -> dict:
+    """The calibrated ranges of every served width, checked; {} when the repository names no ranges file."""
+    name = _parameter(config, P_EMBEDDING_RANGES, source, "")
+    if not name:
+        return {}
+    path = _inside(directory, name, source)
+    try:
+        with np.load(path) as stored:
+            arrays = {key: stored[key] for key in stored.files}
+    except (OSError, ValueError) as error:
+        raise RepositoryError(f"{source}: embedding ranges file {path} is unreadable ({error})") from error
+    ranges = {}
+    for width in widths:
+        array = arrays.get(range_key(width))
+        if array is None or array.shape != (2, width) or array.dtype != np.float32:
+            raise RepositoryError(f"{path}: needs {range_key(width)}, float32 of shape [2, {width}]")
+        if not np.isfinite(array).all() or (array[0] > array[1]).any():
+            raise RepositoryError(f"{path}: {range_key(width)} must hold finite minimums not above their maximums")
+        ranges[width] = array
+    return ranges
+
+
 def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> dict[str, object]:
     """The task's own parameters, checked: labels, or pooling, prompts and Matryoshka widths."""
     if task == "classify":
@@ -240,13 +283,15 @@ def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> 
     dimensions = _json_parameter(config, P_MATRYOSHKA_DIMENSIONS, source, list)
     if not all(type(d) is int and 0 < d <= width for d in dimensions):
         raise RepositoryError(f"{source}: matryoshka_dimensions must be widths within 1..{width}")
+    matryoshka = tuple(sorted(set(dimensions), reverse=True))
     return {
         "pooling": pooling,
         "normalize": _parameter(config, P_NORMALIZE, source, "true") == "true",
         "prompts": prompts,
         "default_prompt_name": default_prompt,
         "similarity_fn_name": _parameter(config, P_SIMILARITY_FN_NAME, source, ""),
-        "matryoshka_dimensions": tuple(sorted(set(dimensions), reverse=True)),
+        "matryoshka_dimensions": matryoshka,
+        "embedding_ranges": _embedding_ranges(config, source.parent, source, (width, *matryoshka)),
     }
 
 

@@ -14,10 +14,11 @@ import numpy as np
 
 from protocol import grpc_service_pb2 as pb
 from protocol import model_config_pb2 as mc
-from service.core.repository import PLATFORM
+from service.core.repository import PLATFORM, ModelSpec
 from service.errors import InvalidArgument, Unimplemented
 from service.ops.statistics import Duration, ModelStatistics
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, ModelState
+from service.pipeline.embedding_types import output_width, served_outputs
 from service.pipeline.validation import QUERY_INPUT, REQUIRED_TOKEN_INPUTS, TEXT_INPUT, ModelSignature
 
 SERVER_NAME = "encoder-serve"
@@ -124,17 +125,47 @@ def decode_infer_request(request: pb.ModelInferRequest) -> InferenceRequest:
     )
 
 
+def output_array(output: np.ndarray) -> tuple[np.ndarray, str]:
+    """An output as little-endian contiguous values, with its KServe datatype (FP32, INT8 or UINT8)."""
+    if output.dtype.kind in "iu":
+        return np.ascontiguousarray(output), _INTEGER_DATATYPES[output.dtype.itemsize, output.dtype.kind]
+    return np.ascontiguousarray(output, dtype=_FP32), "FP32"
+
+
 def encode_infer_response(result: InferenceResult) -> pb.ModelInferResponse:
     """Outputs as raw_output_contents, in the requested order; the request id echoed."""
     response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=result.id)
     for name, output in result.outputs.items():
-        array = np.ascontiguousarray(output, dtype=_FP32)
-        response.outputs.add(name=name, datatype="FP32", shape=array.shape)
+        array, datatype = output_array(output)
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
         response.raw_output_contents.append(array.tobytes())
     return response
 
 
-_METADATA_DATATYPES = {mc.TYPE_STRING: "BYTES", mc.TYPE_INT64: "INT64", mc.TYPE_FP32: "FP32"}
+_INTEGER_DATATYPES = {(1, "i"): "INT8", (1, "u"): "UINT8"}
+_METADATA_DATATYPES = {
+    mc.TYPE_STRING: "BYTES",
+    mc.TYPE_INT64: "INT64",
+    mc.TYPE_FP32: "FP32",
+    mc.TYPE_INT8: "INT8",
+    mc.TYPE_UINT8: "UINT8",
+}
+_CONFIG_DATATYPES = {name: data_type for data_type, name in _METADATA_DATATYPES.items()}
+
+
+def served_output_configs(spec: ModelSpec) -> list[mc.ModelOutput]:
+    """The outputs as served, in Triton's terms: the graph's (config.pbtxt's), then the forms of the embedding.
+
+    The compact embeddings (`embedding_int8`, ...: service.pipeline.embedding_types) are made by the
+    server from `embedding`, so config.pbtxt cannot declare them (Triton would look for them in the graph).
+    """
+    outputs = list(spec.config.output)
+    width = spec.hidden_size
+    for output in served_outputs(spec).values():
+        if output.embedding_type is not None:
+            dims = [output_width(output, width)]
+            outputs.append(mc.ModelOutput(name=output.name, data_type=_CONFIG_DATATYPES[output.datatype], dims=dims))
+    return outputs
 
 
 def served_inputs(signature: ModelSignature) -> list[mc.ModelInput]:
@@ -165,7 +196,7 @@ def model_metadata(signature: ModelSignature) -> pb.ModelMetadataResponse:
     response = pb.ModelMetadataResponse(name=spec.name, versions=[spec.version], platform=PLATFORM)
     for tensor in served_inputs(signature):
         response.inputs.add(name=tensor.name, datatype=_METADATA_DATATYPES[tensor.data_type], shape=[-1, *tensor.dims])
-    for tensor in spec.config.output:
+    for tensor in served_output_configs(spec):
         response.outputs.add(name=tensor.name, datatype=_METADATA_DATATYPES[tensor.data_type], shape=[-1, *tensor.dims])
     return response
 
@@ -176,6 +207,9 @@ def effective_config(model: ModelInfo) -> mc.ModelConfig:
     config.CopyFrom(model.spec.config)
     del config.input[:]
     config.input.extend(served_inputs(model.signature))
+    outputs = served_output_configs(model.spec)
+    del config.output[:]
+    config.output.extend(outputs)
     config.max_batch_size = model.policy.max_batch_size
     config.dynamic_batching.max_queue_delay_microseconds = round(model.policy.max_queue_delay_s * 1e6)
     config.dynamic_batching.default_queue_policy.max_queue_size = model.policy.max_queue_size

@@ -175,6 +175,20 @@ class Settings:
         default=1024 * 1024,
         metadata=_doc("largest total of the texts of one request, UTF-8 bytes; more is refused INVALID_ARGUMENT"),
     )
+    max_chunks_per_request: int = field(
+        default=1024,
+        metadata=_doc(
+            "windows the long texts of one request may be split into (truncate false: a text longer than the model"
+            " is embedded in windows and combined); more are refused 413 / INVALID_ARGUMENT"
+        ),
+    )
+    chunk_overlap_tokens: int = field(
+        default=0,
+        metadata=_doc(
+            "tokens each window of a long text shares with the one before it (truncate false); below the model's"
+            " length less its special tokens"
+        ),
+    )
     max_embedding_inputs: int = field(
         default=2048,
         metadata=_doc(
@@ -261,6 +275,7 @@ class Settings:
             "max_text_bytes",
             "max_request_text_bytes",
             "max_embedding_inputs",
+            "max_chunks_per_request",
             "max_concurrent_streams",
             "max_pending_rpcs",
             "max_stream_inflight",
@@ -279,6 +294,7 @@ class Settings:
             "max_queue_size",
             "length_bucket",
             "inline_tokenize_chars",
+            "chunk_overlap_tokens",
             "drain_timeout_s",
             "max_connection_age_s",
         )

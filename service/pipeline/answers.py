@@ -1,9 +1,9 @@
 """Answers budgeted like requests: their size as sent, one process's bytes in flight, and encoding off the loop.
 
 Before a request runs, its answer's size is known from its rows and tokens: values per output
-times the bytes each value takes as the front end will send it (4 as raw float32 over gRPC or
-KServe binary data, up to `JSON_VALUE_BYTES` as a JSON number, `BASE64_VALUE_BYTES` in OpenAI's
-base64). An answer over `--max-response-bytes` is refused (TooLarge: RESOURCE_EXHAUSTED, HTTP
+times the bytes each value takes as the front end will send it (`value_bytes`: 4 for a float32
+and 1 for an int8 as raw bytes over gRPC or KServe binary data, up to 16 and 5 as JSON numbers,
+4/3 of the raw bytes in base64). An answer over `--max-response-bytes` is refused (TooLarge: RESOURCE_EXHAUSTED, HTTP
 413); an answer that would take the answers in flight past this process's share of
 `--max-answer-bytes-in-flight` is refused for now (Overloaded: RESOURCE_EXHAUSTED, HTTP 429 with
 Retry-After). Its bytes stay counted until the front end has handed the answer to the transport:
@@ -20,12 +20,26 @@ import orjson
 from service.errors import Overloaded, TooLarge
 from service.ops import metrics
 
-RAW_VALUE_BYTES = 4.0
-"""A float32 as raw little-endian bytes (gRPC raw_output_contents, KServe binary data)."""
-JSON_VALUE_BYTES = 16.0
-"""A float32 as a JSON number at most (shortest round-trip form, 9 significant digits, sign, exponent, comma)."""
-BASE64_VALUE_BYTES = 16.0 / 3.0
-"""A float32 in base64 (OpenAI's encoding_format=base64)."""
+RAW = "raw"
+"""Values as raw little-endian bytes (gRPC raw_output_contents, KServe binary data)."""
+JSON = "json"
+"""Values as JSON numbers."""
+BASE64 = "base64"
+"""Values' raw bytes in base64 (OpenAI's encoding_format=base64, Cohere's base64)."""
+_RAW_BYTES = {"FP32": 4.0, "INT8": 1.0, "UINT8": 1.0}
+_JSON_BYTES = {"FP32": 16.0, "INT8": 5.0, "UINT8": 4.0}
+"""A value as a JSON number at most: a float32 in its shortest round-trip form (9 significant digits, sign,
+exponent, comma); an int8 as "-128,"; a uint8 as "255,"."""
+
+
+def value_bytes(encoding: str, datatype: str) -> float:
+    """Bytes one value of a datatype (FP32, INT8, UINT8) takes as sent in an encoding (RAW, JSON or BASE64)."""
+    if encoding == JSON:
+        return _JSON_BYTES[datatype]
+    raw = _RAW_BYTES[datatype]
+    return raw * 4 / 3 if encoding == BASE64 else raw
+
+
 INLINE_ENCODE_BYTES = 1024 * 1024
 """Answers up to this size are encoded on the event loop; larger ones on a worker thread."""
 JSON_CHUNK_VALUES = 32 * 1024
@@ -75,11 +89,12 @@ class AnswerBudget:
 
 
 def json_values(values: np.ndarray) -> orjson.Fragment:
-    """A float32 array as one flat JSON array (row-major), each value in its shortest exact form.
+    """An array as one flat JSON array (row-major): float32 values each in its shortest exact form, or integers.
 
     Written JSON_CHUNK_VALUES at a time: between chunks other threads run, the event loop's among them.
     """
-    flat = np.ascontiguousarray(values, dtype=np.float32).ravel()
+    dtype = values.dtype if values.dtype.kind in "iu" else np.float32
+    flat = np.ascontiguousarray(values, dtype=dtype).ravel()
     chunks = [
         orjson.dumps(flat[start : start + JSON_CHUNK_VALUES], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
         for start in range(0, flat.size, JSON_CHUNK_VALUES)

@@ -29,6 +29,8 @@ from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
 from service.pipeline.answers import AnswerBudget, HeldAnswer
+from service.pipeline.embedding_types import answer_outputs
+from service.pipeline.long_texts import combined
 from service.pipeline.models import ModelInfo, ServedModel
 from service.pipeline.validation import InputTensor, RowLimit, validate
 
@@ -65,8 +67,9 @@ class InferenceRequest:
     """The front end's own bound on its rows; None = the model's max_batch_size."""
     dimensions: int | None = None
     """Embedding width asked for (OpenAI's `dimensions`); None = the model's own."""
-    value_bytes: dict[str, float] = field(default_factory=dict)
-    """Bytes one value of an output takes as the front end will send it, by output name; 4 (raw float32) if absent."""
+    encodings: dict[str, str] = field(default_factory=dict)
+    """How the front end sends each output, by name: answers.RAW (the default), JSON or BASE64 (the answer budget
+    counts its bytes as sent)."""
 
 
 @dataclass(slots=True)
@@ -77,7 +80,7 @@ class InferenceResult:
     version: str
     id: str
     outputs: dict[str, np.ndarray]
-    """Requested output name -> float32 array, in the order requested."""
+    """Requested output name -> array (float32; int8 or uint8 for compact embeddings), in the order requested."""
     prompt_tokens: int
     """Real (unpadded) tokens of the request's sequences, special tokens included (OpenAI's `usage`)."""
     answer_bytes: int = 0
@@ -99,14 +102,6 @@ class ModelState:
     state: str
     """READY, LOADING or UNAVAILABLE (as Triton reports it)."""
     reason: str = ""
-
-
-def shortened(embeddings: np.ndarray, width: int, normalize: bool) -> np.ndarray:
-    """Matryoshka embeddings cut to their first `width` values, L2-normalised again when the model normalises."""
-    cut = np.ascontiguousarray(embeddings[:, :width])
-    if normalize:
-        cut /= np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
-    return cut
 
 
 class Pipeline:
@@ -260,13 +255,14 @@ class Pipeline:
                 request.row_limit,
                 dimensions=request.dimensions,
             )
-        answered = await model.run(valid, deadline, request.value_bytes, self.answers, trace)
+        answered = await model.run(valid, deadline, request.encodings, self.answers, trace)
         work = answered.work
         if trace is not None:
             trace.answered(valid.rows, answered.prompt_tokens, work.batch_rows)
-        outputs = work.outputs
-        if valid.dimensions is not None and "embedding" in outputs:
-            outputs = {**outputs, "embedding": shortened(outputs["embedding"], valid.dimensions, model.spec.normalize)}
+        graph = work.outputs
+        if answered.windows is not None:
+            graph = {"embedding": combined(graph["embedding"], answered.windows, model.spec.normalize)}
+        outputs = answer_outputs(model.spec, valid.outputs, graph, valid.dimensions)
         return InferenceResult(
             model.spec.name,
             model.spec.version,

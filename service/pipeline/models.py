@@ -15,11 +15,13 @@ from service.core.placement import InstanceInfo
 from service.core.policy import BatchingPolicy
 from service.core.repository import ModelSpec
 from service.core.rows import TokenRows, WorkResult
-from service.errors import Unavailable
+from service.errors import InvalidArgument, RequestTooLarge, Unavailable
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
-from service.pipeline.answers import RAW_VALUE_BYTES, AnswerBudget
+from service.pipeline.answers import RAW, AnswerBudget, value_bytes
+from service.pipeline.embedding_types import output_width, served_outputs
+from service.pipeline.long_texts import Windows
 from service.pipeline.tokenizer import TextTokenizer
 from service.pipeline.validation import ModelSignature, TextLimits, ValidRequest
 
@@ -91,6 +93,8 @@ class RowsAnswered:
     """Real (unpadded) tokens of its sequences, special tokens included."""
     answer_bytes: int
     """Its answer's size as sent, counted in the answer budget until released."""
+    windows: Windows | None = None
+    """How long texts were split into windows (truncate false); None: a row a text."""
 
 
 class ServedModel:
@@ -118,6 +122,8 @@ class ServedModel:
         )
         self._tokenizer_pool = tokenizer_pool
         self._inline_tokenize_chars = settings.inline_tokenize_chars
+        self._chunk_overlap = settings.chunk_overlap_tokens
+        self._max_chunks = settings.max_chunks_per_request
         self.accepted = 0
         """Requests inside `run`: being tokenised, or queued or running (a drain waits for them)."""
         self._closing = False
@@ -128,18 +134,21 @@ class ServedModel:
             TextLimits(settings.max_text_bytes, settings.max_request_text_bytes),
         )
         self.info = ModelInfo(spec, self.signature, policy, instances)
+        self.outputs = served_outputs(spec)
+        """Every output it answers, by name: the graph's and the forms of its embedding."""
 
     async def run(
         self,
         request: ValidRequest,
         deadline: float | None,
-        value_bytes: dict[str, float],
+        encodings: dict[str, str],
         answers: AnswerBudget,
         trace: tracing.RequestTrace | None = None,
     ) -> RowsAnswered:
         """Accept (or refuse at once), tokenise if needed, budget the answer, submit the rows and wait for them.
 
-        The answer's bytes as sent stay counted in `answers` until the front end releases them. Small
+        `encodings`: how the front end sends each output (answers.RAW when absent). The answer's bytes as sent
+        stay counted in `answers` until the front end releases them. Small
         texts are tokenised inline, larger ones on a worker. `trace`: the request's span (while tracing
         is on), for the tokenize and queue stages.
         """
@@ -151,27 +160,29 @@ class ServedModel:
         self.queue.check_room()
         self.accepted += 1
         try:
+            windows = None
             if request.texts is not None:
                 started = time.perf_counter()
                 with tracing.stage(trace, "tokenize"):
-                    rows = await self._tokenize(request)
+                    rows, windows = await self._tokenize(request)
                 self.metrics.tokenize_duration.observe(time.perf_counter() - started)
+                if windows is not None:
+                    self._check_windows(rows, request)
             else:
                 rows = request.tokens
-            answer_bytes = answers.reserve(self._answer_size(rows, request.outputs, value_bytes))
+            answer_bytes = answers.reserve(self._answer_size(rows, request, encodings))
+            graph = tuple(dict.fromkeys(self.outputs[name].source for name in request.outputs))
             try:
                 if trace is None:
-                    work = await self.queue.submit(rows, request.outputs, deadline)
+                    work = await self.queue.submit(rows, graph, deadline)
                 else:
-                    work = await trace.queued(
-                        self.queue.submit(rows, request.outputs, deadline, trace=trace.span_context)
-                    )
+                    work = await trace.queued(self.queue.submit(rows, graph, deadline, trace=trace.span_context))
             except BaseException:
                 answers.release(answer_bytes)
                 raise
         finally:
             self.accepted -= 1
-        return RowsAnswered(work, rows.real_tokens, answer_bytes)
+        return RowsAnswered(work, rows.real_tokens, answer_bytes, windows)
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (Unavailable); those accepted are still submitted and answered."""
@@ -185,22 +196,52 @@ class ServedModel:
             await asyncio.sleep(0.01)
         await self.queue.close(max(0.0, deadline - time.monotonic()))
 
-    def _answer_size(self, rows: TokenRows, outputs: tuple[str, ...], value_bytes: dict[str, float]) -> int:
-        """Bytes the requested outputs take as the front end sends them (values x each one's bytes)."""
-        values = {name: math.prod(self.spec.output_shape(name, rows.rows, rows.width)) for name in outputs}
-        return math.ceil(sum(values[name] * value_bytes.get(name, RAW_VALUE_BYTES) for name in outputs))
+    def _answer_size(self, rows: TokenRows, request: ValidRequest, encodings: dict[str, str]) -> int:
+        """Bytes the requested outputs take as the front end sends them (values x each one's bytes as encoded)."""
+        size = 0.0
+        for name in request.outputs:
+            output = self.outputs[name]
+            if output.source == "embedding":
+                values = request.rows * output_width(output, request.dimensions or self.spec.hidden_size)
+            else:
+                values = math.prod(self.spec.output_shape(name, rows.rows, rows.width))
+            size += values * value_bytes(encodings.get(name, RAW), output.datatype)
+        return math.ceil(size)
 
-    async def _tokenize(self, request: ValidRequest) -> TokenRows:
-        """The request's texts (or pairs) as token rows: small ones inline, larger ones on a worker."""
+    async def _tokenize(self, request: ValidRequest) -> tuple[TokenRows, Windows | None]:
+        """The request's texts (or pairs) as token rows, and how long texts were split into windows (if any were).
+
+        Small requests are tokenised inline, larger ones on a worker.
+        """
         texts, queries = request.texts, request.queries
+        characters = sum(map(len, texts)) + (sum(map(len, queries)) if queries is not None else 0)
+        if queries is None and not request.truncate and self.spec.task == "embed":
+            work = functools.partial(self.tokenizer.encode_windows, texts, self._chunk_overlap)
+            rows, counts = await self.tokenizer_work(characters, work)
+            return rows, (Windows(counts, rows.lengths) if rows.rows > len(texts) else None)
         if queries is None:
             work = functools.partial(self.tokenizer.encode_rows, texts, request.truncate)
         else:
             work = functools.partial(
                 self.tokenizer.encode_pair_rows, list(zip(queries, texts, strict=True)), request.truncate
             )
-        characters = sum(map(len, texts)) + (sum(map(len, queries)) if queries is not None else 0)
-        return await self.tokenizer_work(characters, work)
+        return await self.tokenizer_work(characters, work), None
+
+    def _check_windows(self, rows: TokenRows, request: ValidRequest) -> None:
+        """Refuse a split request over --max-chunks-per-request, or one asking for an output windows cannot give."""
+        if rows.rows > self._max_chunks:
+            raise RequestTooLarge(
+                f"the texts of this request make {rows.rows} windows of up to {self.spec.max_sequence_length} tokens,"
+                f" over the limit of {self._max_chunks} per request (--max-chunks-per-request)",
+                "too_many_chunks",
+            )
+        for name in request.outputs:
+            if self.outputs[name].source != "embedding":
+                raise InvalidArgument(
+                    f"output {name} cannot be answered for texts longer than the model's"
+                    f" {self.spec.max_sequence_length} tokens with truncate false: they are embedded in windows;"
+                    " ask for the embedding"
+                )
 
     async def tokenizer_work(self, characters: int, work: Callable[[], T]) -> T:
         """Work on `characters` of text: on the event loop up to --inline-tokenize-chars, else on a worker."""

@@ -15,7 +15,12 @@ post-processor: `[CLS] a [SEP] b [SEP]` with segment ids, or `<s> a </s></s> b <
 longer member truncated first. Pair members are not clipped: which member is longer decides
 where truncation cuts, so they are tokenised whole (the request's byte limits bound the cost).
 
-With `truncate=False` a sequence longer than the model's maximum is refused instead of cut.
+With `truncate=False` a pair longer than the model's maximum is refused instead of cut; a single
+text is split into windows instead (`encode_windows`: each at most the model's length with its
+special tokens, consecutive windows sharing `overlap` tokens), which the pipeline embeds as
+ordinary rows and combines.
+
+`decode` turns token ids back into text (TEI's /decode), refusing ids outside the vocabulary.
 """
 
 from __future__ import annotations
@@ -81,8 +86,12 @@ class TextTokenizer:
         self._tokenizer.enable_truncation(max_length=max_length)
         self._clip_from = CLIP_CHARS_PER_TOKEN * max_length
         """Texts up to this many characters are never clipped (checked before any other work)."""
+        self._windowed: dict[int, Tokenizer] = {}
+        """Copies truncating with a stride, by overlap, made on first use (`encode_windows`)."""
         self._untruncated: Tokenizer | None = None
         """The same tokenizer without truncation, made when a refusal needs a text's full count."""
+        self._known_ids: np.ndarray | None = None
+        """Whether each id from 0 to the largest is in the vocabulary (added tokens included), made on first decode."""
 
     def clip(self, text: str) -> str:
         """A prefix of `text` that tokenises (after truncation at max_length) exactly as `text` does.
@@ -114,6 +123,11 @@ class TextTokenizer:
         """The most tokens a sequence is given (special tokens included)."""
         return self._max_length
 
+    @property
+    def window_tokens(self) -> int:
+        """The tokens of a text one sequence holds (max_length less the special tokens the model adds)."""
+        return self._max_length - self._tokenizer.num_special_tokens_to_add(is_pair=False)
+
     def encode_rows(self, texts: list[str], truncate: bool = True) -> TokenRows:
         """Tokenise texts (with special tokens), each row at its own length.
 
@@ -127,6 +141,27 @@ class TextTokenizer:
         if not truncate:
             self._refuse_truncated(encodings, texts)
         return _rows(encodings, with_types=False)
+
+    def encode_windows(self, texts: list[str], overlap: int) -> tuple[TokenRows, np.ndarray]:
+        """Texts as windows of at most max_length tokens (special tokens in each), consecutive ones sharing `overlap`.
+
+        Returns every window as a row (each text's in order, texts in order) and each text's window count.
+        A text within max_length is one window, the row `encode_rows` gives it.
+        """
+        if overlap >= self.window_tokens:
+            raise InvalidArgument(
+                f"texts longer than the model cannot be split: the server's --chunk-overlap-tokens {overlap} leaves no"
+                f" room in its windows of {self.window_tokens} tokens (its length less its special tokens)"
+            )
+        windowed = self._windowed.get(overlap)
+        if windowed is None:
+            windowed = Tokenizer.from_str(self._tokenizer.to_str())
+            windowed.enable_truncation(max_length=self._max_length, stride=overlap)
+            self._windowed[overlap] = windowed
+        encodings = windowed.encode_batch_fast(texts)
+        windows = [[encoding, *encoding.overflowing] for encoding in encodings]
+        counts = np.fromiter(map(len, windows), dtype=np.int64, count=len(windows))
+        return _rows(list(itertools.chain.from_iterable(windows)), with_types=False), counts
 
     def encode_pair_rows(self, pairs: list[Pair], truncate: bool = True) -> TokenRows:
         """Tokenise (a, b) pairs as the model's tokenizer pairs them, each row at its own length, with segment ids."""
@@ -161,6 +196,28 @@ class TextTokenizer:
                 encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets, strict=True
             )
         ]
+
+    def decode(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """The text of each sequence of token ids (special tokens left out unless asked for).
+
+        An id outside the vocabulary is refused (InvalidArgument naming its sequence and place):
+        `tokenizers` would silently drop it.
+        """
+        known = self._known_ids
+        if known is None:
+            vocabulary = list(self._tokenizer.get_vocab(with_added_tokens=True).values())
+            known = np.zeros(max(vocabulary) + 1, dtype=bool)
+            known[vocabulary] = True
+            self._known_ids = known
+        for row, ids in enumerate(sequences):
+            # min and max first: ids past int64 must not reach numpy.
+            if ids and (min(ids) < 0 or max(ids) >= known.size or not known[np.array(ids, dtype=np.int64)].all()):
+                place, bad = next((i, t) for i, t in enumerate(ids) if not (0 <= t < known.size and known[t]))
+                raise InvalidArgument(
+                    f"sequence {row}, position {place}: token id {bad} is not in the tokenizer's vocabulary"
+                    f" ({int(known.sum())} tokens, ids 0 to {known.size - 1})"
+                )
+        return self._tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
 
     def encode(self, texts: list[str]) -> TokenizedBatch:
         """Tokenise texts (with special tokens) into one batch padded to the longest."""

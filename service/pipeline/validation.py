@@ -18,6 +18,7 @@ import numpy as np
 from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument, RequestTooLarge
+from service.pipeline.embedding_types import check_output
 
 TEXT_INPUT = "text"
 QUERY_INPUT = "query"
@@ -99,7 +100,8 @@ class ValidRequest:
     queries: list[str] | None = None
     """A classifier's first pair members (row i is (queries[i], texts[i])); None: single texts."""
     truncate: bool = True
-    """False: a sequence longer than the model's maximum is refused, not cut."""
+    """False: a sequence longer than the model's maximum is not cut: an embedder's text is embedded in windows
+    (service.pipeline.long_texts), a classifier's refused."""
     dimensions: int | None = None
     """The embedding width to answer with (a Matryoshka width); None: the model's own."""
 
@@ -229,13 +231,11 @@ def _check_tokens(tokens: dict[str, np.ndarray], signature: ModelSignature) -> N
 
 
 def requested_outputs(names: Sequence[str], spec: ModelSpec) -> tuple[str, ...]:
-    """The outputs to answer with, in order: the names given (each known, once), or every output."""
-    known = spec.output_names
+    """The outputs to answer with, in order: the names given (each served, once), or the graph's own."""
     if not names:
-        return known
+        return spec.output_names
     for name in names:
-        if name not in known:
-            raise InvalidArgument(f"unknown output {name!r} (outputs: {', '.join(known)})")
+        check_output(name, spec)
     if len(set(names)) != len(names):
         raise InvalidArgument("an output is requested twice")
     return tuple(names)

@@ -31,6 +31,8 @@ METADATA_DATATYPE = {
     triton_config.TYPE_STRING: "BYTES",
     triton_config.TYPE_INT64: "INT64",
     triton_config.TYPE_FP32: "FP32",
+    triton_config.TYPE_INT8: "INT8",
+    triton_config.TYPE_UINT8: "UINT8",
 }
 
 

@@ -80,9 +80,13 @@ def test_live_ready_metadata_and_config_through_tritonclient(client: triton.Infe
         ("attention_mask", "INT64", [-1, -1]),
         ("token_type_ids", "INT64", [-1, -1]),
     ]
-    assert [(o.name, list(o.shape)) for o in metadata.outputs] == [
-        ("last_hidden_state", [-1, -1, 32]),
-        ("embedding", [-1, 32]),
+    assert [(o.name, o.datatype, list(o.shape)) for o in metadata.outputs] == [
+        ("last_hidden_state", "FP32", [-1, -1, 32]),
+        ("embedding", "FP32", [-1, 32]),
+        ("embedding_int8", "INT8", [-1, 32]),
+        ("embedding_uint8", "UINT8", [-1, 32]),
+        ("embedding_binary", "INT8", [-1, 4]),
+        ("embedding_ubinary", "UINT8", [-1, 4]),
     ]
     config = client.get_model_config(TINY_MODEL).config
     assert config.name == TINY_MODEL and config.max_batch_size == 64

@@ -55,8 +55,15 @@ def test_health_metadata_and_config(client: triton.InferenceServerClient) -> Non
     assert metadata["versions"] == ["1"]
     inputs = {tensor["name"]: (tensor["datatype"], tensor["shape"]) for tensor in metadata["inputs"]}
     assert inputs["input_ids"] == ("INT64", [-1, -1])
-    outputs = {tensor["name"]: tensor["shape"] for tensor in metadata["outputs"]}
-    assert outputs == {"embedding": [-1, 32], "last_hidden_state": [-1, -1, 32]}
+    outputs = {tensor["name"]: (tensor["datatype"], tensor["shape"]) for tensor in metadata["outputs"]}
+    assert outputs == {
+        "embedding": ("FP32", [-1, 32]),
+        "last_hidden_state": ("FP32", [-1, -1, 32]),
+        "embedding_int8": ("INT8", [-1, 32]),
+        "embedding_uint8": ("UINT8", [-1, 32]),
+        "embedding_binary": ("INT8", [-1, 4]),
+        "embedding_ubinary": ("UINT8", [-1, 4]),
+    }
     assert client.get_model_metadata(TINY_MODEL, "1")["name"] == TINY_MODEL
     config = client.get_model_config(TINY_MODEL)
     # As Triton writes it: proto field names, enum names, 64-bit integers as numbers.

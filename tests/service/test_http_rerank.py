@@ -47,13 +47,14 @@ def write_model(source: Path, folder: Path, labels: tuple[str, ...] | None, prom
     config.name = folder.name
     if labels is None:
         (folder / "1" / "model.onnx").symlink_to(source / "1" / "model.onnx")
+        (folder / "embedding_ranges.npz").symlink_to(source / "embedding_ranges.npz")
         config.parameters["prompts"].string_value = json.dumps(prompts)
     else:
         weights, biases = LABEL_WEIGHTS[folder.name]
         classifier_graph(folder / "1" / "model.onnx", weights, biases, segments=True, scale=1000, offset=5)
         del config.output[:]
         config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[len(labels)])
-        for key in ("pooling", "normalize"):
+        for key in ("pooling", "normalize", "embedding_ranges", "embedding_calibration"):
             del config.parameters[key]
         config.parameters["task"].string_value = "classify"
         config.parameters["labels"].string_value = json.dumps(list(labels))

@@ -79,7 +79,8 @@ def logits(
 
 def embedding(client: grpcclient.InferenceServerClient, texts: list[str], **parameters: object) -> np.ndarray:
     """The embedder's embeddings of texts under the given request parameters."""
-    answer = client.infer(EMBEDDER, [bytes_input("text", texts)], parameters=parameters or None)
+    outputs = [grpcclient.InferRequestedOutput("embedding")]
+    answer = client.infer(EMBEDDER, [bytes_input("text", texts)], outputs=outputs, parameters=parameters or None)
     return answer.as_numpy("embedding")
 
 
@@ -149,19 +150,14 @@ def test_long_pairs_truncate_longest_first(client: grpcclient.InferenceServerCli
     assert f"pair 1 has {count} tokens, more than the model's {MAX_SEQUENCE_LENGTH}" in message, message
 
 
-def test_truncate_false_names_the_row_its_tokens_and_the_limit(
-    client: grpcclient.InferenceServerClient, repository: Path
-) -> None:
-    """truncate=false refuses a text over the limit; short texts pass; the default cuts."""
-    tokenizer = Tokenizer.from_file(str(repository / EMBEDDER / "tokenizer.json"))
-    tokenizer.no_truncation()
-    limit = read_model(repository / EMBEDDER).max_sequence_length
-    long_text = "bread " * 300
-    count = len(tokenizer.encode("passage: " + long_text).ids)
-    message = refusal(client, EMBEDDER, [bytes_input("text", ["short", long_text])], truncate=False)
-    assert f"text 1 has {count} tokens, more than the model's {limit}" in message, message
-    assert embedding(client, ["short"], truncate=False).shape == (1, 384)
-    assert embedding(client, [long_text]).shape == (1, 384)
+def test_truncate_false_embeds_long_texts_in_windows(client: grpcclient.InferenceServerClient) -> None:
+    """truncate=false: a text over the limit is embedded whole, in windows; a short text as with truncate."""
+    long_text = "bread " * 150 + "stocks " * 150
+    whole = embedding(client, ["short", long_text], truncate=False)
+    cut = embedding(client, ["short", long_text])
+    assert whole.shape == cut.shape == (2, 384)
+    np.testing.assert_allclose(whole[0], cut[0], atol=1e-6)
+    assert float(np.dot(whole[1], cut[1])) < 0.99
 
 
 def test_prompt_name_prefixes_the_text_and_the_default_applies(

@@ -1,7 +1,8 @@
 """The ASGI application of the HTTP port: routing, bounded bodies, the envelope's door, errors to statuses.
 
 Four route families share it, each in its own body dialect: OpenAI's under /v1 (and Cohere's and
-Jina's /v1/rerank), text-embeddings-inference's (/embed, /rerank, /predict, /tokenize, /info) and
+Jina's /v1/rerank), text-embeddings-inference's (/embed, /similarity, /rerank, /predict, /tokenize,
+/decode, /info) and
 KServe v2 REST under /v2. Each request gets its context where it is received, its key checked by
 the envelope (service.envelope), and its inferences run inside the envelope, as the gRPC port's
 are; errors map to statuses and bodies in one table (errors.py). Metadata, configuration,
@@ -29,6 +30,7 @@ from service.frontends.http import cohere, kserve, openai, tei
 from service.frontends.http.errors import (
     MethodNotAllowed,
     UnsupportedMediaType,
+    cohere_error,
     http_status,
     kserve_error,
     openai_error,
@@ -52,7 +54,18 @@ SEND_PART_BYTES = 256 * 1024
 """A large body is sent in parts of this size (see HttpApp._send_body)."""
 OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
 """Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
-TRACED_ROUTES = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/models/{name}/infer", "/embed", "/rerank", "/predict"})
+TRACED_ROUTES = frozenset(
+    {
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/v2/embed",
+        "/v2/models/{name}/infer",
+        "/embed",
+        "/similarity",
+        "/rerank",
+        "/predict",
+    }
+)
 """Routes whose requests get a trace span while tracing is on: the inferences."""
 SEND_KEY = "send the header 'Authorization: Bearer <key>'"
 """How an HTTP caller sends its API key (the end of the refusal's message)."""
@@ -169,10 +182,13 @@ class HttpApp:
         self._fixed: dict[str, dict[str, Handler]] = {
             "/v1/embeddings": {"POST": self._embeddings},
             "/v1/rerank": {"POST": self._task(cohere.rerank)},
+            "/v2/embed": {"POST": self._task(cohere.embed)},
             "/embed": {"POST": self._task(tei.embed)},
+            "/similarity": {"POST": self._task(tei.similarity)},
             "/rerank": {"POST": self._task(tei.rerank)},
             "/predict": {"POST": self._task(tei.predict)},
             "/tokenize": {"POST": self._task(tei.tokenize)},
+            "/decode": {"POST": self._task(tei.decode)},
             "/info": {"GET": self._info},
             "/v1/models": {"GET": self._openai_models},
             "/v2/health/live": {"GET": self._live},
@@ -288,8 +304,8 @@ class HttpApp:
         if not handlers:
             raise NotFound(
                 f"no route {scope['path']}: this server answers OpenAI's /v1/embeddings and /v1/models, /v1/rerank,"
-                " text-embeddings-inference's /embed, /rerank, /predict, /tokenize and /info, and KServe v2 REST"
-                " under /v2"
+                " text-embeddings-inference's /embed, /similarity, /rerank, /predict, /tokenize, /decode and /info,"
+                " and KServe v2 REST under /v2"
             )
         handler = handlers.get(method)
         if handler is None:
@@ -351,6 +367,8 @@ class HttpApp:
         message = str(error)
         if path.startswith("/v1/"):
             body = openai_error(status, message, error.reason)
+        elif path in cohere.V2_ROUTES:
+            body = cohere_error(message)
         elif path in tei.TEI_ROUTES:
             status = tei_status(status)
             body = tei_error(status, message)

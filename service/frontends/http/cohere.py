@@ -1,22 +1,49 @@
-"""The rerank API of Cohere and Jina: POST /v1/rerank, as LangChain's CohereRerank/JinaRerank and LlamaIndex call it.
+"""Cohere's API: POST /v2/embed (embeddings in every type), and POST /v1/rerank as Cohere and Jina answer it.
 
-`documents` are strings or {"text": ...} objects; `top_n` keeps the best ones; `return_documents`
-adds each one's text. `relevance_score` is the sigmoid of the reranker's logit (in [0, 1], as
-Cohere's), results best first. `model` may be left out when exactly one reranker is served.
+/v1/rerank, as LangChain's CohereRerank/JinaRerank and LlamaIndex call it: `documents` are strings
+or {"text": ...} objects; `top_n` keeps the best ones; `return_documents` adds each one's text.
+`relevance_score` is the sigmoid of the reranker's logit (in [0, 1], as Cohere's), results best
+first. `model` may be left out when exactly one reranker is served.
+
+/v2/embed, as Cohere's v2 client sends it: `texts`, `embedding_types` (float, int8, uint8, binary,
+ubinary, base64: little-endian float32 in base64), `input_type` (search_query, search_document,
+classification, clustering: the model's prompt of that meaning where it declares one, else its
+default prompt), `output_dimension` (a Matryoshka width) and `truncate` (END, the default, or NONE;
+START is refused: this server keeps the start of long inputs). Errors come as Cohere's {"message"}.
 """
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Callable
 
 import numpy as np
+import orjson
 
 from service.errors import InvalidArgument
+from service.frontends.codec import output_array
 from service.frontends.http.tei import Answer, TaskCall, choose_model, reranked, scores
-from service.pipeline.api import InferenceResult
+from service.pipeline.answers import BASE64, JSON, json_values
+from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, RowLimit
+from service.pipeline.embedding_types import EMBEDDING_TYPES, type_output
+from service.pipeline.models import ModelInfo
+from service.pipeline.validation import DIMENSIONS, PROMPT_NAME, TEXT_INPUT, TRUNCATE
 
+V2_ROUTES = frozenset({"/v2/embed"})
+"""Cohere's v2 routes: their errors are Cohere's {"message"}."""
 FIELDS = ("model", "query", "documents", "top_n", "return_documents", "max_chunks_per_doc", "rank_fields")
+EMBED_FIELDS = ("model", "texts", "input_type", "embedding_types", "output_dimension", "truncate")
+EMBED_TYPES = (*EMBEDDING_TYPES, "base64")
+"""Cohere's embedding_types: the served forms, and base64 (the float embedding's bytes)."""
+INPUT_TYPE_PROMPTS = {
+    "search_query": ("query", "search_query"),
+    "search_document": ("document", "passage", "search_document"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
+"""Cohere's input types and the prompt names that mean the same, in the order they are looked for."""
+TRUNCATE_CHOICES = {"END": True, "NONE": False}
 
 
 def _documents(value: object) -> list[str]:
@@ -73,3 +100,91 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
         return body
 
     return await reranked(call, model, query, documents, {}, body_of=body_of)
+
+
+def _embedding_types(value: object) -> list[str]:
+    if value is None:
+        return ["float"]
+    if not isinstance(value, list) or not value or not all(isinstance(kind, str) for kind in value):
+        raise InvalidArgument(f"embedding_types must be a non-empty list of {', '.join(EMBED_TYPES)}")
+    for kind in value:
+        if kind not in EMBED_TYPES:
+            raise InvalidArgument(f"embedding_types: {kind!r} is not one of {', '.join(EMBED_TYPES)}")
+    return list(dict.fromkeys(value))
+
+
+def _prompt_name(input_type: object, model: ModelInfo) -> str | None:
+    """The model's prompt meaning `input_type`, or None (its default prompt)."""
+    if input_type is None:
+        return None
+    if input_type not in INPUT_TYPE_PROMPTS:
+        raise InvalidArgument(f"input_type must be one of {', '.join(INPUT_TYPE_PROMPTS)}, got {input_type!r}")
+    return next((name for name in INPUT_TYPE_PROMPTS[input_type] if name in model.spec.prompts), None)
+
+
+def _truncate(value: object) -> bool:
+    if value == "START":
+        raise InvalidArgument("truncate START is not supported: this server keeps the start of long inputs (END)")
+    if value not in TRUNCATE_CHOICES:
+        raise InvalidArgument(f"truncate must be END or NONE, got {value!r}")
+    return TRUNCATE_CHOICES[value]
+
+
+def _embeddings_by_type(arrays: dict[str, np.ndarray]) -> dict[str, object]:
+    """Cohere's `embeddings` object: each type's rows, as JSON numbers or (base64) a string a row."""
+    embeddings: dict[str, object] = {}
+    for kind, array in arrays.items():
+        if kind == "base64":
+            rows, _ = output_array(array)
+            embeddings[kind] = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+        else:
+            embeddings[kind] = [json_values(row) for row in array]
+    return embeddings
+
+
+async def embed(call: TaskCall, payload: object) -> Answer:
+    """POST /v2/embed: {"model", "texts", "input_type", "embedding_types", ...} -> {"embeddings": {type: ...}, ...}."""
+    if not isinstance(payload, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    unknown = [name for name in payload if name not in EMBED_FIELDS]
+    if unknown:
+        raise InvalidArgument(f"unknown field {unknown[0]!r} (accepted: {', '.join(EMBED_FIELDS)})")
+    texts = payload.get("texts")
+    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
+        raise InvalidArgument("texts is required: a non-empty list of strings")
+    kinds = _embedding_types(payload.get("embedding_types"))
+    model = choose_model(call.pipeline, "embed", payload.get("model"))
+    outputs = {
+        kind: type_output("float" if kind == "base64" else kind, model.spec, "embedding_types") for kind in kinds
+    }
+    parameters: dict[str, bool | int | float | str] = {TRUNCATE: _truncate(payload.get("truncate", "END"))}
+    prompt_name = _prompt_name(payload.get("input_type"), model)
+    if prompt_name is not None:
+        parameters[PROMPT_NAME] = prompt_name
+    if payload.get("output_dimension") is not None:
+        parameters[DIMENSIONS] = payload["output_dimension"]
+    elements = [text.encode("utf-8", "surrogatepass") for text in texts]
+    names = tuple(dict.fromkeys(outputs.values()))
+    request = InferenceRequest(
+        model=model.spec.name,
+        inputs=(InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False),),
+        outputs=names,
+        parameters=parameters,
+        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        encodings={name: BASE64 if kinds == ["base64"] else JSON for name in names},
+    )
+    async with call.envelope.inference(call.context, request) as inference:
+        result = inference.result
+
+        def body() -> bytes:
+            answer = {
+                "id": str(uuid.uuid4()),
+                "embeddings": _embeddings_by_type({kind: result.outputs[name] for kind, name in outputs.items()}),
+                "texts": texts,
+                "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": result.prompt_tokens}},
+                "response_type": "embeddings_by_type",
+            }
+            return orjson.dumps(answer)
+
+        encoded = await inference.encode(body)
+    return Answer(encoded, result)

@@ -51,7 +51,14 @@ def openai_error(status: int, message: str, reason: str | None) -> dict[str, obj
     return {"error": {"message": message, "type": kind, "param": None, "code": reason}}
 
 
-_TEI_TYPES = {401: "Unauthorized", 413: "Validation", 422: "Validation", 429: "Overloaded", 503: "Unhealthy"}
+_TEI_TYPES = {
+    401: "Unauthorized",
+    413: "Validation",
+    422: "Validation",
+    424: "Backend",
+    429: "Overloaded",
+    503: "Unhealthy",
+}
 """text-embeddings-inference's error_type by status (others: Backend for 5xx, Validation for 4xx)."""
 _TEI_STATUSES = {400: 422, 500: 424}
 """Where TEI's routes answer another status than the others: a wrong request 422, a model failure 424 (Backend)."""
@@ -66,6 +73,11 @@ def tei_error(status: int, message: str) -> dict[str, object]:
     """A text-embeddings-inference error body: its clients read `error` and `error_type`."""
     kind = _TEI_TYPES.get(status, "Backend" if status >= 500 else "Validation")
     return {"error": message, "error_type": kind}
+
+
+def cohere_error(message: str) -> dict[str, object]:
+    """A Cohere error body (its clients raise their error class by status and show `message`)."""
+    return {"message": message}
 
 
 def kserve_error(message: str) -> dict[str, object]:

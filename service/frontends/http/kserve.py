@@ -14,14 +14,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import orjson
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from service.core.repository import TASK_OUTPUTS
 from service.errors import InvalidArgument
-from service.pipeline.answers import JSON_VALUE_BYTES, RAW_VALUE_BYTES, json_values
+from service.frontends.codec import output_array
+from service.pipeline.answers import JSON, RAW, json_values
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -29,7 +29,6 @@ BINARY_OUTPUT = "binary_data_output"
 _REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs")
 _INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
 _OUTPUT_FIELDS = ("name", "parameters")
-_FP32 = np.dtype("<f4")
 _INT64_RANGE = (-(2**63), 2**63 - 1)
 _INT64_TYPES = frozenset(
     (
@@ -199,8 +198,8 @@ def parse_infer(payload: object, binary: memoryview, name: str, version: str) ->
     if offset != len(binary):
         raise InvalidArgument(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size")
     outputs, binary_outputs = _outputs(fields["outputs"]) if "outputs" in fields else ((), {})
-    value_bytes = {
-        output: RAW_VALUE_BYTES if binary_outputs.get(output, binary_by_default) else JSON_VALUE_BYTES
+    encodings = {
+        output: RAW if binary_outputs.get(output, binary_by_default) else JSON
         for output in outputs or [name for names in TASK_OUTPUTS.values() for name in names]
     }
     request = InferenceRequest(
@@ -210,7 +209,7 @@ def parse_infer(payload: object, binary: memoryview, name: str, version: str) ->
         inputs=tuple(inputs),
         outputs=outputs,
         parameters=values,
-        value_bytes=value_bytes,
+        encodings=encodings,
     )
     return RestInferRequest(request, binary_outputs, binary_by_default)
 
@@ -219,8 +218,8 @@ def encode_outputs(rest: RestInferRequest, result: InferenceResult) -> tuple[byt
     """The response body, and the JSON part's length when binary data follows it."""
     tensors, chunks = [], []
     for name, output in result.outputs.items():
-        array = np.ascontiguousarray(output, dtype=_FP32)
-        tensor: dict[str, object] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        array, datatype = output_array(output)
+        tensor: dict[str, object] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if rest.binary_outputs.get(name, rest.binary_by_default):
             tensor["parameters"] = {"binary_data_size": array.nbytes}
             chunks.append(array.tobytes())

@@ -4,6 +4,12 @@ As OpenAI's: `input` is a string or a list of strings, `encoding_format` float o
 (little-endian float32, the SDK's default), `dimensions` only where the model can honestly give
 it, `user` accepted and unused, `usage` counted by the model's own tokenizer. Unlike OpenAI's,
 token arrays are refused: ids from OpenAI's tokenizer mean nothing to this model.
+
+Extensions: `prompt_name` (sentence-transformers' prompts), `truncate` (false: a text longer than
+the model is embedded whole, in windows: service.pipeline.long_texts) and `embedding_type` (float,
+int8, uint8, binary or ubinary: service.pipeline.embedding_types), whose integers come as JSON numbers, or with
+encoding_format base64 as their bytes (one byte each). The SDK decodes base64 as float32 when it
+chose the format itself, so a compact type is asked for with encoding_format="float" there.
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ import orjson
 from service.core.repository import ModelSpec
 from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument
-from service.pipeline.answers import BASE64_VALUE_BYTES, JSON_VALUE_BYTES, json_values
+from service.frontends.codec import output_array
+from service.pipeline.answers import BASE64, JSON, json_values
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
+from service.pipeline.embedding_types import EMBEDDING_TYPES, OUTPUT_OF_TYPE, embedding_types
 from service.pipeline.validation import TEXT_INPUT
 
 ENCODINGS = ("float", "base64")
-FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "prompt_name")
-"""OpenAI's fields, and sentence-transformers' prompt_name (the SDK sends it with extra_body)."""
+FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "prompt_name", "embedding_type", "truncate")
+"""OpenAI's fields, and the extensions prompt_name (sentence-transformers'), embedding_type and truncate (the SDK
+sends them with extra_body)."""
 OWNER = "encoder-serve"
 _FLOAT32 = np.dtype("<f4")
 TOKEN_ARRAYS_REFUSED = (
@@ -42,6 +51,9 @@ class EmbeddingsRequest:
     encoding_format: str
     dimensions: int | None
     prompt_name: str | None = None
+    embedding_type: str = "float"
+    """One of embedding_types.EMBEDDING_TYPES (checked against the model when it is known)."""
+    truncate: bool = True
 
 
 def _texts(value: object) -> list[str]:
@@ -75,11 +87,18 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
     prompt_name = payload.get("prompt_name")
     if prompt_name is not None and not isinstance(prompt_name, str):
         raise InvalidArgument("prompt_name must be a string: the name of one of the model's prompts")
-    return EmbeddingsRequest(model, _texts(payload["input"]), encoding_format, dimensions, prompt_name)
+    embedding_type = payload.get("embedding_type", "float")
+    if embedding_type not in EMBEDDING_TYPES:
+        raise InvalidArgument(f"embedding_type must be one of {', '.join(EMBEDDING_TYPES)}, got {embedding_type!r}")
+    truncate = payload.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise InvalidArgument("truncate must be true or false")
+    texts = _texts(payload["input"])
+    return EmbeddingsRequest(model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate)
 
 
 def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tokens: int) -> bytes:
-    rows = np.ascontiguousarray(vectors, dtype=_FLOAT32)
+    rows, _ = output_array(vectors)
     if request.encoding_format == "base64":
         embeddings: list[object] = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     else:
@@ -103,19 +122,20 @@ async def embeddings(
     # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
     elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
     texts = InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False)
-    value_bytes = BASE64_VALUE_BYTES if request.encoding_format == "base64" else JSON_VALUE_BYTES
+    output = OUTPUT_OF_TYPE[request.embedding_type]
     inference_request = InferenceRequest(
         model=request.model,
         inputs=(texts,),
-        outputs=("embedding",),
+        outputs=(output,),
         row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
         dimensions=request.dimensions,
-        parameters={} if request.prompt_name is None else {"prompt_name": request.prompt_name},
-        value_bytes={"embedding": value_bytes},
+        parameters={"truncate": request.truncate}
+        | ({} if request.prompt_name is None else {"prompt_name": request.prompt_name}),
+        encodings={output: BASE64 if request.encoding_format == "base64" else JSON},
     )
     async with door.inference(context, inference_request) as inference:
         result = inference.result
-        vectors = result.outputs["embedding"]
+        vectors = result.outputs[output]
         body = await inference.encode(lambda: _embeddings_body(vectors, request, result.prompt_tokens))
     return body, result
 
@@ -128,6 +148,7 @@ def _model_card(spec: ModelSpec, created: int) -> dict[str, object]:
         card["prompts"] = spec.prompts
         card["default_prompt_name"] = spec.default_prompt_name or None
         card["dimensions"] = [spec.hidden_size, *spec.matryoshka_dimensions]
+        card["embedding_types"] = embedding_types(spec)
     else:
         card["labels"] = list(spec.labels)
     return card

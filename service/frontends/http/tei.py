@@ -1,15 +1,16 @@
-"""text-embeddings-inference's routes: POST /embed, /rerank, /predict, /tokenize and GET /info, to the engine and back.
+"""text-embeddings-inference's routes: POST /embed, /similarity, /rerank, /predict, /tokenize, /decode and GET /info.
 
 Request and answer shapes are TEI's, so its clients (LangChain's HuggingFaceEndpointEmbeddings,
 huggingface_hub's InferenceClient, TEI's own examples) work unchanged. These routes name no model:
-each goes to the one served model of the task it needs (an embedder for /embed and /tokenize, a
-reranker, a classifier of one label, for /rerank, any classifier for /predict); an optional
-`model` field chooses when several are served.
+each goes to the one served model of the task it needs (an embedder for /embed, /similarity,
+/tokenize and /decode, a reranker, a classifier of one label, for /rerank, any classifier for
+/predict); an optional `model` field chooses when several are served.
 
 Where this server differs from TEI: `truncate` defaults to true (as sentence-transformers and the
 server's other routes; false refuses over-long inputs with 422, where TEI answers 413), and
 `normalize: false` is refused for a model that normalises inside its graph (its unnormalised
-vectors are not there). A model failure is 424 ("Backend"), as TEI answers it.
+vectors are not there). An empty list (`inputs`, `sentences`) is 422, where TEI answers 400 ("Empty").
+A model failure is 424 ("Backend"), as TEI answers it.
 """
 
 from __future__ import annotations
@@ -22,26 +23,42 @@ import orjson
 
 from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound, TooLarge
-from service.pipeline.answers import JSON_VALUE_BYTES, HeldAnswer
+from service.pipeline.answers import JSON, RAW, HeldAnswer
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
-from service.pipeline.models import ModelInfo
-from service.pipeline.tokenizer import Token
+from service.pipeline.embedding_types import EMBEDDING, type_output
+from service.pipeline.models import ModelInfo, ServedModel
+from service.pipeline.tokenizer import TextTokenizer, Token
 from service.pipeline.validation import (
     DIMENSIONS,
     PROMPT_NAME,
     QUERY_INPUT,
     TEXT_INPUT,
     TRUNCATE,
+    check_rows,
     prompt_prefix,
     valid_texts,
 )
 
-TEI_ROUTES = frozenset({"/embed", "/rerank", "/predict", "/tokenize", "/info"})
-TASK_OF_ROUTE = {"/embed": "embed", "/tokenize": "embed", "/rerank": "classify", "/predict": "classify"}
-EMBED_FIELDS = ("inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions", "model")
+TEI_ROUTES = frozenset({"/embed", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"})
+EMBED_FIELDS = (
+    "inputs",
+    "normalize",
+    "truncate",
+    "truncation_direction",
+    "prompt_name",
+    "dimensions",
+    "embedding_type",
+    "model",
+)
 RERANK_FIELDS = ("query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction", "model")
 PREDICT_FIELDS = ("inputs", "raw_scores", "truncate", "truncation_direction", "model")
 TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model")
+SIMILARITY_FIELDS = ("inputs", "parameters", "model")
+SIMILARITY_INPUTS = ("source_sentence", "sentences")
+SIMILARITY_PARAMETERS = ("truncate", "truncation_direction", "prompt_name")
+"""TEI's SimilarityParameters: they go in the body's `parameters` object, as Hugging Face's sentence-similarity task
+sends them."""
+DECODE_FIELDS = ("ids", "skip_special_tokens", "model")
 
 
 def choose_model(pipeline: Pipeline, task: str, name: object, *, reranker: bool = False) -> ModelInfo:
@@ -81,12 +98,14 @@ def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
-def _object(payload: object, fields: tuple[str, ...]) -> dict:
+def _object(payload: object, fields: tuple[str, ...], name: str = "") -> dict:
+    """A JSON object of only these fields (`name`: where it is in the body; the body itself when empty)."""
     if not isinstance(payload, dict):
-        raise InvalidArgument("the request body must be a JSON object")
-    unknown = [name for name in payload if name not in fields]
+        raise InvalidArgument(f"{name or 'the request body'} must be a JSON object")
+    unknown = [field for field in payload if field not in fields]
     if unknown:
-        raise InvalidArgument(f"unknown field {unknown[0]!r} (accepted: {', '.join(fields)})")
+        where = f" in {name}" if name else ""
+        raise InvalidArgument(f"unknown field {unknown[0]!r}{where} (accepted: {', '.join(fields)})")
     if payload.get("truncation_direction", "Right") not in ("Right", "right"):
         raise InvalidArgument("truncation_direction must be Right: this server keeps the start of long inputs")
     return payload
@@ -156,15 +175,19 @@ async def answered(
     parameters: dict,
     *,
     body_of: Callable[[InferenceResult], Callable[[], object]],
+    encoding: str = JSON,
 ) -> Answer:
-    """One inference of a task route, answered: `body_of(result)` gives what the JSON answer is made from."""
+    """One inference of a task route, answered: `body_of(result)` gives what the JSON answer is made from.
+
+    `encoding`: what the answer budget counts the output's values as (answers.JSON: the output is the answer).
+    """
     request = InferenceRequest(
         model=model.spec.name,
         inputs=inputs,
         outputs=(output,),
         parameters=parameters,
         row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
-        value_bytes={output: JSON_VALUE_BYTES},
+        encodings={output: encoding},
     )
     async with call.envelope.inference(call.context, request) as inference:
         make = body_of(inference.result)
@@ -173,7 +196,11 @@ async def answered(
 
 
 async def embed(call: TaskCall, payload: object) -> Answer:
-    """POST /embed: {"inputs": str | [str], "normalize", "truncate", "prompt_name", "dimensions"} -> [[float]]."""
+    """POST /embed: {"inputs": str | [str], "normalize", "truncate", "prompt_name", "dimensions"} -> [[float]].
+
+    `embedding_type` (an extension: int8, uint8, binary, ubinary) answers that form of the model's own
+    vector as integers; `normalize` applies to float vectors only.
+    """
     fields = _object(payload, EMBED_FIELDS)
     if "inputs" not in fields:
         raise InvalidArgument("inputs is required: a string or a list of strings")
@@ -186,14 +213,60 @@ async def embed(call: TaskCall, payload: object) -> Answer:
         )
     _flag(fields, TRUNCATE, True)
     parameters = _parameters(fields, TRUNCATE, PROMPT_NAME, DIMENSIONS)
+    output = type_output(fields.get("embedding_type", "float"), model.spec, "embedding_type")
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
-        vectors = result.outputs["embedding"]
-        if normalize and not model.spec.normalize:
+        vectors = result.outputs[output]
+        if output == EMBEDDING and normalize and not model.spec.normalize:
             vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return lambda: vectors
 
-    return await answered(call, model, (_bytes_tensor(TEXT_INPUT, texts),), "embedding", parameters, body_of=body_of)
+    return await answered(call, model, (_bytes_tensor(TEXT_INPUT, texts),), output, parameters, body_of=body_of)
+
+
+async def similarity(call: TaskCall, payload: object) -> Answer:
+    """POST /similarity: {"inputs": {"source_sentence", "sentences"}, "parameters"} -> [float], one per sentence.
+
+    The cosine of each sentence's embedding with the source sentence's, all embedded in one inference:
+    row 0 is the source sentence, row i sentence i - 1, so the source counts against --max-embedding-inputs.
+    `parameters` (optional, as TEI's): truncate, truncation_direction, prompt_name (applied to every row).
+    """
+    if isinstance(payload, dict):
+        for name in SIMILARITY_PARAMETERS:
+            if name in payload:
+                raise InvalidArgument(f'{name} goes in parameters: {{"parameters": {{"{name}": ...}}}}')
+    fields = _object(payload, SIMILARITY_FIELDS)
+    if "inputs" not in fields:
+        raise InvalidArgument('inputs is required: {"source_sentence": str, "sentences": [str]}')
+    inputs = _object(fields["inputs"], SIMILARITY_INPUTS, "inputs")
+    source = inputs.get("source_sentence")
+    if not isinstance(source, str):
+        raise InvalidArgument("inputs.source_sentence is required: a string")
+    sentences = inputs.get("sentences")
+    if not isinstance(sentences, list) or not all(isinstance(item, str) for item in sentences):
+        raise InvalidArgument("inputs.sentences is required: a list of strings")
+    if not sentences:
+        raise InvalidArgument("inputs.sentences is empty: give at least one sentence to compare")
+    options = fields.get("parameters")
+    options = {} if options is None else _object(options, SIMILARITY_PARAMETERS, "parameters")
+    _flag(options, TRUNCATE, True)
+    model = choose_model(call.pipeline, "embed", fields.get("model"))
+
+    def body_of(result: InferenceResult) -> Callable[[], object]:
+        vectors = result.outputs["embedding"].astype(np.float64)
+        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return lambda: (vectors[1:] @ vectors[0]).astype(np.float32)
+
+    # The budget counts the engine's float32 embeddings, held until the cosines are written: the one real cost.
+    return await answered(
+        call,
+        model,
+        (_bytes_tensor(TEXT_INPUT, [source, *sentences]),),
+        "embedding",
+        _parameters(options, TRUNCATE, PROMPT_NAME),
+        body_of=body_of,
+        encoding=RAW,
+    )
 
 
 async def rerank(call: TaskCall, payload: object) -> Answer:
@@ -301,13 +374,9 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
         raise InvalidArgument("inputs is required: a string or a list of strings")
     texts = _strings(fields["inputs"], "inputs")
     special = _flag(fields, "add_special_tokens", True)
-    model = _tokenizing_model(call.pipeline, fields.get("model"))
-    served = call.pipeline.served(model.spec.name)
-    tokenizer = served.tokenizer
-    if tokenizer is None:
-        raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
+    served, tokenizer = _tokenizer_of(call.pipeline, fields.get("model"))
     parameters = _parameters(fields, PROMPT_NAME)
-    prefix = prompt_prefix(parameters, model.spec)
+    prefix = prompt_prefix(parameters, served.spec)
     row_limit = RowLimit(call.max_inputs, "--max-embedding-inputs")
     texts = valid_texts({"inputs": _utf8(texts)}, prefix, served.signature, row_limit)
 
@@ -315,11 +384,60 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
         return orjson.dumps([[_token(token) for token in tokenizer.tokens(text, special)] for text in texts])
 
     body = await served.tokenizer_work(sum(map(len, texts)), answer)
+    return _held(call, body, "the tokens of these texts", "texts")
+
+
+async def decode(call: TaskCall, payload: object) -> Answer:
+    """POST /decode: {"ids": [int] | [[int]], "skip_special_tokens": true} -> [str], one text per sequence.
+
+    Through the tokenizer /tokenize uses. The sequences are held to --max-embedding-inputs (413),
+    every id to the tokenizer's vocabulary (422), the answer to --max-response-bytes and, until
+    sent, to --max-answer-bytes-in-flight; a large request is decoded on a worker, as /tokenize's.
+    """
+    fields = _object(payload, DECODE_FIELDS)
+    if "ids" not in fields:
+        raise InvalidArgument("ids is required: a list of token ids, or a list of such lists")
+    sequences = _id_sequences(fields["ids"])
+    skip = _flag(fields, "skip_special_tokens", True)
+    served, tokenizer = _tokenizer_of(call.pipeline, fields.get("model"))
+    check_rows(len(sequences), served.signature, RowLimit(call.max_inputs, "--max-embedding-inputs"))
+
+    def answer() -> bytes:
+        return orjson.dumps(tokenizer.decode(sequences, skip))
+
+    body = await served.tokenizer_work(sum(map(len, sequences)), answer)
+    return _held(call, body, "the texts of these ids", "sequences")
+
+
+def _id_sequences(value: object) -> list[list[int]]:
+    """TEI's InputIds: one sequence of token ids ([] is one empty sequence) or a list of them."""
+    if not isinstance(value, list):
+        raise InvalidArgument("ids must be a list of token ids, or a list of such lists")
+    sequences = value if value and all(isinstance(item, list) for item in value) else [value]
+    for row, ids in enumerate(sequences):
+        if not all(type(token_id) is int for token_id in ids):  # bool is an int to Python, not to JSON
+            place, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int)
+            where = f"ids[{row}][{place}]" if sequences is value else f"ids[{place}]"
+            raise InvalidArgument(f"{where} must be a token id (an integer), got {orjson.dumps(bad).decode()}")
+    return sequences
+
+
+def _tokenizer_of(pipeline: Pipeline, name: object) -> tuple[ServedModel, TextTokenizer]:
+    """The model /tokenize and /decode use (`_tokenizing_model`) and its tokenizer; a model without one is refused."""
+    model = _tokenizing_model(pipeline, name)
+    served = pipeline.served(model.spec.name)
+    if served.tokenizer is None:
+        raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
+    return served, served.tokenizer
+
+
+def _held(call: TaskCall, body: bytes, what: str, fewer: str) -> Answer:
+    """An answer made without an inference, held to --max-response-bytes and counted in flight until sent."""
     limit = call.pipeline.answers.max_response_bytes
     if len(body) > limit:
         raise TooLarge(
-            f"the tokens of these texts take {len(body)} bytes as JSON, over the limit of {limit} bytes per"
-            " response (--max-response-bytes); send fewer texts",
+            f"{what} take {len(body)} bytes as JSON, over the limit of {limit} bytes per response"
+            f" (--max-response-bytes); send fewer {fewer}",
             "response_too_large",
         )
     # In the answers in flight, as an inference's answer is, until the transport has taken it.
