@@ -241,7 +241,10 @@ def test_truncate_false_refuses_a_long_pair_and_embeds_a_long_text(server: Runni
             [bytes_input("query", [QUERY]), bytes_input("text", [long_text])],
             parameters={"truncate": False},
         )
-    whole = client.infer("xlmr-embed", [bytes_input("text", [long_text])], parameters={"truncate": False})
+    outputs = [grpcclient.InferRequestedOutput("embedding")]
+    whole = client.infer(
+        "xlmr-embed", [bytes_input("text", [long_text])], outputs=outputs, parameters={"truncate": False}
+    )
     assert whole.as_numpy("embedding").shape == (1, 32)
     status, answer = post(server, "/embed", {"inputs": long_text, "truncate": False, "model": "xlmr-embed"})
     assert status == 200
