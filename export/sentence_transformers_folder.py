@@ -334,6 +334,11 @@ def _model_config(folder: Path, task: str) -> dict | None:
             f"{path}: model_type {model_type!r} is not supported (SentenceTransformer for embedders,"
             " CrossEncoder for rerankers and classifiers, SparseEncoder for SPLADE)"
         )
+    if model_type is not None and "sparse" in (task, supported[model_type]) and supported[model_type] != task:
+        raise FolderError(
+            f"{path}: model_type {model_type!r} is not supported with modules.json's modules: a SparseEncoder"
+            " is exported only as an MLMTransformer then SpladePooling, and SpladePooling only in a SparseEncoder"
+        )
     if model_type is not None and supported[model_type] != task:
         raise FolderError(
             f"{path}: model_type {model_type!r}, but config.json's architectures make it {TASKS[task]['noun']}"

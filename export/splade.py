@@ -122,7 +122,12 @@ def splade_config(hf_config: dict, model_type: str, pooling_strategy: str, activ
 
 
 def rename_head_weights(weights: dict[str, Tensor], word_embeddings: Tensor, splade: SpladeConfig) -> dict[str, Tensor]:
-    """The head's weights under MaskedLMHead's names, from the checkpoint's (the decoder tied or its own)."""
+    """The head's weights under MaskedLMHead's names, from the checkpoint's.
+
+    Tied (transformers' default), the decoder's weight is the word embeddings and its bias the
+    head's own (`cls.predictions.bias`, `lm_head.bias`); untied, transformers ties neither and the
+    decoder's weight and bias are read as stored under the decoder's name.
+    """
     layout = _HEAD_LAYOUTS[splade.model_type]
     wanted = {
         "dense.weight": f"{layout.dense}.weight",
@@ -132,7 +137,7 @@ def rename_head_weights(weights: dict[str, Tensor], word_embeddings: Tensor, spl
         "decoder.bias": layout.bias,
     }
     if not splade.tied_decoder:
-        wanted["decoder.weight"] = f"{layout.decoder}.weight"
+        wanted |= {"decoder.weight": f"{layout.decoder}.weight", "decoder.bias": f"{layout.decoder}.bias"}
     renamed = {}
     for ours, theirs in wanted.items():
         if theirs not in weights:
@@ -146,7 +151,7 @@ def rename_head_weights(weights: dict[str, Tensor], word_embeddings: Tensor, spl
             f" the word embeddings {tuple(word_embeddings.shape)}"
         )
     if tuple(renamed["decoder.bias"].shape) != (word_embeddings.shape[0],):
-        raise SpladeError(f"masked-LM bias {layout.bias!r} has shape {tuple(renamed['decoder.bias'].shape)}")
+        raise SpladeError(f"masked-LM decoder bias has shape {tuple(renamed['decoder.bias'].shape)}")
     return renamed
 
 

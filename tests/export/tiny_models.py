@@ -246,17 +246,24 @@ trained SPLADE model (a padding position leaking into the maximum would then sho
 
 
 def save_sparse_encoder(
-    folder: Path, seed: int = 0, pooling_strategy: str = "max", activation_function: str = "relu"
+    folder: Path,
+    seed: int = 0,
+    *,
+    family: str = "bert",
+    pooling_strategy: str = "max",
+    activation_function: str = "relu",
+    **config: object,
 ) -> Path:
-    """A tiny SPLADE model as sentence-transformers' SparseEncoder saves it: MLMTransformer + SpladePooling."""
+    """A tiny SPLADE model (a family's masked-LM, config overrides applied) as sentence-transformers' SparseEncoder
+    saves it: MLMTransformer + SpladePooling."""
     base = folder / "base"
     base.mkdir(parents=True, exist_ok=True)
-    tokenizer = save_tokenizer("bert", base)
+    tokenizer = save_tokenizer(family, base)
     torch.manual_seed(seed)
-    masked_lm = transformers.BertForMaskedLM(hf_config("bert", tokenizer)).eval()
+    masked_lm = transformers.AutoModelForMaskedLM.from_config(hf_config(family, tokenizer, **config)).eval()
     _randomise(masked_lm, seed)
     with torch.no_grad():
-        masked_lm.cls.predictions.bias.add_(SPARSE_BIAS_SHIFT)
+        masked_lm.get_output_embeddings().bias.add_(SPARSE_BIAS_SHIFT)
     masked_lm.save_pretrained(str(base))
     pooling = SpladePooling(pooling_strategy=pooling_strategy, activation_function=activation_function)
     modules = [MLMTransformer(str(base), max_seq_length=MAX_POSITIONS - 2), pooling]
