@@ -20,7 +20,9 @@ from export.config import EncoderConfig
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
-from export.sentence_transformers_folder import FolderError, read_declarations, read_object
+from export.sentence_transformers_folder import Declarations, FolderError, folder_task, read_declarations, read_object
+from export.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
+from export.splade import rename_head_weights as rename_masked_lm_weights
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -69,6 +71,8 @@ class Checkpoint:
     """Prompts, similarity function and Matryoshka widths the source declares."""
     head: HeadConfig | None = None
     """The classification head of a reranker or classifier; None: an embedding model."""
+    splade: SpladeConfig | None = None
+    """A sparse embedder's masked-LM head and SPLADE pooling; None: not a sparse embedder."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -80,13 +84,18 @@ class Checkpoint:
 
     @property
     def task(self) -> str:
-        """The task: "embed" (vectors out) or "classify" (logits out: rerankers and classifiers)."""
+        """The task: "embed" (vectors out), "classify" (logits out: rerankers and classifiers) or "sparse" (SPLADE)."""
+        if self.splade is not None:
+            return "sparse"
         return "embed" if self.head is None else "classify"
 
     def build_model(self) -> nn.Module:
         """An eval-mode model holding these weights: the encoder, or the encoder with its head."""
         encoder = build_encoder(self.config)
-        model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
+        if self.splade is not None:
+            model: nn.Module = SpladeEncoder(encoder, self.splade)
+        else:
+            model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
         model.load_state_dict(self.state_dict, strict=True)
         return model.eval()
 
@@ -170,7 +179,8 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         raise CheckpointError(f"{folder}: no config.json")
     try:
         hf_config = read_object(config_file)
-        declarations = read_declarations(folder, "classify" if is_classifier(hf_config) else "embed")
+        task = folder_task(folder, is_classifier(hf_config))
+        declarations = read_declarations(folder, task)
     except FolderError as error:
         raise CheckpointError(str(error)) from error
     try:
@@ -187,13 +197,23 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     if any(d <= 0 or d > config.d_model for d in matryoshka_dimensions):
         raise CheckpointError(f"Matryoshka dimensions must be within 1..{config.d_model}, got {matryoshka_dimensions}")
     state_dict = _encoder_weights(folder, config, state_dict)
-    head = None
-    if is_classifier(hf_config):
+    head, splade = None, None
+    if task == "sparse":
+        splade, head_state = _splade_head(
+            folder,
+            hf_config,
+            source.model_type,
+            declarations,
+            encoder_weights=state_dict,
+            head_weights=head_weights,
+        )
+    elif task == "classify":
         try:
             head = head_config(hf_config, source.model_type)
             head_state = rename_head_weights(head_weights, head)
         except HeadError as error:
             raise CheckpointError(f"{folder}: {error}") from error
+    if task != "embed":
         state_dict = {f"encoder.{k}": v for k, v in state_dict.items()} | {
             f"head.{k}": v for k, v in head_state.items()
         }
@@ -209,7 +229,36 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
             folder, declarations.model_config or {}, tuple(sorted(set(matryoshka_dimensions), reverse=True))
         ),
         head=head,
+        splade=splade,
     )
+
+
+def _splade_head(
+    folder: Path,
+    hf_config: dict,
+    model_type: str,
+    declarations: Declarations,
+    *,
+    encoder_weights: dict[str, torch.Tensor],
+    head_weights: dict[str, torch.Tensor],
+) -> tuple[SpladeConfig, dict[str, torch.Tensor]]:
+    """A sparse embedder's masked-LM head and SPLADE pooling, checked, with the head's weights."""
+    strategy, activation = declarations.splade_pooling
+    try:
+        splade = splade_config(hf_config, model_type, strategy, activation)
+    except SpladeError as error:
+        where = declarations.pooling_file if str(error).startswith("SpladePooling") else folder
+        raise CheckpointError(f"{where}: {error}") from error
+    word_embeddings = encoder_weights["embeddings.token.weight"]  # the BERT family's (splade_config checked it)
+    if declarations.splade_dimension not in (None, word_embeddings.shape[0]):
+        raise CheckpointError(
+            f"{declarations.pooling_file}: embedding dimension {declarations.splade_dimension}"
+            f" is not the vocabulary's size {word_embeddings.shape[0]}"
+        )
+    try:
+        return splade, rename_masked_lm_weights(head_weights, word_embeddings, splade)
+    except SpladeError as error:
+        raise CheckpointError(f"{folder}: {error}") from error
 
 
 def random_checkpoint(

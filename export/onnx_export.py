@@ -38,11 +38,12 @@ def save_onnx(model_proto: onnx.ModelProto, path: Path) -> None:
 
 
 def output_shapes(model: nn.Module) -> dict[str, tuple[str | int, ...]]:
-    """Each output's shape: named dynamic axes, fixed widths (an encoder's vectors, a classifier's logits)."""
+    """Each output's shape: named dynamic axes and fixed widths (vectors, logits, or the vocabulary's size)."""
     d_model = model.config.d_model
     shapes: dict[str, tuple[str | int, ...]] = {
         "last_hidden_state": ("batch", "sequence", d_model),
         "embedding": ("batch", d_model),
+        "sparse_embedding": ("batch", model.config.vocab_size),
     }
     if hasattr(model, "head_config"):
         shapes["logits"] = ("batch", model.head_config.num_labels)

@@ -79,9 +79,11 @@ class Reference:
 
     case: Case
     hidden: np.ndarray | None
-    """last_hidden_state; None for a classifier (logits are its only output)."""
+    """last_hidden_state; None for a classifier or a sparse embedder (one output only)."""
     output: np.ndarray
-    """What the model answers per row: its embedding, or a classifier's logits."""
+    """What the model answers per row: its embedding, a classifier's logits, or a sparse embedding."""
+    output_name: str = "embedding"
+    """The graph output `output` is of: embedding, logits or sparse_embedding."""
 
 
 @dataclass
@@ -94,7 +96,8 @@ class KindFigures:
     max_abs_diff: float = 0.0
     worst_diff_case: str = ""
     compared: str = "last_hidden_state"
-    """The output max_abs_diff is over: last_hidden_state, or a classifier's logits (which have no cosine)."""
+    """The output max_abs_diff is over: last_hidden_state, a classifier's logits (which have no cosine), or
+    sparse_embedding_relative_to_row_max (each row's largest difference over that row's largest value)."""
     rows: int = 0
 
     def to_dict(self) -> dict[str, object]:
@@ -265,7 +268,7 @@ def reference_outputs(model: nn.Module, cases: list[Case]) -> list[Reference]:
         if isinstance(answer, tuple):
             references.append(Reference(case, answer[0].numpy(), answer[1].numpy()))
         else:
-            references.append(Reference(case, None, answer.numpy()))
+            references.append(Reference(case, None, answer.numpy(), model.output_names[-1]))
     return references
 
 
@@ -273,6 +276,31 @@ def _compare_logits(kind: KindFigures, case: Case, logits: np.ndarray, reference
     """A classifier's figures: the largest logit difference (logits have no meaningful cosine)."""
     kind.compared = "logits"
     diff = np.abs(logits - reference).max(axis=1)
+    worst = int(np.argmax(diff))
+    if diff[worst] > kind.max_abs_diff:
+        kind.max_abs_diff = float(diff[worst])
+        kind.worst_diff_case = case.row_labels[worst]
+
+
+def _record_cosines(kind: KindFigures, case: Case, answer: np.ndarray, reference: np.ndarray) -> None:
+    """Each row's cosine to the reference, and the worst so far."""
+    row_cosines = cosines(answer, reference)
+    kind.cosines.extend(row_cosines.tolist())
+    worst_row = int(np.argmin(row_cosines))
+    if row_cosines[worst_row] < kind.min_cosine:
+        kind.min_cosine = float(row_cosines[worst_row])
+        kind.worst_cosine_case = case.row_labels[worst_row]
+
+
+def _compare_sparse(kind: KindFigures, case: Case, answer: np.ndarray, reference: np.ndarray) -> None:
+    """A sparse embedding's figures: cosine, and each row's largest difference relative to its largest value.
+
+    Relative, because a SPLADE row's scale is the model's (log-saturated term weights, often several
+    units): an absolute bound would be looser or stricter from one model to the next.
+    """
+    kind.compared = "sparse_embedding_relative_to_row_max"
+    _record_cosines(kind, case, answer, reference)
+    diff = np.abs(answer - reference).max(axis=1) / np.maximum(np.abs(reference).max(axis=1), 1e-30)
     worst = int(np.argmax(diff))
     if diff[worst] > kind.max_abs_diff:
         kind.max_abs_diff = float(diff[worst])
@@ -288,15 +316,11 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
         kind = figures.setdefault(case.kind, KindFigures())
         kind.rows += len(case.row_labels)
         if reference.hidden is None:
-            _compare_logits(kind, case, session.run(["logits"], case.feed)[0], reference.output)
+            compare = _compare_logits if reference.output_name == "logits" else _compare_sparse
+            compare(kind, case, session.run([reference.output_name], case.feed)[0], reference.output)
             continue
         hidden, embedding = session.run(["last_hidden_state", "embedding"], case.feed)
-        row_cosines = cosines(embedding, reference.output)
-        kind.cosines.extend(row_cosines.tolist())
-        worst_row = int(np.argmin(row_cosines))
-        if row_cosines[worst_row] < kind.min_cosine:
-            kind.min_cosine = float(row_cosines[worst_row])
-            kind.worst_cosine_case = case.row_labels[worst_row]
+        _record_cosines(kind, case, embedding, reference.output)
         valid = case.feed["attention_mask"].astype(bool)
         diff = float(np.abs(hidden - reference.hidden)[valid].max())
         if diff > kind.max_abs_diff:
@@ -308,9 +332,9 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
     for kind_name in gated:
         kind = figures[kind_name]
         if kind.min_cosine < tolerance.min_cosine:
+            output = "sparse_embedding" if kind.compared.startswith("sparse") else "embedding"
             failures.append(
-                f"{variant}: embedding cosine {kind.min_cosine:.6f} < {tolerance.min_cosine} "
-                f"at {kind.worst_cosine_case}"
+                f"{variant}: {output} cosine {kind.min_cosine:.6f} < {tolerance.min_cosine} at {kind.worst_cosine_case}"
             )
         if tolerance.max_abs_diff is not None and kind.max_abs_diff > tolerance.max_abs_diff:
             failures.append(
@@ -462,5 +486,5 @@ def fidelity_reference(
     width = max(feed["input_ids"].shape[1] for feed, _ in rows)
     padded = [pad_to(feed, width, model.config.pad_token_id) for feed, _ in rows]
     batch = {name: np.concatenate([feed[name] for feed in padded]) for name in input_names}
-    output = "embedding" if "embedding" in model.output_names else "logits"
+    output = model.output_names[-1]  # embedding, logits or sparse_embedding
     return FidelityReference(batch, tuple(label for _, label in rows), embed_each(model, [batch]), output)

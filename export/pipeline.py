@@ -324,10 +324,12 @@ def export_model(
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
-    if checkpoint.task == "classify" and options.variants != ("fp32",):
-        log.warning(
-            "%s is a classifier: published in fp32 only (int8 and fp16 are not gated for logits)", checkpoint.name
-        )
+    if checkpoint.task != "embed" and options.variants != ("fp32",):
+        reason = {
+            "classify": "a classifier: published in fp32 only (int8 and fp16 are not gated for logits)",
+            "sparse": "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
+        }[checkpoint.task]
+        log.warning("%s is %s", checkpoint.name, reason)
         options = dataclasses.replace(options, variants=("fp32",))
     stage = stage or (lambda name: log.info("export stage: %s", name))
     with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
@@ -361,6 +363,13 @@ def export_model(
             raise GateRefused("reference library refused: " + "; ".join(library_failures))
         for variant, figures in library.items():
             report["variants"][variant]["reference_library"] = figures
+        if checkpoint.task == "sparse" and build.tokenizer is not None:
+            stage("transformers: the PyTorch model against AutoModelForMaskedLM on the source folder")
+            report["masked_lm_reference"], masked_lm_failures = reference_library.check_masked_lm(
+                checkpoint, build.model, build.tokenizer, build.names, parity.read_sentences(options.sentences)
+            )
+            if masked_lm_failures:
+                raise GateRefused("transformers refused: " + "; ".join(masked_lm_failures))
         ranges: dict[int, np.ndarray] = {}
         if checkpoint.task == "embed" and build.tokenizer is not None:
             stage("embedding ranges for int8 and uint8 embeddings")
@@ -394,7 +403,7 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
         "model_type": checkpoint.model_type,
         "task": checkpoint.task,
         "encoder": checkpoint.config.to_dict(),
-        "head": checkpoint.head.to_dict() if checkpoint.head is not None else None,
+        "head": next((head.to_dict() for head in (checkpoint.head, checkpoint.splade) if head is not None), None),
         "max_sequence_length": checkpoint.max_seq_length,
         "onnx": {"exporter": "torch.onnx (TorchScript)", "opset": OPSET, "attention_mask": "raw 0/1 mask"},
         "cpu_graph_forms": {

@@ -19,6 +19,7 @@ from export.checkpoint import Checkpoint
 from export.heads import labels_parameter
 from export.onnx_export import save_onnx
 from export.optimize import FP32_GRAPH_OPTIMIZATION
+from export.splade import SPARSE_OUTPUT
 from protocol import model_config_pb2 as mc
 from service.core.fidelity import FidelityReference
 from service.core.repository import (
@@ -90,11 +91,13 @@ def build_config(
     for name in input_names:
         config.input.add(name=name, data_type=mc.TYPE_INT64, dims=[-1])
     d_model = checkpoint.config.d_model
-    if checkpoint.head is None:
+    if checkpoint.task == "sparse":
+        config.output.add(name=SPARSE_OUTPUT, data_type=mc.TYPE_FP32, dims=[checkpoint.config.vocab_size])
+    elif checkpoint.task == "classify":
+        config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[checkpoint.head.num_labels])
+    else:
         config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
         config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
-    else:
-        config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[checkpoint.head.num_labels])
     config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     # Triton's field, so that Triton too runs the fp32 graph in the form that was measured fastest.
     config.optimization.graph.level = next(v for v, name in GRAPH_LEVELS.items() if name == FP32_GRAPH_OPTIMIZATION)
@@ -109,12 +112,14 @@ def build_config(
         P_TASK: checkpoint.task,
         P_PAD_TOKEN_ID: str(checkpoint.config.pad_token_id),
     }
-    if checkpoint.head is None:
+    if checkpoint.task == "sparse":
+        parameters |= _prompt_parameters(checkpoint)
+    elif checkpoint.task == "classify":
+        parameters[P_LABELS] = labels_parameter(checkpoint.head)
+    else:
         parameters[P_POOLING] = checkpoint.config.pooling
         parameters[P_NORMALIZE] = str(checkpoint.config.normalize).lower()
         parameters |= _embedding_parameters(checkpoint)
-    else:
-        parameters[P_LABELS] = labels_parameter(checkpoint.head)
     if calibration is not None:
         parameters[P_EMBEDDING_RANGES] = EMBEDDING_RANGES_FILE
         parameters[P_EMBEDDING_CALIBRATION] = f"{calibration['corpus']}: {calibration['texts']} texts"
@@ -129,14 +134,21 @@ def build_config(
     return config
 
 
-def _embedding_parameters(checkpoint: Checkpoint) -> dict[str, str]:
-    """What a sentence-transformers source declares for its embeddings, where it declares anything."""
+def _prompt_parameters(checkpoint: Checkpoint) -> dict[str, str]:
+    """The prompts a sentence-transformers source declares, and its default one, where it declares them."""
     serving = checkpoint.serving
     parameters = {}
     if serving.prompts:
         parameters[P_PROMPTS] = json.dumps(serving.prompts)
     if serving.default_prompt_name:
         parameters[P_DEFAULT_PROMPT_NAME] = serving.default_prompt_name
+    return parameters
+
+
+def _embedding_parameters(checkpoint: Checkpoint) -> dict[str, str]:
+    """What a sentence-transformers source declares for its embeddings, where it declares anything."""
+    serving = checkpoint.serving
+    parameters = _prompt_parameters(checkpoint)
     if serving.similarity_fn_name:
         parameters[P_SIMILARITY_FN_NAME] = serving.similarity_fn_name
     if serving.matryoshka_dimensions:

@@ -3,11 +3,13 @@
 The other gates compare the ONNX graphs with our PyTorch encoder, which is built from our own
 reading of the folder (export.checkpoint): a folder read wrongly would pass them all. Here
 sentence-transformers loads the same folder its own way (`SentenceTransformer.encode` for an
-embedder, `CrossEncoder.predict` without an activation for a reranker's or classifier's logits)
-and each published variant, fed as the server feeds it (the server's tokenizer configuration, the
-model's default prompt, each text alone and in padded batches), must give the same answers.
+embedder, `CrossEncoder.predict` without an activation for a reranker's or classifier's logits,
+`SparseEncoder.encode` densified for a SPLADE model) and each published variant, fed as the server
+feeds it (the server's tokenizer configuration, the model's default prompt, each text alone and in
+padded batches), must give the same answers. A SPLADE model's PyTorch reading is also held to
+transformers' own masked-LM model on the folder, pooled here by hand (`check_masked_lm`).
 
-The library is imported here only, when an export runs: the server never loads it.
+The libraries are imported here only, when an export runs: the server never loads them.
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
+import torch
 
 from export.checkpoint import Checkpoint
-from export.parity import TOLERANCES, sentence_pairs, served_feeds
+from export.parity import SENTENCE_BATCH, TOLERANCES, sentence_pairs, served_feeds
+from export.splade import SPARSE_OUTPUT
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.pipeline.tokenizer import TextTokenizer
 
 FP32_MIN_COSINE = FIDELITY_MIN_COSINE
 """fp32's least cosine to the library's embeddings: the fidelity rule (served embeddings equal the model's)."""
 FP32_MAX_ABS_DIFF = 1e-4
-"""fp32's largest difference from the library: embedding values, or logits."""
+"""fp32's largest difference from the library: embedding values, logits, or a sparse embedding's values relative
+to its row's largest value."""
+MASKED_LM_MAX_ABS_DIFF = 1e-5
+"""A SPLADE model's PyTorch reading against transformers' masked-LM logits pooled by hand: fp32 against fp32."""
 LONG_TEXT_LABEL = "the gate sentences as one text"
 """The last gate input: longer than most models' window, so that truncation is compared too."""
 
@@ -39,14 +46,15 @@ class LibraryReference:
     library: str
     """Name and version: "sentence-transformers 6.2.0"."""
     model_class: str
-    """SentenceTransformer or CrossEncoder."""
+    """SentenceTransformer, CrossEncoder or SparseEncoder."""
     inputs: list
     """Texts with the model's default prompt before each (as encode puts it), or (query, text) pairs."""
     labels: list[str]
     expected: np.ndarray
-    """The library's answer per input: an embedding, or a classifier's logits [inputs, labels]."""
+    """The library's answer per input: an embedding, a classifier's logits [inputs, labels], or a sparse
+    embedding [inputs, vocab_size] (densified)."""
     output: str
-    """The graph output compared: embedding or logits."""
+    """The graph output compared: embedding, logits or sparse_embedding."""
     normalized: bool
     """Compared after L2-normalising both sides: the folder has no modules.json, so sentence-transformers
     mean-pools without normalising while the exporter normalises; direction and values after scaling compare."""
@@ -55,6 +63,11 @@ class LibraryReference:
         """What was compared, for parity.json."""
         if self.output == "logits":
             return "CrossEncoder.predict logits (no activation) on sentence pairs"
+        if self.output == SPARSE_OUTPUT:
+            return (
+                "SparseEncoder.encode sparse embeddings densified, default prompt applied;"
+                " max_abs_diff relative to each row's largest value"
+            )
         described = "SentenceTransformer.encode embeddings, default prompt applied"
         if self.normalized:
             described += (
@@ -96,7 +109,6 @@ def _quiet_loading() -> Iterator[None]:
 def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryReference:
     """sentence-transformers' answers for a checkpoint's folder on the gate sentences (and all of them as one text)."""
     import sentence_transformers  # noqa: PLC0415  (build-time only: the server never imports it)
-    import torch  # noqa: PLC0415
 
     folder = str(checkpoint.folder)
     texts = [*sentences, " ".join(sentences)]
@@ -111,12 +123,18 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
         logits = cross_encoder.predict(pairs, activation_fn=torch.nn.Identity(), show_progress_bar=False)
         expected = np.asarray(logits, dtype=np.float32).reshape(len(pairs), -1)
         return LibraryReference(library, "CrossEncoder", pairs, labels, expected, "logits", normalized=False)
+    prefix = checkpoint.serving.prompts.get(checkpoint.serving.default_prompt_name, "")
+    served = [prefix + text for text in texts]
+    if checkpoint.task == "sparse":
+        with _quiet_loading():
+            sparse_encoder = sentence_transformers.SparseEncoder(folder, **loading)
+        encoded = sparse_encoder.encode(texts, convert_to_tensor=True, show_progress_bar=False)
+        expected = encoded.to_dense().numpy().astype(np.float32)
+        return LibraryReference(library, "SparseEncoder", served, labels, expected, SPARSE_OUTPUT, normalized=False)
     with _quiet_loading():
         model = sentence_transformers.SentenceTransformer(folder, **loading)
     expected = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
-    prefix = checkpoint.serving.prompts.get(checkpoint.serving.default_prompt_name, "")
     normalized = not (checkpoint.folder / "modules.json").is_file()
-    served = [prefix + text for text in texts]
     return LibraryReference(library, "SentenceTransformer", served, labels, expected, "embedding", normalized)
 
 
@@ -150,18 +168,20 @@ def measure(
     if reference.normalized:
         expected, answers = _unit(expected), [_unit(answer) for answer in answers]
     differences = np.max([np.abs(answer - expected).max(axis=1) for answer in answers], axis=0)
+    if reference.output == SPARSE_OUTPUT:  # a SPLADE row's scale is the model's: its values relative to its largest
+        differences = differences / np.maximum(np.abs(expected).max(axis=1), 1e-30)
     worst_diff = int(np.argmax(differences))
     required = required_figures(variant, reference.output)
     against = f"sentence-transformers' {reference.model_class} on the folder"
     failures = []
     min_cosine, worst_cosine_input = None, ""
-    if reference.output == "embedding":
+    if reference.output != "logits":
         row_cosines = np.min([cosines(answer, expected) for answer in answers], axis=0)
         worst = int(np.argmin(row_cosines))
         min_cosine, worst_cosine_input = float(row_cosines[worst]), reference.labels[worst]
         if min_cosine < required["min_cosine"]:
             failures.append(
-                f"{variant}: embedding cosine {min_cosine:.6f} < {required['min_cosine']} to {against}"
+                f"{variant}: {reference.output} cosine {min_cosine:.6f} < {required['min_cosine']} to {against}"
                 f" at {worst_cosine_input}"
             )
     if "max_abs_diff" in required and differences[worst_diff] > required["max_abs_diff"]:
@@ -239,3 +259,56 @@ def check_published(
         report[variant] = _figures_for_report(reference, figures)
         failures += figures.failures
     return report, failures
+
+
+def check_masked_lm(
+    checkpoint: Checkpoint,
+    model: torch.nn.Module,
+    tokenizer: TextTokenizer,
+    input_names: list[str],
+    sentences: list[str],
+) -> tuple[dict[str, object], list[str]]:
+    """A SPLADE model's PyTorch reading against transformers' AutoModelForMaskedLM on its folder, pooled by hand.
+
+    The same token batches (the gate sentences through the server's tokenizer) go to both; the
+    masked-LM logits are pooled here as SpladePooling pools them, in float64.
+    """
+    import transformers  # noqa: PLC0415  (build-time only: the server never imports it)
+
+    splade = checkpoint.splade
+    with _quiet_loading():
+        masked_lm = transformers.AutoModelForMaskedLM.from_pretrained(
+            str(checkpoint.folder), dtype=torch.float32, local_files_only=True
+        ).eval()
+    worst_diff, worst_input = 0.0, ""
+    for start in range(0, len(sentences), SENTENCE_BATCH):
+        chunk = sentences[start : start + SENTENCE_BATCH]
+        feed = tokenizer.encode(chunk).feed(input_names)
+        tensors = {name: torch.from_numpy(array) for name, array in feed.items()}
+        with torch.inference_mode():
+            logits = masked_lm(**tensors).logits.numpy().astype(np.float64)
+            ours = model(**tensors).numpy()
+        weights = np.log1p(np.maximum(logits * feed["attention_mask"][:, :, None], 0.0))
+        if splade.activation_function == "log1p_relu":
+            weights = np.log1p(weights)
+        expected = weights.max(axis=1) if splade.pooling_strategy == "max" else weights.sum(axis=1)
+        differences = np.abs(ours - expected).max(axis=1)
+        row = int(np.argmax(differences))
+        if differences[row] > worst_diff:
+            worst_diff, worst_input = float(differences[row]), f"sentence {start + row + 1}: {chunk[row][:40]!r}"
+    passed = worst_diff <= MASKED_LM_MAX_ABS_DIFF
+    report = {
+        "library": f"transformers {transformers.__version__}",
+        "class": type(masked_lm).__name__,
+        "compared": "our PyTorch sparse_embedding against the masked-LM logits with SpladePooling applied by hand",
+        "max_abs_diff": float(f"{worst_diff:.3g}"),
+        "worst_diff_input": worst_input,
+        "rows": len(sentences),
+        "required": {"max_abs_diff": MASKED_LM_MAX_ABS_DIFF},
+        "passed": passed,
+    }
+    failure = (
+        f"PyTorch sparse_embedding max |diff| {worst_diff:.3g} > {MASKED_LM_MAX_ABS_DIFF} to transformers'"
+        f" {type(masked_lm).__name__} on the folder at {worst_input}"
+    )
+    return report, [] if passed else [failure]

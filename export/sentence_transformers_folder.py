@@ -2,11 +2,12 @@
 
 `modules.json` lists the modules `SentenceTransformer`, `CrossEncoder` or `SparseEncoder` chains;
 each module's own file configures it, and `config_sentence_transformers.json` says which class
-made the folder. The exporter implements one chain: a Transformer at the folder root, then (for an
-embedder) one Pooling module and optionally a Normalize module last; a CrossEncoder's Transformer
-stands alone. Every other module type, and every declared field that would change the outputs and
-that the exporter does not implement, refuses the export with one line naming the file and field:
-a folder is never approximated.
+made the folder. The exporter implements three chains: a Transformer at the folder root, then (for
+an embedder) one Pooling module and optionally a Normalize module last; a CrossEncoder's
+Transformer alone; a SparseEncoder's (MLM)Transformer (fill-mask) then SpladePooling (SPLADE).
+A folder whose modules include SpladePooling is a sparse embedder. Every other module type, and
+every declared field that would change the outputs and that the exporter does not implement,
+refuses the export with one line naming the file and field: a folder is never approximated.
 """
 
 from __future__ import annotations
@@ -28,15 +29,27 @@ NORMALIZE_TYPES = (
     "sentence_transformers.sentence_transformer.modules.normalize.Normalize",  # 5.4 to 5.x
     "sentence_transformers.base.modules.normalize.Normalize",  # 6 on
 )
+MLM_TRANSFORMER_TYPES = (
+    "sentence_transformers.sparse_encoder.models.MLMTransformer",  # 5.0 to 5.3
+    "sentence_transformers.sparse_encoder.modules.MLMTransformer",
+    "sentence_transformers.sparse_encoder.modules.mlm_transformer.MLMTransformer",  # 5.4 on
+)
+SPLADE_POOLING_TYPES = (
+    "sentence_transformers.sparse_encoder.models.SpladePooling",
+    "sentence_transformers.sparse_encoder.modules.SpladePooling",
+    "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling",
+)
 MODULE_KINDS = (
     {name: "Transformer" for name in TRANSFORMER_TYPES}
     | {name: "Pooling" for name in POOLING_TYPES}
     | {name: "Normalize" for name in NORMALIZE_TYPES}
+    | {name: "MLMTransformer" for name in MLM_TRANSFORMER_TYPES}
+    | {name: "SpladePooling" for name in SPLADE_POOLING_TYPES}
 )
 """modules.json `type` -> the module it names, for every type name a sentence-transformers release writes."""
 SUPPORTED_CHAIN = (
     "supported: sentence-transformers' Transformer at the folder root, then Pooling, then optionally Normalize last;"
-    " or a CrossEncoder's Transformer alone"
+    " or a CrossEncoder's Transformer alone; or a SparseEncoder's MLMTransformer then SpladePooling"
 )
 POOLING_KEYS = {
     "pooling_mode_mean_tokens": "mean",
@@ -48,6 +61,9 @@ POOLING_KEYS = {
 POOLING_MODES = tuple(POOLING_KEYS.values())
 POOLING_FIELDS = {"embedding_dimension", "word_embedding_dimension", "pooling_mode", "include_prompt"}
 """Pooling config.json fields besides the pooling_mode_* switches."""
+SPLADE_POOLING_FIELDS = {"pooling_strategy", "activation_function", "embedding_dimension", "word_embedding_dimension"}
+SPLADE_POOLING_SPEED_FIELDS = {"chunk_size"}
+"""SpladePooling fields that change only how much is computed at once (max and sum over chunks are the same)."""
 TRANSFORMER_CONFIG_FILES = (
     "sentence_bert_config.json",
     "sentence_roberta_config.json",
@@ -72,6 +88,13 @@ TASKS = {
         "transformer_task": "sequence-classification",
         "method_output_name": "logits",
         "module_output_name": "scores",
+    },
+    "sparse": {
+        "noun": "a sparse embedder (SPLADE)",
+        "model_type": "SparseEncoder",
+        "transformer_task": "fill-mask",
+        "method_output_name": "logits",
+        "module_output_name": "token_embeddings",
     },
 }
 """What each task's sentence-transformers files say where they say it."""
@@ -121,6 +144,10 @@ class Declarations:
     """The Transformer module's max_seq_length, else the tokenizer's model_max_length (None: neither declares one)."""
     model_config: dict | None = None
     """config_sentence_transformers.json, checked (None: absent)."""
+    splade_pooling: tuple[str, str] | None = None
+    """A sparse embedder's SpladePooling: (pooling_strategy, activation_function); None: not a sparse embedder."""
+    splade_dimension: int | None = None
+    """The SpladePooling module's embedding dimension (None: not declared); the vocabulary's size if declared."""
 
 
 def _read_json(path: Path) -> object:
@@ -159,12 +186,21 @@ def _check_chain(path: Path, modules: list[tuple[str, str]], task: str) -> None:
         raise FolderError(f"{path}: module type not implemented here: {', '.join(unknown)} ({SUPPORTED_CHAIN})")
     kinds = [MODULE_KINDS[kind] for kind, _ in modules]
     (first_type, first_path), rest = modules[0], kinds[1:]
-    if kinds[0] != "Transformer":
+    if kinds[0] not in ("Transformer", "MLMTransformer"):
         raise FolderError(f"{path}: the first module is {first_type!r}, not a Transformer ({SUPPORTED_CHAIN})")
     if first_path not in ("", "."):
         raise FolderError(
             f"{path}: the Transformer module is at path {first_path!r}, not the folder root ({SUPPORTED_CHAIN})"
         )
+    if task == "sparse":
+        if kinds not in (["MLMTransformer", "SpladePooling"], ["Transformer", "SpladePooling"]):
+            raise FolderError(
+                f"{path}: modules {' -> '.join(kinds)}: a sparse embedder must be exactly an MLMTransformer"
+                f" then SpladePooling ({SUPPORTED_CHAIN})"
+            )
+        return
+    if kinds[0] == "MLMTransformer":
+        raise FolderError(f"{path}: an MLMTransformer without SpladePooling is not implemented ({SUPPORTED_CHAIN})")
     if task == "classify" and rest:
         raise FolderError(
             f"{path}: {', '.join(rest)} after a sequence-classification Transformer (config.json's architectures)"
@@ -211,6 +247,25 @@ def _pooling(path: Path) -> tuple[str, int | None]:
     if dimension is not None and not isinstance(dimension, int):
         raise FolderError(f"{path}: embedding dimension {dimension!r} is not an integer")
     return chosen[0], dimension
+
+
+def _splade_pooling(path: Path) -> tuple[str, str, int | None]:
+    """A SpladePooling config.json: its pooling strategy, activation and declared dimension, as written.
+
+    Which strategies and activations are implemented is the model's to say (export.splade): here,
+    fields that would change the outputs and are unknown are refused.
+    """
+    settings = read_object(path)
+    unknown = sorted(set(settings) - SPLADE_POOLING_FIELDS - SPLADE_POOLING_SPEED_FIELDS)
+    if unknown:
+        raise FolderError(f"{path}: SpladePooling field {unknown[0]!r} is not implemented here")
+    strategy, activation = settings.get("pooling_strategy", "max"), settings.get("activation_function", "relu")
+    if not isinstance(strategy, str) or not isinstance(activation, str):
+        raise FolderError(f"{path}: pooling_strategy and activation_function must be names")
+    dimension = settings.get("embedding_dimension", settings.get("word_embedding_dimension"))
+    if dimension is not None and not isinstance(dimension, int):
+        raise FolderError(f"{path}: embedding dimension {dimension!r} is not an integer")
+    return strategy, activation, dimension
 
 
 def _check_normalize(folder: Path) -> None:
@@ -276,8 +331,13 @@ def _model_config(folder: Path, task: str) -> dict | None:
     supported = {spec["model_type"]: name for name, spec in TASKS.items()}
     if model_type is not None and model_type not in supported:
         raise FolderError(
-            f"{path}: model_type {model_type!r} is not supported"
-            " (SentenceTransformer for embedders, CrossEncoder for rerankers and classifiers)"
+            f"{path}: model_type {model_type!r} is not supported (SentenceTransformer for embedders,"
+            " CrossEncoder for rerankers and classifiers, SparseEncoder for SPLADE)"
+        )
+    if model_type is not None and "sparse" in (task, supported[model_type]) and supported[model_type] != task:
+        raise FolderError(
+            f"{path}: model_type {model_type!r} is not supported with modules.json's modules: a SparseEncoder"
+            " is exported only as an MLMTransformer then SpladePooling, and SpladePooling only in a SparseEncoder"
         )
     if model_type is not None and supported[model_type] != task:
         raise FolderError(
@@ -295,8 +355,20 @@ def _model_config(folder: Path, task: str) -> dict | None:
     return declared
 
 
+def folder_task(folder: Path, classifier: bool) -> str:
+    """The folder's task: "sparse" (modules.json lists SpladePooling), "classify" (classifier) or "embed".
+
+    classifier: whether config.json's architectures make the model a sequence classifier.
+    """
+    modules_file = folder / "modules.json"
+    modules = _module_list(modules_file) if modules_file.is_file() else []
+    if any(kind in SPLADE_POOLING_TYPES for kind, _ in modules):
+        return "sparse"
+    return "classify" if classifier else "embed"
+
+
 def read_declarations(folder: Path, task: str) -> Declarations:
-    """Check a folder's sentence-transformers files for a task ("embed" or "classify") and read what they declare.
+    """Check a folder's sentence-transformers files for a task (folder_task's) and read what they declare.
 
     modules.json first: a chain the exporter does not implement is named by its module types.
     """
@@ -309,6 +381,18 @@ def read_declarations(folder: Path, task: str) -> Declarations:
     tokenizer_config = folder / "tokenizer_config.json"
     if max_seq_length is None and tokenizer_config.is_file():
         max_seq_length = _positive(read_object(tokenizer_config).get("model_max_length"))
+    if task == "sparse":
+        splade_file = _module_folder(folder, modules_file, modules[1][1]) / "config.json"
+        if not splade_file.is_file():
+            raise FolderError(f"{splade_file}: the SpladePooling module's config.json is missing")
+        strategy, activation, dimension = _splade_pooling(splade_file)
+        return Declarations(
+            pooling_file=splade_file,
+            max_seq_length=max_seq_length,
+            model_config=model_config,
+            splade_pooling=(strategy, activation),
+            splade_dimension=dimension,
+        )
     if task == "classify" or not modules:
         return Declarations(max_seq_length=max_seq_length, model_config=model_config)
     pooling_file = _module_folder(folder, modules_file, modules[1][1]) / "config.json"

@@ -32,8 +32,15 @@ EMBEDDING_RANGES_FILE = "embedding_ranges.npz"
 PLATFORM = "onnxruntime_onnx"
 VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-TASK_OUTPUTS = {"embed": ("last_hidden_state", "embedding"), "classify": ("logits",)}
-"""Each task and the outputs its graphs answer: vectors, or a classifier's raw logits."""
+TASK_OUTPUTS = {
+    "embed": ("last_hidden_state", "embedding"),
+    "classify": ("logits",),
+    "sparse": ("sparse_embedding",),
+}
+"""Each task and the outputs its graphs answer: vectors, a classifier's raw logits, or a SPLADE model's
+sparse embedding (a weight per vocabulary id, most of them 0)."""
+TASK_VECTORS = {"embed": "embedding", "classify": "logits", "sparse": "sparse_embedding"}
+"""Each task's one-row-per-text output, whose width config.pbtxt declares."""
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 
 # Parameter keys (config.pbtxt `parameters`).
@@ -84,14 +91,15 @@ class ModelSpec:
     type_vocab_size: int
     """Segment ids accepted in token_type_ids (0 when the graph has no such input)."""
     hidden_size: int
-    """Width of the embedding (0 for a classifier)."""
+    """Width of the embedding (0 for a classifier or a sparse embedder)."""
     pad_token_id: int
     tokenizer_file: Path | None
     """tokenizer.json, when the model accepts text."""
     fidelity_file: Path | None = None
     """fidelity.npz (reference inputs and embeddings for the check at load); None in older repositories."""
     task: str = "embed"
-    """embed (an embedding model) or classify (a reranker or classifier: logits out)."""
+    """embed (an embedding model), classify (a reranker or classifier: logits out) or sparse (SPLADE:
+    sparse_embedding out, [vocab_size] per text)."""
     labels: tuple[str, ...] = ()
     """A classifier's labels in id order (its logits' width)."""
     model_type: str = ""
@@ -135,6 +143,7 @@ class ModelSpec:
             "embedding": (rows, self.hidden_size),
             "last_hidden_state": (rows, length, self.hidden_size),
             "logits": (rows, len(self.labels)),
+            "sparse_embedding": (rows, self.vocab_size),
         }
         return shapes[name]
 
@@ -196,7 +205,7 @@ def latest_version(directory: Path) -> str:
 
 
 def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[tuple[str, ...], int]:
-    """Validate inputs/outputs for the task; the token input names and the outputs' width (hidden size or labels)."""
+    """Validate inputs/outputs for the task; the token input names and the per-text output's width."""
     names = tuple(i.name for i in config.input)
     if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= set(TOKEN_INPUTS):
         raise RepositoryError(f"{source}: inputs must be input_ids, attention_mask[, token_type_ids]; got {names}")
@@ -209,12 +218,11 @@ def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[t
         raise RepositoryError(
             f"{source}: a {task} model's outputs must be {', '.join(expected)}; got {sorted(outputs)}"
         )
-    vector = "embedding" if task == "embed" else "logits"
+    vector = TASK_VECTORS[task]
     dims = list(outputs[vector].dims)
     if len(dims) != 1 or dims[0] <= 0:
-        raise RepositoryError(
-            f"{source}: output {vector} must have dims [{'hidden_size' if task == 'embed' else 'labels'}]"
-        )
+        width = {"embed": "hidden_size", "classify": "labels", "sparse": "vocab_size"}[task]
+        raise RepositoryError(f"{source}: output {vector} must have dims [{width}]")
     return names, dims[0]
 
 
@@ -265,21 +273,26 @@ def _embedding_ranges(config: mc.ModelConfig, directory: Path, source: Path, wid
 
 
 def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> dict[str, object]:
-    """The task's own parameters, checked: labels, or pooling, prompts and Matryoshka widths."""
+    """The task's own parameters, checked: labels, prompts, pooling, Matryoshka widths (as the task has them)."""
     if task == "classify":
         labels = _json_parameter(config, P_LABELS, source, list)
         if len(labels) != width or not all(isinstance(label, str) for label in labels):
             raise RepositoryError(f"{source}: parameter labels must name the {width} labels of output logits")
         return {"labels": tuple(labels)}
-    pooling = _parameter(config, P_POOLING, source, "mean")
-    if pooling not in POOLING_MODES:
-        raise RepositoryError(f"{source}: pooling {pooling!r} is not one of {', '.join(POOLING_MODES)}")
     prompts = _json_parameter(config, P_PROMPTS, source, dict)
     if not all(isinstance(text, str) for text in prompts.values()):
         raise RepositoryError(f"{source}: parameter prompts must map names to strings")
     default_prompt = _parameter(config, P_DEFAULT_PROMPT_NAME, source, "")
     if default_prompt and default_prompt not in prompts:
         raise RepositoryError(f"{source}: default_prompt_name {default_prompt!r} is not one of the prompts")
+    if task == "sparse":
+        vocab_size = _int_parameter(config, P_VOCAB_SIZE, source)
+        if width != vocab_size:
+            raise RepositoryError(f"{source}: output sparse_embedding has dims [{width}], vocab_size is {vocab_size}")
+        return {"prompts": prompts, "default_prompt_name": default_prompt}
+    pooling = _parameter(config, P_POOLING, source, "mean")
+    if pooling not in POOLING_MODES:
+        raise RepositoryError(f"{source}: pooling {pooling!r} is not one of {', '.join(POOLING_MODES)}")
     dimensions = _json_parameter(config, P_MATRYOSHKA_DIMENSIONS, source, list)
     if not all(type(d) is int and 0 < d <= width for d in dimensions):
         raise RepositoryError(f"{source}: matryoshka_dimensions must be widths within 1..{width}")

@@ -142,7 +142,7 @@ def encode_infer_response(result: InferenceResult) -> pb.ModelInferResponse:
     return response
 
 
-_INTEGER_DATATYPES = {(1, "i"): "INT8", (1, "u"): "UINT8"}
+_INTEGER_DATATYPES = {(1, "i"): "INT8", (1, "u"): "UINT8", (8, "i"): "INT64"}
 _METADATA_DATATYPES = {
     mc.TYPE_STRING: "BYTES",
     mc.TYPE_INT64: "INT64",
@@ -154,15 +154,16 @@ _CONFIG_DATATYPES = {name: data_type for data_type, name in _METADATA_DATATYPES.
 
 
 def served_output_configs(spec: ModelSpec) -> list[mc.ModelOutput]:
-    """The outputs as served, in Triton's terms: the graph's (config.pbtxt's), then the forms of the embedding.
+    """The outputs as served, in Triton's terms: the graph's (config.pbtxt's), then the forms made from them.
 
-    The compact embeddings (`embedding_int8`, ...: service.pipeline.embedding_types) are made by the
-    server from `embedding`, so config.pbtxt cannot declare them (Triton would look for them in the graph).
+    The compact embeddings (`embedding_int8`, ...: service.pipeline.embedding_types) and a sparse
+    embedding's terms (`sparse_indices`, `sparse_values`: service.pipeline.sparse) are made by the server
+    from the graph's outputs, so config.pbtxt cannot declare them (Triton would look for them in the graph).
     """
     outputs = list(spec.config.output)
     width = spec.hidden_size
     for output in served_outputs(spec).values():
-        if output.embedding_type is not None:
+        if output.form is not None:
             dims = [output_width(output, width)]
             outputs.append(mc.ModelOutput(name=output.name, data_type=_CONFIG_DATATYPES[output.datatype], dims=dims))
     return outputs

@@ -26,10 +26,11 @@ JSON = "json"
 """Values as JSON numbers."""
 BASE64 = "base64"
 """Values' raw bytes in base64 (OpenAI's encoding_format=base64, Cohere's base64)."""
-_RAW_BYTES = {"FP32": 4.0, "INT8": 1.0, "UINT8": 1.0}
-_JSON_BYTES = {"FP32": 16.0, "INT8": 5.0, "UINT8": 4.0}
+_RAW_BYTES = {"FP32": 4.0, "INT8": 1.0, "UINT8": 1.0, "INT64": 8.0}
+_JSON_BYTES = {"FP32": 16.0, "INT8": 5.0, "UINT8": 4.0, "INT64": 21.0}
 """A value as a JSON number at most: a float32 in its shortest round-trip form (9 significant digits, sign,
-exponent, comma); an int8 as "-128,"; a uint8 as "255,"."""
+exponent, comma); an int8 as "-128,"; a uint8 as "255,"; an int64 as its 20 characters and a comma (a sparse
+term's index, which TEI's {"index", "value"} objects also fit in)."""
 
 
 def value_bytes(encoding: str, datatype: str) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,14 +25,15 @@ import numpy as np
 
 from service.core.placement import InstanceInfo
 from service.core.repository import RepositoryError, model_directories
-from service.errors import ExecutionError, NotFound, Unavailable
+from service.errors import ExecutionError, NotFound, TooLarge, Unavailable
 from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
-from service.pipeline.answers import AnswerBudget, HeldAnswer
+from service.pipeline.answers import RAW, AnswerBudget, HeldAnswer, value_bytes
 from service.pipeline.embedding_types import answer_outputs
 from service.pipeline.long_texts import combined
 from service.pipeline.models import ModelInfo, ServedModel
+from service.pipeline.sparse import SPARSE
 from service.pipeline.validation import InputTensor, RowLimit, validate
 
 log = logging.getLogger(__name__)
@@ -262,7 +264,9 @@ class Pipeline:
         graph = work.outputs
         if answered.windows is not None:
             graph = {"embedding": combined(graph["embedding"], answered.windows, model.spec.normalize)}
-        outputs = answer_outputs(model.spec, valid.outputs, graph, valid.dimensions)
+        outputs = answer_outputs(model.spec, valid.outputs, graph, valid.dimensions, valid.top_k)
+        if SPARSE in work.outputs:
+            self._check_sent_size(outputs, model, request.encodings, answered.answer_bytes)
         return InferenceResult(
             model.spec.name,
             model.spec.version,
@@ -274,6 +278,23 @@ class Pipeline:
             work.queue_s,
             work.compute_s,
         )
+
+    def _check_sent_size(
+        self, outputs: dict[str, np.ndarray], model: ServedModel, encodings: dict[str, str], held: int
+    ) -> None:
+        """Refuse a sparse answer over --max-response-bytes once its terms are known (its bytes leave the budget)."""
+        size = sum(
+            array.size * value_bytes(encodings.get(name, RAW), model.outputs[name].datatype)
+            for name, array in outputs.items()
+        )
+        if size > self.answers.max_response_bytes:
+            self.answers.release(held)
+            raise TooLarge(
+                f"the answer's terms would take {math.ceil(size)} bytes as sent, over the limit of"
+                f" {self.answers.max_response_bytes} bytes per response (--max-response-bytes); request fewer rows"
+                " or set top_k",
+                "response_too_large",
+            )
 
     def answered(self, result: InferenceResult | HeldAnswer) -> None:
         """The front end handed the answer to its transport (or gave up on it): its bytes leave the budget."""

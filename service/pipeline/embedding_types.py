@@ -26,6 +26,7 @@ import numpy as np
 
 from service.core.repository import ModelSpec
 from service.errors import InvalidArgument
+from service.pipeline.sparse import INDICES, SPARSE, VALUES, terms
 
 EMBEDDING = "embedding"
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary")
@@ -35,20 +36,22 @@ OUTPUT_OF_TYPE = {"float": EMBEDDING, **{kind: f"{EMBEDDING}_{kind}" for kind in
 CALIBRATED_TYPES = ("int8", "uint8")
 """Forms that need the model's calibrated ranges."""
 _DATATYPES = {"float": "FP32", "int8": "INT8", "uint8": "UINT8", "binary": "INT8", "ubinary": "UINT8"}
-_NUMPY = {"FP32": np.dtype("<f4"), "INT8": np.dtype("i1"), "UINT8": np.dtype("u1")}
+_NUMPY = {"FP32": np.dtype("<f4"), "INT8": np.dtype("i1"), "UINT8": np.dtype("u1"), "INT64": np.dtype("<i8")}
 _GRAPH_DATATYPE = "FP32"
 
 
 @dataclass(frozen=True, slots=True)
 class ServedOutput:
-    """One output a model answers: the graph's own (`embedding_type` None) or a form of its embedding."""
+    """One output a model answers: the graph's own (`form` None) or a form of its embedding."""
 
     name: str
     datatype: str
     """KServe datatype: FP32, INT8 or UINT8."""
     source: str
     """The graph output it is made from (itself for the graph's own)."""
-    embedding_type: str | None = None
+    form: str | None = None
+    """What it is of its source: an embedding type (int8, uint8, binary, ubinary), a sparse embedding's
+    terms (sparse_indices, sparse_values); None for the graph's own."""
 
     @property
     def itemsize(self) -> int:
@@ -64,6 +67,9 @@ def served_outputs(spec: ModelSpec) -> dict[str, ServedOutput]:
             if kind not in CALIBRATED_TYPES or spec.embedding_ranges:
                 name = OUTPUT_OF_TYPE[kind]
                 outputs[name] = ServedOutput(name, _DATATYPES[kind], EMBEDDING, kind)
+    if SPARSE in outputs:
+        outputs[INDICES] = ServedOutput(INDICES, "INT64", SPARSE, INDICES)
+        outputs[VALUES] = ServedOutput(VALUES, "FP32", SPARSE, VALUES)
     return outputs
 
 
@@ -96,8 +102,10 @@ def check_output(name: str, spec: ModelSpec) -> ServedOutput:
 
 
 def output_width(output: ServedOutput, width: int) -> int:
-    """Values a row of this output holds when the embedding is `width` wide."""
-    return math.ceil(width / 8) if output.embedding_type in ("binary", "ubinary") else width
+    """Values a row of this output holds when its source is `width` wide (-1: as many as the row's terms)."""
+    if output.form in ("binary", "ubinary"):
+        return math.ceil(width / 8)
+    return -1 if output.form in (INDICES, VALUES) else width
 
 
 def shortened(embeddings: np.ndarray, width: int, normalize: bool) -> np.ndarray:
@@ -123,22 +131,34 @@ def quantize(embeddings: np.ndarray, kind: str, ranges: np.ndarray | None = None
 
 
 def answer_outputs(
-    spec: ModelSpec, requested: tuple[str, ...], graph: dict[str, np.ndarray], dimensions: int | None
+    spec: ModelSpec,
+    requested: tuple[str, ...],
+    graph: dict[str, np.ndarray],
+    dimensions: int | None,
+    top_k: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """The requested outputs, in order, from the graph's: the embedding shortened to `dimensions`, and its forms."""
+    """The requested outputs, in order, from the graph's.
+
+    The embedding shortened to `dimensions`, and its forms; a sparse embedding's terms (its `top_k` largest).
+    """
     outputs = served_outputs(spec)
     embedding = graph.get(EMBEDDING)
     if embedding is not None and dimensions is not None:
         embedding = shortened(embedding, dimensions, spec.normalize)
+    sparse = {}
+    if any(outputs[name].form in (INDICES, VALUES) for name in requested):
+        sparse[INDICES], sparse[VALUES] = terms(graph[SPARSE], top_k)
     answer = {}
     for name in requested:
         output = outputs[name]
-        if output.source != EMBEDDING:
+        if output.form in (INDICES, VALUES):
+            answer[name] = sparse[name]
+        elif output.source != EMBEDDING:
             answer[name] = graph[name]
-        elif output.embedding_type is None:
+        elif output.form is None:
             answer[name] = embedding
         else:
             width = embedding.shape[1]
-            ranges = spec.embedding_ranges.get(width) if output.embedding_type in CALIBRATED_TYPES else None
-            answer[name] = quantize(embedding, output.embedding_type, ranges)
+            ranges = spec.embedding_ranges.get(width) if output.form in CALIBRATED_TYPES else None
+            answer[name] = quantize(embedding, output.form, ranges)
     return answer

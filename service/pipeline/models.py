@@ -203,6 +203,11 @@ class ServedModel:
             output = self.outputs[name]
             if output.source == "embedding":
                 values = request.rows * output_width(output, request.dimensions or self.spec.hidden_size)
+            elif output.form is not None:
+                # A sparse embedding's terms: indices and values together count as the dense row they are made
+                # from (service.pipeline.sparse), half each; the answer as sent is checked once they are known.
+                size += request.rows * self.spec.vocab_size * value_bytes(RAW, "FP32") / 2
+                continue
             else:
                 values = math.prod(self.spec.output_shape(name, rows.rows, rows.width))
             size += values * value_bytes(encodings.get(name, RAW), output.datatype)

@@ -19,6 +19,7 @@ from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument, RequestTooLarge
 from service.pipeline.embedding_types import check_output
+from service.pipeline.sparse import top_k_choice
 
 TEXT_INPUT = "text"
 QUERY_INPUT = "query"
@@ -104,6 +105,8 @@ class ValidRequest:
     (service.pipeline.long_texts), a classifier's refused."""
     dimensions: int | None = None
     """The embedding width to answer with (a Matryoshka width); None: the model's own."""
+    top_k: int | None = None
+    """A sparse embedding's terms to keep per row, the largest; None: every non-zero term."""
 
     @property
     def rows(self) -> int:
@@ -256,7 +259,7 @@ def prompt_prefix(parameters: dict[str, object], spec: ModelSpec) -> str:
     name = parameters.get(PROMPT_NAME)
     if name is None:
         return spec.prompts.get(spec.default_prompt_name, "")
-    if spec.task != "embed":
+    if spec.task == "classify":
         raise InvalidArgument(f"parameter {PROMPT_NAME}: model {spec.name} is a {spec.task} model and has no prompts")
     if not isinstance(name, str) or name not in spec.prompts:
         known = ", ".join(spec.prompts) or "none"
@@ -377,6 +380,7 @@ def validate(
         queries=queries,
         truncate=truncate_choice(parameters),
         dimensions=dimensions_choice(dimensions, parameters, spec),
+        top_k=top_k_choice(parameters, spec.task, spec.name),
     )
 
 

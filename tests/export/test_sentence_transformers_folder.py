@@ -20,7 +20,6 @@ from sentence_transformers.util.misc import import_from_string
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.sentence_transformers_folder import MODULE_KINDS
 from tests.export import tiny_models
-from tests.export.test_export import run_export
 from tests.vectors import assert_same_vectors
 
 SENTENCES = tiny_models.training_sentences()[:8]
@@ -53,20 +52,6 @@ def test_every_accepted_module_type_is_what_sentence_transformers_resolves_it_to
     assert [MODULE_KINDS[name] for name in written] == ["Transformer", "Pooling", "Normalize"]
 
 
-@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")  # SparseEncoder.save's model card
-def test_a_sparse_encoder_folder_is_refused_naming_its_modules(tmp_path: Path) -> None:
-    source = tiny_models.save_sparse_encoder(tmp_path / "splade")
-    repository = tmp_path / "repository"
-    result = run_export("--repository", str(repository), "--source", str(source), "--variants", "fp32")
-    assert result.returncode == 2, result.stderr
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith(f"export: error: {source / 'modules.json'}: module type not implemented here:")
-    assert "mlm_transformer.MLMTransformer' at path ''" in line
-    assert "splade_pooling.SpladePooling' at path '1_SpladePooling'" in line
-    assert "supported: sentence-transformers' Transformer at the folder root, then Pooling" in line
-    assert not repository.exists()
-
-
 def test_a_dense_module_is_refused_naming_it(tmp_path: Path) -> None:
     source = tiny_models.save_sentence_transformer("bert", tmp_path, dense_width=16)
     with pytest.raises(CheckpointError) as refusal:
@@ -82,7 +67,8 @@ REFUSED_FIELDS = {
     "sparse model_type": (
         "config_sentence_transformers.json",
         _set(model_type="SparseEncoder"),
-        "model_type 'SparseEncoder' is not supported (SentenceTransformer for embedders, CrossEncoder for",
+        "model_type 'SparseEncoder' is not supported with modules.json's modules: a SparseEncoder is exported only"
+        " as an MLMTransformer then SpladePooling",
     ),
     "cross encoder model_type on an embedder": (
         "config_sentence_transformers.json",

@@ -240,16 +240,33 @@ def save_sentence_transformer(
     return target
 
 
-def save_sparse_encoder(folder: Path, seed: int = 0) -> Path:
-    """A tiny SPLADE model as sentence-transformers' SparseEncoder saves it: MLMTransformer + SpladePooling."""
+SPARSE_BIAS_SHIFT = -2.5
+"""Added to the tiny masked-LM head's bias: most logits negative, so that most vocabulary weights are 0, as in a
+trained SPLADE model (a padding position leaking into the maximum would then show as a new nonzero)."""
+
+
+def save_sparse_encoder(
+    folder: Path,
+    seed: int = 0,
+    *,
+    family: str = "bert",
+    pooling_strategy: str = "max",
+    activation_function: str = "relu",
+    **config: object,
+) -> Path:
+    """A tiny SPLADE model (a family's masked-LM, config overrides applied) as sentence-transformers' SparseEncoder
+    saves it: MLMTransformer + SpladePooling."""
     base = folder / "base"
     base.mkdir(parents=True, exist_ok=True)
-    tokenizer = save_tokenizer("bert", base)
+    tokenizer = save_tokenizer(family, base)
     torch.manual_seed(seed)
-    masked_lm = transformers.BertForMaskedLM(hf_config("bert", tokenizer)).eval()
+    masked_lm = transformers.AutoModelForMaskedLM.from_config(hf_config(family, tokenizer, **config)).eval()
     _randomise(masked_lm, seed)
+    with torch.no_grad():
+        masked_lm.get_output_embeddings().bias.add_(SPARSE_BIAS_SHIFT)
     masked_lm.save_pretrained(str(base))
-    modules = [MLMTransformer(str(base), max_seq_length=MAX_POSITIONS - 2), SpladePooling(pooling_strategy="max")]
+    pooling = SpladePooling(pooling_strategy=pooling_strategy, activation_function=activation_function)
+    modules = [MLMTransformer(str(base), max_seq_length=MAX_POSITIONS - 2), pooling]
     target = folder / "model"
     SparseEncoder(modules=modules).save(str(target))
     return target

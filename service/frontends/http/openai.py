@@ -149,7 +149,7 @@ def _model_card(spec: ModelSpec, created: int) -> dict[str, object]:
         card["default_prompt_name"] = spec.default_prompt_name or None
         card["dimensions"] = [spec.hidden_size, *spec.matryoshka_dimensions]
         card["embedding_types"] = embedding_types(spec)
-    else:
+    elif spec.task == "classify":
         card["labels"] = list(spec.labels)
     return card
 

@@ -27,6 +27,7 @@ from service.pipeline.answers import JSON, RAW, HeldAnswer
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
 from service.pipeline.embedding_types import EMBEDDING, type_output
 from service.pipeline.models import ModelInfo, ServedModel
+from service.pipeline.sparse import INDICES, TOP_K, VALUES
 from service.pipeline.tokenizer import TextTokenizer, Token
 from service.pipeline.validation import (
     DIMENSIONS,
@@ -39,7 +40,10 @@ from service.pipeline.validation import (
     valid_texts,
 )
 
-TEI_ROUTES = frozenset({"/embed", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"})
+TEI_ROUTES = frozenset(
+    {"/embed", "/embed_sparse", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"}
+)
+SPARSE_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "top_k", "model")
 EMBED_FIELDS = (
     "inputs",
     "normalize",
@@ -222,6 +226,47 @@ async def embed(call: TaskCall, payload: object) -> Answer:
         return lambda: vectors
 
     return await answered(call, model, (_bytes_tensor(TEXT_INPUT, texts),), output, parameters, body_of=body_of)
+
+
+def _sparse_rows(indices: np.ndarray, values: np.ndarray) -> list[list[dict[str, object]]]:
+    """Each row's terms as TEI writes them: [{"index", "value"}], largest first (padding left out)."""
+    return [
+        [
+            {"index": int(index), "value": float(value)}
+            for index, value in zip(row_indices, row_values, strict=True)
+            if index >= 0
+        ]
+        for row_indices, row_values in zip(indices, values, strict=True)
+    ]
+
+
+async def embed_sparse(call: TaskCall, payload: object) -> Answer:
+    """POST /embed_sparse: {"inputs": str | [str], "truncate", "prompt_name", "top_k"} -> [[{"index", "value"}]].
+
+    A sparse model's (SPLADE's) non-zero terms per text, largest first; `top_k` (an extension) keeps the
+    k largest. The terms are the gRPC outputs sparse_indices and sparse_values (service.pipeline.sparse).
+    """
+    fields = _object(payload, SPARSE_FIELDS)
+    if "inputs" not in fields:
+        raise InvalidArgument("inputs is required: a string or a list of strings")
+    texts = _strings(fields["inputs"], "inputs")
+    model = choose_model(call.pipeline, "sparse", fields.get("model"))
+    _flag(fields, TRUNCATE, True)
+    outputs = (INDICES, VALUES)
+    request = InferenceRequest(
+        model=model.spec.name,
+        inputs=(_bytes_tensor(TEXT_INPUT, texts),),
+        outputs=outputs,
+        parameters=_parameters(fields, TRUNCATE, PROMPT_NAME, TOP_K),
+        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        encodings=dict.fromkeys(outputs, JSON),
+    )
+    async with call.envelope.inference(call.context, request) as inference:
+        result = inference.result
+        body = await inference.encode(
+            lambda: orjson.dumps(_sparse_rows(result.outputs[INDICES], result.outputs[VALUES]))
+        )
+    return Answer(body, result)
 
 
 async def similarity(call: TaskCall, payload: object) -> Answer:
@@ -472,6 +517,8 @@ def info(pipeline: Pipeline, settings: InfoSettings) -> bytes:
     spec = model.spec
     if spec.task == "embed":
         model_type: dict[str, object] = {"embedding": {"pooling": spec.pooling}}
+    elif spec.task == "sparse":
+        model_type = {"embedding": {"pooling": "splade"}}
     else:
         id2label = {str(i): label for i, label in enumerate(spec.labels)}
         label2id = {label: i for i, label in enumerate(spec.labels)}

@@ -1,0 +1,49 @@
+"""Sparse embeddings (SPLADE): the graph's vocabulary-wide vector per text as the terms it holds.
+
+A sparse model's graph answers `sparse_embedding` [rows, vocab_size] (sentence-transformers'
+SparseEncoder: log(1 + relu) of the masked-LM logits, max over tokens). Served as two outputs made
+from it once the rows are back: `sparse_indices` (INT64) and `sparse_values` (FP32), each
+[rows, k]: a row's non-zero terms, largest value first (ties by index), padded with index -1 and
+value 0 to the longest row of the request. The `top_k` request parameter keeps each row's k
+largest terms. TEI's POST /embed_sparse answers the same terms as [[{"index", "value"}]].
+
+The answer budget counts a sparse answer at the dense row it is made from (4 bytes x vocab_size a
+text): that vector is what the server holds while the request runs. The answer as sent is then
+checked against --max-response-bytes once its terms are known.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.errors import InvalidArgument
+
+SPARSE = "sparse_embedding"
+INDICES = "sparse_indices"
+VALUES = "sparse_values"
+TOP_K = "top_k"
+
+
+def top_k_choice(parameters: dict[str, object], task: str, model: str) -> int | None:
+    """The `top_k` parameter: keep each row's k largest terms (a sparse model's); None: every non-zero term."""
+    value = parameters.get(TOP_K)
+    if value is None:
+        return None
+    if task != "sparse":
+        raise InvalidArgument(f"parameter {TOP_K}: model {model} is a {task} model and answers no sparse embedding")
+    if type(value) is not int or value < 1:
+        raise InvalidArgument(f"parameter {TOP_K} must be a positive integer, got {value!r}")
+    return value
+
+
+def terms(dense: np.ndarray, top_k: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's non-zero terms, largest first: indices int64 and values float32, [rows, k], padded with -1 / 0."""
+    order = np.lexsort((np.broadcast_to(np.arange(dense.shape[1]), dense.shape), -dense), axis=1)
+    counts = np.count_nonzero(dense, axis=1)
+    width = int(counts.max()) if counts.size else 0
+    if top_k is not None:
+        width = min(width, top_k)
+    order = order[:, :width]
+    values = np.take_along_axis(dense, order, axis=1).astype(np.float32)
+    kept = np.arange(width)[None, :] < np.minimum(counts, width)[:, None]
+    return np.where(kept, order, -1).astype(np.int64), np.where(kept, values, np.float32(0))

@@ -1,0 +1,136 @@
+"""Sparse (SPLADE) embeddings served: the terms over gRPC (tritonclient) and TEI's /embed_sparse, against SparseEncoder.
+
+A tiny SPLADE model (tests.export.tiny_models.save_sparse_encoder: MLMTransformer + SpladePooling,
+random weights, a real WordPiece tokenizer) is exported by the real command line and served. Its
+terms must be sentence-transformers' `SparseEncoder.encode` of the same texts: the same indices,
+values within 1e-4, largest first.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from sentence_transformers import SparseEncoder
+from tritonclient.utils import InferenceServerException
+
+from service.pipeline.sparse import terms
+from tests.export import tiny_models
+from tests.servers import RunningServer, start_server
+
+MODEL = "splade"
+TEXTS = tiny_models.training_sentences()[:6]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny SPLADE folder, as SparseEncoder saved it."""
+    return tiny_models.save_sparse_encoder(tmp_path_factory.mktemp("splade-source"))
+
+
+@pytest.fixture(scope="module")
+def server(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The folder exported by `python -m export --source` and served."""
+    repository = tmp_path_factory.mktemp("splade-repository")
+    command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(repository)]
+    done = subprocess.run([*command, "--name", MODEL, "--threads", "1"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with start_server(repository, tmp_path_factory.mktemp("splade-server") / "server.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def expected(source: Path) -> np.ndarray:
+    """SparseEncoder.encode of the texts, densified [texts, vocab]."""
+    encoded = SparseEncoder(str(source), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    return encoded.to_dense().numpy()
+
+
+def grpc_terms(server: RunningServer, texts: list[str], **parameters: object) -> grpcclient.InferResult:
+    with grpcclient.InferenceServerClient(server.target) as client:
+        tensor = grpcclient.InferInput("text", [len(texts)], "BYTES")
+        tensor.set_data_from_numpy(np.array([text.encode() for text in texts], dtype=object))
+        outputs = [grpcclient.InferRequestedOutput(name) for name in ("sparse_indices", "sparse_values")]
+        return client.infer(MODEL, [tensor], outputs=outputs, parameters=parameters or None)
+
+
+def post(server: RunningServer, route: str, body: object) -> tuple[int, object]:
+    request = urllib.request.Request(
+        server.http_url + route, json.dumps(body).encode(), {"content-type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def densified(indices: np.ndarray, values: np.ndarray, vocab: int) -> np.ndarray:
+    dense = np.zeros((len(indices), vocab), dtype=np.float32)
+    for row, (row_indices, row_values) in enumerate(zip(indices, values, strict=True)):
+        kept = row_indices >= 0
+        dense[row, row_indices[kept]] = row_values[kept]
+    return dense
+
+
+def test_terms_order_and_padding() -> None:
+    dense = np.array([[0, 0.5, 0, 2.0, 0.5], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=np.float32)
+    indices, values = terms(dense, None)
+    np.testing.assert_array_equal(indices, [[3, 1, 4], [-1, -1, -1], [0, -1, -1]])
+    np.testing.assert_array_equal(values, [[2.0, 0.5, 0.5], [0, 0, 0], [1.0, 0, 0]])
+    indices, values = terms(dense, 1)
+    np.testing.assert_array_equal(indices, [[3], [-1], [0]])
+
+
+def test_grpc_terms_equal_sparse_encoder(server: RunningServer, expected: np.ndarray) -> None:
+    result = grpc_terms(server, TEXTS)
+    assert result.get_output("sparse_indices").datatype == "INT64"
+    indices, values = result.as_numpy("sparse_indices"), result.as_numpy("sparse_values")
+    served = densified(indices, values, expected.shape[1])
+    np.testing.assert_array_equal(served != 0, expected != 0)
+    np.testing.assert_allclose(served, expected, rtol=0, atol=1e-4)
+    for row_indices, row_values in zip(indices, values, strict=True):
+        assert (np.diff(row_values[row_indices >= 0]) <= 0).all()  # largest first
+
+
+def test_top_k_keeps_the_largest_terms(server: RunningServer, expected: np.ndarray) -> None:
+    result = grpc_terms(server, TEXTS, top_k=3)
+    indices, values = result.as_numpy("sparse_indices"), result.as_numpy("sparse_values")
+    assert indices.shape == (len(TEXTS), 3)
+    for row, dense in enumerate(expected):
+        np.testing.assert_allclose(values[row], np.sort(dense)[::-1][:3], rtol=0, atol=1e-4)
+    with pytest.raises(InferenceServerException, match="top_k must be a positive integer"):
+        grpc_terms(server, TEXTS[:1], top_k=0)
+
+
+def test_tei_embed_sparse(server: RunningServer, expected: np.ndarray) -> None:
+    status, answer = post(server, "/embed_sparse", {"inputs": TEXTS})
+    assert status == 200
+    for row, text_terms in enumerate(answer):
+        dense = np.zeros(expected.shape[1], dtype=np.float32)
+        for term in text_terms:
+            dense[term["index"]] = term["value"]
+        np.testing.assert_allclose(dense, expected[row], rtol=0, atol=1e-4)
+        assert len(text_terms) == np.count_nonzero(expected[row])
+    status, answer = post(server, "/embed_sparse", {"inputs": TEXTS[0], "top_k": 2})
+    assert status == 200 and len(answer[0]) == 2
+    status, answer = post(server, "/embed_sparse", {"inputs": TEXTS[0], "normalize": True})
+    assert status == 422 and "unknown field 'normalize'" in answer["error"]
+    status, answer = post(server, "/embed", {"inputs": TEXTS[0]})
+    assert status == 404 and "no embed model" in answer["error"]
+
+
+def test_metadata_declares_the_terms(server: RunningServer) -> None:
+    with grpcclient.InferenceServerClient(server.target) as client:
+        metadata = client.get_model_metadata(MODEL, as_json=True)
+    outputs = {output["name"]: (output["datatype"], output["shape"]) for output in metadata["outputs"]}
+    assert outputs["sparse_indices"] == ("INT64", ["-1", "-1"])
+    assert outputs["sparse_values"] == ("FP32", ["-1", "-1"])
