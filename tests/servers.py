@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -29,6 +31,7 @@ __all__ = [
     "launch_server",
     "metric_samples",
     "metric_value",
+    "post_json",
     "server_pids",
     "start_server",
     "wait_for_metric",
@@ -128,3 +131,16 @@ def wait_for_metric(server: RunningServer, name: str, value: float, timeout_s: f
 def wait_for_queue_depth(server: RunningServer, depth: int, model: str, version: str = "1") -> None:
     """Wait until a model's batching queue holds `depth` requests (so a test knows they arrived)."""
     wait_for_metric(server, "encoder_queue_depth", depth, model=model, version=version)
+
+
+def post_json(server: RunningServer, route: str, body: object) -> tuple[int, object]:
+    """POST JSON (or raw bytes) to a server's HTTP port: the status and the decoded answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        server.http_url + route, data=data, headers={"content-type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())

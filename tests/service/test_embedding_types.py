@@ -10,10 +10,7 @@ within 1e-5 of zero).
 from __future__ import annotations
 
 import base64
-import json
 import shutil
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +27,7 @@ from service.core.repository import P_EMBEDDING_RANGES, config_text, parse_confi
 from service.errors import InvalidArgument
 from service.pipeline.embedding_types import check_output, quantize
 from tests.servers import RunningServer
+from tests.servers import post_json as post
 
 MODEL = "all-MiniLM-L6-v2"
 WIDTH = 384
@@ -58,17 +56,6 @@ def grpc_outputs(server: RunningServer, texts: list[str], names: list[str]) -> g
         tensor.set_data_from_numpy(np.array([text.encode() for text in texts], dtype=object))
         outputs = [grpcclient.InferRequestedOutput(name) for name in names]
         return client.infer(MODEL, [tensor], outputs=outputs)
-
-
-def post(server: RunningServer, route: str, body: object) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        server.http_url + route, json.dumps(body).encode(), {"content-type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +200,7 @@ def test_cohere_v2_embed_answers_every_type(default_server: RunningServer, serve
         ({"texts": ["a"], "embedding_types": ["int4"]}, "embedding_types: 'int4' is not one of"),
         ({"texts": ["a"], "embedding_types": []}, "embedding_types must be a non-empty list"),
         ({"texts": []}, "texts is required"),
-        ({"texts": ["a"], "images": ["data:image/png;base64,"]}, "unknown field 'images'"),
+        ({"texts": ["a"], "images": ["data:image/png;base64,"]}, "unrecognized request argument supplied: images"),
         ({"texts": ["a"], "truncate": "START"}, "truncate START is not supported"),
         ({"texts": ["a"], "input_type": "image"}, "input_type must be one of"),
         ({"texts": ["a"], "output_dimension": 128}, "not trained to be shortened"),

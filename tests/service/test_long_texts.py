@@ -8,9 +8,6 @@ protocol, and refuse precisely what its limits refuse.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import DEFAULT_MODEL
 from tests.servers import RunningServer, start_server
+from tests.servers import post_json as post
 from tests.vectors import assert_same_vectors, row_cosines
 
 LONG = [
@@ -62,17 +60,6 @@ def grpc_embed(server: RunningServer, texts: list[str], **parameters: object) ->
         tensor.set_data_from_numpy(np.array([text.encode() for text in texts], dtype=object))
         outputs = [grpcclient.InferRequestedOutput("embedding")]
         return client.infer(DEFAULT_MODEL, [tensor], outputs=outputs, parameters=parameters).as_numpy("embedding")
-
-
-def post(server: RunningServer, route: str, body: object) -> tuple[int, object]:
-    request = urllib.request.Request(
-        server.http_url + route, json.dumps(body).encode(), {"content-type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,8 @@ values within 1e-4, largest first.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 from service.pipeline.sparse import terms
 from tests.export import tiny_models
 from tests.servers import RunningServer, start_server
+from tests.servers import post_json as post
 
 MODEL = "splade"
 TEXTS = tiny_models.training_sentences()[:6]
@@ -60,17 +58,6 @@ def grpc_terms(server: RunningServer, texts: list[str], **parameters: object) ->
         tensor.set_data_from_numpy(np.array([text.encode() for text in texts], dtype=object))
         outputs = [grpcclient.InferRequestedOutput(name) for name in ("sparse_indices", "sparse_values")]
         return client.infer(MODEL, [tensor], outputs=outputs, parameters=parameters or None)
-
-
-def post(server: RunningServer, route: str, body: object) -> tuple[int, object]:
-    request = urllib.request.Request(
-        server.http_url + route, json.dumps(body).encode(), {"content-type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def densified(indices: np.ndarray, values: np.ndarray, vocab: int) -> np.ndarray:

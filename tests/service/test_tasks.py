@@ -30,6 +30,7 @@ from service.core.fidelity import cosines
 from tests.conftest import ExportedTasks
 from tests.export import tiny_models
 from tests.servers import RunningServer, start_server
+from tests.servers import post_json as post
 from tests.vectors import assert_same_vectors
 
 TEXTS = [*tiny_models.training_sentences()[:6], "A longer document about the weather, " * 5]
@@ -72,19 +73,6 @@ def pod_repository(repository: Path, tmp_path_factory: pytest.TempPathFactory) -
 def pod(pod_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     with start_server(pod_repository, tmp_path_factory.mktemp("pod-server") / "server.log") as running:
         yield running
-
-
-def post(server: RunningServer, route: str, body: object) -> tuple[int, object]:
-    """POST JSON to the HTTP port: the status and the decoded answer."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        server.http_url + route, data=data, headers={"content-type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndarray:

@@ -58,13 +58,19 @@ def _documents(value: object) -> list[str]:
     return texts
 
 
-async def rerank(call: TaskCall, payload: object) -> Answer:
-    """POST /v1/rerank: {"model", "query", "documents", "top_n", "return_documents"} -> {"results": [...], ...}."""
+def _body(payload: object, accepted: tuple[str, ...]) -> dict:
+    """The request body as an object of accepted fields; InvalidArgument naming the first that is not."""
     if not isinstance(payload, dict):
         raise InvalidArgument("the request body must be a JSON object")
-    unknown = [name for name in payload if name not in FIELDS]
+    unknown = [name for name in payload if name not in accepted]
     if unknown:
-        raise InvalidArgument(f"unrecognized request argument supplied: {unknown[0]} (accepted: {', '.join(FIELDS)})")
+        raise InvalidArgument(f"unrecognized request argument supplied: {unknown[0]} (accepted: {', '.join(accepted)})")
+    return payload
+
+
+async def rerank(call: TaskCall, payload: object) -> Answer:
+    """POST /v1/rerank: {"model", "query", "documents", "top_n", "return_documents"} -> {"results": [...], ...}."""
+    payload = _body(payload, FIELDS)
     query = payload.get("query")
     if not isinstance(query, str) or not query:
         raise InvalidArgument("query is required: a non-empty string")
@@ -144,11 +150,7 @@ def _embeddings_by_type(arrays: dict[str, np.ndarray]) -> dict[str, object]:
 
 async def embed(call: TaskCall, payload: object) -> Answer:
     """POST /v2/embed: {"model", "texts", "input_type", "embedding_types", ...} -> {"embeddings": {type: ...}, ...}."""
-    if not isinstance(payload, dict):
-        raise InvalidArgument("the request body must be a JSON object")
-    unknown = [name for name in payload if name not in EMBED_FIELDS]
-    if unknown:
-        raise InvalidArgument(f"unknown field {unknown[0]!r} (accepted: {', '.join(EMBED_FIELDS)})")
+    payload = _body(payload, EMBED_FIELDS)
     texts = payload.get("texts")
     if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
         raise InvalidArgument("texts is required: a non-empty list of strings")
