@@ -37,13 +37,20 @@ def top_k_choice(parameters: dict[str, object], task: str, model: str) -> int | 
 
 
 def terms(dense: np.ndarray, top_k: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's non-zero terms, largest first: indices int64 and values float32, [rows, k], padded with -1 / 0."""
-    order = np.lexsort((np.broadcast_to(np.arange(dense.shape[1]), dense.shape), -dense), axis=1)
-    counts = np.count_nonzero(dense, axis=1)
-    width = int(counts.max()) if counts.size else 0
-    if top_k is not None:
-        width = min(width, top_k)
-    order = order[:, :width]
-    values = np.take_along_axis(dense, order, axis=1).astype(np.float32)
-    kept = np.arange(width)[None, :] < np.minimum(counts, width)[:, None]
-    return np.where(kept, order, -1).astype(np.int64), np.where(kept, values, np.float32(0))
+    """Each row's non-zero terms, largest first: indices int64 and values float32, [rows, k], padded with -1 / 0.
+
+    Only a row's non-zero entries are sorted (a SPLADE row holds a few hundred of its vocabulary's tens of
+    thousands); a stable sort of their indices, ascending, breaks ties by index.
+    """
+    kept = []
+    for row in dense:
+        indices = np.flatnonzero(row)
+        order = np.argsort(-row[indices], kind="stable")[:top_k]
+        kept.append(indices[order])
+    width = max((len(indices) for indices in kept), default=0)
+    term_indices = np.full((len(kept), width), -1, dtype=np.int64)
+    term_values = np.zeros((len(kept), width), dtype=np.float32)
+    for row, indices in enumerate(kept):
+        term_indices[row, : len(indices)] = indices
+        term_values[row, : len(indices)] = dense[row, indices]
+    return term_indices, term_values
