@@ -93,6 +93,8 @@ class InferenceResult:
     """How long its rows waited to run."""
     compute_s: float = 0.0
     """How long the batches its rows ran in took."""
+    row_tokens: np.ndarray | None = None
+    """int64 [rows]: each row's tokens up to its last attended one, i.e. its unpadded part of last_hidden_state."""
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,7 @@ class Pipeline:
             valid.rows,
             work.queue_s,
             work.compute_s,
+            answered.row_tokens if answered.windows is None else None,
         )
 
     def _check_sent_size(

@@ -29,6 +29,7 @@ from service.errors import InvalidArgument
 from service.pipeline.sparse import INDICES, SPARSE, VALUES, terms
 
 EMBEDDING = "embedding"
+TOKEN_STATES = "last_hidden_state"
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary")
 """Every form of the embedding, as Cohere's `embedding_types` and sentence-transformers' `precision` name them."""
 OUTPUT_OF_TYPE = {"float": EMBEDDING, **{kind: f"{EMBEDDING}_{kind}" for kind in EMBEDDING_TYPES[1:]}}

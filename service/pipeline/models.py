@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+import numpy as np
+
 from service.core.placement import InstanceInfo
 from service.core.policy import BatchingPolicy
 from service.core.repository import ModelSpec
@@ -93,6 +95,8 @@ class RowsAnswered:
     """Real (unpadded) tokens of its sequences, special tokens included."""
     answer_bytes: int
     """Its answer's size as sent, counted in the answer budget until released."""
+    row_tokens: np.ndarray
+    """int64 [rows]: each row's tokens up to its last attended one (its unpadded part of last_hidden_state)."""
     windows: Windows | None = None
     """How long texts were split into windows (truncate false); None: a row a text."""
 
@@ -182,7 +186,7 @@ class ServedModel:
                 raise
         finally:
             self.accepted -= 1
-        return RowsAnswered(work, rows.real_tokens, answer_bytes, windows)
+        return RowsAnswered(work, rows.real_tokens, answer_bytes, rows.lengths, windows)
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (Unavailable); those accepted are still submitted and answered."""

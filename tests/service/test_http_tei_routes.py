@@ -1,9 +1,10 @@
-"""text-embeddings-inference's /similarity and /decode over raw HTTP, on one real server.
+"""text-embeddings-inference's /similarity, /embed_all and /decode over raw HTTP, on one real server.
 
 The repository holds the default embedder beside two tiny classifiers (tests.task_models): one with
 its own trained tokenizer, one that takes token ids only. /similarity is checked against the cosines
 of the server's own /embed answers and against sentence-transformers reading the model's folder;
-/decode against the `tokenizers` library decoding the same ids, and through a round trip with
+/embed_all against sentence-transformers' token embeddings; /decode against the `tokenizers` library
+decoding the same ids, and through a round trip with
 /tokenize; every malformed body for TEI's error body, a precise status and message.
 """
 
@@ -234,3 +235,19 @@ def test_too_many_rows_are_refused_413(server: RunningServer, route: str, body: 
     expected = f"{MAX_INPUTS + 1} inputs, over the limit of {MAX_INPUTS} per request (--max-embedding-inputs)"
     assert expected in answer["error"], answer
     assert post(server, "/similarity", SIMILAR)[0] == 200  # still serving
+
+
+def test_embed_all_gives_each_tokens_vector_as_sentence_transformers(
+    server: RunningServer, default_folder: Path
+) -> None:
+    texts = [SOURCE, *SENTENCES, "word " * 300]
+    status, answer = post(server, "/embed_all", {"inputs": texts})
+    assert status == 200
+    expected = SentenceTransformer(str(default_folder), device="cpu").encode(texts, output_value="token_embeddings")
+    assert [len(rows) for rows in answer] == [len(rows) for rows in expected]  # unpadded; the long one cut at 256
+    for served, tokens in zip(answer, expected, strict=True):
+        np.testing.assert_allclose(np.array(served), tokens.numpy(), rtol=0, atol=1e-4)
+    status, refused = post(server, "/embed_all", {"inputs": texts[-1:], "truncate": False})
+    assert status == 422 and "last_hidden_state cannot be answered" in refused["error"]
+    status, refused = post(server, "/embed_all", {"inputs": [SOURCE], "normalize": True})
+    assert status == 422 and "unknown field 'normalize'" in refused["error"]

@@ -25,7 +25,7 @@ from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound, TooLarge
 from service.pipeline.answers import JSON, RAW, HeldAnswer
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
-from service.pipeline.embedding_types import EMBEDDING, type_output
+from service.pipeline.embedding_types import EMBEDDING, TOKEN_STATES, type_output
 from service.pipeline.models import ModelInfo, ServedModel
 from service.pipeline.sparse import INDICES, TOP_K, VALUES
 from service.pipeline.tokenizer import TextTokenizer, Token
@@ -41,8 +41,9 @@ from service.pipeline.validation import (
 )
 
 TEI_ROUTES = frozenset(
-    {"/embed", "/embed_sparse", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"}
+    {"/embed", "/embed_all", "/embed_sparse", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"}
 )
+EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "model")
 SPARSE_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "top_k", "model")
 EMBED_FIELDS = (
     "inputs",
@@ -226,6 +227,28 @@ async def embed(call: TaskCall, payload: object) -> Answer:
         return lambda: vectors
 
     return await answered(call, model, (_bytes_tensor(TEXT_INPUT, texts),), output, parameters, body_of=body_of)
+
+
+async def embed_all(call: TaskCall, payload: object) -> Answer:
+    """POST /embed_all: {"inputs": str | [str], "truncate", "prompt_name"} -> [[[float]]], each token's vector.
+
+    The model's last hidden state of every token of each text, special tokens included, padding left out
+    (sentence-transformers' `encode(output_value="token_embeddings")`).
+    """
+    fields = _object(payload, EMBED_ALL_FIELDS)
+    if "inputs" not in fields:
+        raise InvalidArgument("inputs is required: a string or a list of strings")
+    texts = _strings(fields["inputs"], "inputs")
+    model = choose_model(call.pipeline, "embed", fields.get("model"))
+    _flag(fields, TRUNCATE, True)
+    parameters = _parameters(fields, TRUNCATE, PROMPT_NAME)
+
+    def body_of(result: InferenceResult) -> Callable[[], object]:
+        states = result.outputs[TOKEN_STATES]
+        return lambda: [states[row, :tokens] for row, tokens in enumerate(result.row_tokens)]
+
+    inputs = (_bytes_tensor(TEXT_INPUT, texts),)
+    return await answered(call, model, inputs, TOKEN_STATES, parameters, body_of=body_of)
 
 
 def _sparse_rows(indices: np.ndarray, values: np.ndarray) -> list[list[dict[str, object]]]:
