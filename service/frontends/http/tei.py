@@ -200,23 +200,31 @@ async def answered(
     return Answer(body, inference.result)
 
 
+def _text_route(
+    call: TaskCall, payload: object, accepted: tuple[str, ...], task: str
+) -> tuple[dict, list[str], ModelInfo]:
+    """A route over texts: its body's fields (each accepted, `truncate` a flag), its texts, and the model it goes to."""
+    fields = _object(payload, accepted)
+    if "inputs" not in fields:
+        raise InvalidArgument("inputs is required: a string or a list of strings")
+    texts = _strings(fields["inputs"], "inputs")
+    model = choose_model(call.pipeline, task, fields.get("model"))
+    _flag(fields, TRUNCATE, True)
+    return fields, texts, model
+
+
 async def embed(call: TaskCall, payload: object) -> Answer:
     """POST /embed: {"inputs": str | [str], "normalize", "truncate", "prompt_name", "dimensions"} -> [[float]].
 
     `embedding_type` (an extension: int8, uint8, binary, ubinary) answers that form of the model's own
     vector as integers; `normalize` applies to float vectors only.
     """
-    fields = _object(payload, EMBED_FIELDS)
-    if "inputs" not in fields:
-        raise InvalidArgument("inputs is required: a string or a list of strings")
-    texts = _strings(fields["inputs"], "inputs")
-    model = choose_model(call.pipeline, "embed", fields.get("model"))
+    fields, texts, model = _text_route(call, payload, EMBED_FIELDS, "embed")
     normalize = _flag(fields, "normalize", True)
     if not normalize and model.spec.normalize:
         raise InvalidArgument(
             f"model {model.spec.name} normalises its embeddings in its graph: normalize false is not available"
         )
-    _flag(fields, TRUNCATE, True)
     parameters = _parameters(fields, TRUNCATE, PROMPT_NAME, DIMENSIONS)
     output = type_output(fields.get("embedding_type", "float"), model.spec, "embedding_type")
 
@@ -235,12 +243,7 @@ async def embed_all(call: TaskCall, payload: object) -> Answer:
     The model's last hidden state of every token of each text, special tokens included, padding left out
     (sentence-transformers' `encode(output_value="token_embeddings")`).
     """
-    fields = _object(payload, EMBED_ALL_FIELDS)
-    if "inputs" not in fields:
-        raise InvalidArgument("inputs is required: a string or a list of strings")
-    texts = _strings(fields["inputs"], "inputs")
-    model = choose_model(call.pipeline, "embed", fields.get("model"))
-    _flag(fields, TRUNCATE, True)
+    fields, texts, model = _text_route(call, payload, EMBED_ALL_FIELDS, "embed")
     parameters = _parameters(fields, TRUNCATE, PROMPT_NAME)
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
@@ -269,12 +272,7 @@ async def embed_sparse(call: TaskCall, payload: object) -> Answer:
     A sparse model's (SPLADE's) non-zero terms per text, largest first; `top_k` (an extension) keeps the
     k largest. The terms are the gRPC outputs sparse_indices and sparse_values (service.pipeline.sparse).
     """
-    fields = _object(payload, SPARSE_FIELDS)
-    if "inputs" not in fields:
-        raise InvalidArgument("inputs is required: a string or a list of strings")
-    texts = _strings(fields["inputs"], "inputs")
-    model = choose_model(call.pipeline, "sparse", fields.get("model"))
-    _flag(fields, TRUNCATE, True)
+    fields, texts, model = _text_route(call, payload, SPARSE_FIELDS, "sparse")
     outputs = (INDICES, VALUES)
     request = InferenceRequest(
         model=model.spec.name,
