@@ -14,11 +14,11 @@ import numpy as np
 
 from protocol import grpc_service_pb2 as pb
 from protocol import model_config_pb2 as mc
-from service.core.repository import PLATFORM, ModelSpec
+from service.core.repository import PLATFORM
 from service.errors import InvalidArgument, Unimplemented
 from service.ops.statistics import Duration, ModelStatistics
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, ModelState
-from service.pipeline.embedding_types import output_width, served_outputs
+from service.pipeline.embedding_types import output_width
 from service.pipeline.validation import QUERY_INPUT, REQUIRED_TOKEN_INPUTS, TEXT_INPUT, ModelSignature
 
 SERVER_NAME = "encoder-serve"
@@ -153,16 +153,16 @@ _METADATA_DATATYPES = {
 _CONFIG_DATATYPES = {name: data_type for data_type, name in _METADATA_DATATYPES.items()}
 
 
-def served_output_configs(spec: ModelSpec) -> list[mc.ModelOutput]:
+def served_output_configs(signature: ModelSignature) -> list[mc.ModelOutput]:
     """The outputs as served, in Triton's terms: the graph's (config.pbtxt's), then the forms made from them.
 
     The compact embeddings (`embedding_int8`, ...: service.pipeline.embedding_types) and a sparse
     embedding's terms (`sparse_indices`, `sparse_values`: service.pipeline.sparse) are made by the server
     from the graph's outputs, so config.pbtxt cannot declare them (Triton would look for them in the graph).
     """
-    outputs = list(spec.config.output)
-    width = spec.hidden_size
-    for output in served_outputs(spec).values():
+    outputs = list(signature.spec.config.output)
+    width = signature.spec.hidden_size
+    for output in signature.outputs.values():
         if output.form is not None:
             dims = [output_width(output, width)]
             outputs.append(mc.ModelOutput(name=output.name, data_type=_CONFIG_DATATYPES[output.datatype], dims=dims))
@@ -197,7 +197,7 @@ def model_metadata(signature: ModelSignature) -> pb.ModelMetadataResponse:
     response = pb.ModelMetadataResponse(name=spec.name, versions=[spec.version], platform=PLATFORM)
     for tensor in served_inputs(signature):
         response.inputs.add(name=tensor.name, datatype=_METADATA_DATATYPES[tensor.data_type], shape=[-1, *tensor.dims])
-    for tensor in served_output_configs(spec):
+    for tensor in served_output_configs(signature):
         response.outputs.add(name=tensor.name, datatype=_METADATA_DATATYPES[tensor.data_type], shape=[-1, *tensor.dims])
     return response
 
@@ -208,7 +208,7 @@ def effective_config(model: ModelInfo) -> mc.ModelConfig:
     config.CopyFrom(model.spec.config)
     del config.input[:]
     config.input.extend(served_inputs(model.signature))
-    outputs = served_output_configs(model.spec)
+    outputs = served_output_configs(model.signature)
     del config.output[:]
     config.output.extend(outputs)
     config.max_batch_size = model.policy.max_batch_size

@@ -266,7 +266,7 @@ class Pipeline:
         graph = work.outputs
         if answered.windows is not None:
             graph = {"embedding": combined(graph["embedding"], answered.windows, model.spec.normalize)}
-        outputs = answer_outputs(model.spec, valid.outputs, graph, valid.dimensions, valid.top_k)
+        outputs = answer_outputs(model.signature, valid.outputs, graph, valid.dimensions, valid.top_k)
         if SPARSE in work.outputs:
             self._check_sent_size(outputs, model, request.encodings, answered.answer_bytes)
         return InferenceResult(
@@ -287,7 +287,7 @@ class Pipeline:
     ) -> None:
         """Refuse a sparse answer over --max-response-bytes once its terms are known (its bytes leave the budget)."""
         size = sum(
-            array.size * value_bytes(encodings.get(name, RAW), model.outputs[name].datatype)
+            array.size * value_bytes(encodings.get(name, RAW), model.signature.outputs[name].datatype)
             for name, array in outputs.items()
         )
         if size > self.answers.max_response_bytes:

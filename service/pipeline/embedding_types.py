@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from service.core.repository import ModelSpec
 from service.errors import InvalidArgument
 from service.pipeline.sparse import INDICES, SPARSE, VALUES, terms
+
+if TYPE_CHECKING:
+    from service.pipeline.validation import ModelSignature
 
 EMBEDDING = "embedding"
 TOKEN_STATES = "last_hidden_state"
@@ -80,17 +84,16 @@ def embedding_types(spec: ModelSpec) -> list[str]:
     return [kind for kind in EMBEDDING_TYPES if OUTPUT_OF_TYPE[kind] in outputs]
 
 
-def type_output(kind: object, spec: ModelSpec, field: str) -> str:
+def type_output(kind: object, signature: ModelSignature, field: str) -> str:
     """The output serving an embedding type a request names in `field`; a precise refusal if the model has none."""
     if kind not in EMBEDDING_TYPES:
         raise InvalidArgument(f"{field} must be one of {', '.join(EMBEDDING_TYPES)}, got {kind!r}")
-    check_output(OUTPUT_OF_TYPE[kind], spec)
+    check_output(OUTPUT_OF_TYPE[kind], signature.spec, signature.outputs)
     return OUTPUT_OF_TYPE[kind]
 
 
-def check_output(name: str, spec: ModelSpec) -> ServedOutput:
-    """The served output of that name; InvalidArgument naming what the model answers instead."""
-    outputs = served_outputs(spec)
+def check_output(name: str, spec: ModelSpec, outputs: dict[str, ServedOutput]) -> ServedOutput:
+    """The served output of that name among the model's `outputs`; InvalidArgument naming what it answers instead."""
     output = outputs.get(name)
     if output is not None:
         return output
@@ -132,7 +135,7 @@ def quantize(embeddings: np.ndarray, kind: str, ranges: np.ndarray | None = None
 
 
 def answer_outputs(
-    spec: ModelSpec,
+    signature: ModelSignature,
     requested: tuple[str, ...],
     graph: dict[str, np.ndarray],
     dimensions: int | None,
@@ -142,7 +145,7 @@ def answer_outputs(
 
     The embedding shortened to `dimensions`, and its forms; a sparse embedding's terms (its `top_k` largest).
     """
-    outputs = served_outputs(spec)
+    spec, outputs = signature.spec, signature.outputs
     embedding = graph.get(EMBEDDING)
     if embedding is not None and dimensions is not None:
         embedding = shortened(embedding, dimensions, spec.normalize)

@@ -22,7 +22,7 @@ from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
 from service.pipeline.answers import RAW, AnswerBudget, value_bytes
-from service.pipeline.embedding_types import output_width, served_outputs
+from service.pipeline.embedding_types import output_width
 from service.pipeline.long_texts import Windows
 from service.pipeline.tokenizer import TextTokenizer
 from service.pipeline.validation import ModelSignature, TextLimits, ValidRequest
@@ -138,8 +138,6 @@ class ServedModel:
             TextLimits(settings.max_text_bytes, settings.max_request_text_bytes),
         )
         self.info = ModelInfo(spec, self.signature, policy, instances)
-        self.outputs = served_outputs(spec)
-        """Every output it answers, by name: the graph's and the forms of its embedding."""
 
     async def run(
         self,
@@ -175,7 +173,7 @@ class ServedModel:
             else:
                 rows = request.tokens
             answer_bytes = answers.reserve(self._answer_size(rows, request, encodings))
-            graph = tuple(dict.fromkeys(self.outputs[name].source for name in request.outputs))
+            graph = tuple(dict.fromkeys(self.signature.outputs[name].source for name in request.outputs))
             try:
                 if trace is None:
                     work = await self.queue.submit(rows, graph, deadline)
@@ -204,7 +202,7 @@ class ServedModel:
         """Bytes the requested outputs take as the front end sends them (values x each one's bytes as encoded)."""
         size = 0.0
         for name in request.outputs:
-            output = self.outputs[name]
+            output = self.signature.outputs[name]
             if output.source == "embedding":
                 values = request.rows * output_width(output, request.dimensions or self.spec.hidden_size)
             elif output.form is not None:
@@ -245,7 +243,7 @@ class ServedModel:
                 "too_many_chunks",
             )
         for name in request.outputs:
-            if self.outputs[name].source != "embedding":
+            if self.signature.outputs[name].source != "embedding":
                 raise InvalidArgument(
                     f"output {name} cannot be answered for texts longer than the model's"
                     f" {self.spec.max_sequence_length} tokens with truncate false: they are embedded in windows;"

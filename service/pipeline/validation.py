@@ -18,7 +18,7 @@ import numpy as np
 from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument, RequestTooLarge
-from service.pipeline.embedding_types import check_output
+from service.pipeline.embedding_types import ServedOutput, check_output, served_outputs
 from service.pipeline.sparse import top_k_choice
 
 TEXT_INPUT = "text"
@@ -85,6 +85,11 @@ class ModelSignature:
             if self.spec.task == "classify":
                 names[QUERY_INPUT] = "BYTES"
         return names
+
+    @functools.cached_property
+    def outputs(self) -> dict[str, ServedOutput]:
+        """Every output the model answers, by name: the graph's and the forms made from them (built once)."""
+        return served_outputs(self.spec)
 
 
 @dataclass(slots=True)
@@ -233,12 +238,12 @@ def _check_tokens(tokens: dict[str, np.ndarray], signature: ModelSignature) -> N
         raise InvalidArgument(f"token_type_ids: values must be in [0, {signature.spec.type_vocab_size})")
 
 
-def requested_outputs(names: Sequence[str], spec: ModelSpec) -> tuple[str, ...]:
+def requested_outputs(names: Sequence[str], signature: ModelSignature) -> tuple[str, ...]:
     """The outputs to answer with, in order: the names given (each served, once), or the graph's own."""
     if not names:
-        return spec.output_names
+        return signature.spec.output_names
     for name in names:
-        check_output(name, spec)
+        check_output(name, signature.spec, signature.outputs)
     if len(set(names)) != len(names):
         raise InvalidArgument("an output is requested twice")
     return tuple(names)
@@ -375,7 +380,7 @@ def validate(
     return ValidRequest(
         texts,
         tokens,
-        requested_outputs(outputs, spec),
+        requested_outputs(outputs, signature),
         timeout_s(parameters),
         queries=queries,
         truncate=truncate_choice(parameters),

@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from export.parity import read_sentences
 from service.core.repository import P_EMBEDDING_RANGES, config_text, parse_config, read_model
 from service.errors import InvalidArgument
-from service.pipeline.embedding_types import check_output, quantize
+from service.pipeline.embedding_types import check_output, quantize, served_outputs
 from tests.servers import RunningServer
 from tests.servers import post_json as post
 
@@ -226,6 +226,6 @@ def test_a_repository_without_ranges_serves_binary_but_not_int8(default_reposito
     config_file.write_text(config_text(config))
     spec = read_model(copy)
     assert spec.embedding_ranges == {}
-    assert check_output("embedding_binary", spec).datatype == "INT8"
+    assert check_output("embedding_binary", spec, served_outputs(spec)).datatype == "INT8"
     with pytest.raises(InvalidArgument, match="no calibrated embedding ranges"):
-        check_output("embedding_int8", spec)
+        check_output("embedding_int8", spec, served_outputs(spec))

@@ -157,7 +157,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
     kinds = _embedding_types(payload.get("embedding_types"))
     model = choose_model(call.pipeline, "embed", payload.get("model"))
     outputs = {
-        kind: type_output("float" if kind == "base64" else kind, model.spec, "embedding_types") for kind in kinds
+        kind: type_output("float" if kind == "base64" else kind, model.signature, "embedding_types") for kind in kinds
     }
     parameters: dict[str, bool | int | float | str] = {TRUNCATE: _truncate(payload.get("truncate", "END"))}
     prompt_name = _prompt_name(payload.get("input_type"), model)

@@ -35,7 +35,6 @@ FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "prompt_nam
 """OpenAI's fields, and the extensions prompt_name (sentence-transformers'), embedding_type and truncate (the SDK
 sends them with extra_body)."""
 OWNER = "encoder-serve"
-_FLOAT32 = np.dtype("<f4")
 TOKEN_ARRAYS_REFUSED = (
     "input must be a string or a list of strings: token arrays are not accepted, this server tokenises with"
     " the model's own tokenizer (LangChain: OpenAIEmbeddings(check_embedding_ctx_length=False))"

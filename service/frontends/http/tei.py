@@ -226,7 +226,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
             f"model {model.spec.name} normalises its embeddings in its graph: normalize false is not available"
         )
     parameters = _parameters(fields, TRUNCATE, PROMPT_NAME, DIMENSIONS)
-    output = type_output(fields.get("embedding_type", "float"), model.spec, "embedding_type")
+    output = type_output(fields.get("embedding_type", "float"), model.signature, "embedding_type")
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
         vectors = result.outputs[output]
