@@ -16,6 +16,7 @@ ONNX Runtime's online graph optimisation for the fp32 graph (see `ModelSpec.grap
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -32,15 +33,24 @@ EMBEDDING_RANGES_FILE = "embedding_ranges.npz"
 PLATFORM = "onnxruntime_onnx"
 VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+TOKEN_VECTORS = "token_vectors"
+"""A multi-vector model's graph output: [batch, sequence, width], each position's L2-normalised vector
+(which positions belong to a text is the multivector parameter's rule, applied by the server)."""
+TOKEN_WEIGHTS = "token_weights"
+"""bge-m3's sparse head: [batch, sequence], each position's weight (0 for special tokens); a text's term
+weight is the largest weight of its id."""
 TASK_OUTPUTS = {
     "embed": ("last_hidden_state", "embedding"),
     "classify": ("logits",),
     "sparse": ("sparse_embedding",),
+    "multivector": (TOKEN_VECTORS,),
 }
-"""Each task and the outputs its graphs answer: vectors, a classifier's raw logits, or a SPLADE model's
-sparse embedding (a weight per vocabulary id, most of them 0)."""
-TASK_VECTORS = {"embed": "embedding", "classify": "logits", "sparse": "sparse_embedding"}
-"""Each task's one-row-per-text output, whose width config.pbtxt declares."""
+"""Each task and the outputs its graphs answer: vectors, a classifier's raw logits, a SPLADE model's
+sparse embedding (a weight per vocabulary id, most of them 0), or a ColBERT model's token vectors."""
+EXTRA_OUTPUTS = {"embed": (TOKEN_VECTORS, TOKEN_WEIGHTS)}
+"""Outputs a task's graph may answer besides its own: bge-m3's multi-vector and sparse heads on an embedder."""
+TASK_VECTORS = {"embed": "embedding", "classify": "logits", "sparse": "sparse_embedding", "multivector": TOKEN_VECTORS}
+"""Each task's output whose last dimension config.pbtxt declares as its width."""
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 
 # Parameter keys (config.pbtxt `parameters`).
@@ -62,6 +72,9 @@ P_EMBEDDING_RANGES = "embedding_ranges"
 """The file of the embedding's calibrated ranges (EMBEDDING_RANGES_FILE); absent: none were calibrated."""
 P_EMBEDDING_CALIBRATION = "embedding_calibration"
 """What the ranges were calibrated on (a corpus and its size), as reported to clients."""
+P_MULTIVECTOR = "multivector"
+"""JSON object: how a multi-vector model's texts are tokenised and which positions' vectors are theirs
+(MultiVectorSpec's fields); required with output token_vectors."""
 GRAPH_LEVELS = {-1: "basic", 0: "all", 1: "extended", 2: "disabled"}
 """Triton's `optimization.graph.level` values and the ONNX Runtime online optimisation each stands for."""
 P_VARIANT_PREFIX = "variant."
@@ -70,6 +83,44 @@ P_PREFERRED_PREFIX = "preferred_variant."
 
 class RepositoryError(ValueError):
     """A model folder that cannot be served; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class MultiVectorSpec:
+    """A multi-vector (late-interaction) model's rules: tokenising queries and documents, keeping vectors, scoring.
+
+    Which positions' vectors are a text's, and how a query scores a document (MaxSim).
+    PyLate's ColBERT models insert a prefix token after the first special token ([Q] for queries, [D]
+    for documents), pad queries to a fixed length with an expansion token ([MASK]) that is not attended
+    to (unless attend_to_expansion_tokens) but whose vectors are kept, and drop the vectors of
+    punctuation from documents. bge-m3's ColBERT head drops the first position ([CLS]/<s>).
+    """
+
+    score: str = "sum"
+    """MaxSim over query tokens: sum (ColBERT, PyLate) or mean (bge-m3) of each one's best document match."""
+    skip_first_token: bool = False
+    """The first position's vector is not one of the text's (bge-m3)."""
+    query_prefix_id: int | None = None
+    """Token id inserted after a query's first token; None: none."""
+    document_prefix_id: int | None = None
+    query_length: int | None = None
+    """A query's tokens, prefix and special tokens included (its truncation, and its expansion's length);
+    None: the model's max_sequence_length."""
+    document_length: int | None = None
+    query_expansion_id: int | None = None
+    """Queries are padded to query_length with this id, their vectors kept; None: no expansion."""
+    attend_to_expansion_tokens: bool = False
+    document_skip_ids: tuple[int, ...] = ()
+    """Ids whose vectors are dropped from documents (punctuation)."""
+
+    def to_json(self) -> str:
+        """The config.pbtxt parameter's value."""
+        fields = dataclasses.asdict(self)
+        fields["document_skip_ids"] = list(self.document_skip_ids)
+        return json.dumps(fields, sort_keys=True)
+
+
+MULTIVECTOR_SCORES = ("sum", "mean")
 
 
 @dataclass(frozen=True)
@@ -116,6 +167,12 @@ class ModelSpec:
     embedding_ranges: dict[int, np.ndarray] = field(default_factory=dict)
     """Served width -> float32 [2, width]: each dimension's minimum and maximum over the export's calibration
     corpus (what int8/uint8 embeddings are scaled by); empty when the repository has none."""
+    multivector: MultiVectorSpec | None = None
+    """A multi-vector model's rules (task multivector, or an embedder with token_vectors); None otherwise."""
+    multivector_width: int = 0
+    """Width of each token vector (0 without token_vectors)."""
+    graph_outputs: tuple[str, ...] = ()
+    """The graph's outputs as config.pbtxt lists them (the task's own, then any extra heads')."""
     graph_optimization: str = "all"
     """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU (`optimization.graph.level`).
 
@@ -134,8 +191,8 @@ class ModelSpec:
 
     @property
     def output_names(self) -> tuple[str, ...]:
-        """The outputs the model answers."""
-        return TASK_OUTPUTS[self.task]
+        """The graph's outputs: the task's own, then any extra heads' (bge-m3's)."""
+        return self.graph_outputs or TASK_OUTPUTS[self.task]
 
     def output_shape(self, name: str, rows: int, length: int) -> tuple[int, ...]:
         """An output's shape for a batch of rows x length tokens."""
@@ -144,6 +201,8 @@ class ModelSpec:
             "last_hidden_state": (rows, length, self.hidden_size),
             "logits": (rows, len(self.labels)),
             "sparse_embedding": (rows, self.vocab_size),
+            TOKEN_VECTORS: (rows, length, self.multivector_width),
+            TOKEN_WEIGHTS: (rows, length),
         }
         return shapes[name]
 
@@ -204,8 +263,8 @@ def latest_version(directory: Path) -> str:
     return max(versions, key=int)
 
 
-def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[tuple[str, ...], int]:
-    """Validate inputs/outputs for the task; the token input names and the per-text output's width."""
+def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[tuple[str, ...], int, int]:
+    """Validate inputs/outputs for the task; the token input names, the task output's width, the token vectors'."""
     names = tuple(i.name for i in config.input)
     if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= set(TOKEN_INPUTS):
         raise RepositoryError(f"{source}: inputs must be input_ids, attention_mask[, token_type_ids]; got {names}")
@@ -213,17 +272,32 @@ def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[t
         if tensor.data_type != mc.TYPE_INT64 or list(tensor.dims) != [-1]:
             raise RepositoryError(f"{source}: input {tensor.name} must be TYPE_INT64 with dims [-1]")
     outputs = {o.name: o for o in config.output}
-    expected = TASK_OUTPUTS[task]
-    if set(outputs) != set(expected):
+    expected, extra = TASK_OUTPUTS[task], EXTRA_OUTPUTS.get(task, ())
+    if not set(expected) <= set(outputs) or not set(outputs) <= {*expected, *extra}:
+        also = f" (and optionally {', '.join(extra)})" if extra else ""
         raise RepositoryError(
-            f"{source}: a {task} model's outputs must be {', '.join(expected)}; got {sorted(outputs)}"
+            f"{source}: a {task} model's outputs must be {', '.join(expected)}{also}; got {sorted(outputs)}"
         )
     vector = TASK_VECTORS[task]
     dims = list(outputs[vector].dims)
-    if len(dims) != 1 or dims[0] <= 0:
-        width = {"embed": "hidden_size", "classify": "labels", "sparse": "vocab_size"}[task]
-        raise RepositoryError(f"{source}: output {vector} must have dims [{width}]")
-    return names, dims[0]
+    if (len(dims) != 2 or dims[0] != -1) if vector == TOKEN_VECTORS else len(dims) != 1:
+        dims = [0]
+    if dims[-1] <= 0:
+        width = {
+            "embed": "[hidden_size]",
+            "classify": "[labels]",
+            "sparse": "[vocab_size]",
+            "multivector": "[-1, width]",
+        }
+        raise RepositoryError(f"{source}: output {vector} must have dims {width[task]}")
+    token_vectors = outputs.get(TOKEN_VECTORS)
+    if token_vectors is not None and (
+        len(token_vectors.dims) != 2 or token_vectors.dims[0] != -1 or token_vectors.dims[1] <= 0
+    ):
+        raise RepositoryError(f"{source}: output {TOKEN_VECTORS} must have dims [-1, width]")
+    if TOKEN_WEIGHTS in outputs and list(outputs[TOKEN_WEIGHTS].dims) != [-1]:
+        raise RepositoryError(f"{source}: output {TOKEN_WEIGHTS} must have dims [-1]")
+    return names, dims[-1], token_vectors.dims[1] if token_vectors is not None else 0
 
 
 def _json_parameter(config: mc.ModelConfig, key: str, source: Path, kind: type) -> object:
@@ -285,6 +359,8 @@ def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> 
     default_prompt = _parameter(config, P_DEFAULT_PROMPT_NAME, source, "")
     if default_prompt and default_prompt not in prompts:
         raise RepositoryError(f"{source}: default_prompt_name {default_prompt!r} is not one of the prompts")
+    if task == "multivector":
+        return {"prompts": prompts, "default_prompt_name": default_prompt}
     if task == "sparse":
         vocab_size = _int_parameter(config, P_VOCAB_SIZE, source)
         if width != vocab_size:
@@ -306,6 +382,38 @@ def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> 
         "matryoshka_dimensions": matryoshka,
         "embedding_ranges": _embedding_ranges(config, source.parent, source, (width, *matryoshka)),
     }
+
+
+def _multivector(config: mc.ModelConfig, source: Path) -> MultiVectorSpec:
+    """The multivector parameter, checked field by field."""
+    fields = _json_parameter(config, P_MULTIVECTOR, source, dict)
+    if not fields:
+        raise RepositoryError(f"{source}: parameter {P_MULTIVECTOR!r} is missing (output {TOKEN_VECTORS} needs it)")
+    known = {f.name: f for f in dataclasses.fields(MultiVectorSpec)}
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise RepositoryError(f"{source}: parameter {P_MULTIVECTOR!r} has unknown fields {', '.join(unknown)}")
+
+    def bad(name: str, what: str) -> RepositoryError:
+        return RepositoryError(f"{source}: parameter {P_MULTIVECTOR!r}: {name} must be {what}")
+
+    for name in ("query_prefix_id", "document_prefix_id", "query_length", "document_length", "query_expansion_id"):
+        value = fields.get(name)
+        if value is not None and (type(value) is not int or value < 0):
+            raise bad(name, "a non-negative integer or null")
+    for name in ("query_length", "document_length"):
+        if fields.get(name) is not None and fields[name] < 3:
+            raise bad(name, "at least 3 tokens")
+    for name in ("skip_first_token", "attend_to_expansion_tokens"):
+        if type(fields.get(name, False)) is not bool:
+            raise bad(name, "true or false")
+    if fields.get("score", "sum") not in MULTIVECTOR_SCORES:
+        raise bad("score", " or ".join(MULTIVECTOR_SCORES))
+    skip_ids = fields.get("document_skip_ids", [])
+    if not isinstance(skip_ids, list) or not all(type(i) is int and i >= 0 for i in skip_ids):
+        raise bad("document_skip_ids", "a list of token ids")
+    fields["document_skip_ids"] = tuple(skip_ids)
+    return MultiVectorSpec(**fields)
 
 
 def _inside(folder: Path, name: str, source: Path) -> Path:
@@ -332,7 +440,8 @@ def read_model(directory: Path) -> ModelSpec:
     task = _parameter(config, P_TASK, source, "embed")
     if task not in TASK_OUTPUTS:
         raise RepositoryError(f"{source}: task {task!r} is not one of {', '.join(TASK_OUTPUTS)}")
-    input_names, width = _check_signature(config, source, task)
+    input_names, width, multivector_width = _check_signature(config, source, task)
+    graph_outputs = tuple(output.name for output in config.output)
     version = latest_version(directory)
     variants = {
         key[len(P_VARIANT_PREFIX) :]: _inside(directory / version, value.string_value, source)
@@ -378,6 +487,9 @@ def read_model(directory: Path) -> ModelSpec:
         task=task,
         model_type=_parameter(config, P_MODEL_TYPE, source, ""),
         graph_optimization=GRAPH_LEVELS[level],
+        multivector=_multivector(config, source) if multivector_width else None,
+        multivector_width=multivector_width,
+        graph_outputs=graph_outputs,
         **_task_facts(config, source, task, width),
     )
 
