@@ -37,8 +37,9 @@ TOKEN_VECTORS = "token_vectors"
 """A multi-vector model's graph output: [batch, sequence, width], each position's L2-normalised vector
 (which positions belong to a text is the multivector parameter's rule, applied by the server)."""
 TOKEN_WEIGHTS = "token_weights"
-"""bge-m3's sparse head: [batch, sequence], each position's weight (0 for special tokens); a text's term
-weight is the largest weight of its id."""
+"""bge-m3's sparse head: [batch, sequence, 1], each position's weight (0 for special tokens and padding); a
+text's term weight is the largest weight of its id. Per position like last_hidden_state, so batches cut it
+at each row's end the same way."""
 TASK_OUTPUTS = {
     "embed": ("last_hidden_state", "embedding"),
     "classify": ("logits",),
@@ -202,7 +203,7 @@ class ModelSpec:
             "logits": (rows, len(self.labels)),
             "sparse_embedding": (rows, self.vocab_size),
             TOKEN_VECTORS: (rows, length, self.multivector_width),
-            TOKEN_WEIGHTS: (rows, length),
+            TOKEN_WEIGHTS: (rows, length, 1),
         }
         return shapes[name]
 
@@ -295,8 +296,8 @@ def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[t
         len(token_vectors.dims) != 2 or token_vectors.dims[0] != -1 or token_vectors.dims[1] <= 0
     ):
         raise RepositoryError(f"{source}: output {TOKEN_VECTORS} must have dims [-1, width]")
-    if TOKEN_WEIGHTS in outputs and list(outputs[TOKEN_WEIGHTS].dims) != [-1]:
-        raise RepositoryError(f"{source}: output {TOKEN_WEIGHTS} must have dims [-1]")
+    if TOKEN_WEIGHTS in outputs and list(outputs[TOKEN_WEIGHTS].dims) != [-1, 1]:
+        raise RepositoryError(f"{source}: output {TOKEN_WEIGHTS} must have dims [-1, 1]")
     return names, dims[-1], token_vectors.dims[1] if token_vectors is not None else 0
 
 
