@@ -38,7 +38,8 @@ class TokenRows(msgspec.Struct, gc=False):
     input_ids: np.ndarray
     """int64 [sum of lengths]."""
     lengths: np.ndarray
-    """int64 [rows]: each row's length, up to and including its last attended token."""
+    """int64 [rows]: each row's length, up to and including its last attended token (or its last expansion
+    token: a late-interaction query's unattended tokens whose vectors are kept)."""
     width: int
     """The request's own padded length: last_hidden_state is [rows, width, hidden]."""
     attention_mask: np.ndarray | None = None
@@ -82,6 +83,42 @@ class TokenRows(msgspec.Struct, gc=False):
             attention_mask=np.ascontiguousarray(mask[kept], dtype=_INT64) if needs_mask else None,
             token_type_ids=None if types is None else np.ascontiguousarray(types[kept], dtype=_INT64),
         )
+
+    def joined(self, other: TokenRows) -> TokenRows:
+        """These rows, then `other`'s, as one request's rows."""
+
+        def both(name: str, default: int) -> np.ndarray | None:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is None and theirs is None:
+                return None
+            mine = np.full(len(self.input_ids), default, _INT64) if mine is None else mine
+            theirs = np.full(len(other.input_ids), default, _INT64) if theirs is None else theirs
+            return np.concatenate([mine, theirs])
+
+        return TokenRows(
+            np.concatenate([self.input_ids, other.input_ids]),
+            np.concatenate([self.lengths, other.lengths]),
+            max(self.width, other.width),
+            both("attention_mask", 1),
+            both("token_type_ids", 0),
+        )
+
+    def split(self, first: int) -> tuple[TokenRows, TokenRows]:
+        """The first `first` rows, and the rest (each keeping this request's width)."""
+        cut = int(self.lengths[:first].sum())
+        parts = []
+        for rows, tokens in ((slice(None, first), slice(None, cut)), (slice(first, None), slice(cut, None))):
+            mask, types = self.attention_mask, self.token_type_ids
+            parts.append(
+                TokenRows(
+                    self.input_ids[tokens],
+                    self.lengths[rows],
+                    self.width,
+                    None if mask is None else mask[tokens],
+                    None if types is None else types[tokens],
+                )
+            )
+        return parts[0], parts[1]
 
     def padded(self, pad_token_id: int = 0) -> dict[str, np.ndarray]:
         """The rows as [rows, width] arrays, right-padded (the form the model and the fidelity check take)."""

@@ -18,7 +18,8 @@ from service.core.repository import PLATFORM
 from service.errors import InvalidArgument, Unimplemented
 from service.ops.statistics import Duration, ModelStatistics
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, ModelState
-from service.pipeline.embedding_types import output_width
+from service.pipeline.multivector import MULTIVECTOR
+from service.pipeline.outputs import output_width
 from service.pipeline.validation import QUERY_INPUT, REQUIRED_TOKEN_INPUTS, TEXT_INPUT, ModelSignature
 
 SERVER_NAME = "encoder-serve"
@@ -156,15 +157,20 @@ _CONFIG_DATATYPES = {name: data_type for data_type, name in _METADATA_DATATYPES.
 def served_output_configs(signature: ModelSignature) -> list[mc.ModelOutput]:
     """The outputs as served, in Triton's terms: the graph's (config.pbtxt's), then the forms made from them.
 
-    The compact embeddings (`embedding_int8`, ...: service.pipeline.embedding_types) and a sparse
-    embedding's terms (`sparse_indices`, `sparse_values`: service.pipeline.sparse) are made by the server
-    from the graph's outputs, so config.pbtxt cannot declare them (Triton would look for them in the graph).
+    The compact embeddings (`embedding_int8`, ...: service.pipeline.embedding_types), sparse terms
+    (`sparse_indices`, `sparse_values`: service.pipeline.sparse) and multi-vector outputs (`multivector`,
+    `multivector_lengths`, `score`: service.pipeline.multivector) are made by the server from the graph's
+    outputs, so config.pbtxt cannot declare them (Triton would look for them in the graph); the graph's
+    per-position `token_vectors` and `token_weights` are served only through them.
     """
-    outputs = list(signature.spec.config.output)
-    width = signature.spec.hidden_size
+    spec = signature.spec
+    outputs = [output for output in spec.config.output if output.name in signature.outputs]
     for output in signature.outputs.values():
         if output.form is not None:
-            dims = [output_width(output, width)]
+            if output.form == MULTIVECTOR:
+                dims = [-1, spec.multivector_width]
+            else:
+                dims = [output_width(output, spec.hidden_size)]
             outputs.append(mc.ModelOutput(name=output.name, data_type=_CONFIG_DATATYPES[output.datatype], dims=dims))
     return outputs
 
@@ -173,15 +179,15 @@ def served_inputs(signature: ModelSignature) -> list[mc.ModelInput]:
     """The inputs as served, in Triton's terms; ModelConfig and ModelMetadata both list these.
 
     `text` (TYPE_STRING, one string per row) comes first when the server tokenises for the model.
-    A classifier also takes `query` (row i is the pair (query[i], text[i])). Neither is an input of
-    the ONNX graph, so config.pbtxt cannot hold them (Triton would refuse the file): the server adds
-    them here. A request sends either the text or the token inputs, so every
+    A classifier or a multi-vector model also takes `query` (row i is the pair (query[i], text[i])).
+    Neither is an input of the ONNX graph, so config.pbtxt cannot hold them (Triton would refuse the
+    file): the server adds them here. A request sends either the text or the token inputs, so every
     input is `optional` when text is accepted; otherwise only token_type_ids is.
     """
     inputs = []
     if signature.accepts_text:
         inputs.append(mc.ModelInput(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=[1], optional=True))
-        if signature.spec.task == "classify":
+        if QUERY_INPUT in signature.input_datatypes:
             inputs.append(mc.ModelInput(name=QUERY_INPUT, data_type=mc.TYPE_STRING, dims=[1], optional=True))
     for tensor in signature.spec.config.input:
         served = mc.ModelInput()

@@ -30,10 +30,9 @@ from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
 from service.pipeline.answers import RAW, AnswerBudget, HeldAnswer, value_bytes
-from service.pipeline.embedding_types import answer_outputs
-from service.pipeline.long_texts import combined
+from service.pipeline.long_texts import combined, late_chunked
 from service.pipeline.models import ModelInfo, ServedModel
-from service.pipeline.sparse import SPARSE
+from service.pipeline.outputs import answer_outputs, output_width
 from service.pipeline.validation import InputTensor, RowLimit, validate
 
 log = logging.getLogger(__name__)
@@ -266,8 +265,10 @@ class Pipeline:
         graph = work.outputs
         if answered.windows is not None:
             graph = {"embedding": combined(graph["embedding"], answered.windows, model.spec.normalize)}
-        outputs = answer_outputs(model.signature, valid.outputs, graph, valid.dimensions, valid.top_k)
-        if SPARSE in work.outputs:
+        elif answered.spans is not None:
+            graph = {"embedding": late_chunked(graph["last_hidden_state"], answered.spans, model.spec.normalize)}
+        outputs = answer_outputs(model.signature, valid, graph, answered.rows)
+        if any(output_width(model.signature.outputs[name], 1) < 0 for name in valid.outputs):
             self._check_sent_size(outputs, model, request.encodings, answered.answer_bytes)
         return InferenceResult(
             model.spec.name,
@@ -279,13 +280,16 @@ class Pipeline:
             valid.rows,
             work.queue_s,
             work.compute_s,
-            answered.row_tokens if answered.windows is None else None,
+            answered.rows.lengths if answered.windows is None and answered.spans is None else None,
         )
 
     def _check_sent_size(
         self, outputs: dict[str, np.ndarray], model: ServedModel, encodings: dict[str, str], held: int
     ) -> None:
-        """Refuse a sparse answer over --max-response-bytes once its terms are known (its bytes leave the budget)."""
+        """Refuse an answer over --max-response-bytes once its size is known (sparse terms, token vectors).
+
+        Its bytes leave the budget when it is refused.
+        """
         size = sum(
             array.size * value_bytes(encodings.get(name, RAW), model.signature.outputs[name].datatype)
             for name, array in outputs.items()
@@ -293,9 +297,9 @@ class Pipeline:
         if size > self.answers.max_response_bytes:
             self.answers.release(held)
             raise TooLarge(
-                f"the answer's terms would take {math.ceil(size)} bytes as sent, over the limit of"
+                f"the answer would take {math.ceil(size)} bytes as sent, over the limit of"
                 f" {self.answers.max_response_bytes} bytes per response (--max-response-bytes); request fewer rows"
-                " or set top_k",
+                " (or set top_k, for sparse terms)",
                 "response_too_large",
             )
 

@@ -21,9 +21,11 @@ from service.errors import InvalidArgument, RequestTooLarge, Unavailable
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
+from service.pipeline import multivector
 from service.pipeline.answers import RAW, AnswerBudget, value_bytes
-from service.pipeline.embedding_types import output_width
+from service.pipeline.embedding_types import TOKEN_STATES
 from service.pipeline.long_texts import Windows
+from service.pipeline.outputs import output_width
 from service.pipeline.tokenizer import TextTokenizer
 from service.pipeline.validation import ModelSignature, TextLimits, ValidRequest
 
@@ -95,10 +97,12 @@ class RowsAnswered:
     """Real (unpadded) tokens of its sequences, special tokens included."""
     answer_bytes: int
     """Its answer's size as sent, counted in the answer budget until released."""
-    row_tokens: np.ndarray
-    """int64 [rows]: each row's tokens up to its last attended one (its unpadded part of last_hidden_state)."""
+    rows: TokenRows
+    """The rows as tokenised (or sent): what per-position outputs are read with."""
     windows: Windows | None = None
     """How long texts were split into windows (truncate false); None: a row a text."""
+    spans: np.ndarray | None = None
+    """Late chunking: each chunk's [start, stop) positions in the document's one row."""
 
 
 class ServedModel:
@@ -162,8 +166,14 @@ class ServedModel:
         self.queue.check_room()
         self.accepted += 1
         try:
-            windows = None
-            if request.texts is not None:
+            windows = spans = None
+            if request.late_chunking:
+                started = time.perf_counter()
+                with tracing.stage(trace, "tokenize"):
+                    work = functools.partial(self.tokenizer.encode_chunks, request.texts)
+                    rows, spans = await self.tokenizer_work(sum(map(len, request.texts)), work)
+                self.metrics.tokenize_duration.observe(time.perf_counter() - started)
+            elif request.texts is not None:
                 started = time.perf_counter()
                 with tracing.stage(trace, "tokenize"):
                     rows, windows = await self._tokenize(request)
@@ -174,6 +184,8 @@ class ServedModel:
                 rows = request.tokens
             answer_bytes = answers.reserve(self._answer_size(rows, request, encodings))
             graph = tuple(dict.fromkeys(self.signature.outputs[name].source for name in request.outputs))
+            if spans is not None:
+                graph = (TOKEN_STATES,)
             try:
                 if trace is None:
                     work = await self.queue.submit(rows, graph, deadline)
@@ -184,7 +196,7 @@ class ServedModel:
                 raise
         finally:
             self.accepted -= 1
-        return RowsAnswered(work, rows.real_tokens, answer_bytes, rows.lengths, windows)
+        return RowsAnswered(work, rows.real_tokens, answer_bytes, rows, windows, spans)
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (Unavailable); those accepted are still submitted and answered."""
@@ -205,9 +217,14 @@ class ServedModel:
             output = self.signature.outputs[name]
             if output.source == "embedding":
                 values = request.rows * output_width(output, request.dimensions or self.spec.hidden_size)
+            elif output.form == multivector.MULTIVECTOR:
+                # At most a vector a token; the answer as sent is checked once the rows' vectors are known.
+                values = math.prod(self.spec.output_shape(output.source, rows.rows, rows.width))
+            elif output.form in (multivector.LENGTHS, multivector.SCORE):
+                values = request.rows
             elif output.form is not None:
-                # A sparse embedding's terms: indices and values together count as the dense row they are made
-                # from (service.pipeline.sparse), half each; the answer as sent is checked once they are known.
+                # Sparse terms: indices and values together count as a dense row of the vocabulary (what a SPLADE
+                # model holds), half each; the answer as sent is checked once they are known.
                 size += request.rows * self.spec.vocab_size * value_bytes(RAW, "FP32") / 2
                 continue
             else:
@@ -222,6 +239,13 @@ class ServedModel:
         """
         texts, queries = request.texts, request.queries
         characters = sum(map(len, texts)) + (sum(map(len, queries)) if queries is not None else 0)
+        if self.spec.task == "multivector" and not request.truncate:
+            raise InvalidArgument(
+                f"model {self.spec.name} cuts texts at its query and document lengths: truncate false is not"
+                " supported for multi-vector texts"
+            )
+        if self.spec.multivector is not None and (queries is not None or self.spec.task == "multivector"):
+            return await self.tokenizer_work(characters, functools.partial(self._marked_rows, request)), None
         if queries is None and not request.truncate and self.spec.task == "embed":
             work = functools.partial(self.tokenizer.encode_windows, texts, self._chunk_overlap)
             rows, counts = await self.tokenizer_work(characters, work)
@@ -233,6 +257,24 @@ class ServedModel:
                 self.tokenizer.encode_pair_rows, list(zip(queries, texts, strict=True)), request.truncate
             )
         return await self.tokenizer_work(characters, work), None
+
+    def _marked_rows(self, request: ValidRequest) -> TokenRows:
+        """A multi-vector model's rows: the texts as its input type says; for pairs, the distinct queries first."""
+        if request.queries is None:
+            return self._marked(request.texts, request.input_type)
+        distinct = list(dict.fromkeys(request.queries))
+        return self._marked(distinct, multivector.QUERY).joined(self._marked(request.texts, multivector.DOCUMENT))
+
+    def _marked(self, texts: list[str], input_type: str) -> TokenRows:
+        rules = self.spec.multivector
+        query = input_type == multivector.QUERY
+        return self.tokenizer.encode_marked_rows(
+            texts,
+            multivector.row_length(self.spec, input_type),
+            rules.query_prefix_id if query else rules.document_prefix_id,
+            rules.query_expansion_id if query else None,
+            rules.attend_to_expansion_tokens,
+        )
 
     def _check_windows(self, rows: TokenRows, request: ValidRequest) -> None:
         """Refuse a split request over --max-chunks-per-request, or one asking for an output windows cannot give."""

@@ -18,15 +18,17 @@ import numpy as np
 from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument, RequestTooLarge
-from service.pipeline.embedding_types import ServedOutput, check_output, served_outputs
-from service.pipeline.sparse import top_k_choice
+from service.pipeline.multivector import DOCUMENT, SCORE, input_type_choice
+from service.pipeline.outputs import ServedOutput, check_output, default_outputs, served_outputs
+from service.pipeline.sparse import INDICES, top_k_choice
 
 TEXT_INPUT = "text"
 QUERY_INPUT = "query"
-"""A classifier's optional first member of each pair: row i is (query[i], text[i])."""
+"""The optional first member of each pair, for a classifier or a multi-vector model: row i is (query[i], text[i])."""
 PROMPT_NAME = "prompt_name"
 TRUNCATE = "truncate"
 DIMENSIONS = "dimensions"
+LATE_CHUNKING = "late_chunking"
 REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
 """Token inputs a token request must carry; token_type_ids defaults to zeros."""
 ELEMENT_BYTES = {"INT64": 8}
@@ -82,7 +84,7 @@ class ModelSignature:
         names = {name: "INT64" for name in self.spec.input_names}
         if self.accepts_text:
             names[TEXT_INPUT] = "BYTES"
-            if self.spec.task == "classify":
+            if self.spec.task == "classify" or self.spec.multivector is not None:
                 names[QUERY_INPUT] = "BYTES"
         return names
 
@@ -104,7 +106,7 @@ class ValidRequest:
     timeout_s: float | None
     """Triton's per-request `timeout` parameter, when given."""
     queries: list[str] | None = None
-    """A classifier's first pair members (row i is (queries[i], texts[i])); None: single texts."""
+    """The pairs' first members (row i is (queries[i], texts[i])); None: single texts."""
     truncate: bool = True
     """False: a sequence longer than the model's maximum is not cut: an embedder's text is embedded in windows
     (service.pipeline.long_texts), a classifier's refused."""
@@ -112,6 +114,10 @@ class ValidRequest:
     """The embedding width to answer with (a Matryoshka width); None: the model's own."""
     top_k: int | None = None
     """A sparse embedding's terms to keep per row, the largest; None: every non-zero term."""
+    input_type: str = DOCUMENT
+    """Whether a multi-vector model's texts are queries or documents (service.pipeline.multivector)."""
+    late_chunking: bool = False
+    """The texts are consecutive chunks of one document, embedded in its context (service.pipeline.long_texts)."""
 
     @property
     def rows(self) -> int:
@@ -238,14 +244,23 @@ def _check_tokens(tokens: dict[str, np.ndarray], signature: ModelSignature) -> N
         raise InvalidArgument(f"token_type_ids: values must be in [0, {signature.spec.type_vocab_size})")
 
 
-def requested_outputs(names: Sequence[str], signature: ModelSignature) -> tuple[str, ...]:
-    """The outputs to answer with, in order: the names given (each served, once), or the graph's own."""
+def requested_outputs(names: Sequence[str], signature: ModelSignature, pairs: bool) -> tuple[str, ...]:
+    """The outputs to answer with, in order: the names given (each served, once), or the model's defaults.
+
+    A multi-vector model answers pairs with their scores only, and scores only for pairs.
+    """
+    spec = signature.spec
+    scored_pairs = pairs and spec.task != "classify"
     if not names:
-        return signature.spec.output_names
+        return (SCORE,) if scored_pairs else default_outputs(spec, pairs)
     for name in names:
-        check_output(name, signature.spec, signature.outputs)
+        check_output(name, spec, signature.outputs)
     if len(set(names)) != len(names):
         raise InvalidArgument("an output is requested twice")
+    if scored_pairs and tuple(names) != (SCORE,):
+        raise InvalidArgument(f"model {spec.name} answers (query, text) pairs with output {SCORE} only")
+    if SCORE in names and not scored_pairs:
+        raise InvalidArgument(f"output {SCORE} scores (query, text) pairs: send the queries in input {QUERY_INPUT}")
     return tuple(names)
 
 
@@ -280,6 +295,26 @@ def truncate_choice(parameters: dict[str, object]) -> bool:
     if not isinstance(value, bool):
         raise InvalidArgument(f"parameter {TRUNCATE} must be true or false")
     return value
+
+
+def late_chunking_choice(
+    parameters: dict[str, object], signature: ModelSignature, pairs: bool, outputs: tuple[str, ...]
+) -> bool:
+    """The `late_chunking` parameter (default false), checked against the model, the inputs and the outputs."""
+    value = parameters.get(LATE_CHUNKING, False)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"parameter {LATE_CHUNKING} must be true or false")
+    if not value:
+        return False
+    spec = signature.spec
+    if spec.task != "embed":
+        raise InvalidArgument(f"parameter {LATE_CHUNKING}: model {spec.name} is a {spec.task} model, not an embedder")
+    if pairs:
+        raise InvalidArgument(f"parameter {LATE_CHUNKING} embeds chunks of one document: send no {QUERY_INPUT} input")
+    for name in outputs:
+        if signature.outputs[name].source != "embedding":
+            raise InvalidArgument(f"output {name} cannot be answered with {LATE_CHUNKING}: ask for the embedding")
+    return True
 
 
 def dimensions_choice(requested: int | None, parameters: dict[str, object], spec: ModelSpec) -> int | None:
@@ -372,20 +407,28 @@ def validate(
             queries = decode_texts(query_elements, QUERY_INPUT)
     elif QUERY_INPUT in decoded:
         raise InvalidArgument("input query needs input text: row i is the pair (query[i], text[i])")
+    elif parameters.get(LATE_CHUNKING):
+        raise InvalidArgument(f"parameter {LATE_CHUNKING} needs texts (input {TEXT_INPUT}), not token inputs")
     else:
         arrays = {name: np.asarray(value) for name, value in decoded.items()}
         _check_tokens(arrays, signature)
         check_rows(arrays["input_ids"].shape[0], signature, row_limit)
         tokens = TokenRows.from_padded(arrays)
+    pairs = queries is not None
+    requested = requested_outputs(outputs, signature, pairs)
+    if not outputs and parameters.get(LATE_CHUNKING) is True:
+        requested = ("embedding",)
     return ValidRequest(
         texts,
         tokens,
-        requested_outputs(outputs, signature),
+        requested,
         timeout_s(parameters),
         queries=queries,
         truncate=truncate_choice(parameters),
         dimensions=dimensions_choice(dimensions, parameters, spec),
-        top_k=top_k_choice(parameters, spec.task, spec.name),
+        top_k=top_k_choice(parameters, INDICES in signature.outputs, spec.name),
+        input_type=input_type_choice(parameters, spec),
+        late_chunking=late_chunking_choice(parameters, signature, pairs, requested),
     )
 
 

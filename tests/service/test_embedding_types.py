@@ -25,7 +25,8 @@ from tritonclient.utils import InferenceServerException
 from export.parity import read_sentences
 from service.core.repository import P_EMBEDDING_RANGES, config_text, parse_config, read_model
 from service.errors import InvalidArgument
-from service.pipeline.embedding_types import check_output, quantize, served_outputs
+from service.pipeline.embedding_types import quantize
+from service.pipeline.outputs import check_output, served_outputs
 from tests.servers import RunningServer
 from tests.servers import post_json as post
 

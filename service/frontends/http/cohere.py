@@ -23,11 +23,12 @@ import orjson
 
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
-from service.frontends.http.tei import Answer, TaskCall, choose_model, reranked, scores
+from service.frontends.http.tei import EMBEDDER, RERANKER, Answer, TaskCall, choose_model, pair_scores, reranked
 from service.pipeline.answers import BASE64, JSON, json_values
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, RowLimit
-from service.pipeline.embedding_types import EMBEDDING_TYPES, type_output
+from service.pipeline.embedding_types import EMBEDDING_TYPES
 from service.pipeline.models import ModelInfo
+from service.pipeline.outputs import type_output
 from service.pipeline.validation import DIMENSIONS, PROMPT_NAME, TEXT_INPUT, TRUNCATE
 
 V2_ROUTES = frozenset({"/v2/embed"})
@@ -81,10 +82,10 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     return_documents = payload.get("return_documents", False)
     if not isinstance(return_documents, bool):
         raise InvalidArgument("return_documents must be true or false")
-    model = choose_model(call.pipeline, "classify", payload.get("model"), reranker=True)
+    model = choose_model(call.pipeline, RERANKER, payload.get("model"))
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
-        relevance = scores(result.outputs["logits"], raw=False)[:, 0]
+        relevance = pair_scores(result, raw=False)
         best = np.argsort(-relevance, kind="stable")[:top_n]
 
         def body() -> object:
@@ -155,7 +156,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
     if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
         raise InvalidArgument("texts is required: a non-empty list of strings")
     kinds = _embedding_types(payload.get("embedding_types"))
-    model = choose_model(call.pipeline, "embed", payload.get("model"))
+    model = choose_model(call.pipeline, EMBEDDER, payload.get("model"))
     outputs = {
         kind: type_output("float" if kind == "base64" else kind, model.signature, "embedding_types") for kind in kinds
     }

@@ -18,11 +18,11 @@ import orjson
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from service.core.repository import TASK_OUTPUTS
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
 from service.pipeline.answers import JSON, RAW, json_values
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor
+from service.pipeline.outputs import DEFAULT_NAMES
 
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_OUTPUT = "binary_data_output"
@@ -199,8 +199,7 @@ def parse_infer(payload: object, binary: memoryview, name: str, version: str) ->
         raise InvalidArgument(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size")
     outputs, binary_outputs = _outputs(fields["outputs"]) if "outputs" in fields else ((), {})
     encodings = {
-        output: RAW if binary_outputs.get(output, binary_by_default) else JSON
-        for output in outputs or [name for names in TASK_OUTPUTS.values() for name in names]
+        output: RAW if binary_outputs.get(output, binary_by_default) else JSON for output in outputs or DEFAULT_NAMES
     }
     request = InferenceRequest(
         model=name,

@@ -6,7 +6,8 @@ it, `user` accepted and unused, `usage` counted by the model's own tokenizer. Un
 token arrays are refused: ids from OpenAI's tokenizer mean nothing to this model.
 
 Extensions: `prompt_name` (sentence-transformers' prompts), `truncate` (false: a text longer than
-the model is embedded whole, in windows: service.pipeline.long_texts) and `embedding_type` (float,
+the model is embedded whole, in windows: service.pipeline.long_texts), `late_chunking` (the inputs
+are consecutive chunks of one document, each embedded in its context, as Jina's API) and `embedding_type` (float,
 int8, uint8, binary or ubinary: service.pipeline.embedding_types), whose integers come as JSON numbers, or with
 encoding_format base64 as their bytes (one byte each). The SDK decodes base64 as float32 when it
 chose the format itself, so a compact type is asked for with encoding_format="float" there.
@@ -21,19 +22,28 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from service.core.repository import ModelSpec
 from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
 from service.pipeline.answers import BASE64, JSON, json_values
-from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
+from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, Pipeline, RowLimit
 from service.pipeline.embedding_types import EMBEDDING_TYPES, OUTPUT_OF_TYPE, embedding_types
 from service.pipeline.validation import TEXT_INPUT
 
 ENCODINGS = ("float", "base64")
-FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "prompt_name", "embedding_type", "truncate")
-"""OpenAI's fields, and the extensions prompt_name (sentence-transformers'), embedding_type and truncate (the SDK
-sends them with extra_body)."""
+FIELDS = (
+    "model",
+    "input",
+    "encoding_format",
+    "dimensions",
+    "user",
+    "prompt_name",
+    "embedding_type",
+    "truncate",
+    "late_chunking",
+)
+"""OpenAI's fields, and the extensions prompt_name (sentence-transformers'), embedding_type, truncate and
+late_chunking (as Jina's API: the inputs are chunks of one document; the SDK sends them with extra_body)."""
 OWNER = "encoder-serve"
 TOKEN_ARRAYS_REFUSED = (
     "input must be a string or a list of strings: token arrays are not accepted, this server tokenises with"
@@ -53,6 +63,7 @@ class EmbeddingsRequest:
     embedding_type: str = "float"
     """One of embedding_types.EMBEDDING_TYPES (checked against the model when it is known)."""
     truncate: bool = True
+    late_chunking: bool = False
 
 
 def _texts(value: object) -> list[str]:
@@ -89,11 +100,15 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
     embedding_type = payload.get("embedding_type", "float")
     if embedding_type not in EMBEDDING_TYPES:
         raise InvalidArgument(f"embedding_type must be one of {', '.join(EMBEDDING_TYPES)}, got {embedding_type!r}")
-    truncate = payload.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise InvalidArgument("truncate must be true or false")
+    truncate, late_chunking = payload.get("truncate", True), payload.get("late_chunking", False)
+    if not isinstance(truncate, bool) or not isinstance(late_chunking, bool):
+        raise InvalidArgument(
+            f"{'truncate' if not isinstance(truncate, bool) else 'late_chunking'} must be true or false"
+        )
     texts = _texts(payload["input"])
-    return EmbeddingsRequest(model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate)
+    return EmbeddingsRequest(
+        model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate, late_chunking
+    )
 
 
 def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tokens: int) -> bytes:
@@ -129,6 +144,7 @@ async def embeddings(
         row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
         dimensions=request.dimensions,
         parameters={"truncate": request.truncate}
+        | ({"late_chunking": True} if request.late_chunking else {})
         | ({} if request.prompt_name is None else {"prompt_name": request.prompt_name}),
         encodings={output: BASE64 if request.encoding_format == "base64" else JSON},
     )
@@ -139,15 +155,16 @@ async def embeddings(
     return body, result
 
 
-def _model_card(spec: ModelSpec, created: int) -> dict[str, object]:
+def _model_card(model: ModelInfo, created: int) -> dict[str, object]:
     """OpenAI's model object, with what this model does: its task, and an embedder's prompts and widths."""
+    spec = model.spec
     card: dict[str, object] = {"id": spec.name, "object": "model", "created": created, "owned_by": OWNER}
     card["task"] = spec.task
     if spec.task == "embed":
         card["prompts"] = spec.prompts
         card["default_prompt_name"] = spec.default_prompt_name or None
         card["dimensions"] = [spec.hidden_size, *spec.matryoshka_dimensions]
-        card["embedding_types"] = embedding_types(spec)
+        card["embedding_types"] = embedding_types(model.signature)
     elif spec.task == "classify":
         card["labels"] = list(spec.labels)
     return card
@@ -155,10 +172,10 @@ def _model_card(spec: ModelSpec, created: int) -> dict[str, object]:
 
 def models_list(pipeline: Pipeline, created: int) -> bytes:
     """GET /v1/models: every loaded model (`created`: when the server started, seconds since the epoch)."""
-    data = [_model_card(model.spec, created) for model in pipeline.models()]
+    data = [_model_card(model, created) for model in pipeline.models()]
     return json.dumps({"object": "list", "data": data}).encode()
 
 
 def model_card(pipeline: Pipeline, name: str, created: int) -> bytes:
     """GET /v1/models/{model}: one loaded model, or NotFound."""
-    return json.dumps(_model_card(pipeline.model(name).spec, created)).encode()
+    return json.dumps(_model_card(pipeline.model(name), created)).encode()

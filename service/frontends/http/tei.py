@@ -25,8 +25,11 @@ from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound, TooLarge
 from service.pipeline.answers import JSON, RAW, HeldAnswer
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
-from service.pipeline.embedding_types import EMBEDDING, TOKEN_STATES, type_output
+from service.pipeline.embedding_types import EMBEDDING, TOKEN_STATES
 from service.pipeline.models import ModelInfo, ServedModel
+from service.pipeline.multivector import INPUT_TYPE, MULTIVECTOR, SCORE
+from service.pipeline.multivector import LENGTHS as MULTIVECTOR_LENGTHS
+from service.pipeline.outputs import type_output
 from service.pipeline.sparse import INDICES, TOP_K, VALUES
 from service.pipeline.tokenizer import TextTokenizer, Token
 from service.pipeline.validation import (
@@ -43,7 +46,7 @@ from service.pipeline.validation import (
 TEI_ROUTES = frozenset(
     {"/embed", "/embed_all", "/embed_sparse", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"}
 )
-EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "model")
+EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "input_type", "model")
 SPARSE_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "top_k", "model")
 EMBED_FIELDS = (
     "inputs",
@@ -66,31 +69,53 @@ sends them."""
 DECODE_FIELDS = ("ids", "skip_special_tokens", "model")
 
 
-def choose_model(pipeline: Pipeline, task: str, name: object, *, reranker: bool = False) -> ModelInfo:
-    """The model a nameless route serves: the one of its task, or the one `name` picks; a precise refusal otherwise.
+@dataclass(frozen=True)
+class Need:
+    """What a route needs of its model, and how its refusals name that."""
 
-    reranker: the route needs one score per pair, so only classifiers of one label are candidates.
-    """
+    singular: str
+    plural: str
+    serves: Callable[[ModelInfo], bool]
+
+
+EMBEDDER = Need("embed model", "embed models", lambda model: EMBEDDING in model.signature.outputs)
+TOKEN_VECTORS = Need(
+    "embed or multi-vector model",
+    "embed or multi-vector models",
+    lambda model: TOKEN_STATES in model.signature.outputs or MULTIVECTOR in model.signature.outputs,
+)
+SPARSE_EMBEDDER = Need("sparse model", "sparse models", lambda model: INDICES in model.signature.outputs)
+CLASSIFIER = Need("classify model", "classify models", lambda model: model.spec.task == "classify")
+RERANKER = Need(
+    "reranker (a classify model of one label, or a multi-vector model)",
+    "rerankers (classify models of one label, or multi-vector models)",
+    lambda model: SCORE in model.signature.outputs or (model.spec.task == "classify" and len(model.spec.labels) == 1),
+)
+
+
+def choose_model(pipeline: Pipeline, need: Need, name: object) -> ModelInfo:
+    """The model a route serves: the one `name` picks, else the one served that meets its need; a precise refusal."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise InvalidArgument("model must be the name of a served model")
         model = pipeline.model(name)
-        if model.spec.task != task:
-            raise InvalidArgument(f"model {name} is a {model.spec.task} model; this route needs a {task} model")
+        if not need.serves(model) and not (need is RERANKER and model.spec.task == "classify"):
+            raise InvalidArgument(f"model {name} is a {model.spec.task} model; this route needs a {need.singular}")
         return model
-    candidates = [
-        model
-        for model in pipeline.models()
-        if model.spec.task == task and (not reranker or len(model.spec.labels) == 1)
-    ]
+    candidates = [model for model in pipeline.models() if need.serves(model)]
     if not candidates:
-        kind = " of one label (a reranker)" if reranker else ""
-        raise NotFound(f"no {task} model{kind} is served here (served: {', '.join(pipeline.served_names()) or 'none'})")
+        raise NotFound(f"no {need.singular} is served here (served: {', '.join(pipeline.served_names()) or 'none'})")
     if len(candidates) > 1:
         names = ", ".join(model.spec.name for model in candidates)
-        kind = " as one-label rerankers" if reranker else ""
-        raise InvalidArgument(f"several {task} models are served{kind} ({names}): name one in the model field")
+        raise InvalidArgument(f"several {need.plural} are served ({names}): name one in the model field")
     return candidates[0]
+
+
+def pair_scores(result: InferenceResult, raw: bool) -> np.ndarray:
+    """One score per pair: a multi-vector model's MaxSim as it is; a reranker's logit, its sigmoid unless raw."""
+    if SCORE in result.outputs:
+        return result.outputs[SCORE][:, 0]
+    return scores(result.outputs["logits"], raw)[:, 0]
 
 
 def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
@@ -201,14 +226,14 @@ async def answered(
 
 
 def _text_route(
-    call: TaskCall, payload: object, accepted: tuple[str, ...], task: str
+    call: TaskCall, payload: object, accepted: tuple[str, ...], need: Need
 ) -> tuple[dict, list[str], ModelInfo]:
     """A route over texts: its body's fields (each accepted, `truncate` a flag), its texts, and the model it goes to."""
     fields = _object(payload, accepted)
     if "inputs" not in fields:
         raise InvalidArgument("inputs is required: a string or a list of strings")
     texts = _strings(fields["inputs"], "inputs")
-    model = choose_model(call.pipeline, task, fields.get("model"))
+    model = choose_model(call.pipeline, need, fields.get("model"))
     _flag(fields, TRUNCATE, True)
     return fields, texts, model
 
@@ -219,7 +244,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
     `embedding_type` (an extension: int8, uint8, binary, ubinary) answers that form of the model's own
     vector as integers; `normalize` applies to float vectors only.
     """
-    fields, texts, model = _text_route(call, payload, EMBED_FIELDS, "embed")
+    fields, texts, model = _text_route(call, payload, EMBED_FIELDS, EMBEDDER)
     normalize = _flag(fields, "normalize", True)
     if not normalize and model.spec.normalize:
         raise InvalidArgument(
@@ -238,12 +263,18 @@ async def embed(call: TaskCall, payload: object) -> Answer:
 
 
 async def embed_all(call: TaskCall, payload: object) -> Answer:
-    """POST /embed_all: {"inputs": str | [str], "truncate", "prompt_name"} -> [[[float]]], each token's vector.
+    """POST /embed_all: {"inputs": str | [str], "truncate", "prompt_name", "input_type"} -> [[[float]]], token vectors.
 
-    The model's last hidden state of every token of each text, special tokens included, padding left out
-    (sentence-transformers' `encode(output_value="token_embeddings")`).
+    An embedder's last hidden state of every token of each text, special tokens included, padding left
+    out (sentence-transformers' `encode(output_value="token_embeddings")`); a multi-vector model's
+    vectors of each text (service.pipeline.multivector), as a query or a document (`input_type`, an
+    extension; default document).
     """
-    fields, texts, model = _text_route(call, payload, EMBED_ALL_FIELDS, "embed")
+    fields, texts, model = _text_route(call, payload, EMBED_ALL_FIELDS, TOKEN_VECTORS)
+    if MULTIVECTOR in model.signature.outputs:
+        return await _multivectors(call, model, texts, _parameters(fields, TRUNCATE, PROMPT_NAME, INPUT_TYPE))
+    if INPUT_TYPE in fields:
+        raise InvalidArgument(f"input_type: model {model.spec.name} is not a multi-vector model")
     parameters = _parameters(fields, TRUNCATE, PROMPT_NAME)
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
@@ -252,6 +283,28 @@ async def embed_all(call: TaskCall, payload: object) -> Answer:
 
     inputs = (_bytes_tensor(TEXT_INPUT, texts),)
     return await answered(call, model, inputs, TOKEN_STATES, parameters, body_of=body_of)
+
+
+async def _multivectors(call: TaskCall, model: ModelInfo, texts: list[str], parameters: dict) -> Answer:
+    """A multi-vector model's vectors of each text, as /embed_all answers them."""
+    outputs = (MULTIVECTOR, MULTIVECTOR_LENGTHS)
+    request = InferenceRequest(
+        model=model.spec.name,
+        inputs=(_bytes_tensor(TEXT_INPUT, texts),),
+        outputs=outputs,
+        parameters=parameters,
+        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        encodings=dict.fromkeys(outputs, JSON),
+    )
+    async with call.envelope.inference(call.context, request) as inference:
+        vectors, lengths = inference.result.outputs[MULTIVECTOR], inference.result.outputs[MULTIVECTOR_LENGTHS]
+        body = await inference.encode(
+            lambda: orjson.dumps(
+                [vectors[row, :length] for row, length in enumerate(lengths.tolist())],
+                option=orjson.OPT_SERIALIZE_NUMPY,
+            )
+        )
+    return Answer(body, inference.result)
 
 
 def _sparse_rows(indices: np.ndarray, values: np.ndarray) -> list[list[dict[str, object]]]:
@@ -272,7 +325,7 @@ async def embed_sparse(call: TaskCall, payload: object) -> Answer:
     A sparse model's (SPLADE's) non-zero terms per text, largest first; `top_k` (an extension) keeps the
     k largest. The terms are the gRPC outputs sparse_indices and sparse_values (service.pipeline.sparse).
     """
-    fields, texts, model = _text_route(call, payload, SPARSE_FIELDS, "sparse")
+    fields, texts, model = _text_route(call, payload, SPARSE_FIELDS, SPARSE_EMBEDDER)
     outputs = (INDICES, VALUES)
     request = InferenceRequest(
         model=model.spec.name,
@@ -316,7 +369,7 @@ async def similarity(call: TaskCall, payload: object) -> Answer:
     options = fields.get("parameters")
     options = {} if options is None else _object(options, SIMILARITY_PARAMETERS, "parameters")
     _flag(options, TRUNCATE, True)
-    model = choose_model(call.pipeline, "embed", fields.get("model"))
+    model = choose_model(call.pipeline, EMBEDDER, fields.get("model"))
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
         vectors = result.outputs["embedding"].astype(np.float64)
@@ -349,10 +402,10 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     texts = _strings(fields["texts"], "texts")
     raw, return_text = _flag(fields, "raw_scores", False), _flag(fields, "return_text", False)
     _flag(fields, TRUNCATE, True)
-    model = choose_model(call.pipeline, "classify", fields.get("model"), reranker=True)
+    model = choose_model(call.pipeline, RERANKER, fields.get("model"))
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
-        ranked = scores(result.outputs["logits"], raw)[:, 0]
+        ranked = pair_scores(result, raw)
         order = np.argsort(-ranked, kind="stable")
         return lambda: [
             {"index": int(i), "score": float(ranked[i]), **({"text": texts[i]} if return_text else {})} for i in order
@@ -370,7 +423,10 @@ async def reranked(
     *,
     body_of: Callable[[InferenceResult], Callable[[], object]],
 ) -> Answer:
-    """The reranker run on (query, document) pairs, answered; it must give one score per pair (one label)."""
+    """The reranker run on (query, document) pairs, answered; it must give one score per pair (one label, or MaxSim)."""
+    if SCORE in model.signature.outputs:
+        inputs = (_bytes_tensor(QUERY_INPUT, [query] * len(documents)), _bytes_tensor(TEXT_INPUT, documents))
+        return await answered(call, model, inputs, SCORE, parameters, body_of=body_of)
     if len(model.spec.labels) != 1:
         raise InvalidArgument(
             f"model {model.spec.name} is a classifier of {len(model.spec.labels)} labels, not a reranker"
@@ -406,7 +462,7 @@ async def predict(call: TaskCall, payload: object) -> Answer:
         raise InvalidArgument("inputs: a batch is all single texts or all pairs")
     raw = _flag(fields, "raw_scores", False)
     _flag(fields, TRUNCATE, True)
-    model = choose_model(call.pipeline, "classify", fields.get("model"))
+    model = choose_model(call.pipeline, CLASSIFIER, fields.get("model"))
     inputs = (_bytes_tensor(TEXT_INPUT, [item[-1] for item in items]),)
     if len(items[0]) == 2:
         inputs = (_bytes_tensor(QUERY_INPUT, [item[0] for item in items]), *inputs)
@@ -517,8 +573,8 @@ def _tokenizing_model(pipeline: Pipeline, name: object) -> ModelInfo:
     if name is not None:
         raise InvalidArgument("model must be the name of a served model")
     if any(model.spec.task == "embed" for model in pipeline.models()):
-        return choose_model(pipeline, "embed", None)
-    return choose_model(pipeline, "classify", None)
+        return choose_model(pipeline, EMBEDDER, None)
+    return choose_model(pipeline, CLASSIFIER, None)
 
 
 def _token(token: Token) -> dict[str, object]:
