@@ -135,7 +135,12 @@ def test_info_describes_the_served_embedder(default_server: RunningServer) -> No
         ("/embed", {"normalize": True}, 422, "inputs is required"),
         ("/embed", {"inputs": TEXTS[0], "model": "elsewhere"}, 404, "elsewhere"),
         ("/embed", b'{"inputs": ', 422, "not valid JSON"),
-        ("/rerank", {"query": "food", "texts": TEXTS}, 404, "no reranker (a classify model of one label, or a multi-vector model) is served here"),
+        (
+            "/rerank",
+            {"query": "food", "texts": TEXTS},
+            404,
+            "no reranker (a classify model of one label, or a multi-vector model) is served here",
+        ),
         ("/predict", {"inputs": TEXTS[0]}, 404, "no classify model is served here"),
         ("/tokenize", {"inputs": TEXTS[0], "prompt_name": "query"}, 422, "prompts: none"),
         ("/tokenize", {"inputs": TEXTS[0], "add_special_tokens": 1}, 422, "add_special_tokens must be true or false"),

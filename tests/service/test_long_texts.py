@@ -121,3 +121,67 @@ def test_windows_over_the_limit_and_token_outputs_are_refused(overlapping: Runni
         assert client.is_server_ready()
     status, answer = post(overlapping, "/embed", {"inputs": LONG * 3, "truncate": False})
     assert status == 413 and "--max-chunks-per-request" in answer["error"]
+
+
+CHUNKS = [
+    "The river rose through the night.",
+    "By morning it had reached the bridge, and the village was cut off.",
+    "Boats brought bread from the other bank.",
+]
+
+
+def late_chunked_by_hand(folder: Path, chunks: list[str]) -> np.ndarray:
+    """Late chunking by hand with transformers' model: one [CLS] chunks [SEP] sequence, a mean per chunk, normalised.
+
+    Each chunk is tokenised alone, its tokens laid end to end with the others'.
+    """
+    model = SentenceTransformer(str(folder), device="cpu")
+    tokenizer, encoder = model.tokenizer, model[0].auto_model
+    pieces = [tokenizer(chunk, add_special_tokens=False)["input_ids"] for chunk in chunks]
+    ids = [tokenizer.cls_token_id, *(token for piece in pieces for token in piece), tokenizer.sep_token_id]
+    with torch.inference_mode():
+        states = encoder(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    states = states.last_hidden_state[0].numpy()
+    vectors, start = [], 1
+    for piece in pieces:
+        vector = states[start : start + len(piece)].mean(axis=0)
+        vectors.append(vector / np.linalg.norm(vector))
+        start += len(piece)
+    return np.array(vectors, dtype=np.float32)
+
+
+def test_late_chunking_as_by_hand_over_grpc_and_openai(default_server: RunningServer, default_folder: Path) -> None:
+    expected = late_chunked_by_hand(default_folder, CHUNKS)
+    served = grpc_embed(default_server, CHUNKS, late_chunking=True)
+    assert_same_vectors(served, expected, min_cosine=0.9999)
+    alone = grpc_embed(default_server, CHUNKS)
+    assert (row_cosines(served, alone) < 0.9999).all()  # each chunk saw the whole document
+    client = openai.OpenAI(base_url=default_server.http_url + "/v1", api_key="unused")
+    answer = client.embeddings.create(model=DEFAULT_MODEL, input=CHUNKS, extra_body={"late_chunking": True})
+    np.testing.assert_allclose(np.array([item.embedding for item in answer.data]), served, atol=1e-6)
+    assert answer.usage.prompt_tokens == sum(len(p) for p in _pieces(default_folder, CHUNKS)) + 2
+
+
+def _pieces(folder: Path, chunks: list[str]) -> list[list[int]]:
+    tokenizer = SentenceTransformer(str(folder), device="cpu").tokenizer
+    return [tokenizer(chunk, add_special_tokens=False)["input_ids"] for chunk in chunks]
+
+
+def test_late_chunking_refusals(default_server: RunningServer) -> None:
+    with pytest.raises(InferenceServerException, match=r"late chunking: the 2 chunks make a document of \d+ tokens"):
+        grpc_embed(default_server, LONG, late_chunking=True)
+    with grpcclient.InferenceServerClient(default_server.target) as client:
+        tensor = grpcclient.InferInput("text", [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([CHUNKS[0].encode()], dtype=object))
+        with pytest.raises(InferenceServerException, match="output last_hidden_state cannot be answered with"):
+            client.infer(
+                DEFAULT_MODEL,
+                [tensor],
+                outputs=[grpcclient.InferRequestedOutput("last_hidden_state")],
+                parameters={"late_chunking": True},
+            )
+        assert client.is_server_ready()
+    status, answer = post(
+        default_server, "/v1/embeddings", {"model": DEFAULT_MODEL, "input": CHUNKS, "late_chunking": "yes"}
+    )
+    assert status == 400 and "late_chunking must be true or false" in answer["error"]["message"]

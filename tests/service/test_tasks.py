@@ -259,7 +259,12 @@ def test_truncate_false_refuses_a_long_pair_and_embeds_a_long_text(server: Runni
         ("/embed", {"inputs": "x", "model": "xlmr-embed", "normalize": False}, 422, "normalize false is not available"),
         ("/embed", b"{not json", 422, "not valid JSON"),
         ("/embed", {"inputs": "x", "model": "nowhere"}, 404, "nowhere"),
-        ("/rerank", {"query": QUERY, "texts": TEXTS}, 422, "several rerankers (classify models of one label, or multi-vector models) are served"),
+        (
+            "/rerank",
+            {"query": QUERY, "texts": TEXTS},
+            422,
+            "several rerankers (classify models of one label, or multi-vector models) are served",
+        ),
         ("/rerank", {"query": "", "texts": TEXTS, "model": "bert-reranker"}, 422, "query is required"),
         ("/rerank", {"query": QUERY, "texts": "x", "model": CLASSIFIER}, 422, "not a reranker"),
         (
