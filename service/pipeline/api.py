@@ -32,7 +32,7 @@ from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
 from service.pipeline.answers import RAW, AnswerBudget, HeldAnswer, value_bytes
 from service.pipeline.long_texts import combined, late_chunked
 from service.pipeline.models import ModelInfo, ServedModel
-from service.pipeline.outputs import answer_outputs, output_width
+from service.pipeline.outputs import CHUNK_COUNTS, CHUNKS, answer_outputs, output_width
 from service.pipeline.validation import InputTensor, RowLimit, validate
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,12 @@ class Pipeline:
             trace.answered(valid.rows, answered.prompt_tokens, work.batch_rows)
         graph = work.outputs
         if answered.windows is not None:
-            graph = {"embedding": combined(graph["embedding"], answered.windows, model.spec.normalize)}
+            windows = answered.windows
+            graph = {
+                "embedding": combined(graph["embedding"], windows, model.spec.normalize),
+                CHUNKS: graph["embedding"],
+                CHUNK_COUNTS: windows.counts[:, None],
+            }
         elif answered.spans is not None:
             graph = {"embedding": late_chunked(graph["last_hidden_state"], answered.spans, model.spec.normalize)}
         outputs = answer_outputs(model.signature, valid, graph, answered.rows)

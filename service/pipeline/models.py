@@ -25,7 +25,7 @@ from service.pipeline import multivector
 from service.pipeline.answers import RAW, AnswerBudget, value_bytes
 from service.pipeline.embedding_types import TOKEN_STATES
 from service.pipeline.long_texts import Windows
-from service.pipeline.outputs import output_width
+from service.pipeline.outputs import CHUNKS, output_width
 from service.pipeline.tokenizer import TextTokenizer
 from service.pipeline.validation import ModelSignature, TextLimits, ValidRequest
 
@@ -215,7 +215,9 @@ class ServedModel:
         size = 0.0
         for name in request.outputs:
             output = self.signature.outputs[name]
-            if output.source == "embedding":
+            if output.form == CHUNKS:
+                values = rows.rows * (request.dimensions or self.spec.hidden_size)
+            elif output.source == "embedding":
                 values = request.rows * output_width(output, request.dimensions or self.spec.hidden_size)
             elif output.form == multivector.MULTIVECTOR:
                 # At most a vector a token; the answer as sent is checked once the rows' vectors are known.

@@ -43,6 +43,10 @@ INTERNAL = (TOKEN_VECTORS, TOKEN_WEIGHTS)
 """Graph outputs only served through the outputs made from them."""
 PAIR_ONLY = (multivector.SCORE,)
 """Outputs answered only for pairs (a query input)."""
+CHUNKS = "chunk_embeddings"
+"""Each window's own vector, texts' windows in order (`truncate` false: service.pipeline.long_texts)."""
+CHUNK_COUNTS = "chunk_counts"
+"""Each text's windows (1 for a text within the model's length)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,8 @@ def served_outputs(spec: ModelSpec) -> dict[str, ServedOutput]:
             if kind not in CALIBRATED_TYPES or spec.embedding_ranges:
                 name = OUTPUT_OF_TYPE[kind]
                 outputs[name] = ServedOutput(name, DATATYPES[kind], EMBEDDING, kind)
+        outputs[CHUNKS] = ServedOutput(CHUNKS, "FP32", EMBEDDING, CHUNKS)
+        outputs[CHUNK_COUNTS] = ServedOutput(CHUNK_COUNTS, "INT64", EMBEDDING, CHUNK_COUNTS)
     sparse_source = SPARSE if SPARSE in graph else TOKEN_WEIGHTS if TOKEN_WEIGHTS in graph else None
     if sparse_source is not None:
         outputs[INDICES] = ServedOutput(INDICES, "INT64", sparse_source, INDICES)
@@ -126,7 +132,7 @@ def output_width(output: ServedOutput, width: int) -> int:
     """Values a row of this output holds when its source is `width` wide (-1: known only once the rows are back)."""
     if output.form in ("binary", "ubinary"):
         return math.ceil(width / 8)
-    if output.form in (multivector.LENGTHS, multivector.SCORE):
+    if output.form in (multivector.LENGTHS, multivector.SCORE, CHUNK_COUNTS):
         return 1
     return -1 if output.form in (INDICES, VALUES, multivector.MULTIVECTOR) else width
 
@@ -161,6 +167,13 @@ def answer_outputs(
             answer[name] = graph[name]
         elif output.form is None:
             answer[name] = embedding
+        elif output.form == CHUNKS:
+            chunks = graph.get(CHUNKS, graph[EMBEDDING])
+            answer[name] = (
+                chunks if request.dimensions is None else shortened(chunks, request.dimensions, spec.normalize)
+            )
+        elif output.form == CHUNK_COUNTS:
+            answer[name] = graph.get(CHUNK_COUNTS, np.ones((len(embedding), 1), dtype=np.int64))
         else:
             ranges = spec.embedding_ranges.get(embedding.shape[1]) if output.form in CALIBRATED_TYPES else None
             answer[name] = quantize(embedding, output.form, ranges)

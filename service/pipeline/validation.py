@@ -19,7 +19,7 @@ from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument, RequestTooLarge
 from service.pipeline.multivector import DOCUMENT, SCORE, input_type_choice
-from service.pipeline.outputs import ServedOutput, check_output, default_outputs, served_outputs
+from service.pipeline.outputs import CHUNK_COUNTS, CHUNKS, ServedOutput, check_output, default_outputs, served_outputs
 from service.pipeline.sparse import INDICES, top_k_choice
 
 TEXT_INPUT = "text"
@@ -312,7 +312,8 @@ def late_chunking_choice(
     if pairs:
         raise InvalidArgument(f"parameter {LATE_CHUNKING} embeds chunks of one document: send no {QUERY_INPUT} input")
     for name in outputs:
-        if signature.outputs[name].source != "embedding":
+        output = signature.outputs[name]
+        if output.source != "embedding" or output.form in (CHUNKS, CHUNK_COUNTS):
             raise InvalidArgument(f"output {name} cannot be answered with {LATE_CHUNKING}: ask for the embedding")
     return True
 

@@ -185,3 +185,26 @@ def test_late_chunking_refusals(default_server: RunningServer) -> None:
         default_server, "/v1/embeddings", {"model": DEFAULT_MODEL, "input": CHUNKS, "late_chunking": "yes"}
     )
     assert status == 400 and "late_chunking must be true or false" in answer["error"]["message"]
+
+
+def test_each_windows_own_vector_on_request(default_server: RunningServer, default_folder: Path) -> None:
+    with grpcclient.InferenceServerClient(default_server.target) as client:
+        tensor = grpcclient.InferInput("text", [len(TEXTS)], "BYTES")
+        tensor.set_data_from_numpy(np.array([text.encode() for text in TEXTS], dtype=object))
+        names = ("embedding", "chunk_embeddings", "chunk_counts")
+        result = client.infer(
+            DEFAULT_MODEL,
+            [tensor],
+            outputs=[grpcclient.InferRequestedOutput(name) for name in names],
+            parameters={"truncate": False},
+        )
+    counts = result.as_numpy("chunk_counts")[:, 0]
+    chunks = result.as_numpy("chunk_embeddings")
+    assert counts[0] == 1 and (counts[1:] > 1).all() and len(chunks) == counts.sum()
+    model = SentenceTransformer(str(default_folder), device="cpu")
+    windows = model.tokenizer(LONG[0], truncation=True, max_length=256, return_overflowing_tokens=True)
+    texts = model.tokenizer.batch_decode(windows["input_ids"], skip_special_tokens=True)
+    first = slice(int(counts[0]), int(counts[0] + counts[1]))
+    # Each window alone through the reference: the window's own vector (decoded text re-tokenises the same here).
+    assert_same_vectors(chunks[first], model.encode(texts, convert_to_numpy=True), min_cosine=0.9999)
+    np.testing.assert_allclose(chunks[0], result.as_numpy("embedding")[0], atol=1e-6)
