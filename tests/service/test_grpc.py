@@ -87,6 +87,8 @@ def test_live_ready_metadata_and_config_through_tritonclient(client: triton.Infe
         ("embedding_uint8", "UINT8", [-1, 32]),
         ("embedding_binary", "INT8", [-1, 4]),
         ("embedding_ubinary", "UINT8", [-1, 4]),
+        ("chunk_embeddings", "FP32", [-1, 32]),
+        ("chunk_counts", "INT64", [-1, 1]),
     ]
     config = client.get_model_config(TINY_MODEL).config
     assert config.name == TINY_MODEL and config.max_batch_size == 64

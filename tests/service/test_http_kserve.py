@@ -63,6 +63,8 @@ def test_health_metadata_and_config(client: triton.InferenceServerClient) -> Non
         "embedding_uint8": ("UINT8", [-1, 32]),
         "embedding_binary": ("INT8", [-1, 4]),
         "embedding_ubinary": ("UINT8", [-1, 4]),
+        "chunk_embeddings": ("FP32", [-1, 32]),
+        "chunk_counts": ("INT64", [-1, 1]),
     }
     assert client.get_model_metadata(TINY_MODEL, "1")["name"] == TINY_MODEL
     config = client.get_model_config(TINY_MODEL)
