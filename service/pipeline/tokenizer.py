@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument
@@ -88,6 +88,8 @@ class TextTokenizer:
         """Texts up to this many characters are never clipped (checked before any other work)."""
         self._windowed: dict[int, Tokenizer] = {}
         """Copies truncating with a stride, by overlap, made on first use (`encode_windows`)."""
+        self._truncating: dict[int, Tokenizer] = {}
+        """Copies truncating at other lengths (a late-interaction model's queries and documents), made on first use."""
         self._untruncated: Tokenizer | None = None
         """The same tokenizer without truncation, made when a refusal needs a text's full count."""
         self._known_ids: np.ndarray | None = None
@@ -163,6 +165,39 @@ class TextTokenizer:
         counts = np.fromiter(map(len, windows), dtype=np.int64, count=len(windows))
         return _rows(list(itertools.chain.from_iterable(windows)), with_types=False), counts
 
+    def encode_marked_rows(
+        self,
+        texts: list[str],
+        length: int,
+        prefix_id: int | None,
+        expansion_id: int | None = None,
+        attend_expansion: bool = False,
+    ) -> TokenRows:
+        """Texts as a late-interaction model reads them (PyLate's ColBERT): rows of at most `length` tokens.
+
+        Each text is truncated to `length` less one for the prefix, then `prefix_id` (if any) goes after its
+        first token. With `expansion_id`, each row is padded to `length` with it, those tokens unattended
+        unless `attend_expansion` (ColBERT's query expansion); their vectors are kept all the same.
+        """
+        truncating = self._truncating.get(length)
+        if truncating is None:
+            truncating = Tokenizer.from_str(self._tokenizer.to_str())
+            truncating.enable_truncation(max_length=length - (prefix_id is not None))
+            self._truncating[length] = truncating
+        encodings = truncating.encode_batch_fast([self.clip(text) for text in texts])
+        rows = [e.ids if prefix_id is None else [*e.ids[:1], prefix_id, *e.ids[1:]] for e in encodings]
+        if expansion_id is None:
+            lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+            ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+            return TokenRows(ids, lengths, int(lengths.max()))
+        ids = np.full((len(rows), length), expansion_id, dtype=np.int64)
+        mask = np.full((len(rows), length), int(attend_expansion), dtype=np.int64)
+        for row, own in enumerate(rows):
+            ids[row, : len(own)] = own
+            mask[row, : len(own)] = 1
+        lengths = np.full(len(rows), length, dtype=np.int64)
+        return TokenRows(ids.ravel(), lengths, length, None if attend_expansion else mask.ravel())
+
     def encode_pair_rows(self, pairs: list[Pair], truncate: bool = True) -> TokenRows:
         """Tokenise (a, b) pairs as the model's tokenizer pairs them, each row at its own length, with segment ids."""
         encodings = self._tokenizer.encode_batch_fast(pairs)
@@ -170,12 +205,41 @@ class TextTokenizer:
             self._refuse_truncated(encodings, pairs)
         return _rows(encodings, with_types=True)
 
+    def encode_chunks(self, chunks: list[str]) -> tuple[TokenRows, np.ndarray]:
+        """Late chunking: consecutive chunks of one document as one row, and each chunk's [start, stop) in it.
+
+        Each chunk is tokenised alone, without special tokens; their tokens are laid end to end
+        between the model's special tokens. A document over max_length, or a chunk of no tokens, is
+        refused (InvalidArgument).
+        """
+        whole = self._whole()
+        encodings = whole.encode_batch_fast(chunks, add_special_tokens=False)
+        empty = next((index for index, encoding in enumerate(encodings) if not len(encoding)), None)
+        if empty is not None:
+            raise InvalidArgument(f"late chunking: chunk {empty} has no tokens")
+        document = whole.post_process(Encoding.merge(encodings, growing_offsets=True))
+        if len(document) > self._max_length:
+            raise InvalidArgument(
+                f"late chunking: the {len(chunks)} chunks make a document of {len(document)} tokens, more than the"
+                f" model's {self._max_length}; send fewer or shorter chunks"
+            )
+        counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        first = document.special_tokens_mask.index(0)
+        starts = first + np.concatenate([[0], np.cumsum(counts)[:-1]])
+        ids = np.array(document.ids, dtype=np.int64)
+        return TokenRows(ids, np.array([len(ids)], dtype=np.int64), len(ids)), np.stack([starts, starts + counts], 1)
+
     def count_tokens(self, text: str | Pair) -> int:
         """Tokens of a text or pair before any truncation (special tokens included)."""
+        whole = self._whole()
+        return len(whole.encode(*text) if isinstance(text, tuple) else whole.encode(text))
+
+    def _whole(self) -> Tokenizer:
+        """The same tokenizer without truncation (made on first use)."""
         if self._untruncated is None:
             self._untruncated = Tokenizer.from_str(self._tokenizer.to_str())
             self._untruncated.no_truncation()
-        return len(self._untruncated.encode(*text) if isinstance(text, tuple) else self._untruncated.encode(text))
+        return self._untruncated
 
     def _refuse_truncated(self, encodings: list, inputs: Sequence[str | Pair]) -> None:
         """InvalidArgument naming the first input that truncation cut."""
