@@ -51,9 +51,10 @@ MODULE_KINDS = (
     | {name: "Normalize" for name in NORMALIZE_TYPES}
     | {name: "MLMTransformer" for name in MLM_TRANSFORMER_TYPES}
     | {name: "SpladePooling" for name in SPLADE_POOLING_TYPES}
-    | {name: "PyLateDense" for name in PYLATE_DENSE_TYPES}
 )
 """modules.json `type` -> the module it names, for every type name a sentence-transformers release writes."""
+CHAIN_KINDS = MODULE_KINDS | {name: "PyLateDense" for name in PYLATE_DENSE_TYPES}
+"""modules.json `type` -> the module it names, sentence-transformers' and PyLate's."""
 SUPPORTED_CHAIN = (
     "supported: sentence-transformers' Transformer at the folder root, then Pooling, then optionally Normalize last;"
     " or a CrossEncoder's Transformer alone; or a SparseEncoder's MLMTransformer then SpladePooling;"
@@ -200,10 +201,10 @@ def _module_list(path: Path) -> list[tuple[str, str]]:
 
 def _check_chain(path: Path, modules: list[tuple[str, str]], task: str) -> None:
     """Every module known, and in the one order the exporter implements."""
-    unknown = [f"{kind!r} at path {where!r}" for kind, where in modules if kind not in MODULE_KINDS]
+    unknown = [f"{kind!r} at path {where!r}" for kind, where in modules if kind not in CHAIN_KINDS]
     if unknown:
         raise FolderError(f"{path}: module type not implemented here: {', '.join(unknown)} ({SUPPORTED_CHAIN})")
-    kinds = [MODULE_KINDS[kind] for kind, _ in modules]
+    kinds = [CHAIN_KINDS[kind] for kind, _ in modules]
     (first_type, first_path), rest = modules[0], kinds[1:]
     if kinds[0] not in ("Transformer", "MLMTransformer"):
         raise FolderError(f"{path}: the first module is {first_type!r}, not a Transformer ({SUPPORTED_CHAIN})")
@@ -362,10 +363,6 @@ def _model_config(folder: Path, task: str) -> dict | None:
         return None
     declared = read_object(path)
     model_type = declared.get("model_type")
-    known = MODEL_CONFIG_FIELDS | (COLBERT_FIELDS if model_type == "ColBERT" else set())
-    unknown = sorted(set(declared) - known)
-    if unknown:
-        raise FolderError(f"{path}: field {unknown[0]!r} is not implemented here")
     supported = {spec["model_type"]: name for name, spec in TASKS.items()}
     if model_type is not None and model_type not in supported:
         raise FolderError(
@@ -377,6 +374,10 @@ def _model_config(folder: Path, task: str) -> dict | None:
             f"{path}: model_type {model_type!r} is not supported with modules.json's modules: a ColBERT model is"
             " exported only as a Transformer then PyLate's Dense, and PyLate's Dense only with model_type ColBERT"
         )
+    known = MODEL_CONFIG_FIELDS | (COLBERT_FIELDS if model_type == "ColBERT" else set())
+    unknown = sorted(set(declared) - known)
+    if unknown:
+        raise FolderError(f"{path}: field {unknown[0]!r} is not implemented here")
     if model_type is not None and "sparse" in (task, supported[model_type]) and supported[model_type] != task:
         raise FolderError(
             f"{path}: model_type {model_type!r} is not supported with modules.json's modules: a SparseEncoder"
