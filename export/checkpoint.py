@@ -16,6 +16,7 @@ from torch import nn
 
 from export.architecture_error import ArchitectureError
 from export.architectures import architecture
+from export.colbert import ColbertConfig, ColbertEncoder, ColbertError, colbert_config, dense_weights
 from export.config import EncoderConfig
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
@@ -73,6 +74,8 @@ class Checkpoint:
     """The classification head of a reranker or classifier; None: an embedding model."""
     splade: SpladeConfig | None = None
     """A sparse embedder's masked-LM head and SPLADE pooling; None: not a sparse embedder."""
+    colbert: ColbertConfig | None = None
+    """A ColBERT model's Dense projection and multi-vector rules; None: not a ColBERT model."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -84,9 +87,11 @@ class Checkpoint:
 
     @property
     def task(self) -> str:
-        """The task: "embed" (vectors out), "classify" (logits out: rerankers and classifiers) or "sparse" (SPLADE)."""
+        """The task: "embed", "classify" (rerankers, classifiers), "sparse" (SPLADE) or "multivector" (ColBERT)."""
         if self.splade is not None:
             return "sparse"
+        if self.colbert is not None:
+            return "multivector"
         return "embed" if self.head is None else "classify"
 
     def build_model(self) -> nn.Module:
@@ -94,6 +99,8 @@ class Checkpoint:
         encoder = build_encoder(self.config)
         if self.splade is not None:
             model: nn.Module = SpladeEncoder(encoder, self.splade)
+        elif self.colbert is not None:
+            model = ColbertEncoder(encoder, self.colbert)
         else:
             model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
         model.load_state_dict(self.state_dict, strict=True)
@@ -113,7 +120,7 @@ def default_model_folder() -> Path:
 
 
 def _sentence_transformer_settings(
-    folder: Path, declared: dict, matryoshka_dimensions: tuple[int, ...]
+    folder: Path, declared: dict, matryoshka_dimensions: tuple[int, ...], task: str
 ) -> SentenceTransformerSettings:
     """Prompts and the similarity function of config_sentence_transformers.json (declared), checked."""
     path = folder / "config_sentence_transformers.json"
@@ -124,7 +131,11 @@ def _sentence_transformer_settings(
     if default and default not in prompts:
         raise CheckpointError(f"{path}: default_prompt_name {default!r} is not one of the prompts")
     similarity = declared.get("similarity_fn_name") or ""
-    if similarity and similarity not in SIMILARITY_FUNCTIONS:
+    if task == "multivector":  # ColBERT's MaxSim is the multivector parameter's score, not an embedding similarity
+        if similarity not in ("", "MaxSim"):
+            raise CheckpointError(f"{path}: similarity_fn_name {similarity!r} on a ColBERT model is not supported")
+        similarity = ""
+    elif similarity and similarity not in SIMILARITY_FUNCTIONS:
         raise CheckpointError(
             f"{path}: similarity_fn_name {similarity!r} is not one of {', '.join(SIMILARITY_FUNCTIONS)}"
         )
@@ -197,8 +208,10 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     if any(d <= 0 or d > config.d_model for d in matryoshka_dimensions):
         raise CheckpointError(f"Matryoshka dimensions must be within 1..{config.d_model}, got {matryoshka_dimensions}")
     state_dict = _encoder_weights(folder, config, state_dict)
-    head, splade = None, None
-    if task == "sparse":
+    head, splade, colbert = None, None, None
+    if task == "multivector":
+        colbert, head_state = _colbert_head(folder, declarations, config.d_model)
+    elif task == "sparse":
         splade, head_state = _splade_head(
             folder,
             hf_config,
@@ -226,11 +239,23 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         tokenizer_folder=folder,
         model_type=source.model_type,
         serving=_sentence_transformer_settings(
-            folder, declarations.model_config or {}, tuple(sorted(set(matryoshka_dimensions), reverse=True))
+            folder, declarations.model_config or {}, tuple(sorted(set(matryoshka_dimensions), reverse=True)), task
         ),
         head=head,
         splade=splade,
+        colbert=colbert,
     )
+
+
+def _colbert_head(
+    folder: Path, declarations: Declarations, d_model: int
+) -> tuple[ColbertConfig, dict[str, torch.Tensor]]:
+    """A ColBERT model's Dense projection and rules, checked, with the projection's weights."""
+    try:
+        colbert = colbert_config(declarations.dense, declarations.model_config, d_model, folder)
+        return colbert, dense_weights(_read_weights(declarations.dense_folder), colbert)
+    except ColbertError as error:
+        raise CheckpointError(f"{folder}: {error}") from error
 
 
 def _splade_head(

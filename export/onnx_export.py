@@ -10,6 +10,8 @@ import onnx
 import torch
 from torch import nn
 
+from service.core.repository import TOKEN_VECTORS
+
 OPSET = 17
 # Protobuf's 2 GiB message limit: larger models keep their weights beside the graph.
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
@@ -47,6 +49,8 @@ def output_shapes(model: nn.Module) -> dict[str, tuple[str | int, ...]]:
     }
     if hasattr(model, "head_config"):
         shapes["logits"] = ("batch", model.head_config.num_labels)
+    if hasattr(model, "colbert"):
+        shapes[TOKEN_VECTORS] = ("batch", "sequence", model.colbert.out_features)
     return {name: shapes[name] for name in model.output_names}
 
 

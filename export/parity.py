@@ -79,11 +79,12 @@ class Reference:
 
     case: Case
     hidden: np.ndarray | None
-    """last_hidden_state; None for a classifier or a sparse embedder (one output only)."""
+    """last_hidden_state; None for a classifier, a sparse embedder or a ColBERT model (one output only)."""
     output: np.ndarray
-    """What the model answers per row: its embedding, a classifier's logits, or a sparse embedding."""
+    """What the model answers per row: its embedding, a classifier's logits, a sparse embedding, or a ColBERT
+    model's token vectors [rows, sequence, width]."""
     output_name: str = "embedding"
-    """The graph output `output` is of: embedding, logits or sparse_embedding."""
+    """The graph output `output` is of: embedding, logits, sparse_embedding or token_vectors."""
 
 
 @dataclass
@@ -96,8 +97,9 @@ class KindFigures:
     max_abs_diff: float = 0.0
     worst_diff_case: str = ""
     compared: str = "last_hidden_state"
-    """The output max_abs_diff is over: last_hidden_state, a classifier's logits (which have no cosine), or
-    sparse_embedding_relative_to_row_max (each row's largest difference over that row's largest value)."""
+    """The output max_abs_diff is over: last_hidden_state, a classifier's logits (which have no cosine),
+    sparse_embedding_relative_to_row_max (each row's largest difference over that row's largest value), or
+    token_vectors_attended (a ColBERT model's vectors at attended positions; the cosine is per position)."""
     rows: int = 0
 
     def to_dict(self) -> dict[str, object]:
@@ -307,6 +309,37 @@ def _compare_sparse(kind: KindFigures, case: Case, answer: np.ndarray, reference
         kind.worst_diff_case = case.row_labels[worst]
 
 
+def _compare_token_vectors(kind: KindFigures, case: Case, answer: np.ndarray, reference: np.ndarray) -> None:
+    """A ColBERT model's figures over attended positions: each position's cosine, the largest difference.
+
+    A row's cosine is its worst position's. Unattended positions (padding, holes) are left out here:
+    a query's expansion tokens are compared through the served path (export.reference_library).
+    """
+    kind.compared = "token_vectors_attended"
+    valid = case.feed["attention_mask"].astype(bool)
+    row_cosines = np.array(
+        [cosines(answer[row][valid[row]], reference[row][valid[row]]).min() for row in range(len(valid))]
+    )
+    kind.cosines.extend(row_cosines.tolist())
+    worst_row = int(np.argmin(row_cosines))
+    if row_cosines[worst_row] < kind.min_cosine:
+        kind.min_cosine = float(row_cosines[worst_row])
+        kind.worst_cosine_case = case.row_labels[worst_row]
+    diff = np.array([np.abs(answer[row][valid[row]] - reference[row][valid[row]]).max() for row in range(len(valid))])
+    worst = int(np.argmax(diff))
+    if diff[worst] > kind.max_abs_diff:
+        kind.max_abs_diff = float(diff[worst])
+        kind.worst_diff_case = case.row_labels[worst]
+
+
+_SINGLE_OUTPUT_COMPARISONS = {
+    "logits": _compare_logits,
+    "sparse_embedding": _compare_sparse,
+    "token_vectors": _compare_token_vectors,
+}
+"""How a one-output model's answers are compared, by output."""
+
+
 def check_variant(variant: str, session: ort.InferenceSession, references: list[Reference]) -> GateResult:
     """Compare one ONNX Runtime session against the references and apply the variant's tolerance."""
     tolerance = TOLERANCES[variant]
@@ -316,7 +349,7 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
         kind = figures.setdefault(case.kind, KindFigures())
         kind.rows += len(case.row_labels)
         if reference.hidden is None:
-            compare = _compare_logits if reference.output_name == "logits" else _compare_sparse
+            compare = _SINGLE_OUTPUT_COMPARISONS[reference.output_name]
             compare(kind, case, session.run([reference.output_name], case.feed)[0], reference.output)
             continue
         hidden, embedding = session.run(["last_hidden_state", "embedding"], case.feed)
@@ -332,7 +365,7 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
     for kind_name in gated:
         kind = figures[kind_name]
         if kind.min_cosine < tolerance.min_cosine:
-            output = "sparse_embedding" if kind.compared.startswith("sparse") else "embedding"
+            output = next((name for name in _SINGLE_OUTPUT_COMPARISONS if kind.compared.startswith(name)), "embedding")
             failures.append(
                 f"{variant}: {output} cosine {kind.min_cosine:.6f} < {tolerance.min_cosine} at {kind.worst_cosine_case}"
             )
@@ -486,5 +519,5 @@ def fidelity_reference(
     width = max(feed["input_ids"].shape[1] for feed, _ in rows)
     padded = [pad_to(feed, width, model.config.pad_token_id) for feed, _ in rows]
     batch = {name: np.concatenate([feed[name] for feed in padded]) for name in input_names}
-    output = model.output_names[-1]  # embedding, logits or sparse_embedding
+    output = model.output_names[-1]  # embedding, logits, sparse_embedding or token_vectors
     return FidelityReference(batch, tuple(label for _, label in rows), embed_each(model, [batch]), output)

@@ -328,6 +328,7 @@ def export_model(
         reason = {
             "classify": "a classifier: published in fp32 only (int8 and fp16 are not gated for logits)",
             "sparse": "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
+            "multivector": "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
         }[checkpoint.task]
         log.warning("%s is %s", checkpoint.name, reason)
         options = dataclasses.replace(options, variants=("fp32",))
@@ -352,7 +353,10 @@ def export_model(
         report["preferred_variants"] = {device: choice["variant"] for device, choice in preferred.items()}
         report["preferred_variants_basis"] = preferred
         stage("reference library: each published variant against sentence-transformers on the source folder")
-        library, library_failures = reference_library.check_published(
+        check = reference_library.check_published
+        if checkpoint.task == "multivector" and build.tokenizer is not None:
+            check = reference_library.check_multivector
+        library, library_failures = check(
             checkpoint,
             build.tokenizer,
             build.names,
@@ -403,7 +407,10 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
         "model_type": checkpoint.model_type,
         "task": checkpoint.task,
         "encoder": checkpoint.config.to_dict(),
-        "head": next((head.to_dict() for head in (checkpoint.head, checkpoint.splade) if head is not None), None),
+        "head": next(
+            (head.to_dict() for head in (checkpoint.head, checkpoint.splade, checkpoint.colbert) if head is not None),
+            None,
+        ),
         "max_sequence_length": checkpoint.max_seq_length,
         "onnx": {"exporter": "torch.onnx (TorchScript)", "opset": OPSET, "attention_mask": "raw 0/1 mask"},
         "cpu_graph_forms": {

@@ -34,6 +34,7 @@ from service.core.repository import (
     P_MATRYOSHKA_DIMENSIONS,
     P_MAX_SEQUENCE_LENGTH,
     P_MODEL_TYPE,
+    P_MULTIVECTOR,
     P_NORMALIZE,
     P_PAD_TOKEN_ID,
     P_POOLING,
@@ -47,6 +48,7 @@ from service.core.repository import (
     P_VOCAB_SIZE,
     PARITY_FILE,
     PLATFORM,
+    TOKEN_VECTORS,
     VARIANT_FILES,
     config_text,
     write_embedding_ranges,
@@ -90,14 +92,7 @@ def build_config(
     )
     for name in input_names:
         config.input.add(name=name, data_type=mc.TYPE_INT64, dims=[-1])
-    d_model = checkpoint.config.d_model
-    if checkpoint.task == "sparse":
-        config.output.add(name=SPARSE_OUTPUT, data_type=mc.TYPE_FP32, dims=[checkpoint.config.vocab_size])
-    elif checkpoint.task == "classify":
-        config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[checkpoint.head.num_labels])
-    else:
-        config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
-        config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
+    _add_outputs(config, checkpoint)
     config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     # Triton's field, so that Triton too runs the fp32 graph in the form that was measured fastest.
     config.optimization.graph.level = next(v for v, name in GRAPH_LEVELS.items() if name == FP32_GRAPH_OPTIMIZATION)
@@ -112,14 +107,7 @@ def build_config(
         P_TASK: checkpoint.task,
         P_PAD_TOKEN_ID: str(checkpoint.config.pad_token_id),
     }
-    if checkpoint.task == "sparse":
-        parameters |= _prompt_parameters(checkpoint)
-    elif checkpoint.task == "classify":
-        parameters[P_LABELS] = labels_parameter(checkpoint.head)
-    else:
-        parameters[P_POOLING] = checkpoint.config.pooling
-        parameters[P_NORMALIZE] = str(checkpoint.config.normalize).lower()
-        parameters |= _embedding_parameters(checkpoint)
+    parameters |= _task_parameters(checkpoint)
     if calibration is not None:
         parameters[P_EMBEDDING_RANGES] = EMBEDDING_RANGES_FILE
         parameters[P_EMBEDDING_CALIBRATION] = f"{calibration['corpus']}: {calibration['texts']} texts"
@@ -132,6 +120,34 @@ def build_config(
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config
+
+
+def _add_outputs(config: mc.ModelConfig, checkpoint: Checkpoint) -> None:
+    """The task's outputs (service.core.repository.TASK_OUTPUTS) with their widths."""
+    d_model = checkpoint.config.d_model
+    if checkpoint.task == "sparse":
+        config.output.add(name=SPARSE_OUTPUT, data_type=mc.TYPE_FP32, dims=[checkpoint.config.vocab_size])
+    elif checkpoint.task == "multivector":
+        config.output.add(name=TOKEN_VECTORS, data_type=mc.TYPE_FP32, dims=[-1, checkpoint.colbert.out_features])
+    elif checkpoint.task == "classify":
+        config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[checkpoint.head.num_labels])
+    else:
+        config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
+        config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
+
+
+def _task_parameters(checkpoint: Checkpoint) -> dict[str, str]:
+    """The parameters of the checkpoint's task: prompts, labels, pooling, the multivector rules."""
+    if checkpoint.task == "sparse":
+        return _prompt_parameters(checkpoint)
+    if checkpoint.task == "multivector":
+        return _prompt_parameters(checkpoint) | {P_MULTIVECTOR: checkpoint.colbert.rules.to_json()}
+    if checkpoint.task == "classify":
+        return {P_LABELS: labels_parameter(checkpoint.head)}
+    return {
+        P_POOLING: checkpoint.config.pooling,
+        P_NORMALIZE: str(checkpoint.config.normalize).lower(),
+    } | _embedding_parameters(checkpoint)
 
 
 def _prompt_parameters(checkpoint: Checkpoint) -> dict[str, str]:

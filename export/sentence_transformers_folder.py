@@ -4,8 +4,10 @@
 each module's own file configures it, and `config_sentence_transformers.json` says which class
 made the folder. The exporter implements three chains: a Transformer at the folder root, then (for
 an embedder) one Pooling module and optionally a Normalize module last; a CrossEncoder's
-Transformer alone; a SparseEncoder's (MLM)Transformer (fill-mask) then SpladePooling (SPLADE).
-A folder whose modules include SpladePooling is a sparse embedder. Every other module type, and
+Transformer alone; a SparseEncoder's (MLM)Transformer (fill-mask) then SpladePooling (SPLADE); PyLate's
+ColBERT: a Transformer then PyLate's Dense (config_sentence_transformers.json model_type "ColBERT").
+A folder whose modules include SpladePooling is a sparse embedder, one with PyLate's Dense a ColBERT
+model. Every other module type, and
 every declared field that would change the outputs and that the exporter does not implement,
 refuses the export with one line naming the file and field: a folder is never approximated.
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from export.colbert import COLBERT_FIELDS, DENSE_FIELDS
 
 TRANSFORMER_TYPES = (
     "sentence_transformers.models.Transformer",  # sentence-transformers 2 to 5.3
@@ -39,6 +43,8 @@ SPLADE_POOLING_TYPES = (
     "sentence_transformers.sparse_encoder.modules.SpladePooling",
     "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling",
 )
+PYLATE_DENSE_TYPES = ("pylate.models.Dense.Dense",)
+"""PyLate's Dense (a ColBERT model's projection): accepted in a ColBERT folder only."""
 MODULE_KINDS = (
     {name: "Transformer" for name in TRANSFORMER_TYPES}
     | {name: "Pooling" for name in POOLING_TYPES}
@@ -47,9 +53,12 @@ MODULE_KINDS = (
     | {name: "SpladePooling" for name in SPLADE_POOLING_TYPES}
 )
 """modules.json `type` -> the module it names, for every type name a sentence-transformers release writes."""
+CHAIN_KINDS = MODULE_KINDS | {name: "PyLateDense" for name in PYLATE_DENSE_TYPES}
+"""modules.json `type` -> the module it names, sentence-transformers' and PyLate's."""
 SUPPORTED_CHAIN = (
     "supported: sentence-transformers' Transformer at the folder root, then Pooling, then optionally Normalize last;"
-    " or a CrossEncoder's Transformer alone; or a SparseEncoder's MLMTransformer then SpladePooling"
+    " or a CrossEncoder's Transformer alone; or a SparseEncoder's MLMTransformer then SpladePooling;"
+    " or PyLate's ColBERT: a Transformer then PyLate's Dense"
 )
 POOLING_KEYS = {
     "pooling_mode_mean_tokens": "mean",
@@ -94,6 +103,13 @@ TASKS = {
         "model_type": "SparseEncoder",
         "transformer_task": "fill-mask",
         "method_output_name": "logits",
+        "module_output_name": "token_embeddings",
+    },
+    "multivector": {
+        "noun": "a ColBERT multi-vector model (PyLate)",
+        "model_type": "ColBERT",
+        "transformer_task": "feature-extraction",
+        "method_output_name": "last_hidden_state",
         "module_output_name": "token_embeddings",
     },
 }
@@ -148,6 +164,10 @@ class Declarations:
     """A sparse embedder's SpladePooling: (pooling_strategy, activation_function); None: not a sparse embedder."""
     splade_dimension: int | None = None
     """The SpladePooling module's embedding dimension (None: not declared); the vocabulary's size if declared."""
+    dense: dict | None = None
+    """A ColBERT model's PyLate Dense config.json (its fields checked by export.colbert); None: not ColBERT."""
+    dense_folder: Path | None = None
+    """The PyLate Dense module's folder (its weights)."""
 
 
 def _read_json(path: Path) -> object:
@@ -181,10 +201,10 @@ def _module_list(path: Path) -> list[tuple[str, str]]:
 
 def _check_chain(path: Path, modules: list[tuple[str, str]], task: str) -> None:
     """Every module known, and in the one order the exporter implements."""
-    unknown = [f"{kind!r} at path {where!r}" for kind, where in modules if kind not in MODULE_KINDS]
+    unknown = [f"{kind!r} at path {where!r}" for kind, where in modules if kind not in CHAIN_KINDS]
     if unknown:
         raise FolderError(f"{path}: module type not implemented here: {', '.join(unknown)} ({SUPPORTED_CHAIN})")
-    kinds = [MODULE_KINDS[kind] for kind, _ in modules]
+    kinds = [CHAIN_KINDS[kind] for kind, _ in modules]
     (first_type, first_path), rest = modules[0], kinds[1:]
     if kinds[0] not in ("Transformer", "MLMTransformer"):
         raise FolderError(f"{path}: the first module is {first_type!r}, not a Transformer ({SUPPORTED_CHAIN})")
@@ -197,6 +217,13 @@ def _check_chain(path: Path, modules: list[tuple[str, str]], task: str) -> None:
             raise FolderError(
                 f"{path}: modules {' -> '.join(kinds)}: a sparse embedder must be exactly an MLMTransformer"
                 f" then SpladePooling ({SUPPORTED_CHAIN})"
+            )
+        return
+    if task == "multivector":
+        if kinds != ["Transformer", "PyLateDense"]:
+            raise FolderError(
+                f"{path}: modules {' -> '.join(kinds)}: a ColBERT model must be exactly a Transformer then PyLate's"
+                f" Dense ({SUPPORTED_CHAIN})"
             )
         return
     if kinds[0] == "MLMTransformer":
@@ -268,6 +295,17 @@ def _splade_pooling(path: Path) -> tuple[str, str, int | None]:
     return strategy, activation, dimension
 
 
+def _pylate_dense(path: Path) -> dict:
+    """A PyLate Dense config.json: its fields as written, none unknown (their values are export.colbert's to check)."""
+    if not path.is_file():
+        raise FolderError(f"{path}: the Dense module's config.json is missing")
+    settings = read_object(path)
+    unknown = sorted(set(settings) - DENSE_FIELDS)
+    if unknown:
+        raise FolderError(f"{path}: Dense field {unknown[0]!r} is not implemented here")
+    return settings
+
+
 def _check_normalize(folder: Path) -> None:
     """A Normalize module's config.json, where it has one, must keep the sentence embedding in place."""
     path = folder / "config.json"
@@ -324,16 +362,22 @@ def _model_config(folder: Path, task: str) -> dict | None:
     if not path.is_file():
         return None
     declared = read_object(path)
-    unknown = sorted(set(declared) - MODEL_CONFIG_FIELDS)
-    if unknown:
-        raise FolderError(f"{path}: field {unknown[0]!r} is not implemented here")
     model_type = declared.get("model_type")
     supported = {spec["model_type"]: name for name, spec in TASKS.items()}
     if model_type is not None and model_type not in supported:
         raise FolderError(
             f"{path}: model_type {model_type!r} is not supported (SentenceTransformer for embedders,"
-            " CrossEncoder for rerankers and classifiers, SparseEncoder for SPLADE)"
+            " CrossEncoder for rerankers and classifiers, SparseEncoder for SPLADE, ColBERT for PyLate's ColBERT)"
         )
+    if "multivector" in (task, supported.get(model_type)) and supported.get(model_type) != task:
+        raise FolderError(
+            f"{path}: model_type {model_type!r} is not supported with modules.json's modules: a ColBERT model is"
+            " exported only as a Transformer then PyLate's Dense, and PyLate's Dense only with model_type ColBERT"
+        )
+    known = MODEL_CONFIG_FIELDS | (COLBERT_FIELDS if model_type == "ColBERT" else set())
+    unknown = sorted(set(declared) - known)
+    if unknown:
+        raise FolderError(f"{path}: field {unknown[0]!r} is not implemented here")
     if model_type is not None and "sparse" in (task, supported[model_type]) and supported[model_type] != task:
         raise FolderError(
             f"{path}: model_type {model_type!r} is not supported with modules.json's modules: a SparseEncoder"
@@ -352,11 +396,13 @@ def _model_config(folder: Path, task: str) -> dict | None:
     default = declared.get("default_prompt_name")
     if task == "classify" and default and isinstance(prompts, dict) and prompts.get(default):
         raise FolderError(f"{path}: default_prompt_name {default!r} on a CrossEncoder is not supported")
+    if task == "multivector" and (default or (isinstance(prompts, dict) and any(prompts.values()))):
+        raise FolderError(f"{path}: prompts on a ColBERT model are not supported (only its [Q] and [D] prefixes)")
     return declared
 
 
 def folder_task(folder: Path, classifier: bool) -> str:
-    """The folder's task: "sparse" (modules.json lists SpladePooling), "classify" (classifier) or "embed".
+    """The folder's task: "sparse" (SpladePooling), "multivector" (PyLate's Dense), "classify" or "embed".
 
     classifier: whether config.json's architectures make the model a sequence classifier.
     """
@@ -364,6 +410,8 @@ def folder_task(folder: Path, classifier: bool) -> str:
     modules = _module_list(modules_file) if modules_file.is_file() else []
     if any(kind in SPLADE_POOLING_TYPES for kind, _ in modules):
         return "sparse"
+    if any(kind in PYLATE_DENSE_TYPES for kind, _ in modules):
+        return "multivector"
     return "classify" if classifier else "embed"
 
 
@@ -392,6 +440,19 @@ def read_declarations(folder: Path, task: str) -> Declarations:
             model_config=model_config,
             splade_pooling=(strategy, activation),
             splade_dimension=dimension,
+        )
+    if task == "multivector":
+        if model_config is None:
+            raise FolderError(
+                f"{folder / 'config_sentence_transformers.json'}: missing: PyLate's Dense is exported only in a"
+                " ColBERT model (model_type ColBERT)"
+            )
+        dense_folder = _module_folder(folder, modules_file, modules[1][1])
+        return Declarations(
+            max_seq_length=max_seq_length,
+            model_config=model_config,
+            dense=_pylate_dense(dense_folder / "config.json"),
+            dense_folder=dense_folder,
         )
     if task == "classify" or not modules:
         return Declarations(max_seq_length=max_seq_length, model_config=model_config)

@@ -44,8 +44,8 @@ def required_cosine(variant: str, chosen_by_default: bool) -> float:
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine similarity of two [rows, dim] arrays, computed in float64."""
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    """Row-wise cosine similarity of two [rows, ...] arrays (each row flattened), computed in float64."""
+    a64, b64 = a.reshape(len(a), -1).astype(np.float64), b.reshape(len(b), -1).astype(np.float64)
     norms = np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1)
     return (a64 * b64).sum(axis=1) / np.maximum(norms, 1e-30)
 
