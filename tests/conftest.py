@@ -24,6 +24,7 @@ from export.config import EncoderConfig
 from export.pipeline import ExportOptions, export_model
 from protocol.channel_security import ClientSecurity
 from tests.export import tiny_models
+from tests.multivector_models import ExportedColbert, exported_colbert, pylate_path
 from tests.servers import RunningServer, cuda_usable, free_port, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -166,6 +167,12 @@ def exported_tasks(tmp_path_factory: pytest.TempPathFactory) -> ExportedTasks:
         for done in pool.map(export, commands):
             assert done.returncode == 0, done.stderr[-3000:]
     return ExportedTasks(repository, sources)
+
+
+@pytest.fixture(scope="session")
+def colbert(tmp_path_factory: pytest.TempPathFactory) -> ExportedColbert:
+    """A tiny ColBERT model made by PyLate and exported once, with PyLate's own answers (tests.multivector_models)."""
+    return exported_colbert(tmp_path_factory.mktemp("colbert"), pylate_path())
 
 
 @pytest.fixture

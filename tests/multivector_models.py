@@ -1,0 +1,117 @@
+"""A tiny ColBERT model made by PyLate itself and exported once, shared by the export and serving tests.
+
+PyLate (the library that makes these folders) cannot run beside the project's sentence-transformers
+6.2, so it is installed apart, with its own pins, into .test-cache/ (once per pin list and interpreter),
+and runs in a subprocess: it makes the tiny ColBERT folder from a tiny BERT, and answers
+`encode(is_query=True/False)` and `colbert_scores` for texts the tokenizer knows every word of
+(PyLate maps an unknown skiplist word to [UNK] and drops [UNK] tokens; the export, as
+sentence-transformers reads the folder, does not: export.colbert).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from export.checkpoint import load_checkpoint
+from export.pipeline import ExportOptions, export_model
+from tests.export import tiny_models
+from tests.installs import pip_install
+from tests.servers import ROOT
+
+PYLATE_PINS = (
+    "sentence-transformers==5.3.0",
+    "transformers==5.3.0",
+    "pylate==1.6.0",
+    "huggingface-hub>=1.3,<2",
+    "tokenizers==0.22.2",
+    "httpx",
+    "httpcore",
+)
+"""PyLate 1.6.0 with what it runs with (not the project's sentence-transformers 6.2); torch and the rest: the venv's."""
+INSTALLED_MARK = ".installed"
+QUERY_LENGTH, DOCUMENT_LENGTH, WIDTH = 12, 20, 16
+PYLATE_SCRIPT = """
+import json, sys
+import numpy as np
+from pylate import models, scores
+
+base, target, texts_file, answers = sys.argv[1:]
+made = models.ColBERT(model_name_or_path=base, embedding_size={width}, query_length={query_length},
+                      document_length={document_length}, device="cpu")
+made.save(target)
+model = models.ColBERT(target, device="cpu")
+texts = json.loads(open(texts_file).read())
+queries = model.encode(texts, is_query=True)
+documents = model.encode(texts, is_query=False)
+out = {{f"query{{i}}": v for i, v in enumerate(queries)}} | {{f"document{{i}}": v for i, v in enumerate(documents)}}
+out["scores"] = np.array([[float(scores.colbert_scores([q], [d])[0, 0]) for d in documents] for q in queries])
+np.savez(answers, **out)
+"""
+
+
+def pylate_path() -> Path:
+    """A folder holding PyLate and its pins (pip --target), for PYTHONPATH; cached under .test-cache/."""
+    key = hashlib.sha256("\n".join((*PYLATE_PINS, sys.executable)).encode()).hexdigest()[:16]
+    target = ROOT / ".test-cache" / f"pylate-overlay-{key}"
+    if not (target / INSTALLED_MARK).is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        pip_install(Path(sys.executable), "--no-deps", "--target", str(target), *PYLATE_PINS)
+        (target / INSTALLED_MARK).touch()
+    return target
+
+
+def known_texts(tokenizer_file: Path) -> list[str]:
+    """Training sentences with no unknown word, and all of them as one text (longer than document_length)."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    unknown = tokenizer.token_to_id("[UNK]")
+    texts = [text for text in tiny_models.training_sentences() if unknown not in tokenizer.encode(text).ids][:12]
+    return [*texts, " ".join(texts[:6])]
+
+
+@dataclass(frozen=True)
+class ExportedColbert:
+    """The PyLate-made folder, its published model folder, the export's report, and PyLate's answers."""
+
+    source: Path
+    published: Path
+    report: dict
+    texts: list[str]
+    pylate: dict[str, np.ndarray]
+
+
+def exported_colbert(folder: Path, pylate_path: Path) -> ExportedColbert:
+    """A tiny ColBERT folder made and answered by PyLate in `folder`, exported in fp32 (the gate's sentences: a few)."""
+    base = tiny_models.save_model("bert", folder / "base")
+    texts = known_texts(base / "tokenizer.json")
+    (folder / "texts.json").write_text(json.dumps(texts))
+    script = folder / "pylate_answers.py"
+    script.write_text(PYLATE_SCRIPT.format(width=WIDTH, query_length=QUERY_LENGTH, document_length=DOCUMENT_LENGTH))
+    source, answers = folder / "model", folder / "pylate.npz"
+    environment = os.environ | {"PYTHONPATH": str(pylate_path), "HF_HUB_OFFLINE": "1"}
+    made = subprocess.run(
+        [sys.executable, str(script), str(base), str(source), str(folder / "texts.json"), str(answers)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
+    assert made.returncode == 0, made.stderr
+    sentences = folder / "sentences.txt"
+    sentences.write_text("\n".join(tiny_models.training_sentences()[:24]) + "\n")
+    repository = folder / "repository"
+    report = export_model(
+        load_checkpoint(source, name="colbert"), repository, ExportOptions(variants=("fp32",), sentences=sentences)
+    )
+    with np.load(answers) as pylate:
+        return ExportedColbert(source, repository / "colbert", report, texts, dict(pylate))
