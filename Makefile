@@ -50,7 +50,7 @@ lint: $(VENV)/.installed
 MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py test_http_openai.py \
 	test_http_kserve.py test_http_security.py test_http_lifecycle.py test_security.py test_shutdown.py \
 	test_cancellation.py test_limits.py test_readiness.py test_statistics.py test_metrics.py test_row_batching.py \
-	test_watchdog.py test_embedding_types.py test_long_texts.py test_sparse.py)
+	test_watchdog.py test_embedding_types.py test_long_texts.py test_sparse.py test_multivector.py)
 TEST_REPOSITORY := $(abspath .test-cache/default-repository)
 test: setup lint
 	rm -rf .test-cache

@@ -188,7 +188,7 @@ def _multivector_outputs(
     if request.queries is None:
         vectors = multivector.row_vectors(token_vectors, multivector.kept_positions(rows, rules, request.input_type))
         array, lengths = multivector.padded(vectors, spec.multivector_width)
-        return {multivector.MULTIVECTOR: array, multivector.LENGTHS: lengths}
+        return {multivector.MULTIVECTOR: array, multivector.LENGTHS: lengths[:, None]}
     distinct = {query: index for index, query in enumerate(dict.fromkeys(request.queries))}
     queries = len(distinct)
     query_rows, text_rows = rows.split(queries)

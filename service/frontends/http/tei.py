@@ -300,7 +300,7 @@ async def _multivectors(call: TaskCall, model: ModelInfo, texts: list[str], para
         vectors, lengths = inference.result.outputs[MULTIVECTOR], inference.result.outputs[MULTIVECTOR_LENGTHS]
         body = await inference.encode(
             lambda: orjson.dumps(
-                [vectors[row, :length] for row, length in enumerate(lengths.tolist())],
+                [vectors[row, :length] for row, length in enumerate(lengths[:, 0].tolist())],
                 option=orjson.OPT_SERIALIZE_NUMPY,
             )
         )
