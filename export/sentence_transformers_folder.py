@@ -5,7 +5,7 @@ each module's own file configures it, and `config_sentence_transformers.json` sa
 made the folder. The exporter implements three chains: a Transformer at the folder root, then (for
 an embedder) one Pooling module and optionally a Normalize module last; a CrossEncoder's
 Transformer alone; a SparseEncoder's (MLM)Transformer (fill-mask) then SpladePooling (SPLADE); PyLate's
-ColBERT: a Transformer then PyLate's Dense (config_sentence_transformers.json model_type "ColBERT").
+ColBERT: a Transformer then PyLate's Dense (config_sentence_transformers.json model_type "ColBERT", or none).
 A folder whose modules include SpladePooling is a sparse embedder, one with PyLate's Dense a ColBERT
 model. Every other module type, and
 every declared field that would change the outputs and that the exporter does not implement,
@@ -369,12 +369,13 @@ def _model_config(folder: Path, task: str) -> dict | None:
             f"{path}: model_type {model_type!r} is not supported (SentenceTransformer for embedders,"
             " CrossEncoder for rerankers and classifiers, SparseEncoder for SPLADE, ColBERT for PyLate's ColBERT)"
         )
-    if "multivector" in (task, supported.get(model_type)) and supported.get(model_type) != task:
+    if model_type is not None and "multivector" in (task, supported[model_type]) and supported[model_type] != task:
         raise FolderError(
             f"{path}: model_type {model_type!r} is not supported with modules.json's modules: a ColBERT model is"
             " exported only as a Transformer then PyLate's Dense, and PyLate's Dense only with model_type ColBERT"
         )
-    known = MODEL_CONFIG_FIELDS | (COLBERT_FIELDS if model_type == "ColBERT" else set())
+    # PyLate writes model_type ColBERT from a transformers folder, and none from a sentence-transformers one.
+    known = MODEL_CONFIG_FIELDS | (COLBERT_FIELDS if task == "multivector" else set())
     unknown = sorted(set(declared) - known)
     if unknown:
         raise FolderError(f"{path}: field {unknown[0]!r} is not implemented here")
