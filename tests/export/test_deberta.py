@@ -226,3 +226,26 @@ def test_unimplemented_settings_are_refused_in_one_line(tmp_path: Path) -> None:
     for key, (value, message) in refusals.items():
         with pytest.raises(ArchitectureError, match=message):
             deberta.config_from_hf(hf | {key: value}, pooling="mean", normalize=True)
+
+
+def test_rename_sets_heads_apart_and_drops_the_unread_position_table() -> None:
+    tensor = torch.zeros(1)
+    weights, heads = deberta.rename_weights(
+        {
+            "deberta.embeddings.word_embeddings.weight": tensor,
+            "deberta.embeddings.position_embeddings.weight": tensor,  # DeBERTa-v3 checkpoints may carry it, unread
+            "deberta.encoder.layer.0.attention.self.query_proj.weight": tensor,
+            "deberta.encoder.rel_embeddings.weight": tensor,
+            "lm_predictions.lm_head.dense.weight": tensor,
+            "mask_predictions.classifier.weight": tensor,
+            "pooler.dense.weight": tensor,
+        }
+    )
+    assert set(weights) == {"embeddings.token.weight", "layers.0.attention.query.weight", "relative_embeddings.weight"}
+    assert set(heads) == {
+        "lm_predictions.lm_head.dense.weight",
+        "mask_predictions.classifier.weight",
+        "pooler.dense.weight",
+    }
+    with pytest.raises(ArchitectureError, match=r"unexpected weight '[\w.]+attention\.self\.gate\.weight'"):
+        deberta.rename_weights({"deberta.encoder.layer.0.attention.self.gate.weight": tensor})
