@@ -2,7 +2,8 @@
 
 BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) with different
 settings; each is described here by how its config.json translates into an EncoderConfig and how
-its parameter names map onto the encoder's. ModernBERT is its own encoder (export.modernbert).
+its parameter names map onto the encoder's. ModernBERT (export.modernbert) and DeBERTa-v2/v3
+(export.deberta) are their own encoders.
 Weights of task heads (poolers, classifiers, language model heads) are returned apart, for
 export.heads.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from export import modernbert
+from export import deberta, modernbert
 from export.architecture_error import ArchitectureError
 from export.config import ConfigError, EncoderConfig
 
@@ -76,7 +77,7 @@ class Architecture:
     """How one Hugging Face model_type maps onto an encoder here."""
 
     model_type: str
-    config: Callable[[dict, str, bool], EncoderConfig | modernbert.ModernBertConfig]
+    config: Callable[[dict, str, bool], EncoderConfig | modernbert.ModernBertConfig | deberta.DebertaConfig]
     """config.json (with pooling and normalisation) -> the encoder's configuration."""
     rename: Renamer
     """The checkpoint's weights -> (the encoder's, under its names; the task heads', apart)."""
@@ -209,6 +210,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "distilbert": Architecture("distilbert", _distilbert_config, _DISTILBERT_NAMES.rename),
     "mpnet": Architecture("mpnet", _bert_config, _MPNET_NAMES.rename),
     "modernbert": Architecture("modernbert", modernbert.config_from_hf, modernbert.rename_weights),
+    "deberta-v2": Architecture("deberta-v2", deberta.config_from_hf, deberta.rename_weights),
 }
 """Supported model_type -> how to read it."""
 

@@ -18,6 +18,7 @@ from export.architecture_error import ArchitectureError
 from export.architectures import architecture
 from export.colbert import ColbertConfig, ColbertEncoder, ColbertError, colbert_config, dense_weights
 from export.config import EncoderConfig
+from export.deberta import DebertaConfig, DebertaEncoder
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
@@ -107,9 +108,11 @@ class Checkpoint:
         return model.eval()
 
 
-def build_encoder(config: EncoderConfig | ModernBertConfig) -> nn.Module:
-    """The encoder a configuration describes: the BERT family's (export.model) or ModernBERT's."""
-    return ModernBertEncoder(config) if isinstance(config, ModernBertConfig) else Encoder(config)
+def build_encoder(config: EncoderConfig | ModernBertConfig | DebertaConfig) -> nn.Module:
+    """The encoder a configuration describes: the BERT family's (export.model), ModernBERT's or DeBERTa's."""
+    if isinstance(config, ModernBertConfig):
+        return ModernBertEncoder(config)
+    return DebertaEncoder(config) if isinstance(config, DebertaConfig) else Encoder(config)
 
 
 def default_model_folder() -> Path:
@@ -159,7 +162,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _encoder_weights(
-    folder: Path, config: EncoderConfig | ModernBertConfig, weights: dict[str, torch.Tensor]
+    folder: Path, config: EncoderConfig | ModernBertConfig | DebertaConfig, weights: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The encoder's weights in fp32, checked name by name and shape by shape against its config."""
     expected = build_encoder(config).state_dict()

@@ -6,7 +6,8 @@ logits [batch, num_labels]:
 - BERT: its pooler (dense + tanh), then the classifier;
 - RoBERTa, XLM-RoBERTa, MPNet: dense + tanh, then out_proj;
 - DistilBERT: pre_classifier + ReLU, then the classifier;
-- ModernBERT: dense + its classifier activation + LayerNorm, then the classifier.
+- ModernBERT: dense + its classifier activation + LayerNorm, then the classifier;
+- DeBERTa-v2/v3: its ContextPooler (dense + pooler_hidden_act), then the classifier.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _HEAD_LAYERS = {
     "roberta": ("classifier.dense", "", "classifier.out_proj"),
     "distilbert": ("pre_classifier", "", "classifier"),
     "modernbert": ("head.dense", "head.norm", "classifier"),
+    "deberta": ("pooler.dense", "", "classifier"),
 }
 _HEAD_STYLE = {
     "bert": "bert",
@@ -36,6 +38,7 @@ _HEAD_STYLE = {
     "mpnet": "roberta",
     "distilbert": "distilbert",
     "modernbert": "modernbert",
+    "deberta-v2": "deberta",
 }
 _ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": nn.functional.gelu, "silu": nn.functional.silu}
 
@@ -91,6 +94,8 @@ def head_config(hf_config: dict, model_type: str) -> HeadConfig:
     ):
         raise HeadError(f"config.json: unsupported problem_type {hf_config['problem_type']!r}")
     style = _HEAD_STYLE[model_type]
+    if style == "deberta":
+        return _deberta_head(hf_config, labels)
     if style != "modernbert":
         return HeadConfig(style, labels, activation="relu" if style == "distilbert" else "tanh")
     activation = hf_config.get("classifier_activation", "gelu")
@@ -106,6 +111,19 @@ def head_config(hf_config: dict, model_type: str) -> HeadConfig:
         dense_bias=hf_config.get("classifier_bias", False),
         norm_bias=hf_config.get("norm_bias", False),
     )
+
+
+def _deberta_head(hf_config: dict, labels: tuple[str, ...]) -> HeadConfig:
+    """DeBERTa's ContextPooler: the first position, dense (pooler_hidden_size wide) and pooler_hidden_act."""
+    activation = hf_config.get("pooler_hidden_act", "gelu")
+    if activation not in _ACTIVATIONS:
+        raise HeadError(
+            f"config.json: unsupported pooler_hidden_act {activation!r} (supported: {', '.join(_ACTIVATIONS)})"
+        )
+    width = hf_config.get("pooler_hidden_size", hf_config.get("hidden_size"))
+    if width != hf_config.get("hidden_size"):
+        raise HeadError(f"config.json: unsupported pooler_hidden_size {width} (only hidden_size)")
+    return HeadConfig("deberta", labels, activation=activation)
 
 
 class ClassificationHead(nn.Module):

@@ -60,6 +60,7 @@ def test_encoder_equals_transformers(tmp_path: Path, family: str) -> None:
         ("mpnet", "max", False),
         ("distilbert", "lasttoken", True),
         ("modernbert", "mean", True),
+        ("deberta-v2", "mean", True),
     ],
 )
 def test_embeddings_equal_sentence_transformers(tmp_path: Path, family: str, pooling: str, normalize: bool) -> None:

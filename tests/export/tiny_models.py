@@ -2,9 +2,10 @@
 
 No model hub here: each test makes its model. Tokenizers are trained on the exporter's own
 sentences: WordPiece for BERT, DistilBERT and MPNet, byte-level BPE in RoBERTa's form, Unigram
-in XLM-R's form. Folders are what `transformers.save_pretrained` writes, optionally wrapped as a
-sentence-transformers model (Transformer + Pooling (+ Dense) (+ Normalize)), or as a SparseEncoder
-(MLMTransformer + SpladePooling).
+in XLM-R's form and in DeBERTa-v3's (transformers' DebertaV2Tokenizer around the trained pieces).
+Folders are what `transformers.save_pretrained` writes, optionally wrapped as a sentence-transformers
+model (Transformer + Pooling (+ Dense) (+ Normalize)), or as a SparseEncoder (MLMTransformer +
+SpladePooling).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from export.parity import SENTENCES_FILE, read_sentences
 
-FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "modernbert")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "modernbert", "deberta-v2")
 VOCAB_SIZE = 400
 HIDDEN = 32
 LAYERS = 2
@@ -31,6 +32,8 @@ HEADS = 4
 MAX_POSITIONS = 80
 MODERNBERT_WINDOW = 8
 """ModernBERT's local window here: sentences are longer, so local layers see only part of them."""
+DEBERTA_BUCKETS = 16
+"""DeBERTa's position buckets here: distances beyond 8 tokens fall in log-spaced buckets."""
 
 
 def training_sentences() -> list[str]:
@@ -70,10 +73,26 @@ def _unigram() -> Tokenizer:
     return tokenizer
 
 
+def _deberta_v3(max_length: int) -> transformers.PreTrainedTokenizerFast:
+    """DeBERTa-v3's tokenizer: Unigram pieces in transformers' DebertaV2Tokenizer ([CLS] a [SEP] b [SEP])."""
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    special = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]  # DeBERTa-v3's ids 0-3 ([MASK] is last there)
+    trainer = trainers.UnigramTrainer(vocab_size=VOCAB_SIZE, special_tokens=special, unk_token="[UNK]")
+    tokenizer.train_from_iterator(training_sentences(), trainer)
+    unigram = json.loads(tokenizer.to_str())["model"]
+    pieces = [(piece, score) for piece, score in unigram["vocab"]]
+    return transformers.DebertaV2Tokenizer(vocab=pieces, unk_id=unigram["unk_id"], model_max_length=max_length)
+
+
 def save_tokenizer(
     family: str, folder: Path, max_length: int = MAX_POSITIONS - 2
 ) -> transformers.PreTrainedTokenizerFast:
     """Train a tokenizer of the family's kind and save it (tokenizer.json and its config) into folder."""
+    if family == "deberta-v2":
+        fast = _deberta_v3(max_length)
+        fast.save_pretrained(str(folder))
+        return fast
     if family in ("bert", "distilbert", "mpnet"):
         # MPNet pads with id 1 (its positions count after it), as its real vocabulary does; BERT with 0.
         order = (
@@ -156,6 +175,24 @@ def hf_config(
             sep_token_id=tokenizer.sep_token_id,
             bos_token_id=tokenizer.cls_token_id,
             eos_token_id=tokenizer.sep_token_id,
+            **common,
+        )
+    elif family == "deberta-v2":
+        config = transformers.DebertaV2Config(  # DeBERTa-v3's settings, tiny
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=4 * HIDDEN,
+            max_position_embeddings=MAX_POSITIONS,
+            type_vocab_size=0,
+            relative_attention=True,
+            position_buckets=DEBERTA_BUCKETS,
+            max_relative_positions=-1,
+            norm_rel_ebd="layer_norm",
+            share_att_key=True,
+            pos_att_type="p2c|c2p",
+            position_biased_input=False,
+            layer_norm_eps=1e-7,
             **common,
         )
     elif family == "distilbert":
