@@ -16,6 +16,7 @@ from torch import nn
 
 from export.architecture_error import ArchitectureError
 from export.architectures import architecture
+from export.bge_m3 import DENSE_POOLING, BgeM3Config, BgeM3Encoder, BgeM3Error, has_heads, read_heads, unused_token_ids
 from export.config import EncoderConfig
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
@@ -73,6 +74,8 @@ class Checkpoint:
     """The classification head of a reranker or classifier; None: an embedding model."""
     splade: SpladeConfig | None = None
     """A sparse embedder's masked-LM head and SPLADE pooling; None: not a sparse embedder."""
+    bge_m3: BgeM3Config | None = None
+    """bge-m3's ColBERT and sparse heads beside the dense embedding (task embed); None: not bge-m3."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -84,7 +87,10 @@ class Checkpoint:
 
     @property
     def task(self) -> str:
-        """The task: "embed" (vectors out), "classify" (logits out: rerankers and classifiers) or "sparse" (SPLADE)."""
+        """The task: "embed" (vectors out), "classify" (logits out: rerankers and classifiers) or "sparse" (SPLADE).
+
+        bge-m3 is an embedder whose graph also answers token vectors and token weights.
+        """
         if self.splade is not None:
             return "sparse"
         return "embed" if self.head is None else "classify"
@@ -94,6 +100,8 @@ class Checkpoint:
         encoder = build_encoder(self.config)
         if self.splade is not None:
             model: nn.Module = SpladeEncoder(encoder, self.splade)
+        elif self.bge_m3 is not None:
+            model = BgeM3Encoder(encoder, self.bge_m3)
         else:
             model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
         model.load_state_dict(self.state_dict, strict=True)
@@ -183,9 +191,13 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         declarations = read_declarations(folder, task)
     except FolderError as error:
         raise CheckpointError(str(error)) from error
+    bge_m3_heads = _is_bge_m3(folder, hf_config, task)
+    pooling, normalize = declarations.pooling, declarations.normalize
+    if bge_m3_heads:
+        pooling, normalize = _bge_m3_pooling(folder, declarations)
     try:
         source = architecture(hf_config.get("model_type"))
-        config = source.config(hf_config, declarations.pooling, declarations.normalize)
+        config = source.config(hf_config, pooling, normalize)
         state_dict, head_weights = source.rename(_read_weights(folder))
     except ArchitectureError as error:
         raise CheckpointError(f"{folder}: {error}") from error
@@ -197,23 +209,17 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     if any(d <= 0 or d > config.d_model for d in matryoshka_dimensions):
         raise CheckpointError(f"Matryoshka dimensions must be within 1..{config.d_model}, got {matryoshka_dimensions}")
     state_dict = _encoder_weights(folder, config, state_dict)
-    head, splade = None, None
-    if task == "sparse":
-        splade, head_state = _splade_head(
-            folder,
-            hf_config,
-            source.model_type,
-            declarations,
-            encoder_weights=state_dict,
-            head_weights=head_weights,
-        )
-    elif task == "classify":
-        try:
-            head = head_config(hf_config, source.model_type)
-            head_state = rename_head_weights(head_weights, head)
-        except HeadError as error:
-            raise CheckpointError(f"{folder}: {error}") from error
-    if task != "embed":
+    head, splade, bge_m3, head_state = _task_head(
+        folder,
+        hf_config,
+        source.model_type,
+        task,
+        declarations,
+        encoder_weights=state_dict,
+        head_weights=head_weights,
+        bge_m3_heads=bge_m3_heads,
+    )
+    if head_state is not None:
         state_dict = {f"encoder.{k}": v for k, v in state_dict.items()} | {
             f"head.{k}": v for k, v in head_state.items()
         }
@@ -230,7 +236,73 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         ),
         head=head,
         splade=splade,
+        bge_m3=bge_m3,
     )
+
+
+def _task_head(
+    folder: Path,
+    hf_config: dict,
+    model_type: str,
+    task: str,
+    declarations: Declarations,
+    *,
+    encoder_weights: dict[str, torch.Tensor],
+    head_weights: dict[str, torch.Tensor],
+    bge_m3_heads: bool,
+) -> tuple[HeadConfig | None, SpladeConfig | None, BgeM3Config | None, dict[str, torch.Tensor] | None]:
+    """The head on the encoder (a classifier's, SPLADE's or bge-m3's) and its weights; all None: a plain embedder."""
+    if bge_m3_heads:
+        bge_m3, head_state = _bge_m3_heads(
+            folder, encoder_weights["embeddings.token.weight"].shape[1]
+        )  # d_model (XLM-R's)
+        return None, None, bge_m3, head_state
+    if task == "sparse":
+        splade, head_state = _splade_head(
+            folder, hf_config, model_type, declarations, encoder_weights=encoder_weights, head_weights=head_weights
+        )
+        return None, splade, None, head_state
+    if task == "classify":
+        try:
+            head = head_config(hf_config, model_type)
+            return head, None, None, rename_head_weights(head_weights, head)
+        except HeadError as error:
+            raise CheckpointError(f"{folder}: {error}") from error
+    return None, None, None, None
+
+
+def _is_bge_m3(folder: Path, hf_config: dict, task: str) -> bool:
+    """Whether the folder is bge-m3 (an XLM-RoBERTa embedder with FlagEmbedding's two head files), checked."""
+    try:
+        heads = has_heads(folder)
+    except BgeM3Error as error:
+        raise CheckpointError(str(error)) from error
+    if heads and (hf_config.get("model_type") != "xlm-roberta" or task != "embed"):
+        raise CheckpointError(
+            f"{folder}: bge-m3's heads (colbert_linear.pt, sparse_linear.pt) are implemented on an XLM-RoBERTa"
+            f" embedder only, this folder is a {task} model of type {hf_config.get('model_type')!r}"
+        )
+    return heads
+
+
+def _bge_m3_pooling(folder: Path, declarations: Declarations) -> tuple[str, bool]:
+    """bge-m3's dense pooling: FlagEmbedding's, which the folder's sentence-transformers files must declare too."""
+    if (folder / "modules.json").is_file() and (declarations.pooling, declarations.normalize) != DENSE_POOLING:
+        raise CheckpointError(
+            f"{declarations.pooling_file or folder / 'modules.json'}: declares {declarations.pooling} pooling"
+            f"{'' if declarations.normalize else ' without Normalize'}, but FlagEmbedding's BGEM3FlagModel"
+            " makes bge-m3's dense embedding from the first position, normalised"
+        )
+    return DENSE_POOLING
+
+
+def _bge_m3_heads(folder: Path, d_model: int) -> tuple[BgeM3Config, dict[str, torch.Tensor]]:
+    """bge-m3's ColBERT and sparse heads and the ids its term weights leave out, checked."""
+    try:
+        width, weights = read_heads(folder, d_model)
+        return BgeM3Config(width, unused_token_ids(folder)), weights
+    except BgeM3Error as error:
+        raise CheckpointError(str(error)) from error
 
 
 def _splade_head(

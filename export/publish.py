@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from export.bge_m3 import MULTIVECTOR
 from export.checkpoint import Checkpoint
 from export.heads import labels_parameter
 from export.onnx_export import save_onnx
@@ -34,6 +35,7 @@ from service.core.repository import (
     P_MATRYOSHKA_DIMENSIONS,
     P_MAX_SEQUENCE_LENGTH,
     P_MODEL_TYPE,
+    P_MULTIVECTOR,
     P_NORMALIZE,
     P_PAD_TOKEN_ID,
     P_POOLING,
@@ -47,6 +49,8 @@ from service.core.repository import (
     P_VOCAB_SIZE,
     PARITY_FILE,
     PLATFORM,
+    TOKEN_VECTORS,
+    TOKEN_WEIGHTS,
     VARIANT_FILES,
     config_text,
     write_embedding_ranges,
@@ -90,14 +94,7 @@ def build_config(
     )
     for name in input_names:
         config.input.add(name=name, data_type=mc.TYPE_INT64, dims=[-1])
-    d_model = checkpoint.config.d_model
-    if checkpoint.task == "sparse":
-        config.output.add(name=SPARSE_OUTPUT, data_type=mc.TYPE_FP32, dims=[checkpoint.config.vocab_size])
-    elif checkpoint.task == "classify":
-        config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[checkpoint.head.num_labels])
-    else:
-        config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
-        config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
+    _declare_outputs(config, checkpoint)
     config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     # Triton's field, so that Triton too runs the fp32 graph in the form that was measured fastest.
     config.optimization.graph.level = next(v for v, name in GRAPH_LEVELS.items() if name == FP32_GRAPH_OPTIMIZATION)
@@ -112,14 +109,7 @@ def build_config(
         P_TASK: checkpoint.task,
         P_PAD_TOKEN_ID: str(checkpoint.config.pad_token_id),
     }
-    if checkpoint.task == "sparse":
-        parameters |= _prompt_parameters(checkpoint)
-    elif checkpoint.task == "classify":
-        parameters[P_LABELS] = labels_parameter(checkpoint.head)
-    else:
-        parameters[P_POOLING] = checkpoint.config.pooling
-        parameters[P_NORMALIZE] = str(checkpoint.config.normalize).lower()
-        parameters |= _embedding_parameters(checkpoint)
+    parameters |= _task_parameters(checkpoint)
     if calibration is not None:
         parameters[P_EMBEDDING_RANGES] = EMBEDDING_RANGES_FILE
         parameters[P_EMBEDDING_CALIBRATION] = f"{calibration['corpus']}: {calibration['texts']} texts"
@@ -132,6 +122,36 @@ def build_config(
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config
+
+
+def _declare_outputs(config: mc.ModelConfig, checkpoint: Checkpoint) -> None:
+    """The graph's outputs: the task's own, then bge-m3's token vectors and weights where it has them."""
+    d_model = checkpoint.config.d_model
+    if checkpoint.task == "sparse":
+        config.output.add(name=SPARSE_OUTPUT, data_type=mc.TYPE_FP32, dims=[checkpoint.config.vocab_size])
+    elif checkpoint.task == "classify":
+        config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[checkpoint.head.num_labels])
+    else:
+        config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
+        config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
+    if checkpoint.bge_m3 is not None:
+        config.output.add(name=TOKEN_VECTORS, data_type=mc.TYPE_FP32, dims=[-1, checkpoint.bge_m3.colbert_width])
+        config.output.add(name=TOKEN_WEIGHTS, data_type=mc.TYPE_FP32, dims=[-1])
+
+
+def _task_parameters(checkpoint: Checkpoint) -> dict[str, str]:
+    """The task's own parameters: prompts, labels, pooling and what the embedding declares, bge-m3's multivector."""
+    if checkpoint.task == "sparse":
+        return _prompt_parameters(checkpoint)
+    if checkpoint.task == "classify":
+        return {P_LABELS: labels_parameter(checkpoint.head)}
+    parameters = {
+        P_POOLING: checkpoint.config.pooling,
+        P_NORMALIZE: str(checkpoint.config.normalize).lower(),
+    } | _embedding_parameters(checkpoint)
+    if checkpoint.bge_m3 is not None:
+        parameters[P_MULTIVECTOR] = MULTIVECTOR.to_json()
+    return parameters
 
 
 def _prompt_parameters(checkpoint: Checkpoint) -> dict[str, str]:
