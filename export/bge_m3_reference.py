@@ -58,15 +58,16 @@ def bge_m3_flag_model() -> type:
     FlagEmbedding` fails. The M3 embedder's own modules do not need them and import fine, so its
     parent packages are registered with their path only; the code that answers is FlagEmbedding's.
     """
-    spec = importlib.util.find_spec(PARENT_PACKAGES[0])
-    if spec is None or spec.origin is None:
-        raise ImportError("FlagEmbedding is not installed (pip install FlagEmbedding)")
-    root = Path(spec.origin).parent
-    for name in PARENT_PACKAGES:
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
-            sys.modules[name] = package
+    if M3_MODULE not in sys.modules:
+        spec = importlib.util.find_spec(PARENT_PACKAGES[0])
+        if spec is None or spec.origin is None:
+            raise ImportError("FlagEmbedding is not installed (pip install FlagEmbedding)")
+        root = Path(spec.origin).parent
+        for name in PARENT_PACKAGES:
+            if name not in sys.modules:
+                package = types.ModuleType(name)
+                package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
+                sys.modules[name] = package
     return importlib.import_module(M3_MODULE).M3Embedder
 
 
