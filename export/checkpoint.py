@@ -280,7 +280,7 @@ def _is_bge_m3(folder: Path, hf_config: dict, task: str) -> bool:
     if heads and (hf_config.get("model_type") != "xlm-roberta" or task != "embed"):
         raise CheckpointError(
             f"{folder}: bge-m3's heads (colbert_linear.pt, sparse_linear.pt) are implemented on an XLM-RoBERTa"
-            f" embedder only, this folder is a {task} model of type {hf_config.get('model_type')!r}"
+            f" embedder only, this folder's task is {task} and its model_type {hf_config.get('model_type')!r}"
         )
     return heads
 

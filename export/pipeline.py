@@ -5,7 +5,8 @@ tolerance (on any mask shape) is never eligible, and a variant with no passing f
 whole export. What a user of the server gets (texts in, `embedding` out) is measured for every
 published variant and decides the default on CUDA (the fidelity rule, service.core.fidelity).
 Last, every published variant is held to the library that made the source folder, run on that
-folder (export.reference_library): the gates before it compare with our own reading of the folder.
+folder (export.reference_library; FlagEmbedding for bge-m3's three outputs, export.bge_m3_reference):
+the gates before it compare with our own reading of the folder.
 """
 
 from __future__ import annotations

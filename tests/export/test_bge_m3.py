@@ -21,6 +21,7 @@ import transformers
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
+from export import reference_library
 from export.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 from export.bge_m3_reference import bge_m3_flag_model
 from export.checkpoint import CheckpointError, load_checkpoint
@@ -249,4 +250,28 @@ def test_pooling_other_than_flag_embedding_s_is_refused(folder: Path) -> None:
     assert str(refusal.value) == (
         f"{pooling_file}: declares mean pooling, but FlagEmbedding's BGEM3FlagModel makes bge-m3's dense embedding"
         " from the first position, normalised"
+    )
+
+
+def test_a_folder_without_sentence_transformers_files_is_read_as_flag_embedding_reads_it(folder: Path) -> None:
+    """FlagEmbedding pools the first position and normalises whatever the folder says; so does the exporter."""
+    for name in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"):
+        (folder / name).unlink()
+    for name in ("1_Pooling", "2_Normalize"):
+        shutil.rmtree(folder / name)
+    checkpoint = load_checkpoint(folder)
+    assert (checkpoint.task, checkpoint.config.pooling, checkpoint.config.normalize) == ("embed", "cls", True)
+    assert checkpoint.bge_m3.colbert_width == COLBERT_WIDTH
+    tokenizer = TextTokenizer(folder / "tokenizer.json", checkpoint.max_seq_length, checkpoint.config.pad_token_id)
+    assert "FlagEmbedding is its reference" in reference_library.unavailable_reason(checkpoint, tokenizer)
+
+
+def test_the_heads_on_another_architecture_are_refused(folder: Path) -> None:
+    config_file = folder / "config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"model_type": "bert"}))
+    with pytest.raises(CheckpointError) as refusal:
+        load_checkpoint(folder)
+    assert str(refusal.value) == (
+        f"{folder}: bge-m3's heads (colbert_linear.pt, sparse_linear.pt) are implemented on an XLM-RoBERTa"
+        " embedder only, this folder's task is embed and its model_type 'bert'"
     )
