@@ -16,6 +16,7 @@ from torch import nn
 
 from export.architecture_error import ArchitectureError
 from export.architectures import architecture
+from export.bge_m3 import DENSE_POOLING, BgeM3Config, BgeM3Encoder, BgeM3Error, has_heads, read_heads, unused_token_ids
 from export.colbert import ColbertConfig, ColbertEncoder, ColbertError, colbert_config, dense_weights
 from export.config import EncoderConfig
 from export.deberta import DebertaConfig, DebertaEncoder
@@ -77,6 +78,8 @@ class Checkpoint:
     """A sparse embedder's masked-LM head and SPLADE pooling; None: not a sparse embedder."""
     colbert: ColbertConfig | None = None
     """A ColBERT model's Dense projection and multi-vector rules; None: not a ColBERT model."""
+    bge_m3: BgeM3Config | None = None
+    """bge-m3's ColBERT and sparse heads beside the dense embedding (task embed); None: not bge-m3."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -88,7 +91,10 @@ class Checkpoint:
 
     @property
     def task(self) -> str:
-        """The task: "embed", "classify" (rerankers, classifiers), "sparse" (SPLADE) or "multivector" (ColBERT)."""
+        """The task: "embed", "classify" (rerankers, classifiers), "sparse" (SPLADE) or "multivector" (ColBERT).
+
+        bge-m3 is an embedder whose graph also answers token vectors and token weights.
+        """
         if self.splade is not None:
             return "sparse"
         if self.colbert is not None:
@@ -102,6 +108,8 @@ class Checkpoint:
             model: nn.Module = SpladeEncoder(encoder, self.splade)
         elif self.colbert is not None:
             model = ColbertEncoder(encoder, self.colbert)
+        elif self.bge_m3 is not None:
+            model = BgeM3Encoder(encoder, self.bge_m3)
         else:
             model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
         model.load_state_dict(self.state_dict, strict=True)
@@ -197,9 +205,13 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         declarations = read_declarations(folder, task)
     except FolderError as error:
         raise CheckpointError(str(error)) from error
+    bge_m3_heads = _is_bge_m3(folder, hf_config, task)
+    pooling, normalize = declarations.pooling, declarations.normalize
+    if bge_m3_heads:
+        pooling, normalize = _bge_m3_pooling(folder, declarations)
     try:
         source = architecture(hf_config.get("model_type"))
-        config = source.config(hf_config, declarations.pooling, declarations.normalize)
+        config = source.config(hf_config, pooling, normalize)
         state_dict, head_weights = source.rename(_read_weights(folder))
     except ArchitectureError as error:
         raise CheckpointError(f"{folder}: {error}") from error
@@ -211,27 +223,20 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     if any(d <= 0 or d > config.d_model for d in matryoshka_dimensions):
         raise CheckpointError(f"Matryoshka dimensions must be within 1..{config.d_model}, got {matryoshka_dimensions}")
     state_dict = _encoder_weights(folder, config, state_dict)
-    head, splade, colbert = None, None, None
-    if task == "multivector":
-        colbert, head_state = _colbert_head(folder, declarations, config.d_model)
-    elif task == "sparse":
-        splade, head_state = _splade_head(
-            folder,
-            hf_config,
-            source.model_type,
-            declarations,
-            encoder_weights=state_dict,
-            head_weights=head_weights,
-        )
-    elif task == "classify":
-        try:
-            head = head_config(hf_config, source.model_type)
-            head_state = rename_head_weights(head_weights, head)
-        except HeadError as error:
-            raise CheckpointError(f"{folder}: {error}") from error
-    if task != "embed":
+    heads = _task_head(
+        folder,
+        hf_config,
+        source.model_type,
+        task,
+        declarations,
+        d_model=config.d_model,
+        encoder_weights=state_dict,
+        head_weights=head_weights,
+        bge_m3_heads=bge_m3_heads,
+    )
+    if heads.state is not None:
         state_dict = {f"encoder.{k}": v for k, v in state_dict.items()} | {
-            f"head.{k}": v for k, v in head_state.items()
+            f"head.{k}": v for k, v in heads.state.items()
         }
     return Checkpoint(
         name=name or folder.name,
@@ -244,10 +249,89 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         serving=_sentence_transformer_settings(
             folder, declarations.model_config or {}, tuple(sorted(set(matryoshka_dimensions), reverse=True)), task
         ),
-        head=head,
-        splade=splade,
-        colbert=colbert,
+        head=heads.head,
+        splade=heads.splade,
+        colbert=heads.colbert,
+        bge_m3=heads.bge_m3,
     )
+
+
+@dataclass(frozen=True)
+class _Heads:
+    """The head on the encoder and its weights; all None: a plain embedder."""
+
+    head: HeadConfig | None = None
+    splade: SpladeConfig | None = None
+    bge_m3: BgeM3Config | None = None
+    colbert: ColbertConfig | None = None
+    state: dict[str, torch.Tensor] | None = None
+
+
+def _task_head(
+    folder: Path,
+    hf_config: dict,
+    model_type: str,
+    task: str,
+    declarations: Declarations,
+    *,
+    d_model: int,
+    encoder_weights: dict[str, torch.Tensor],
+    head_weights: dict[str, torch.Tensor],
+    bge_m3_heads: bool,
+) -> _Heads:
+    """The head on the encoder (a classifier's, SPLADE's, ColBERT's or bge-m3's) and its weights."""
+    if bge_m3_heads:
+        bge_m3, state = _bge_m3_heads(folder, d_model)
+        return _Heads(bge_m3=bge_m3, state=state)
+    if task == "multivector":
+        colbert, state = _colbert_head(folder, declarations, d_model)
+        return _Heads(colbert=colbert, state=state)
+    if task == "sparse":
+        splade, state = _splade_head(
+            folder, hf_config, model_type, declarations, encoder_weights=encoder_weights, head_weights=head_weights
+        )
+        return _Heads(splade=splade, state=state)
+    if task == "classify":
+        try:
+            head = head_config(hf_config, model_type)
+            return _Heads(head=head, state=rename_head_weights(head_weights, head))
+        except HeadError as error:
+            raise CheckpointError(f"{folder}: {error}") from error
+    return _Heads()
+
+
+def _is_bge_m3(folder: Path, hf_config: dict, task: str) -> bool:
+    """Whether the folder is bge-m3 (an XLM-RoBERTa embedder with FlagEmbedding's two head files), checked."""
+    try:
+        heads = has_heads(folder)
+    except BgeM3Error as error:
+        raise CheckpointError(str(error)) from error
+    if heads and (hf_config.get("model_type") != "xlm-roberta" or task != "embed"):
+        raise CheckpointError(
+            f"{folder}: bge-m3's heads (colbert_linear.pt, sparse_linear.pt) are implemented on an XLM-RoBERTa"
+            f" embedder only, this folder's task is {task} and its model_type {hf_config.get('model_type')!r}"
+        )
+    return heads
+
+
+def _bge_m3_pooling(folder: Path, declarations: Declarations) -> tuple[str, bool]:
+    """bge-m3's dense pooling: FlagEmbedding's, which the folder's sentence-transformers files must declare too."""
+    if (folder / "modules.json").is_file() and (declarations.pooling, declarations.normalize) != DENSE_POOLING:
+        raise CheckpointError(
+            f"{declarations.pooling_file or folder / 'modules.json'}: declares {declarations.pooling} pooling"
+            f"{'' if declarations.normalize else ' without Normalize'}, but FlagEmbedding's BGEM3FlagModel"
+            " makes bge-m3's dense embedding from the first position, normalised"
+        )
+    return DENSE_POOLING
+
+
+def _bge_m3_heads(folder: Path, d_model: int) -> tuple[BgeM3Config, dict[str, torch.Tensor]]:
+    """bge-m3's ColBERT and sparse heads and the ids its term weights leave out, checked."""
+    try:
+        width, weights = read_heads(folder, d_model)
+        return BgeM3Config(width, unused_token_ids(folder)), weights
+    except BgeM3Error as error:
+        raise CheckpointError(str(error)) from error
 
 
 def _colbert_head(

@@ -10,7 +10,7 @@ import onnx
 import torch
 from torch import nn
 
-from service.core.repository import TOKEN_VECTORS
+from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
 
 OPSET = 17
 # Protobuf's 2 GiB message limit: larger models keep their weights beside the graph.
@@ -40,13 +40,16 @@ def save_onnx(model_proto: onnx.ModelProto, path: Path) -> None:
 
 
 def output_shapes(model: nn.Module) -> dict[str, tuple[str | int, ...]]:
-    """Each output's shape: named dynamic axes and fixed widths (vectors, logits, or the vocabulary's size)."""
+    """Each output's shape: named dynamic axes and fixed widths (vectors, logits, vocabulary, token vectors)."""
     d_model = model.config.d_model
     shapes: dict[str, tuple[str | int, ...]] = {
         "last_hidden_state": ("batch", "sequence", d_model),
         "embedding": ("batch", d_model),
         "sparse_embedding": ("batch", model.config.vocab_size),
+        TOKEN_WEIGHTS: ("batch", "sequence", 1),
     }
+    if hasattr(model, "bge_m3"):
+        shapes[TOKEN_VECTORS] = ("batch", "sequence", model.bge_m3.colbert_width)
     if hasattr(model, "head_config"):
         shapes["logits"] = ("batch", model.head_config.num_labels)
     if hasattr(model, "colbert"):

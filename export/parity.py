@@ -4,7 +4,9 @@ Cases are random token batches (sizes x lengths; each padded row right-padded, l
 with holes in its mask, in turn), real sentences through the model's tokenizer, and the same
 sentences left-padded and with a hole in the middle of each mask (kind "sentence_masks"): the
 codec accepts any 0/1 mask, so every graph must honour any of them. A variant whose figures
-miss its tolerances is refused, and the failure names the worst case.
+miss its tolerances is refused, and the failure names the worst case. Outputs per position besides
+the hidden states (bge-m3's token_vectors and token_weights) are held, at attended positions, to the
+hidden states' largest difference, and token vectors to the embedding's cosine.
 
 Separately, `served_fidelity` measures what a user of the server gets: each sentence through the
 server's tokenizer configuration, alone and in padded batches, `embedding` out, against the model
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, cosines
+from service.core.repository import TASK_VECTORS, TOKEN_VECTORS
 from service.pipeline.tokenizer import TextTokenizer
 
 BATCH_SIZES = (1, 2, 7, 32)
@@ -85,6 +88,32 @@ class Reference:
     model's token vectors [rows, sequence, width]."""
     output_name: str = "embedding"
     """The graph output `output` is of: embedding, logits, sparse_embedding or token_vectors."""
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    """Outputs per position besides the embedding (bge-m3's token_vectors and token_weights), by name."""
+
+
+@dataclass
+class OutputFigures:
+    """One per-position output's agreement (token_vectors, token_weights) over the cases of one kind.
+
+    Only attended positions count: the server reads no other.
+    """
+
+    max_abs_diff: float = 0.0
+    worst_diff_case: str = ""
+    min_cosine: float | None = None
+    """Each attended position's vector's cosine (token_vectors); None: a weight per position, no cosine."""
+    worst_cosine_case: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        """Figures for parity.json."""
+        figures: dict[str, object] = {
+            "max_abs_diff": float(f"{self.max_abs_diff:.3g}"),
+            "worst_diff_case": self.worst_diff_case,
+        }
+        if self.min_cosine is not None:
+            figures |= {"min_cosine": round(self.min_cosine, 8), "worst_cosine_case": self.worst_cosine_case}
+        return figures
 
 
 @dataclass
@@ -101,6 +130,8 @@ class KindFigures:
     sparse_embedding_relative_to_row_max (each row's largest difference over that row's largest value), or
     token_vectors_attended (a ColBERT model's vectors at attended positions; the cosine is per position)."""
     rows: int = 0
+    outputs: dict[str, OutputFigures] = field(default_factory=dict)
+    """Per-position outputs besides the embedding (bge-m3's), at attended positions."""
 
     def to_dict(self) -> dict[str, object]:
         """Figures for parity.json."""
@@ -111,11 +142,15 @@ class KindFigures:
                 "mean_cosine": round(float(np.mean(self.cosines)), 8),
                 "worst_cosine_case": self.worst_cosine_case,
             }
-        return figures | {
-            f"max_abs_diff_{self.compared}": float(f"{self.max_abs_diff:.3g}"),
-            "worst_diff_case": self.worst_diff_case,
-            "rows": self.rows,
-        }
+        return (
+            figures
+            | {
+                f"max_abs_diff_{self.compared}": float(f"{self.max_abs_diff:.3g}"),
+                "worst_diff_case": self.worst_diff_case,
+                "rows": self.rows,
+            }
+            | {name: output.to_dict() for name, output in self.outputs.items()}
+        )
 
 
 @dataclass
@@ -268,7 +303,9 @@ def reference_outputs(model: nn.Module, cases: list[Case]) -> list[Reference]:
         tensors = {name: torch.from_numpy(array) for name, array in case.feed.items()}
         answer = model(**tensors)
         if isinstance(answer, tuple):
-            references.append(Reference(case, answer[0].numpy(), answer[1].numpy()))
+            hidden, embedding, *extras = (output.numpy() for output in answer)
+            named = dict(zip(model.output_names[2:], extras, strict=True))
+            references.append(Reference(case, hidden, embedding, extras=named))
         else:
             references.append(Reference(case, None, answer.numpy(), model.output_names[-1]))
     return references
@@ -340,6 +377,44 @@ _SINGLE_OUTPUT_COMPARISONS = {
 """How a one-output model's answers are compared, by output."""
 
 
+def _compare_positions(
+    figures: OutputFigures, case: Case, answer: np.ndarray, expected: np.ndarray, valid: np.ndarray
+) -> None:
+    """A per-position output ([batch, seq] or [batch, seq, width]) at the attended positions (valid [batch, seq])."""
+    difference = np.abs(answer - expected)
+    if difference.ndim == 3:
+        difference = difference.max(axis=2)
+    per_row = np.where(valid, difference, 0.0).max(axis=1)
+    worst = int(np.argmax(per_row))
+    if per_row[worst] > figures.max_abs_diff:
+        figures.max_abs_diff = float(per_row[worst])
+        figures.worst_diff_case = case.row_labels[worst]
+    if figures.min_cosine is not None:
+        position_cosines = cosines(answer[valid], expected[valid])
+        rows = np.nonzero(valid)[0]
+        at = int(np.argmin(position_cosines))
+        if position_cosines[at] < figures.min_cosine:
+            figures.min_cosine = float(position_cosines[at])
+            figures.worst_cosine_case = case.row_labels[rows[at]]
+
+
+def _position_failures(variant: str, tolerance: Tolerance, outputs: dict[str, OutputFigures]) -> list[str]:
+    """The per-position outputs' misses: each value within max_abs_diff, each vector's cosine >= min_cosine."""
+    failures = []
+    for name, figures in outputs.items():
+        if tolerance.max_abs_diff is not None and figures.max_abs_diff > tolerance.max_abs_diff:
+            failures.append(
+                f"{variant}: {name} max |diff| {figures.max_abs_diff:.3g} > {tolerance.max_abs_diff}"
+                f" at {figures.worst_diff_case}"
+            )
+        if figures.min_cosine is not None and figures.min_cosine < tolerance.min_cosine:
+            failures.append(
+                f"{variant}: {name} cosine {figures.min_cosine:.6f} < {tolerance.min_cosine}"
+                f" at {figures.worst_cosine_case}"
+            )
+    return failures
+
+
 def check_variant(variant: str, session: ort.InferenceSession, references: list[Reference]) -> GateResult:
     """Compare one ONNX Runtime session against the references and apply the variant's tolerance."""
     tolerance = TOLERANCES[variant]
@@ -352,13 +427,16 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
             compare = _SINGLE_OUTPUT_COMPARISONS[reference.output_name]
             compare(kind, case, session.run([reference.output_name], case.feed)[0], reference.output)
             continue
-        hidden, embedding = session.run(["last_hidden_state", "embedding"], case.feed)
+        hidden, embedding, *extras = session.run(["last_hidden_state", "embedding", *reference.extras], case.feed)
         _record_cosines(kind, case, embedding, reference.output)
         valid = case.feed["attention_mask"].astype(bool)
         diff = float(np.abs(hidden - reference.hidden)[valid].max())
         if diff > kind.max_abs_diff:
             kind.max_abs_diff = diff
             kind.worst_diff_case = case.name
+        for (name, expected), answer in zip(reference.extras.items(), extras, strict=True):
+            figures_of = kind.outputs.setdefault(name, OutputFigures(min_cosine=1.0 if name == TOKEN_VECTORS else None))
+            _compare_positions(figures_of, case, answer, expected, valid)
     failures = []
     # A model without a tokenizer has no sentence cases: its token cases are gated instead.
     gated = [name for name in tolerance.gated_kinds if name in figures] or list(figures)
@@ -374,6 +452,7 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
                 f"{variant}: {kind.compared} max |diff| {kind.max_abs_diff:.3g} > {tolerance.max_abs_diff} "
                 f"at {kind.worst_diff_case}"
             )
+        failures += _position_failures(variant, tolerance, kind.outputs)
     return GateResult(variant, session.get_providers()[0], figures, failures)
 
 
@@ -520,4 +599,6 @@ def fidelity_reference(
     padded = [pad_to(feed, width, model.config.pad_token_id) for feed, _ in rows]
     batch = {name: np.concatenate([feed[name] for feed in padded]) for name in input_names}
     output = model.output_names[-1]  # embedding, logits, sparse_embedding or token_vectors
+
+    output = next(name for name in model.output_names if name in TASK_VECTORS.values())  # embedding, logits, sparse
     return FidelityReference(batch, tuple(label for _, label in rows), embed_each(model, [batch]), output)

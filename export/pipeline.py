@@ -5,7 +5,8 @@ tolerance (on any mask shape) is never eligible, and a variant with no passing f
 whole export. What a user of the server gets (texts in, `embedding` out) is measured for every
 published variant and decides the default on CUDA (the fidelity rule, service.core.fidelity).
 Last, every published variant is held to the library that made the source folder, run on that
-folder (export.reference_library): the gates before it compare with our own reading of the folder.
+folder (export.reference_library; FlagEmbedding for bge-m3's three outputs, export.bge_m3_reference):
+the gates before it compare with our own reading of the folder.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from export import optimize, parity, reference_library
+from export import bge_m3_reference, optimize, parity, reference_library
 from export.checkpoint import Checkpoint
 from export.embedding_ranges import calibration_ranges
 from export.onnx_export import OPSET, export_onnx, input_names
@@ -324,12 +325,8 @@ def export_model(
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
-    if checkpoint.task != "embed" and options.variants != ("fp32",):
-        reason = {
-            "classify": "a classifier: published in fp32 only (int8 and fp16 are not gated for logits)",
-            "sparse": "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
-            "multivector": "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
-        }[checkpoint.task]
+    reason = _fp32_only_reason(checkpoint)
+    if reason is not None and options.variants != ("fp32",):
         log.warning("%s is %s", checkpoint.name, reason)
         options = dataclasses.replace(options, variants=("fp32",))
     stage = stage or (lambda name: log.info("export stage: %s", name))
@@ -352,28 +349,7 @@ def export_model(
         preferred = preferred_variants(gate, list(build.files), build.cuda_problem)
         report["preferred_variants"] = {device: choice["variant"] for device, choice in preferred.items()}
         report["preferred_variants_basis"] = preferred
-        stage("reference library: each published variant against sentence-transformers on the source folder")
-        check = reference_library.check_published
-        if checkpoint.task == "multivector" and build.tokenizer is not None:
-            check = reference_library.check_multivector
-        library, library_failures = check(
-            checkpoint,
-            build.tokenizer,
-            build.names,
-            {variant: gate.sessions[variant] for variant in build.files},
-            parity.read_sentences(options.sentences),
-        )
-        if library_failures:
-            raise GateRefused("reference library refused: " + "; ".join(library_failures))
-        for variant, figures in library.items():
-            report["variants"][variant]["reference_library"] = figures
-        if checkpoint.task == "sparse" and build.tokenizer is not None:
-            stage("transformers: the PyTorch model against AutoModelForMaskedLM on the source folder")
-            report["masked_lm_reference"], masked_lm_failures = reference_library.check_masked_lm(
-                checkpoint, build.model, build.tokenizer, build.names, parity.read_sentences(options.sentences)
-            )
-            if masked_lm_failures:
-                raise GateRefused("transformers refused: " + "; ".join(masked_lm_failures))
+        _library_checks(build, gate, report)
         ranges: dict[int, np.ndarray] = {}
         if checkpoint.task == "embed" and build.tokenizer is not None:
             stage("embedding ranges for int8 and uint8 embeddings")
@@ -397,6 +373,52 @@ def export_model(
     return report
 
 
+def _library_checks(build: _Build, gate: _Gate, report: dict[str, object]) -> None:
+    """The libraries that made the folder, on the folder, against every published variant; figures into the report.
+
+    Raises GateRefused at the first library that disagrees.
+    """
+    checkpoint, stage = build.checkpoint, build.stage
+    sessions = {variant: gate.sessions[variant] for variant in build.files}
+    sentences = parity.read_sentences(build.options.sentences)
+    stage("reference library: each published variant against sentence-transformers on the source folder")
+    check = reference_library.check_published
+    if checkpoint.task == "multivector" and build.tokenizer is not None:
+        check = reference_library.check_multivector
+    library, library_failures = check(checkpoint, build.tokenizer, build.names, sessions, sentences)
+    if library_failures:
+        raise GateRefused("reference library refused: " + "; ".join(library_failures))
+    for variant, figures in library.items():
+        report["variants"][variant]["reference_library"] = figures
+    if checkpoint.bge_m3 is not None:
+        stage("FlagEmbedding: each published variant against BGEM3FlagModel on the source folder")
+        flag_embedding, flag_failures = bge_m3_reference.check_published(
+            checkpoint, build.tokenizer, build.names, sessions, sentences
+        )
+        if flag_failures:
+            raise GateRefused("FlagEmbedding refused: " + "; ".join(flag_failures))
+        for variant, figures in flag_embedding.items():
+            report["variants"][variant]["flag_embedding"] = figures
+    if checkpoint.task == "sparse" and build.tokenizer is not None:
+        stage("transformers: the PyTorch model against AutoModelForMaskedLM on the source folder")
+        report["masked_lm_reference"], masked_lm_failures = reference_library.check_masked_lm(
+            checkpoint, build.model, build.tokenizer, build.names, sentences
+        )
+        if masked_lm_failures:
+            raise GateRefused("transformers refused: " + "; ".join(masked_lm_failures))
+
+
+def _fp32_only_reason(checkpoint: Checkpoint) -> str | None:
+    """Why a model is published in fp32 only (its other outputs are not gated in int8 and fp16); None: it is not."""
+    if checkpoint.bge_m3 is not None:
+        return "bge-m3: published in fp32 only (int8 and fp16 are not gated for token vectors and token weights)"
+    return {
+        "classify": "a classifier: published in fp32 only (int8 and fp16 are not gated for logits)",
+        "sparse": "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
+        "multivector": "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
+    }.get(checkpoint.task)
+
+
 def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dict[str, object]:
     """parity.json: every figure, with the provider each one was measured on."""
     checkpoint, choices = build.checkpoint, build.choices
@@ -408,7 +430,11 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
         "task": checkpoint.task,
         "encoder": checkpoint.config.to_dict(),
         "head": next(
-            (head.to_dict() for head in (checkpoint.head, checkpoint.splade, checkpoint.colbert) if head is not None),
+            (
+                head.to_dict()
+                for head in (checkpoint.head, checkpoint.splade, checkpoint.colbert, checkpoint.bge_m3)
+                if head is not None
+            ),
             None,
         ),
         "max_sequence_length": checkpoint.max_seq_length,

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from export.bge_m3 import MULTIVECTOR
 from export.checkpoint import Checkpoint
 from export.heads import labels_parameter
 from export.onnx_export import save_onnx
@@ -49,6 +50,7 @@ from service.core.repository import (
     PARITY_FILE,
     PLATFORM,
     TOKEN_VECTORS,
+    TOKEN_WEIGHTS,
     VARIANT_FILES,
     config_text,
     write_embedding_ranges,
@@ -92,7 +94,7 @@ def build_config(
     )
     for name in input_names:
         config.input.add(name=name, data_type=mc.TYPE_INT64, dims=[-1])
-    _add_outputs(config, checkpoint)
+    _declare_outputs(config, checkpoint)
     config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     # Triton's field, so that Triton too runs the fp32 graph in the form that was measured fastest.
     config.optimization.graph.level = next(v for v, name in GRAPH_LEVELS.items() if name == FP32_GRAPH_OPTIMIZATION)
@@ -122,8 +124,8 @@ def build_config(
     return config
 
 
-def _add_outputs(config: mc.ModelConfig, checkpoint: Checkpoint) -> None:
-    """The task's outputs (service.core.repository.TASK_OUTPUTS) with their widths."""
+def _declare_outputs(config: mc.ModelConfig, checkpoint: Checkpoint) -> None:
+    """The graph's outputs: the task's own, then bge-m3's token vectors and weights where it has them."""
     d_model = checkpoint.config.d_model
     if checkpoint.task == "sparse":
         config.output.add(name=SPARSE_OUTPUT, data_type=mc.TYPE_FP32, dims=[checkpoint.config.vocab_size])
@@ -134,20 +136,26 @@ def _add_outputs(config: mc.ModelConfig, checkpoint: Checkpoint) -> None:
     else:
         config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
         config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
+    if checkpoint.bge_m3 is not None:
+        config.output.add(name=TOKEN_VECTORS, data_type=mc.TYPE_FP32, dims=[-1, checkpoint.bge_m3.colbert_width])
+        config.output.add(name=TOKEN_WEIGHTS, data_type=mc.TYPE_FP32, dims=[-1, 1])
 
 
 def _task_parameters(checkpoint: Checkpoint) -> dict[str, str]:
-    """The parameters of the checkpoint's task: prompts, labels, pooling, the multivector rules."""
+    """The task's own parameters: prompts, labels, pooling and what the embedding declares, the multivector rules."""
     if checkpoint.task == "sparse":
         return _prompt_parameters(checkpoint)
     if checkpoint.task == "multivector":
         return _prompt_parameters(checkpoint) | {P_MULTIVECTOR: checkpoint.colbert.rules.to_json()}
     if checkpoint.task == "classify":
         return {P_LABELS: labels_parameter(checkpoint.head)}
-    return {
+    parameters = {
         P_POOLING: checkpoint.config.pooling,
         P_NORMALIZE: str(checkpoint.config.normalize).lower(),
     } | _embedding_parameters(checkpoint)
+    if checkpoint.bge_m3 is not None:
+        parameters[P_MULTIVECTOR] = MULTIVECTOR.to_json()
+    return parameters
 
 
 def _prompt_parameters(checkpoint: Checkpoint) -> dict[str, str]:

@@ -231,6 +231,8 @@ def unavailable_reason(checkpoint: Checkpoint, tokenizer: TextTokenizer | None) 
         return "random initialisation: there is no folder for a library to load"
     if tokenizer is None:
         return "no tokenizer.json: the server takes token ids only, and the library answers texts"
+    if checkpoint.bge_m3 is not None and not (checkpoint.folder / "modules.json").is_file():
+        return "bge-m3 without sentence-transformers files: FlagEmbedding is its reference (flag_embedding)"
     return None
 
 
