@@ -24,7 +24,7 @@ from export.config import EncoderConfig
 from export.pipeline import ExportOptions, export_model
 from protocol.channel_security import ClientSecurity
 from tests.export import tiny_models
-from tests.multivector_models import ExportedColbert, exported_colbert, pylate_path
+from tests.multivector_models import ExportedBgeM3, ExportedColbert, exported_bge_m3, exported_colbert, pylate_path
 from tests.servers import RunningServer, cuda_usable, free_port, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -173,6 +173,12 @@ def exported_tasks(tmp_path_factory: pytest.TempPathFactory) -> ExportedTasks:
 def colbert(tmp_path_factory: pytest.TempPathFactory) -> ExportedColbert:
     """A tiny ColBERT model made by PyLate and exported once, with PyLate's own answers (tests.multivector_models)."""
     return exported_colbert(tmp_path_factory.mktemp("colbert"), pylate_path())
+
+
+@pytest.fixture(scope="session")
+def bge_m3(tmp_path_factory: pytest.TempPathFactory) -> ExportedBgeM3:
+    """A tiny bge-m3 model exported once (tests.multivector_models)."""
+    return exported_bge_m3(tmp_path_factory.mktemp("bge-m3"))
 
 
 @pytest.fixture

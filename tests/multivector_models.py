@@ -1,4 +1,9 @@
-"""A tiny ColBERT model made by PyLate itself and exported once, shared by the export and serving tests.
+"""Tiny multi-vector models exported once, shared by the export and serving tests: ColBERT and bge-m3.
+
+bge-m3: a tiny random XLM-R folder saved as FlagEmbedding publishes bge-m3 (transformers weights,
+colbert_linear.pt and sparse_linear.pt, sentence-transformers files with CLS pooling and Normalize).
+
+ColBERT:
 
 PyLate (the library that makes these folders) cannot run beside the project's sentence-transformers
 6.2, so it is installed apart, with its own pins, into .test-cache/ (once per pin list and interpreter),
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -20,8 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+import transformers
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer import modules as st_models
 from tokenizers import Tokenizer
 
+from export.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 from export.checkpoint import load_checkpoint
 from export.pipeline import ExportOptions, export_model
 from tests.export import tiny_models
@@ -115,3 +126,68 @@ def exported_colbert(folder: Path, pylate_path: Path) -> ExportedColbert:
     )
     with np.load(answers) as pylate:
         return ExportedColbert(source, repository / "colbert", report, texts, dict(pylate))
+
+
+BGE_M3_TEXTS = [*tiny_models.training_sentences()[:10], "ok", " ".join(tiny_models.training_sentences()[10:30])]
+"""Gate-like texts, a very short one, and one longer than the model's window (truncated on both sides)."""
+BGE_M3_WIDTH = 24
+"""Narrower than the hidden size (32): the token vectors' width is the head's, not the encoder's."""
+
+
+def save_bge_m3(folder: Path, seed: int = 0) -> Path:
+    """A tiny bge-m3 folder as FlagEmbedding publishes one: an XLM-R sentence-transformers model and the two heads."""
+    base = tiny_models.save_model("xlm-roberta", folder / "base", seed=seed)
+    transformer = st_models.Transformer(str(base), max_seq_length=tiny_models.MAX_POSITIONS - 2)
+    pooling = st_models.Pooling(transformer.get_embedding_dimension(), pooling_mode="cls")
+    target = folder / "model"
+    SentenceTransformer(modules=[transformer, pooling, st_models.Normalize()]).save(str(target))
+    generator = torch.Generator().manual_seed(seed)
+    hidden = tiny_models.HIDDEN
+    colbert = {
+        "weight": torch.randn(BGE_M3_WIDTH, hidden, generator=generator) * 0.2,
+        "bias": torch.randn(BGE_M3_WIDTH, generator=generator) * 0.1,
+    }
+    # The bias centres the sparse head on the model's hidden states: about half the positions weigh 0 (relu).
+    weight = torch.randn(1, hidden, generator=generator) * 0.3
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
+    batch = tokenizer(tiny_models.training_sentences(), padding=True, truncation=True, return_tensors="pt")
+    with torch.inference_mode():
+        states = transformers.AutoModel.from_pretrained(str(base)).eval()(**batch).last_hidden_state
+    sparse = {"weight": weight, "bias": -(states[batch["attention_mask"].bool()] @ weight.T).median().reshape(1)}
+    torch.save(colbert, target / COLBERT_HEAD_FILE)
+    torch.save(sparse, target / SPARSE_HEAD_FILE)
+    return target
+
+
+class _Warnings(logging.Handler):
+    """The export's warnings, kept."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@dataclass(frozen=True)
+class ExportedBgeM3:
+    """The tiny source folder, its published model folder, the export's report and warnings."""
+
+    source: Path
+    published: Path
+    report: dict
+    warnings: list[str]
+
+
+def exported_bge_m3(folder: Path) -> ExportedBgeM3:
+    """The tiny bge-m3 folder exported in `folder` (every variant asked for: fp32 alone is published)."""
+    source = save_bge_m3(folder / "source")
+    warnings = _Warnings()
+    logger = logging.getLogger("export")
+    logger.addHandler(warnings)
+    try:
+        report = export_model(load_checkpoint(source, name="bge-m3"), folder / "repository", ExportOptions())
+    finally:
+        logger.removeHandler(warnings)
+    return ExportedBgeM3(source, folder / "repository" / "bge-m3", report, warnings.messages)

@@ -1,112 +1,39 @@
 """bge-m3: one XLM-RoBERTa model, three outputs from one forward pass, equal to FlagEmbedding's BGEM3FlagModel.
 
-One tiny random bge-m3 folder (transformers weights, FlagEmbedding's colbert_linear.pt and
-sparse_linear.pt, sentence-transformers files with CLS pooling and Normalize) is exported once; the
+One tiny random bge-m3 folder is exported once for every test (tests.multivector_models); the
 published graph is then read as the server reads it and held to FlagEmbedding on the same folder.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-import transformers
-from sentence_transformers import SentenceTransformer
-from sentence_transformers.sentence_transformer import modules as st_models
 
 from export import reference_library
 from export.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 from export.bge_m3_reference import bge_m3_flag_model
 from export.checkpoint import CheckpointError, load_checkpoint
-from export.pipeline import ExportOptions, export_model
 from service.core.fidelity import FidelityReference, compare, cosines
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS, ModelSpec, MultiVectorSpec, read_model
 from service.pipeline.tokenizer import TextTokenizer
-from tests.export import tiny_models
-
-TEXTS = [*tiny_models.training_sentences()[:10], "ok", " ".join(tiny_models.training_sentences()[10:30])]
-"""Gate-like texts, a very short one, and one longer than the model's window (truncated on both sides)."""
-COLBERT_WIDTH = 24
-"""Narrower than the hidden size (32): the token vectors' width is the head's, not the encoder's."""
-
-
-def save_bge_m3(folder: Path, seed: int = 0) -> Path:
-    """A tiny bge-m3 folder as FlagEmbedding publishes one: an XLM-R sentence-transformers model and the two heads."""
-    base = tiny_models.save_model("xlm-roberta", folder / "base", seed=seed)
-    transformer = st_models.Transformer(str(base), max_seq_length=tiny_models.MAX_POSITIONS - 2)
-    pooling = st_models.Pooling(transformer.get_embedding_dimension(), pooling_mode="cls")
-    target = folder / "model"
-    SentenceTransformer(modules=[transformer, pooling, st_models.Normalize()]).save(str(target))
-    generator = torch.Generator().manual_seed(seed)
-    hidden = tiny_models.HIDDEN
-    colbert = {
-        "weight": torch.randn(COLBERT_WIDTH, hidden, generator=generator) * 0.2,
-        "bias": torch.randn(COLBERT_WIDTH, generator=generator) * 0.1,
-    }
-    # The bias centres the sparse head on the model's hidden states: about half the positions weigh 0 (relu).
-    weight = torch.randn(1, hidden, generator=generator) * 0.3
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(base))
-    batch = tokenizer(tiny_models.training_sentences(), padding=True, truncation=True, return_tensors="pt")
-    with torch.inference_mode():
-        states = transformers.AutoModel.from_pretrained(str(base)).eval()(**batch).last_hidden_state
-    sparse = {"weight": weight, "bias": -(states[batch["attention_mask"].bool()] @ weight.T).median().reshape(1)}
-    torch.save(colbert, target / COLBERT_HEAD_FILE)
-    torch.save(sparse, target / SPARSE_HEAD_FILE)
-    return target
-
-
-class _Warnings(logging.Handler):
-    """The export's warnings, kept."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@dataclass(frozen=True)
-class ExportedBgeM3:
-    """The tiny source folder, its published model folder, the export's report and warnings."""
-
-    source: Path
-    published: Path
-    report: dict
-    warnings: list[str]
-
-
-@pytest.fixture(scope="module")
-def bge_m3(tmp_path_factory: pytest.TempPathFactory) -> ExportedBgeM3:
-    """The tiny bge-m3 folder exported (every variant asked for: fp32 alone is published)."""
-    folder = tmp_path_factory.mktemp("bge-m3")
-    source = save_bge_m3(folder / "source")
-    warnings = _Warnings()
-    logger = logging.getLogger("export")
-    logger.addHandler(warnings)
-    try:
-        report = export_model(load_checkpoint(source, name="bge-m3"), folder / "repository", ExportOptions())
-    finally:
-        logger.removeHandler(warnings)
-    return ExportedBgeM3(source, folder / "repository" / "bge-m3", report, warnings.messages)
+from tests.multivector_models import BGE_M3_TEXTS, BGE_M3_WIDTH, ExportedBgeM3
 
 
 def test_the_folder_is_published_as_an_embedder_with_token_vectors_and_weights(bge_m3: ExportedBgeM3) -> None:
     spec = read_model(bge_m3.published)
     assert (spec.task, spec.output_names) == ("embed", ("last_hidden_state", "embedding", TOKEN_VECTORS, TOKEN_WEIGHTS))
     assert spec.multivector == MultiVectorSpec(score="mean", skip_first_token=True)
-    assert (spec.hidden_size, spec.multivector_width, spec.pooling, spec.normalize) == (32, COLBERT_WIDTH, "cls", True)
-    assert spec.output_shape(TOKEN_VECTORS, 3, 17) == (3, 17, COLBERT_WIDTH)
+    assert (spec.hidden_size, spec.multivector_width, spec.pooling, spec.normalize) == (32, BGE_M3_WIDTH, "cls", True)
+    assert spec.output_shape(TOKEN_VECTORS, 3, 17) == (3, 17, BGE_M3_WIDTH)
     assert spec.output_shape(TOKEN_WEIGHTS, 3, 17) == (3, 17, 1)
     outputs = {output.name: list(output.dims) for output in spec.config.output}
-    assert outputs[TOKEN_VECTORS] == [-1, COLBERT_WIDTH] and outputs[TOKEN_WEIGHTS] == [-1, 1]
+    assert outputs[TOKEN_VECTORS] == [-1, BGE_M3_WIDTH] and outputs[TOKEN_WEIGHTS] == [-1, 1]
     assert set(spec.variants) == {"fp32"} and spec.preferred_variants == {"cpu": "fp32", "cuda": "fp32"}
     assert any("bge-m3: published in fp32 only" in message for message in bge_m3.warnings)
     assert set(spec.embedding_ranges) == {32}  # the dense output's calibration still runs
@@ -114,7 +41,7 @@ def test_the_folder_is_published_as_an_embedder_with_token_vectors_and_weights(b
 
 def test_parity_json_holds_every_output_to_the_model_and_to_flag_embedding(bge_m3: ExportedBgeM3) -> None:
     report = json.loads((bge_m3.published / "parity.json").read_text())
-    assert report["head"]["style"] == "bge-m3" and report["head"]["colbert_width"] == COLBERT_WIDTH
+    assert report["head"]["style"] == "bge-m3" and report["head"]["colbert_width"] == BGE_M3_WIDTH
     assert report["head"]["unused_token_ids"] == [0, 1, 2, 3]  # <s>, <pad>, </s>, <unk>
     fp32 = report["variants"]["fp32"]
     for kind, figures in fp32["cases"].items():
@@ -149,11 +76,17 @@ def test_the_published_graph_equals_flag_embedding(bge_m3: ExportedBgeM3) -> Non
     spec = read_model(bge_m3.published)
     session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
     tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
-    alone = [row for text in TEXTS for row in _served(spec, session, tokenizer.encode([text]).feed(spec.input_names))]
-    batched = _served(spec, session, tokenizer.encode(TEXTS).feed(spec.input_names))
-    flag_model = bge_m3_flag_model()(str(bge_m3.source), use_fp16=False, devices="cpu", colbert_dim=COLBERT_WIDTH)
+    alone = [
+        row for text in BGE_M3_TEXTS for row in _served(spec, session, tokenizer.encode([text]).feed(spec.input_names))
+    ]
+    batched = _served(spec, session, tokenizer.encode(BGE_M3_TEXTS).feed(spec.input_names))
+    flag_model = bge_m3_flag_model()(str(bge_m3.source), use_fp16=False, devices="cpu", colbert_dim=BGE_M3_WIDTH)
     expected = flag_model.encode(
-        TEXTS, max_length=spec.max_sequence_length, return_dense=True, return_sparse=True, return_colbert_vecs=True
+        BGE_M3_TEXTS,
+        max_length=spec.max_sequence_length,
+        return_dense=True,
+        return_sparse=True,
+        return_colbert_vecs=True,
     )
     for served in (alone, batched):
         dense = np.stack([row[0] for row in served])
@@ -177,7 +110,7 @@ def test_the_special_tokens_and_padding_weigh_nothing(bge_m3: ExportedBgeM3) -> 
     spec = read_model(bge_m3.published)
     session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
     tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
-    feed = tokenizer.encode(TEXTS).feed(spec.input_names)
+    feed = tokenizer.encode(BGE_M3_TEXTS).feed(spec.input_names)
     hidden, vectors, weights = session.run(["last_hidden_state", TOKEN_VECTORS, TOKEN_WEIGHTS], feed)
     weights = weights[..., 0]
     head = torch.load(bge_m3.source / SPARSE_HEAD_FILE, weights_only=True)
@@ -224,7 +157,7 @@ def test_one_head_file_without_the_other_is_refused(folder: Path, missing: str, 
     [
         (
             COLBERT_HEAD_FILE,
-            {"weight": torch.zeros(COLBERT_WIDTH, 16), "bias": torch.zeros(COLBERT_WIDTH)},
+            {"weight": torch.zeros(BGE_M3_WIDTH, 16), "bias": torch.zeros(BGE_M3_WIDTH)},
             "weight (24, 16) and bias (24,), the model needs weight [width, 32] and bias [width]",
         ),
         (
@@ -263,7 +196,7 @@ def test_a_folder_without_sentence_transformers_files_is_read_as_flag_embedding_
         shutil.rmtree(folder / name)
     checkpoint = load_checkpoint(folder)
     assert (checkpoint.task, checkpoint.config.pooling, checkpoint.config.normalize) == ("embed", "cls", True)
-    assert checkpoint.bge_m3.colbert_width == COLBERT_WIDTH
+    assert checkpoint.bge_m3.colbert_width == BGE_M3_WIDTH
     tokenizer = TextTokenizer(folder / "tokenizer.json", checkpoint.max_seq_length, checkpoint.config.pad_token_id)
     assert "FlagEmbedding is its reference" in reference_library.unavailable_reason(checkpoint, tokenizer)
 
