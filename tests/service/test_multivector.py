@@ -1,8 +1,9 @@
-"""Multi-vector embeddings and late-interaction scoring served: a PyLate-made ColBERT model through real clients.
+"""Multi-vector embeddings and late-interaction scoring served: ColBERT and bge-m3 through real clients.
 
-Its vectors (as queries and as documents) and its MaxSim scores are compared with PyLate's own
-answers on the same folder (tests.multivector_models), over gRPC (tritonclient), KServe REST, TEI's
-/embed_all and /rerank, and Cohere's /v1/rerank; bad requests get precise refusals.
+A PyLate-made ColBERT model's vectors (as queries and as documents) and MaxSim scores are compared
+with PyLate's own answers on the same folder (tests.multivector_models), over gRPC (tritonclient),
+KServe REST, TEI's /embed_all and /rerank, and Cohere's /v1/rerank; a tiny bge-m3's three outputs
+from the same server with FlagEmbedding's on its folder. Bad requests get precise refusals.
 """
 
 from __future__ import annotations
@@ -16,20 +17,25 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.multivector_models import QUERY_LENGTH, WIDTH, ExportedColbert
+from export.bge_m3_reference import bge_m3_flag_model
+from tests.multivector_models import BGE_M3_TEXTS, BGE_M3_WIDTH, QUERY_LENGTH, WIDTH, ExportedBgeM3, ExportedColbert
 from tests.servers import RunningServer, start_server
 from tests.servers import post_json as post
 
 MODEL = "colbert"
+BGE_M3 = "bge-m3"
 MAX_RESPONSE_BYTES = 200_000
 """Room for a dozen texts' vectors as JSON, not for 64 long ones."""
 
 
 @pytest.fixture(scope="module")
-def server(colbert: ExportedColbert, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """The ColBERT model alone in a repository, with a response limit a large multi-vector answer passes."""
+def server(
+    colbert: ExportedColbert, bge_m3: ExportedBgeM3, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The ColBERT model and bge-m3 in one repository, with a response limit a large multi-vector answer misses."""
     repository = tmp_path_factory.mktemp("multivector-repository")
     shutil.copytree(colbert.published, repository / MODEL)
+    shutil.copytree(bge_m3.published, repository / BGE_M3)
     log = repository.parent / "server.log"
     with start_server(repository, log, "--max-response-bytes", str(MAX_RESPONSE_BYTES)) as running:
         yield running
@@ -83,16 +89,16 @@ def test_scores_of_pairs_over_grpc_equal_pylates(server: RunningServer, colbert:
 
 
 def test_embed_all_and_rerank_routes(server: RunningServer, colbert: ExportedColbert) -> None:
-    status, vectors = post(server, "/embed_all", {"inputs": colbert.texts[:3], "input_type": "query"})
+    status, vectors = post(server, "/embed_all", {"inputs": colbert.texts[:3], "input_type": "query", "model": MODEL})
     assert status == 200
     for index, ours in enumerate(vectors):
         np.testing.assert_allclose(np.array(ours), colbert.pylate[f"query{index}"], atol=1e-4)
     query, documents = colbert.texts[0], colbert.texts[1:6]
     expected = colbert.pylate["scores"][0, 1:6]
-    status, ranked = post(server, "/rerank", {"query": query, "texts": documents})
+    status, ranked = post(server, "/rerank", {"query": query, "texts": documents, "model": MODEL})
     assert status == 200 and [item["index"] for item in ranked] == list(np.argsort(-expected, kind="stable"))
     np.testing.assert_allclose([item["score"] for item in ranked], np.sort(expected)[::-1], atol=1e-4)
-    status, cohere = post(server, "/v1/rerank", {"query": query, "documents": documents, "top_n": 2})
+    status, cohere = post(server, "/v1/rerank", {"query": query, "documents": documents, "top_n": 2, "model": MODEL})
     assert status == 200 and [item["index"] for item in cohere["results"]] == [item["index"] for item in ranked[:2]]
 
 
@@ -139,9 +145,46 @@ def test_a_multivector_answer_over_the_response_limit_is_refused(
     server: RunningServer, colbert: ExportedColbert
 ) -> None:
     many = [colbert.texts[-1]] * 64
-    status, answer = post(server, "/embed_all", {"inputs": many})
+    status, answer = post(server, "/embed_all", {"inputs": many, "model": MODEL})
     assert status == 413 and "--max-response-bytes" in answer["error"]
-    status, vectors = post(server, "/embed_all", {"inputs": colbert.texts[:2]})
+    status, vectors = post(server, "/embed_all", {"inputs": colbert.texts[:2], "model": MODEL})
     assert status == 200 and len(vectors) == 2
     status, answer = post(server, "/v1/embeddings", {"model": MODEL, "input": ["bread"]})
     assert status == 400 and "unknown output 'embedding'" in answer["error"]["message"]
+
+
+def test_bge_m3s_three_outputs_from_one_request_equal_flag_embeddings(
+    server: RunningServer, bge_m3: ExportedBgeM3
+) -> None:
+    texts = BGE_M3_TEXTS[:6]
+    names = ("embedding", "sparse_indices", "sparse_values", "multivector", "multivector_lengths")
+    with grpcclient.InferenceServerClient(server.target) as client:
+        result = client.infer(
+            BGE_M3, [_text("text", texts)], outputs=[grpcclient.InferRequestedOutput(name) for name in names]
+        )
+    flag_model = bge_m3_flag_model()(str(bge_m3.source), use_fp16=False, devices="cpu", colbert_dim=BGE_M3_WIDTH)
+    expected = flag_model.encode(texts, max_length=256, return_dense=True, return_sparse=True, return_colbert_vecs=True)
+    np.testing.assert_allclose(result.as_numpy("embedding"), expected["dense_vecs"], atol=1e-4)
+    indices, values = result.as_numpy("sparse_indices"), result.as_numpy("sparse_values")
+    lengths = result.as_numpy("multivector_lengths")[:, 0]
+    for row, weights in enumerate(expected["lexical_weights"]):
+        served = {int(i): float(v) for i, v in zip(indices[row], values[row], strict=True) if i >= 0}
+        theirs = {int(i): float(v) for i, v in weights.items() if float(v) > 1e-4}
+        assert set(theirs) <= set(served) and all(abs(served[i] - theirs.get(i, 0.0)) <= 1e-4 for i in served)
+        vectors = result.as_numpy("multivector")[row, : lengths[row]]
+        np.testing.assert_allclose(vectors, expected["colbert_vecs"][row], atol=1e-4)
+
+
+def test_bge_m3_reranks_by_maxsim_mean_and_answers_terms_on_embed_sparse(
+    server: RunningServer, bge_m3: ExportedBgeM3
+) -> None:
+    query, documents = BGE_M3_TEXTS[0], BGE_M3_TEXTS[1:5]
+    flag_model = bge_m3_flag_model()(str(bge_m3.source), use_fp16=False, devices="cpu", colbert_dim=BGE_M3_WIDTH)
+    encoded = flag_model.encode([query, *documents], max_length=256, return_colbert_vecs=True)["colbert_vecs"]
+    expected = np.array([float(flag_model.colbert_score(encoded[0], vectors)) for vectors in encoded[1:]])
+    status, ranked = post(server, "/rerank", {"query": query, "texts": documents, "model": BGE_M3})
+    assert status == 200
+    np.testing.assert_allclose([item["score"] for item in ranked], np.sort(expected)[::-1], atol=1e-4)
+    status, terms = post(server, "/embed_sparse", {"inputs": documents[:2], "model": BGE_M3, "top_k": 3})
+    assert status == 200 and all(len(row) <= 3 for row in terms)
+    assert all(row[0]["value"] >= row[-1]["value"] for row in terms)
