@@ -20,6 +20,7 @@ from export.config import EncoderConfig
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
+from export.rotary_bert import RotaryBertConfig, RotaryBertEncoder
 from export.sentence_transformers_folder import Declarations, FolderError, folder_task, read_declarations, read_object
 from export.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
 from export.splade import rename_head_weights as rename_masked_lm_weights
@@ -31,6 +32,8 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
+AnyEncoderConfig = EncoderConfig | ModernBertConfig | RotaryBertConfig
+"""The configuration of any encoder here."""
 
 
 class CheckpointError(ValueError):
@@ -57,7 +60,7 @@ class Checkpoint:
 
     name: str
     """Model name in the repository."""
-    config: EncoderConfig
+    config: AnyEncoderConfig
     state_dict: dict[str, torch.Tensor]
     max_seq_length: int
     """Longest sequence the model is served with (tokens, special tokens included)."""
@@ -100,9 +103,13 @@ class Checkpoint:
         return model.eval()
 
 
-def build_encoder(config: EncoderConfig | ModernBertConfig) -> nn.Module:
-    """The encoder a configuration describes: the BERT family's (export.model) or ModernBERT's."""
-    return ModernBertEncoder(config) if isinstance(config, ModernBertConfig) else Encoder(config)
+def build_encoder(config: AnyEncoderConfig) -> nn.Module:
+    """The encoder a configuration describes: the BERT family's (export.model), ModernBERT's or GTE/NomicBERT's."""
+    if isinstance(config, ModernBertConfig):
+        return ModernBertEncoder(config)
+    if isinstance(config, RotaryBertConfig):
+        return RotaryBertEncoder(config)
+    return Encoder(config)
 
 
 def default_model_folder() -> Path:
@@ -148,7 +155,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _encoder_weights(
-    folder: Path, config: EncoderConfig | ModernBertConfig, weights: dict[str, torch.Tensor]
+    folder: Path, config: AnyEncoderConfig, weights: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The encoder's weights in fp32, checked name by name and shape by shape against its config."""
     expected = build_encoder(config).state_dict()

@@ -1,0 +1,248 @@
+"""GTE and NomicBERT (export.rotary_bert) against transformers, sentence-transformers and the exporter's output.
+
+Three tiny random models, each with a real tokenizer of its family, wrapped as sentence-transformers
+saves them (transformers writes the original checkpoints' weight names, as the hub folders hold):
+- GTE in gte-base-en-v1.5's form: WordPiece, no segment embeddings, linear rotary scaling (the
+  native form of its NTK scaling), CLS pooling without normalisation;
+- GTE in gte-multilingual-base's form: XLM-R's Unigram, one segment row, padding id 1;
+- NomicBERT in nomic-embed-text-v1.5's form: WordPiece, two segments, SwiGLU without biases,
+  mean pooling, its task prompts and Matryoshka widths.
+Each family is exported once by `python -m export --source`; the published fp32 graph is run as
+the server feeds it and compared with `SentenceTransformer.encode` on the source folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer import modules as st_models
+
+from export.checkpoint import CheckpointError, load_checkpoint
+from export.rotary_bert import RotaryBertConfig
+from service.core.repository import read_model
+from service.pipeline.tokenizer import TextTokenizer
+from tests.export import tiny_models
+from tests.vectors import assert_same_vectors
+
+ROOT = Path(__file__).resolve().parents[2]
+SENTENCES = [
+    "Hi.",
+    *tiny_models.training_sentences()[:7],
+    "A much longer sentence that goes on and on, " * 5,
+]
+NOMIC_PROMPTS = {
+    "search_query": "search_query: ",
+    "search_document": "search_document: ",
+    "classification": "classification: ",
+    "clustering": "clustering: ",
+}
+MATRYOSHKA_DIMENSIONS = (16, 8)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One tiny source: its tokenizer's kind, its transformers config and what its sentence-transformers folder says."""
+
+    tokenizer: str
+    """tests.export.tiny_models' tokenizer family: bert (WordPiece) or xlm-roberta (Unigram)."""
+    config: type[transformers.PretrainedConfig]
+    settings: dict[str, object]
+    pooling: str
+    normalize: bool
+    prompts: dict[str, str] | None = None
+    default_prompt_name: str | None = None
+
+
+FAMILIES = {
+    "gte-en": Family(
+        "bert",
+        transformers.GteConfig,
+        {"type_vocab_size": 0, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 1.25}},
+        pooling="cls",
+        normalize=False,
+    ),
+    "gte-multilingual": Family("xlm-roberta", transformers.GteConfig, {"type_vocab_size": 1}, "cls", normalize=True),
+    "nomic": Family(
+        "bert",
+        transformers.NomicBertConfig,
+        {},
+        pooling="mean",
+        normalize=True,
+        prompts=NOMIC_PROMPTS,
+        default_prompt_name="search_document",
+    ),
+}
+EXPORTED = ("gte-en", "nomic")
+
+
+def save_source(name: str, folder: Path, seed: int) -> Path:
+    """A sentence-transformers folder around a tiny random model of the family; returns it."""
+    family = FAMILIES[name]
+    base = folder / "base"
+    base.mkdir(parents=True)
+    tokenizer = tiny_models.save_tokenizer(family.tokenizer, base)
+    config = family.config(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny_models.HIDDEN,
+        num_hidden_layers=tiny_models.LAYERS,
+        num_attention_heads=tiny_models.HEADS,
+        intermediate_size=2 * tiny_models.HIDDEN,
+        max_position_embeddings=tiny_models.MAX_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id,
+        **family.settings,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModel.from_config(config, attn_implementation="eager").eval()
+    tiny_models._randomise(model, seed)
+    model.save_pretrained(str(base))
+    transformer = st_models.Transformer(str(base), max_seq_length=tiny_models.MAX_POSITIONS - 2)
+    modules = [transformer, st_models.Pooling(transformer.get_embedding_dimension(), pooling_mode=family.pooling)]
+    modules += [st_models.Normalize()] if family.normalize else []
+    target = folder / "model"
+    SentenceTransformer(modules=modules, prompts=family.prompts, default_prompt_name=family.default_prompt_name).save(
+        str(target)
+    )
+    return target
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each family's sentence-transformers folder."""
+    root = tmp_path_factory.mktemp("rotary-sources")
+    return {name: save_source(name, root / name, seed) for seed, name in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="module")
+def repository(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GTE (en) and NomicBERT exported by the command line, fp32, the two at once."""
+    repository = tmp_path_factory.mktemp("rotary-repository")
+    runs = []
+    for name in EXPORTED:
+        command = [sys.executable, "-m", "export", "--source", str(sources[name]), "--repository", str(repository)]
+        command += ["--name", name, "--variants", "fp32", "--threads", "1"]
+        if name == "nomic":
+            command += ["--matryoshka-dimensions", ",".join(map(str, MATRYOSHKA_DIMENSIONS))]
+        runs.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for run in runs:
+        _, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, stderr[-3000:]
+    return repository
+
+
+def _loaded_transformers(folder: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModel.from_pretrained(str(folder), attn_implementation="eager").eval()
+
+
+def _masks(batch: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The batch right-padded (as tokenised), left-padded (each row rolled), and holed (every third token masked)."""
+    left = {name: tensor.clone() for name, tensor in batch.items()}
+    for row, length in enumerate(batch["attention_mask"].sum(dim=1).tolist()):
+        for tensor in left.values():
+            tensor[row] = torch.roll(tensor[row], tensor.shape[1] - length)
+    holed = dict(batch, attention_mask=batch["attention_mask"].clone())
+    holed["attention_mask"][:, 2::3] = 0
+    return {"right-padded": batch, "left-padded": left, "holed": holed}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hidden_states_equal_transformers(sources: dict[str, Path], name: str) -> None:
+    """Sentence pairs (segment ids 0 and 1 where the model has segments), under every mask shape."""
+    folder = sources[name]
+    checkpoint = load_checkpoint(folder)
+    assert isinstance(checkpoint.config, RotaryBertConfig)
+    assert checkpoint.config.uses_segments == (name == "nomic")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    encoded = tokenizer(SENTENCES[:-1], SENTENCES[1:], padding=True, truncation=True, return_tensors="pt")
+    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if checkpoint.config.uses_segments else [])
+    batch = {key: encoded[key] for key in names}
+    assert "token_type_ids" not in batch or bool(batch["token_type_ids"].any())
+    reference, ours = _loaded_transformers(folder), checkpoint.build_model()
+    for kind, feed in _masks(batch).items():
+        with torch.inference_mode():
+            expected = reference(**feed).last_hidden_state
+            hidden, _ = ours(**feed)
+        difference = float((hidden - expected)[feed["attention_mask"].bool()].abs().max())
+        assert difference <= 1e-5, f"{kind}: max abs diff {difference:.2e}"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_embeddings_equal_sentence_transformers(sources: dict[str, Path], name: str) -> None:
+    folder, family = sources[name], FAMILIES[name]
+    checkpoint = load_checkpoint(folder)
+    assert (checkpoint.config.pooling, checkpoint.config.normalize) == (family.pooling, family.normalize)
+    expected = SentenceTransformer(str(folder), device="cpu").encode(SENTENCES, convert_to_numpy=True)
+    prefix = (family.prompts or {}).get(family.default_prompt_name or "", "")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    batch = tokenizer(
+        [prefix + s for s in SENTENCES],
+        padding=True,
+        truncation=True,
+        max_length=checkpoint.max_seq_length,
+        return_tensors="pt",
+    )
+    segments = batch.get("token_type_ids") if checkpoint.config.uses_segments else None
+    with torch.inference_mode():
+        _, embedding = checkpoint.build_model()(batch["input_ids"], batch["attention_mask"], segments)
+    assert_same_vectors(embedding.numpy(), expected, min_cosine=0.9999)
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_published_embeddings_equal_sentence_transformers(
+    sources: dict[str, Path], repository: Path, name: str
+) -> None:
+    spec = read_model(repository / name)
+    assert spec.model_type == ("nomic_bert" if name == "nomic" else "gte")
+    assert spec.uses_segments == (name == "nomic")
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == list(spec.input_names)
+    prefix = spec.prompts.get(spec.default_prompt_name, "")
+    (embedding,) = session.run(["embedding"], tokenizer.encode([prefix + s for s in SENTENCES]).feed(spec.input_names))
+    expected = SentenceTransformer(str(sources[name]), device="cpu").encode(SENTENCES, convert_to_numpy=True)
+    assert_same_vectors(embedding, expected, min_cosine=0.9999)
+    parity = json.loads((repository / name / "parity.json").read_text())
+    assert parity["encoder"]["rope_theta"] == (1e6 if name == "gte-en" else 1000.0)
+
+
+def test_nomic_prompts_and_matryoshka_widths_are_published(sources: dict[str, Path], repository: Path) -> None:
+    spec = read_model(repository / "nomic")
+    declared = tiny_models.read_json(sources["nomic"] / "config_sentence_transformers.json")["prompts"]
+    assert spec.prompts == declared and NOMIC_PROMPTS.items() <= declared.items()
+    assert spec.default_prompt_name == "search_document"
+    assert tuple(spec.matryoshka_dimensions) == MATRYOSHKA_DIMENSIONS
+
+
+def _with_config(source: Path, folder: Path, **changes: object) -> Path:
+    """A copy of a source folder with config.json changed."""
+    shutil.copytree(source, folder)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "message"),
+    [
+        ("gte-en", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "unsupported rope_type 'dynamic'"),
+        ("gte-en", {"model_type": "new"}, "unsupported architecture 'new': GTE's remote-code form"),
+        ("nomic", {"rotary_emb_interleaved": True}, "unsupported rotary_emb_interleaved true (only false)"),
+        ("nomic", {"rotary_scaling_factor": 2.0}, "unsupported rotary_scaling_factor 2.0 (only null)"),
+        ("nomic", {"n_embd": 48}, "n_embd 48 disagrees with hidden_size 32, which transformers reads"),
+    ],
+)
+def test_what_is_not_implemented_is_refused_by_name(
+    sources: dict[str, Path], tmp_path: Path, name: str, changes: dict[str, object], message: str
+) -> None:
+    folder = _with_config(sources[name], tmp_path / "changed", **changes)
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_checkpoint(folder)
