@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
 from export.pooling import POOLING_MODES, pool
-from export.rotary import inverse_frequencies, rotary_angles, rotate
+from export.rotary import RotaryTable, rotate
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
@@ -233,11 +233,8 @@ class ModernBertEncoder(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config, index) for index in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
-        global_frequencies = inverse_frequencies(config.head_dim, config.global_rope_theta)
-        self.register_buffer("global_frequencies", global_frequencies, persistent=False)
-        self.register_buffer(
-            "local_frequencies", inverse_frequencies(config.head_dim, config.local_rope_theta), persistent=False
-        )
+        self.global_rotary = RotaryTable(config.head_dim, config.global_rope_theta, config.max_positions)
+        self.local_rotary = RotaryTable(config.head_dim, config.local_rope_theta, config.max_positions)
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
@@ -254,9 +251,10 @@ class ModernBertEncoder(nn.Module):
         global_bias = torch.where(keys, zero, lowest)
         local_bias = torch.where(keys & in_window, zero, lowest)
         length = input_ids.shape[1]
-        global_rotary = rotary_angles(self.global_frequencies, length, hidden.dtype)
-        local_rotary = rotary_angles(self.local_frequencies, length, hidden.dtype)
-        layer_inputs = {True: (global_rotary, global_bias), False: (local_rotary, local_bias)}
+        layer_inputs = {
+            True: (self.global_rotary(length, hidden.dtype), global_bias),
+            False: (self.local_rotary(length, hidden.dtype), local_bias),
+        }
         for layer, is_global in zip(self.layers, self.config.global_layers, strict=True):
             hidden = layer(hidden, *layer_inputs[is_global])
         return self.final_norm(hidden), mask

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
 from export.pooling import POOLING_MODES, pool
-from export.rotary import inverse_frequencies, rotary_angles, rotate
+from export.rotary import RotaryTable, rotate
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 
@@ -184,8 +184,7 @@ class RotaryBertEncoder(nn.Module):
         self.config = config
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
-        frequencies = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_linear_factor)
-        self.register_buffer("frequencies", frequencies, persistent=False)
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_positions, config.rope_linear_factor)
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
@@ -194,7 +193,7 @@ class RotaryBertEncoder(nn.Module):
         hidden = self.embeddings(input_ids, token_type_ids)
         mask = attention_mask.to(hidden.dtype)
         attention_bias = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
-        rotary = rotary_angles(self.frequencies, input_ids.shape[1], hidden.dtype)
+        rotary = self.rotary(input_ids.shape[1], hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, rotary, attention_bias)
         return hidden, mask

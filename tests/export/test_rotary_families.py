@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
@@ -32,6 +33,7 @@ from export.rotary_bert import RotaryBertConfig
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
+from tests.servers import post_json, start_server
 from tests.vectors import assert_same_vectors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,6 +222,30 @@ def test_nomic_prompts_and_matryoshka_widths_are_published(sources: dict[str, Pa
     assert spec.prompts == declared and NOMIC_PROMPTS.items() <= declared.items()
     assert spec.default_prompt_name == "search_document"
     assert tuple(spec.matryoshka_dimensions) == MATRYOSHKA_DIMENSIONS
+
+
+def test_served_embeddings_equal_sentence_transformers(
+    sources: dict[str, Path], repository: Path, tmp_path: Path
+) -> None:
+    """Through a real server's OpenAI route: GTE as it is, NomicBERT with a named prompt and a Matryoshka width."""
+    texts = SENTENCES[:4]
+    gte = SentenceTransformer(str(sources["gte-en"]), device="cpu")
+    nomic = SentenceTransformer(str(sources["nomic"]), device="cpu")
+    shortened = nomic.encode(texts, prompt_name="search_query", truncate_dim=MATRYOSHKA_DIMENSIONS[-1])
+    cases = [
+        ({"model": "gte-en", "input": texts}, gte.encode(texts)),
+        ({"model": "nomic", "input": texts}, nomic.encode(texts)),  # the default prompt, search_document
+        (
+            {"model": "nomic", "input": texts, "prompt_name": "search_query", "dimensions": MATRYOSHKA_DIMENSIONS[-1]},
+            shortened / np.linalg.norm(shortened, axis=1, keepdims=True),  # the server normalises a shortened vector
+        ),
+    ]
+    with start_server(repository, tmp_path / "server.log") as server:
+        for body, expected in cases:
+            status, answer = post_json(server, "/v1/embeddings", body)
+            assert status == 200, answer
+            served = np.array([item["embedding"] for item in answer["data"]], dtype=np.float32)
+            assert_same_vectors(served, expected, min_cosine=0.9999)
 
 
 def _with_config(source: Path, folder: Path, **changes: object) -> Path:
