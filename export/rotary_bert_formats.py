@@ -171,10 +171,13 @@ def nomic_bert_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryB
             f"rotary_emb_base {hf_config['rotary_emb_base']!r} disagrees with rope_theta {common['rope_theta']!r},"
             " which transformers reads"
         )
-    gated = hf_config.get("activation_function")
-    if gated is not None and NOMIC_GATED_ACTIVATIONS.get(gated) != hf_config.get("hidden_act", "silu"):
+    gated, activation = (
+        hf_config.get("activation_function"),
+        hf_config.get("hidden_act", NOMIC_BERT_DEFAULTS.hidden_act),
+    )
+    if gated is not None and NOMIC_GATED_ACTIVATIONS.get(gated) != activation:
         raise ArchitectureError(
-            f"unsupported activation_function {gated!r} with hidden_act {hf_config.get('hidden_act', 'silu')!r}"
+            f"unsupported activation_function {gated!r} with hidden_act {activation!r}"
             f" (supported: {', '.join(f'{k} with {v}' for k, v in NOMIC_GATED_ACTIVATIONS.items())})"
         )
     # The remote-code form names its length n_positions; rotary angles do not depend on it.

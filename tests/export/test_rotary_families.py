@@ -28,6 +28,7 @@ import transformers
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
+from export import rotary_bert_formats
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.rotary_bert import RotaryBertConfig
 from service.core.repository import read_model
@@ -246,6 +247,66 @@ def test_served_embeddings_equal_sentence_transformers(
             assert status == 200, answer
             served = np.array([item["embedding"] for item in answer["data"]], dtype=np.float32)
             assert_same_vectors(served, expected, min_cosine=0.9999)
+
+
+NOMIC_EMBED_TEXT_V1_5 = {
+    "model_type": "nomic_bert",
+    "activation_function": "swiglu",
+    "causal": False,
+    "layer_norm_epsilon": 1e-12,
+    "max_trained_positions": 2048,
+    "mlp_fc1_bias": False,
+    "mlp_fc2_bias": False,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_inner": 3072,
+    "n_layer": 12,
+    "n_positions": 8192,
+    "pad_vocab_size_multiple": 64,
+    "parallel_block": False,
+    "prenorm": False,
+    "qkv_proj_bias": False,
+    "rotary_emb_base": 1000,
+    "rotary_emb_fraction": 1.0,
+    "rotary_emb_interleaved": False,
+    "rotary_emb_scale_base": None,
+    "rotary_scaling_factor": None,
+    "scale_attn_by_inverse_layer_idx": False,
+    "scale_attn_weights": True,
+    "type_vocab_size": 2,
+    "vocab_size": 30528,
+}
+"""nomic-embed-text-v1.5's config.json (its remote-code form; keys that do not change the model left out)."""
+
+
+def test_nomic_embed_text_config_reads_as_transformers_reads_it() -> None:
+    config = rotary_bert_formats.nomic_bert_config(NOMIC_EMBED_TEXT_V1_5, pooling="mean", normalize=True)
+    reference = transformers.NomicBertConfig(**NOMIC_EMBED_TEXT_V1_5)
+    assert (config.d_model, config.num_heads, config.num_layers, config.ffn_dim, config.head_dim) == (
+        reference.hidden_size,
+        reference.num_attention_heads,
+        reference.num_hidden_layers,
+        reference.intermediate_size,
+        reference.head_dim,
+    )
+    assert (config.rope_theta, config.rope_linear_factor) == (reference.rope_parameters["rope_theta"], 1.0)
+    assert (config.activation, config.type_vocab_size, config.vocab_size) == ("silu", 2, 30528)
+    assert not (config.attention_bias or config.up_gate_bias or config.down_bias)
+    assert config.max_sequence_positions == 8192  # n_positions: the sentence-transformers folder's max_seq_length
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_transformers_module_names_load_the_same_weights(sources: dict[str, Path], name: str) -> None:
+    """A state dict under transformers' module names (q_proj, gate_proj...) gives what the saved folder's names give."""
+    checkpoint = load_checkpoint(sources[name])
+    rename = (
+        rotary_bert_formats.rename_nomic_bert_weights if name == "nomic" else rotary_bert_formats.rename_gte_weights
+    )
+    native = _loaded_transformers(sources[name]).state_dict()
+    assert any(".self_attn.q_proj." in key for key in native)
+    weights, heads = rename(native)
+    assert heads == {} and weights.keys() == checkpoint.state_dict.keys()
+    assert all(torch.equal(weights[key], checkpoint.state_dict[key]) for key in weights)
 
 
 def _with_config(source: Path, folder: Path, **changes: object) -> Path:
