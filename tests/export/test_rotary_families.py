@@ -7,8 +7,10 @@ saves them (transformers writes the original checkpoints' weight names, as the h
 - GTE in gte-multilingual-base's form: XLM-R's Unigram, one segment row, padding id 1;
 - NomicBERT in nomic-embed-text-v1.5's form: WordPiece, two segments, SwiGLU without biases,
   mean pooling, its task prompts and Matryoshka widths.
-Each family is exported once by `python -m export --source`; the published fp32 graph is run as
-the server feeds it and compared with `SentenceTransformer.encode` on the source folder.
+GTE (en) and NomicBERT are exported once each by `python -m export --source` (the multilingual GTE
+differs from the English one only in its reading, checked without an export); the published fp32
+graph is run as the server feeds it, and served by a real server, and compared with
+`SentenceTransformer.encode` on the source folder.
 """
 
 from __future__ import annotations
