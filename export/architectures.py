@@ -2,8 +2,9 @@
 
 BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) with different
 settings; each is described here by how its config.json translates into an EncoderConfig and how
-its parameter names map onto the encoder's. ModernBERT (export.modernbert) and DeBERTa-v2/v3
-(export.deberta) are their own encoders.
+its parameter names map onto the encoder's. ModernBERT (export.modernbert), DeBERTa-v2/v3
+(export.deberta), and GTE and NomicBERT (export.rotary_bert, read by export.rotary_bert_formats) are
+their own encoders.
 Weights of task heads (poolers, classifiers, language model heads) are returned apart, for
 export.heads.
 """
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from export import deberta, modernbert
+from export import deberta, modernbert, rotary_bert_formats
 from export.architecture_error import ArchitectureError
 from export.config import ConfigError, EncoderConfig
+from export.rotary_bert import RotaryBertConfig
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 HEAD_PREFIXES = ("pooler.", "classifier.", "pre_classifier.", "lm_head.", "vocab_", "cls.")
@@ -77,7 +79,9 @@ class Architecture:
     """How one Hugging Face model_type maps onto an encoder here."""
 
     model_type: str
-    config: Callable[[dict, str, bool], EncoderConfig | modernbert.ModernBertConfig | deberta.DebertaConfig]
+    config: Callable[
+        [dict, str, bool], EncoderConfig | modernbert.ModernBertConfig | deberta.DebertaConfig | RotaryBertConfig
+    ]
     """config.json (with pooling and normalisation) -> the encoder's configuration."""
     rename: Renamer
     """The checkpoint's weights -> (the encoder's, under its names; the task heads', apart)."""
@@ -211,12 +215,23 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mpnet": Architecture("mpnet", _bert_config, _MPNET_NAMES.rename),
     "modernbert": Architecture("modernbert", modernbert.config_from_hf, modernbert.rename_weights),
     "deberta-v2": Architecture("deberta-v2", deberta.config_from_hf, deberta.rename_weights),
+    "gte": Architecture("gte", rotary_bert_formats.gte_config, rotary_bert_formats.rename_gte_weights),
+    "nomic_bert": Architecture(
+        "nomic_bert", rotary_bert_formats.nomic_bert_config, rotary_bert_formats.rename_nomic_bert_weights
+    ),
 }
 """Supported model_type -> how to read it."""
+REFUSAL_REASONS = {
+    "new": "GTE's remote-code form, which transformers runs only with trust_remote_code;"
+    " its transformers-native form (model_type 'gte', as alibaba-nlp-community/gte-base-en-v1.5) is supported",
+}
+"""Unsupported model_types worth a reason beyond the list of supported ones."""
 
 
 def architecture(model_type: object) -> Architecture:
     """The architecture of a config.json's model_type, or one line naming every supported one."""
     if model_type not in ARCHITECTURES:
-        raise ArchitectureError(f"unsupported architecture {model_type!r} (supported: {', '.join(ARCHITECTURES)})")
+        reason = f": {REFUSAL_REASONS[model_type]}" if model_type in REFUSAL_REASONS else ""
+        supported = ", ".join(ARCHITECTURES)
+        raise ArchitectureError(f"unsupported architecture {model_type!r}{reason} (supported: {supported})")
     return ARCHITECTURES[model_type]

@@ -23,6 +23,7 @@ from export.deberta import DebertaConfig, DebertaEncoder
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
+from export.rotary_bert import RotaryBertConfig, RotaryBertEncoder
 from export.sentence_transformers_folder import Declarations, FolderError, folder_task, read_declarations, read_object
 from export.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
 from export.splade import rename_head_weights as rename_masked_lm_weights
@@ -34,6 +35,8 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
+AnyEncoderConfig = EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig
+"""The configuration of any encoder here."""
 
 
 class CheckpointError(ValueError):
@@ -60,7 +63,7 @@ class Checkpoint:
 
     name: str
     """Model name in the repository."""
-    config: EncoderConfig
+    config: AnyEncoderConfig
     state_dict: dict[str, torch.Tensor]
     max_seq_length: int
     """Longest sequence the model is served with (tokens, special tokens included)."""
@@ -116,10 +119,12 @@ class Checkpoint:
         return model.eval()
 
 
-def build_encoder(config: EncoderConfig | ModernBertConfig | DebertaConfig) -> nn.Module:
-    """The encoder a configuration describes: the BERT family's (export.model), ModernBERT's or DeBERTa's."""
+def build_encoder(config: AnyEncoderConfig) -> nn.Module:
+    """The encoder a configuration describes: the BERT family's (export.model), or ModernBERT's, DeBERTa's, GTE's."""
     if isinstance(config, ModernBertConfig):
         return ModernBertEncoder(config)
+    if isinstance(config, RotaryBertConfig):
+        return RotaryBertEncoder(config)
     return DebertaEncoder(config) if isinstance(config, DebertaConfig) else Encoder(config)
 
 
@@ -170,7 +175,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _encoder_weights(
-    folder: Path, config: EncoderConfig | ModernBertConfig | DebertaConfig, weights: dict[str, torch.Tensor]
+    folder: Path, config: AnyEncoderConfig, weights: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The encoder's weights in fp32, checked name by name and shape by shape against its config."""
     expected = build_encoder(config).state_dict()

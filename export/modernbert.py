@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
 from export.pooling import POOLING_MODES, pool
+from export.rotary import RotaryTable, rotate
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
@@ -155,11 +156,6 @@ def _activation(name: str, x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Embeddings(nn.Module):
     """Token embeddings, then LayerNorm."""
 
@@ -187,9 +183,7 @@ class Attention(nn.Module):
         batch, length = hidden.shape[0], hidden.shape[1]
         qkv = self.Wqkv(hidden).view(batch, length, 3, self.num_heads, self.head_dim)
         query, key, value = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, seq, d_k]
-        cos, sin = rotary
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        query, key = rotate(query, *rotary), rotate(key, *rotary)
         scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(self.head_dim)
         weights = torch.softmax(scores + attention_bias, dim=-1)
         context = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
@@ -239,15 +233,8 @@ class ModernBertEncoder(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config, index) for index in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
-        self.register_buffer("global_frequencies", config.global_rope_theta**-exponents, persistent=False)
-        self.register_buffer("local_frequencies", config.local_rope_theta**-exponents, persistent=False)
-
-    @staticmethod
-    def _rotary(frequencies: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        angles = positions[:, None] * frequencies[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
+        self.global_rotary = RotaryTable(config.head_dim, config.global_rope_theta, config.max_positions)
+        self.local_rotary = RotaryTable(config.head_dim, config.local_rope_theta, config.max_positions)
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
@@ -263,10 +250,11 @@ class ModernBertEncoder(nn.Module):
         zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
         global_bias = torch.where(keys, zero, lowest)
         local_bias = torch.where(keys & in_window, zero, lowest)
-        position_values = positions.to(hidden.dtype)
-        global_rotary = self._rotary(self.global_frequencies, position_values)
-        local_rotary = self._rotary(self.local_frequencies, position_values)
-        layer_inputs = {True: (global_rotary, global_bias), False: (local_rotary, local_bias)}
+        length = input_ids.shape[1]
+        layer_inputs = {
+            True: (self.global_rotary(length, hidden.dtype), global_bias),
+            False: (self.local_rotary(length, hidden.dtype), local_bias),
+        }
         for layer, is_global in zip(self.layers, self.config.global_layers, strict=True):
             hidden = layer(hidden, *layer_inputs[is_global])
         return self.final_norm(hidden), mask

@@ -349,7 +349,10 @@ def _broken_folder(tmp_path: Path, default_folder: Path, change: str) -> Path:
         ("no_config", "no config.json"),
         ("malformed", "malformed JSON"),
         ("no_weights", "no model.safetensors or pytorch_model.bin"),
-        ("t5", "unsupported architecture 't5' (supported: bert, roberta, xlm-roberta, distilbert, mpnet, modernbert)"),
+        (
+            "t5",
+            "unsupported architecture 't5' (supported: bert, roberta, xlm-roberta, distilbert, mpnet, modernbert, gte,",
+        ),
         ("heads", "d_model 384 is not divisible by num_heads 7"),
         ("layers", "weights missing for layers.6"),
     ],

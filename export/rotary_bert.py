@@ -1,0 +1,206 @@
+"""BERT with rotary positions and a gated feed-forward network: GTE and NomicBERT, from their definition.
+
+Token embeddings (+ segment embeddings where the model has them; no position table), then
+LayerNorm, feed S post-norm layers, as BERT's: x = LN(x + Attention(x)); x = LN(x + FFN(x)).
+Attention projects Q, K and V with one matrix, turns Q and K by rotary position angles
+(export.rotary) and attends over the whole sequence: softmax(QKᵀ/√d_k + mask)·V, then W^O.
+The feed-forward network is gated: W_down(act(x·W_gate) ⊙ (x·W_up)), with GeLU (GTE) or SiLU
+(NomicBERT: SwiGLU); W_up and W_gate are one matrix here. Which projections carry a bias is the
+family's: GTE's attention and W_down do, NomicBERT's none. The last hidden state is pooled
+(export.pooling) as for every encoder here. The families' config.json and weight names are read
+by export.rotary_bert_formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from export.architecture_error import ArchitectureError
+from export.pooling import POOLING_MODES, pool
+from export.rotary import RotaryTable, rotate
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
+
+
+@dataclass(frozen=True)
+class RotaryBertConfig:
+    """Hyper-parameters of a rotary, gated, post-norm BERT (GTE, NomicBERT), validated on construction."""
+
+    vocab_size: int
+    d_model: int
+    num_heads: int
+    num_layers: int
+    ffn_dim: int
+    """Width of the gated inner layer (W_up and W_gate each project to it)."""
+    head_dim: int
+    """d_k: the width of one attention head (num_heads · head_dim need not be d_model)."""
+    max_positions: int
+    """Longest sequence the model was made for (rotary angles themselves have no limit)."""
+    rope_theta: float
+    """The rotary base θ."""
+    rope_linear_factor: float = 1.0
+    """Linear rotary scaling: every frequency divided by it (1: none)."""
+    type_vocab_size: int = 0
+    """Segment ids; 0: no segment embedding; 1: its one row added to every token, no input."""
+    activation: str = "gelu"
+    """The gate's activation: gelu, gelu_tanh, silu or relu."""
+    layer_norm_eps: float = 1e-12
+    attention_bias: bool = True
+    """Whether the Q, K, V and output projections carry a bias."""
+    up_gate_bias: bool = False
+    down_bias: bool = True
+    pooling: str = "mean"
+    normalize: bool = True
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "head_dim", "max_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ArchitectureError(f"{name} must be a positive integer, got {value!r}")
+        if self.head_dim % 2:
+            raise ArchitectureError(f"head width {self.head_dim} must be even for rotary positions")
+        if self.rope_theta <= 0 or self.rope_linear_factor <= 0:
+            raise ArchitectureError(f"rotary base {self.rope_theta} and factor {self.rope_linear_factor} must be > 0")
+        if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
+            raise ArchitectureError(f"type_vocab_size must be >= 0, got {self.type_vocab_size!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ArchitectureError(f"unsupported activation {self.activation!r} (supported: {', '.join(ACTIVATIONS)})")
+        if self.pooling not in POOLING_MODES:
+            raise ArchitectureError(f"unsupported pooling {self.pooling!r}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ArchitectureError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+
+    @property
+    def uses_segments(self) -> bool:
+        """Whether the model takes token_type_ids (a single segment row needs no input)."""
+        return self.type_vocab_size > 1
+
+    @property
+    def max_sequence_positions(self) -> int:
+        """Longest sequence the model was made for."""
+        return self.max_positions
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form, for parity.json."""
+        return dataclasses.asdict(self)
+
+
+def _activation(name: str, x: Tensor) -> Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "relu":
+        return F.relu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
+
+
+class Embeddings(nn.Module):
+    """Token (+ segment) embeddings, then LayerNorm."""
+
+    def __init__(self, config: RotaryBertConfig) -> None:
+        super().__init__()
+        self.token = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
+        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
+        """Embed ids [batch, seq] into [batch, seq, d_model]."""
+        hidden = self.token(input_ids)
+        if self.segment is not None:
+            if self.segment.num_embeddings == 1:
+                hidden = hidden + self.segment.weight[0]
+            else:
+                if token_type_ids is None:
+                    token_type_ids = torch.zeros_like(input_ids)
+                hidden = hidden + self.segment(token_type_ids)
+        return self.norm(hidden)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with rotary positions: softmax(QKᵀ/√d_k + mask)·V, then W^O."""
+
+    def __init__(self, config: RotaryBertConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        width = config.num_heads * config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * width, bias=config.attention_bias)
+        self.output = nn.Linear(width, config.d_model, bias=config.attention_bias)
+
+    def forward(self, hidden: Tensor, rotary: tuple[Tensor, Tensor], attention_bias: Tensor) -> Tensor:
+        """Attend over hidden [batch, seq, d_model]; rotary is (cos, sin) [seq, head_dim]; bias [batch, 1, 1, seq]."""
+        batch, length = hidden.shape[0], hidden.shape[1]
+        qkv = self.qkv(hidden).view(batch, length, 3, self.num_heads, self.head_dim)
+        query, key, value = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, seq, d_k]
+        query, key = rotate(query, *rotary), rotate(key, *rotary)
+        scores = torch.matmul(query, key.transpose(-1, -2)) * self.head_dim**-0.5
+        weights = torch.softmax(scores + attention_bias, dim=-1)
+        context = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
+        return self.output(context)
+
+
+class FeedForward(nn.Module):
+    """The gated network: W_down(act(x·W_gate) ⊙ (x·W_up)); W_up and W_gate are one matrix, up_gate."""
+
+    def __init__(self, config: RotaryBertConfig) -> None:
+        super().__init__()
+        self.up_gate = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=config.up_gate_bias)
+        self.down = nn.Linear(config.ffn_dim, config.d_model, bias=config.down_bias)
+        self.activation = config.activation
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """Apply the network to every position independently."""
+        up, gate = self.up_gate(hidden).chunk(2, dim=-1)
+        return self.down(_activation(self.activation, gate) * up)
+
+
+class Layer(nn.Module):
+    """One post-norm layer: x = LN(x + Attention(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, config: RotaryBertConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.attention_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.feed_forward = FeedForward(config)
+        self.output_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(self, hidden: Tensor, rotary: tuple[Tensor, Tensor], attention_bias: Tensor) -> Tensor:
+        """Transform hidden states [batch, seq, d_model]."""
+        hidden = self.attention_norm(hidden + self.attention(hidden, rotary, attention_bias))
+        return self.output_norm(hidden + self.feed_forward(hidden))
+
+
+class RotaryBertEncoder(nn.Module):
+    """The whole encoder: embeddings, S rotary post-norm layers, pooling."""
+
+    output_names = ("last_hidden_state", "embedding")
+
+    def __init__(self, config: RotaryBertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_positions, config.rope_linear_factor)
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The last hidden states [batch, seq, d_model] and the float mask [batch, seq] (task heads start here)."""
+        hidden = self.embeddings(input_ids, token_type_ids)
+        mask = attention_mask.to(hidden.dtype)
+        attention_bias = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
+        rotary = self.rotary(input_ids.shape[1], hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, attention_bias)
+        return hidden, mask
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
+        hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids)
+        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
