@@ -196,17 +196,28 @@ def mask_row(length: int, real: int, style: str, rng: np.random.Generator) -> np
     return row
 
 
+CASE_TOKENS = 8192
+"""The most tokens one random-token gate batch holds (32 rows of 256; one row of 8,192)."""
+
+
 def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: int = 0) -> list[Case]:
     """Random token batches of sizes {1, 2, 7, 32} and lengths {1, 5, 64, max}, with every mask shape.
 
     The first row of each batch is full length so the padded width is exercised; the others get
-    random lengths, padded on the right, on the left or with holes in the mask, in turn.
+    random lengths, padded on the right, on the left or with holes in the mask, in turn. A batch
+    holds at most CASE_TOKENS tokens (fewer rows at long lengths): attention's scores grow with the
+    square of the length, and 32 rows of 8,192 tokens would take about 100 GB.
     """
     rng = np.random.default_rng(seed)
     lengths = sorted({min(length, max_length) for length in (1, 5, 64, max_length)})
     cases = []
-    for batch in BATCH_SIZES:
+    seen = set()
+    for size in BATCH_SIZES:
         for length in lengths:
+            batch = max(1, min(size, CASE_TOKENS // length))
+            if (batch, length) in seen:
+                continue
+            seen.add((batch, length))
             row_lengths = rng.integers(1, length + 1, size=batch)
             row_lengths[0] = length
             styles = ["full"] + [MASK_STYLES[row % len(MASK_STYLES)] for row in range(batch - 1)]
