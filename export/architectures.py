@@ -2,8 +2,8 @@
 
 BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) with different
 settings; each is described here by how its config.json translates into an EncoderConfig and how
-its parameter names map onto the encoder's. ModernBERT (export.modernbert) and DeBERTa-v2/v3
-(export.deberta) are their own encoders.
+its parameter names map onto the encoder's. ModernBERT (export.modernbert), DeBERTa-v2/v3
+(export.deberta) and Qwen3 (export.qwen3, a decoder read at its last token) are their own encoders.
 Weights of task heads (poolers, classifiers, language model heads) are returned apart, for
 export.heads.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from export import deberta, modernbert
+from export import deberta, modernbert, qwen3
 from export.architecture_error import ArchitectureError
 from export.config import ConfigError, EncoderConfig
 
@@ -77,7 +77,9 @@ class Architecture:
     """How one Hugging Face model_type maps onto an encoder here."""
 
     model_type: str
-    config: Callable[[dict, str, bool], EncoderConfig | modernbert.ModernBertConfig | deberta.DebertaConfig]
+    config: Callable[
+        [dict, str, bool], EncoderConfig | modernbert.ModernBertConfig | deberta.DebertaConfig | qwen3.Qwen3Config
+    ]
     """config.json (with pooling and normalisation) -> the encoder's configuration."""
     rename: Renamer
     """The checkpoint's weights -> (the encoder's, under its names; the task heads', apart)."""
@@ -211,6 +213,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mpnet": Architecture("mpnet", _bert_config, _MPNET_NAMES.rename),
     "modernbert": Architecture("modernbert", modernbert.config_from_hf, modernbert.rename_weights),
     "deberta-v2": Architecture("deberta-v2", deberta.config_from_hf, deberta.rename_weights),
+    "qwen3": Architecture("qwen3", qwen3.config_from_hf, qwen3.rename_weights),
 }
 """Supported model_type -> how to read it."""
 

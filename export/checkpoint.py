@@ -22,6 +22,7 @@ from export.deberta import DebertaConfig, DebertaEncoder
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
+from export.qwen3 import Qwen3Config, Qwen3Encoder
 from export.sentence_transformers_folder import Declarations, FolderError, folder_task, read_declarations, read_object
 from export.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
 from export.splade import rename_head_weights as rename_masked_lm_weights
@@ -108,10 +109,12 @@ class Checkpoint:
         return model.eval()
 
 
-def build_encoder(config: EncoderConfig | ModernBertConfig | DebertaConfig) -> nn.Module:
-    """The encoder a configuration describes: the BERT family's (export.model), ModernBERT's or DeBERTa's."""
+def build_encoder(config: EncoderConfig | ModernBertConfig | DebertaConfig | Qwen3Config) -> nn.Module:
+    """The encoder a configuration describes: the BERT family's (export.model), ModernBERT's, DeBERTa's or Qwen3's."""
     if isinstance(config, ModernBertConfig):
         return ModernBertEncoder(config)
+    if isinstance(config, Qwen3Config):
+        return Qwen3Encoder(config)
     return DebertaEncoder(config) if isinstance(config, DebertaConfig) else Encoder(config)
 
 
@@ -162,7 +165,9 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _encoder_weights(
-    folder: Path, config: EncoderConfig | ModernBertConfig | DebertaConfig, weights: dict[str, torch.Tensor]
+    folder: Path,
+    config: EncoderConfig | ModernBertConfig | DebertaConfig | Qwen3Config,
+    weights: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """The encoder's weights in fp32, checked name by name and shape by shape against its config."""
     expected = build_encoder(config).state_dict()
