@@ -39,8 +39,8 @@ DECODER_FUSION_REFUSAL = (
     " ONNX Runtime op the ONNX checker refuses"
 )
 DECODER_FP16_REFUSAL = (
-    "the fp16 CUDA form is BERT's fully fused graph, which a decoder does not have (DECODER_FUSION_REFUSAL), and"
-    " an fp16 RMSNorm over a decoder's large activations is not gated here"
+    "the fp16 CUDA form is BERT's fully fused graph, whose fusions do not apply to a decoder, and an fp16"
+    " RMSNorm over a decoder's large activations has no gate of its own yet"
 )
 FP32_GRAPH_OPTIMIZATION = "basic"
 """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU: constant folding and

@@ -22,7 +22,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from export import qwen3
+from export import optimize, qwen3
 from export.architecture_error import ArchitectureError
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.parity import served_feeds
@@ -216,9 +216,11 @@ def test_published_embeddings_equal_sentence_transformers(source: Source, prompt
         assert_same_vectors(got, expected, min_cosine=0.9999)
 
 
-def test_parity_report_has_the_library_check(source: Source) -> None:
+def test_parity_report_has_the_unfused_form_and_the_library_check(source: Source) -> None:
     report = json.loads((source.repository / "model" / "parity.json").read_text())
     assert report["model_type"] == "qwen3" and report["encoder"]["num_kv_heads"] == 2
+    assert set(report["cpu_graph_forms"]["fp32"]["gate"]) == {"unfused"}  # BERT's fusions do not apply
+    assert optimize.fp16_refusal(load_checkpoint(source.model).config) is not None
     library = report["variants"]["fp32"]["reference_library"]
     assert library["passed"] and library["max_abs_diff"] <= 1e-4
 
