@@ -40,6 +40,8 @@ QWEN2_SPLIT = (
 """Qwen2's pre-tokenisation pattern (its tokenizer.json's Split), before the byte-level mapping."""
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 MAX_LENGTH = 64
+ROPE_THETA = 1_000.0
+"""Not the 10,000 a reader falls back to, so that a rotary base read wrongly shows."""
 SENTENCES = [
     "Hi.",
     *tiny_models.training_sentences()[:6],
@@ -90,7 +92,7 @@ def _hf_config(tokenizer: transformers.PreTrainedTokenizerFast, **overrides: obj
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=tiny_models.MAX_POSITIONS,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
         rms_norm_eps=1e-6,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
@@ -240,7 +242,11 @@ def test_unimplemented_settings_are_refused_in_one_line(tmp_path: Path) -> None:
     for key, (value, message) in refusals.items():
         with pytest.raises(ArchitectureError, match=message):
             qwen3.config_from_hf(hf | {key: value}, pooling="lasttoken", normalize=True)
-    assert qwen3.config_from_hf(hf, pooling="lasttoken", normalize=True).head_dim == 16
+    config = qwen3.config_from_hf(hf, pooling="lasttoken", normalize=True)
+    assert (config.head_dim, config.num_kv_heads, config.rope_theta) == (16, 2, ROPE_THETA)
+    legacy = {key: value for key, value in hf.items() if key != "rope_parameters"}  # transformers 4.x's keys
+    legacy |= {"rope_theta": 1e6, "rope_scaling": None}
+    assert qwen3.config_from_hf(legacy, pooling="lasttoken", normalize=True).rope_theta == 1e6
 
 
 def test_a_sliding_window_checkpoint_is_refused(tmp_path: Path) -> None:
