@@ -277,7 +277,14 @@ class _Build:
             }
 
     def fp16_variant(self, gate: _Gate) -> None:
-        """The fully fused fp16 graph for CUDA, gated on CUDA where usable here, else (said plainly) on the CPU."""
+        """The fully fused fp16 graph for CUDA, gated on CUDA where usable here, else (said plainly) on the CPU.
+
+        None for an architecture without an fp16 form (optimize.fp16_refusal), with a warning saying why.
+        """
+        refusal = optimize.fp16_refusal(self.checkpoint.config)
+        if refusal is not None:
+            log.warning("%s: fp16 not built: %s", self.checkpoint.name, refusal)
+            return
         self.stage("fp16: build and parity gate")
         path = self.workdir / "fp16.onnx"
         optimize.write_cuda_fp16(self.raw, path, self.checkpoint.config)
@@ -314,23 +321,6 @@ class _Build:
         return speedup
 
 
-def _buildable(checkpoint: Checkpoint, options: ExportOptions) -> ExportOptions:
-    """The options with the variants this checkpoint cannot have left out, each with a warning saying why."""
-    if checkpoint.task != "embed" and options.variants != ("fp32",):
-        reason = {
-            "classify": "a classifier: published in fp32 only (int8 and fp16 are not gated for logits)",
-            "sparse": "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
-            "multivector": "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
-        }[checkpoint.task]
-        log.warning("%s is %s", checkpoint.name, reason)
-        return dataclasses.replace(options, variants=("fp32",))
-    fp16_refusal = optimize.fp16_refusal(checkpoint.config)
-    if fp16_refusal and "fp16" in options.variants:
-        log.warning("%s: fp16 not built: %s", checkpoint.name, fp16_refusal)
-        return dataclasses.replace(options, variants=tuple(v for v in options.variants if v != "fp16"))
-    return options
-
-
 def export_model(
     checkpoint: Checkpoint, repository: Path, options: ExportOptions, stage: Stage | None = None
 ) -> dict[str, object]:
@@ -341,7 +331,14 @@ def export_model(
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
-    options = _buildable(checkpoint, options)
+    if checkpoint.task != "embed" and options.variants != ("fp32",):
+        reason = {
+            "classify": "a classifier: published in fp32 only (int8 and fp16 are not gated for logits)",
+            "sparse": "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
+            "multivector": "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
+        }[checkpoint.task]
+        log.warning("%s is %s", checkpoint.name, reason)
+        options = dataclasses.replace(options, variants=("fp32",))
     stage = stage or (lambda name: log.info("export stage: %s", name))
     with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
         stage("load checkpoint")
