@@ -23,6 +23,7 @@ from export.deberta import DebertaConfig, DebertaEncoder
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
+from export.qwen3 import Qwen3Config, Qwen3Encoder
 from export.rotary_bert import RotaryBertConfig, RotaryBertEncoder
 from export.sentence_transformers_folder import Declarations, FolderError, folder_task, read_declarations, read_object
 from export.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
@@ -35,7 +36,7 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
-AnyEncoderConfig = EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig
+AnyEncoderConfig = EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig | Qwen3Config
 """The configuration of any encoder here."""
 
 
@@ -120,11 +121,13 @@ class Checkpoint:
 
 
 def build_encoder(config: AnyEncoderConfig) -> nn.Module:
-    """The encoder a configuration describes: the BERT family's (export.model), or ModernBERT's, DeBERTa's, GTE's."""
+    """The encoder a configuration describes: the BERT family's (export.model) or another family's own."""
     if isinstance(config, ModernBertConfig):
         return ModernBertEncoder(config)
     if isinstance(config, RotaryBertConfig):
         return RotaryBertEncoder(config)
+    if isinstance(config, Qwen3Config):
+        return Qwen3Encoder(config)
     return DebertaEncoder(config) if isinstance(config, DebertaConfig) else Encoder(config)
 
 

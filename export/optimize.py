@@ -8,6 +8,8 @@ is a candidate, not a given.) The fp32 forms are measured, gated and served at O
 basic online optimisation (FP32_GRAPH_OPTIMIZATION, written into config.pbtxt): at its default
 level ONNX Runtime would fuse every form's Add + LayerNormalization again, whatever was measured.
 CUDA: the fully fused graph (fused attention is the fast path there) converted to fp16.
+The optimiser's fusions are BERT's: a decoder (Qwen3) is offered its unfused graph alone and no fp16
+form (`cpu_forms`, `fp16_refusal`, which say why).
 """
 
 from __future__ import annotations
@@ -24,12 +26,22 @@ from onnxruntime.transformers.optimizer import optimize_model
 
 from export.config import EncoderConfig
 from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
+from export.qwen3 import Qwen3Config
 from export.timing import compare_throughput, cpu_session, token_feed
 from service.core.repository import online_optimization
 
 log = logging.getLogger(__name__)
 
 CPU_FORMS = ("unfused", "attention_fused", "fully_fused")
+DECODER_FUSION_REFUSAL = (
+    "ONNX Runtime's BERT fusions do not apply to a causal grouped-query decoder: its attention fusion matches"
+    " no rotary grouped-query attention, and its RMSNorm fusion writes SimplifiedLayerNormalization, an"
+    " ONNX Runtime op the ONNX checker refuses"
+)
+DECODER_FP16_REFUSAL = (
+    "the fp16 CUDA form is BERT's fully fused graph, whose fusions do not apply to a decoder, and an fp16"
+    " RMSNorm over a decoder's large activations has no gate of its own yet"
+)
 FP32_GRAPH_OPTIMIZATION = "basic"
 """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU: constant folding and
 eliminations only, so the form chosen is the form that runs. Measured with `python -m tools.capacity_bench`'s
@@ -82,6 +94,16 @@ def _save(model: OnnxModel, output: Path) -> None:
     onnx.checker.check_model(str(output), full_check=True)
 
 
+def cpu_forms(config: object) -> tuple[str, ...]:
+    """The CPU candidate forms for an encoder: all of them, or the unfused graph alone for a decoder (Qwen3)."""
+    return ("unfused",) if isinstance(config, Qwen3Config) else CPU_FORMS
+
+
+def fp16_refusal(config: object) -> str | None:
+    """Why no fp16 CUDA form is built for an encoder; None: one is."""
+    return DECODER_FP16_REFUSAL if isinstance(config, Qwen3Config) else None
+
+
 def write_cpu_form(raw: Path, output: Path, config: EncoderConfig, form: str) -> None:
     """Write one CPU candidate form of the exported graph."""
     if form == "unfused":
@@ -113,8 +135,11 @@ def cpu_graph_optimization(variant: str) -> str:
 def write_cpu_forms(
     raw: Path, workdir: Path, config: EncoderConfig, stage: Callable[[str], None] | None = None
 ) -> dict[str, Path]:
-    """Every CPU candidate form of the exported graph, written into workdir (stage is told each one)."""
-    paths = {form: workdir / f"cpu-{form}.onnx" for form in CPU_FORMS}
+    """Every CPU candidate form of the exported graph (`cpu_forms`), written into workdir (stage is told each one)."""
+    forms = cpu_forms(config)
+    if forms != CPU_FORMS:
+        log.info("CPU graph forms %s only: %s", ", ".join(forms), DECODER_FUSION_REFUSAL)
+    paths = {form: workdir / f"cpu-{form}.onnx" for form in forms}
     for form, path in paths.items():
         if stage is not None:
             stage(f"CPU graph form {form}")

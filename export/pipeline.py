@@ -278,7 +278,14 @@ class _Build:
             }
 
     def fp16_variant(self, gate: _Gate) -> None:
-        """The fully fused fp16 graph for CUDA, gated on CUDA where usable here, else (said plainly) on the CPU."""
+        """The fully fused fp16 graph for CUDA, gated on CUDA where usable here, else (said plainly) on the CPU.
+
+        None for an architecture without an fp16 form (optimize.fp16_refusal), with a warning saying why.
+        """
+        refusal = optimize.fp16_refusal(self.checkpoint.config)
+        if refusal is not None:
+            log.warning("%s: fp16 not built: %s", self.checkpoint.name, refusal)
+            return
         self.stage("fp16: build and parity gate")
         path = self.workdir / "fp16.onnx"
         optimize.write_cuda_fp16(self.raw, path, self.checkpoint.config)

@@ -351,7 +351,7 @@ def _broken_folder(tmp_path: Path, default_folder: Path, change: str) -> Path:
         ("no_weights", "no model.safetensors or pytorch_model.bin"),
         (
             "t5",
-            "unsupported architecture 't5' (supported: bert, roberta, xlm-roberta, distilbert, mpnet, modernbert, gte,",
+            "unsupported architecture 't5' (supported: bert, roberta, xlm-roberta, distilbert, mpnet, modernbert,",
         ),
         ("heads", "d_model 384 is not divisible by num_heads 7"),
         ("layers", "weights missing for layers.6"),

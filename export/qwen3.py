@@ -1,0 +1,274 @@
+"""Qwen3 as an embedder (Qwen3-Embedding) from its definition: a causal decoder read at each text's last token.
+
+Token embeddings feed S pre-norm layers: x = x + Attention(RMSNorm(x)); x = x + MLP(RMSNorm(x)),
+then a final RMSNorm. RMSNorm(x) = w ⊙ x / √(mean(x²) + ε). Attention is grouped-query: H query
+heads share K key/value heads (query head h reads key/value head h // (H / K)), each head d_k wide
+(head_dim, not necessarily d_model / H). Every query and key head is RMS-normalised over its d_k
+(q_norm, k_norm) before rotary angles (base rope_theta) turn it. A token attends to itself and to
+the earlier tokens that the padding mask keeps (causal). The MLP is SwiGLU: W_down(silu(x·W_gate) ⊙
+x·W_up). Pooling (export.pooling) takes the last attended token ("lasttoken").
+
+The server pads on the right; sentence-transformers pads Qwen3-Embedding on the left. Causal
+attention never lets a real token see padding that comes after it, and rotary angles make a score
+depend on the distance between two tokens only, so a text's last-token state is the same either
+way (tests/export/test_qwen3.py measures it against transformers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from export.architecture_error import ArchitectureError
+from export.pooling import POOLING_MODES, pool
+
+HEAD_PREFIXES = ("lm_head.", "score.")
+"""Weights of a causal-LM or classification head, set apart from the decoder's."""
+_WRAPPERS = ("model.", "0.auto_model.")
+_DECODER_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """Hyper-parameters of a Qwen3 decoder used as an embedder, validated on construction."""
+
+    vocab_size: int
+    d_model: int
+    num_heads: int
+    """Query heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer, each shared by num_heads // num_kv_heads query heads."""
+    head_dim: int
+    """d_k: the width of one attention head."""
+    num_layers: int
+    ffn_dim: int
+    """Width of the SwiGLU MLP's gate and up projections."""
+    max_positions: int = 32768
+    pad_token_id: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    pooling: str = "lasttoken"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "num_layers", "ffn_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ArchitectureError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ArchitectureError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ArchitectureError(f"head_dim {self.head_dim} must be even (rotary angles turn pairs)")
+        if self.pooling not in POOLING_MODES:
+            raise ArchitectureError(f"unsupported pooling {self.pooling!r}")
+
+    @property
+    def uses_segments(self) -> bool:
+        """Qwen3 takes no token_type_ids."""
+        return False
+
+    @property
+    def max_sequence_positions(self) -> int:
+        """Longest sequence the model was trained for."""
+        return self.max_positions
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form, for parity.json."""
+        return dataclasses.asdict(self)
+
+
+def _rope_theta(hf_config: dict) -> float:
+    """The rotary base; anything but plain rotary angles (YaRN, linear, dynamic scaling…) is refused by name."""
+    parameters = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    for source, declared in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        kind = declared.get("rope_type", declared.get("type", "default"))
+        if kind != "default":
+            raise ArchitectureError(f"unsupported {source} rope_type {kind!r}: only default rotary angles")
+    return float(parameters.get("rope_theta", hf_config.get("rope_theta", 10_000.0)))
+
+
+def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> Qwen3Config:
+    """Translate a Hugging Face Qwen3 config.json (Qwen3Model / Qwen3ForCausalLM)."""
+    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
+        if key not in hf_config:
+            raise ArchitectureError(f"config.json lacks {key!r}")
+    if hf_config.get("use_sliding_window"):
+        raise ArchitectureError("unsupported use_sliding_window true (sliding-window attention): only full attention")
+    layer_types = hf_config.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        unsupported = next(kind for kind in layer_types if kind != "full_attention")
+        raise ArchitectureError(f"unsupported layer_types {unsupported!r}: only full_attention")
+    activation = hf_config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ArchitectureError(f"unsupported hidden_act {activation!r} (supported: silu)")
+    heads = hf_config["num_attention_heads"]
+    pad_token_id = hf_config.get("pad_token_id")
+    return Qwen3Config(
+        vocab_size=hf_config["vocab_size"],
+        d_model=hf_config["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=hf_config.get("num_key_value_heads") or heads,
+        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+        num_layers=hf_config["num_hidden_layers"],
+        ffn_dim=hf_config["intermediate_size"],
+        max_positions=hf_config.get("max_position_embeddings", 32768),
+        pad_token_id=pad_token_id if isinstance(pad_token_id, int) else 0,
+        rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(hf_config),
+        attention_bias=bool(hf_config.get("attention_bias", False)),
+        pooling=pooling,
+        normalize=normalize,
+    )
+
+
+def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Qwen3's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
+    decoder: dict[str, Tensor] = {}
+    heads: dict[str, Tensor] = {}
+    for original, tensor in weights.items():
+        key = original
+        for prefix in _WRAPPERS:
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+                break
+        if key.startswith(HEAD_PREFIXES):
+            heads[key] = tensor
+        elif key.startswith(_DECODER_PREFIXES):
+            decoder[key] = tensor
+        else:
+            raise ArchitectureError(f"unexpected weight {original!r}")
+    return decoder, heads
+
+
+class RMSNorm(nn.Module):
+    """w ⊙ x / √(mean(x²) + ε) over the last axis, computed in fp32."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """Normalise hidden [..., width]."""
+        values = hidden.to(torch.float32)
+        values = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * values.to(hidden.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with per-head q/k RMSNorm and rotary positions, then W^O."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.d_model, config.num_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.d_model, config.num_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.d_model, config.num_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.d_model, bias=bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def _shared(self, states: Tensor) -> Tensor:
+        """Key/value heads [batch, kv_heads, seq, d_k] repeated for their query heads [batch, heads, seq, d_k]."""
+        batch, kv_heads, length, width = states.shape
+        groups = self.num_heads // kv_heads
+        return states[:, :, None].expand(batch, kv_heads, groups, length, width).reshape(batch, -1, length, width)
+
+    def forward(self, hidden: Tensor, rotary: tuple[Tensor, Tensor], attention_bias: Tensor) -> Tensor:
+        """Attend over hidden [batch, seq, d_model]; rotary is (cos, sin) [seq, d_k]; bias [batch, 1, seq, seq]."""
+        batch, length = hidden.shape[0], hidden.shape[1]
+        query = self.q_norm(self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rotary
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        scores = torch.matmul(query, self._shared(key).transpose(-1, -2)) / math.sqrt(self.head_dim)
+        weights = torch.softmax(scores + attention_bias, dim=-1)
+        context = torch.matmul(weights, self._shared(value)).transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(context)
+
+
+class MLP(nn.Module):
+    """SwiGLU: W_down(silu(x·W_gate) ⊙ x·W_up)."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.d_model, bias=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """Apply the network to every position independently."""
+        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class Layer(nn.Module):
+    """One pre-norm decoder layer: x = x + Attention(RMSNorm(x)); x = x + MLP(RMSNorm(x))."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, hidden: Tensor, rotary: tuple[Tensor, Tensor], attention_bias: Tensor) -> Tensor:
+        """Transform hidden states [batch, seq, d_model]."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, attention_bias)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3Encoder(nn.Module):
+    """The decoder as an embedder: embeddings, S causal layers, final RMSNorm, pooling (last token)."""
+
+    output_names = ("last_hidden_state", "embedding")
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+        self.register_buffer("frequencies", 1.0 / (config.rope_theta**exponents), persistent=False)
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The last hidden states [batch, seq, d_model] and the float mask [batch, seq]."""
+        hidden = self.embed_tokens(input_ids)
+        mask = attention_mask.to(hidden.dtype)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        causal = (positions[None, :] <= positions[:, None])[None, None]  # [1, 1, seq, seq]: key j ≤ query i
+        keys = attention_mask[:, None, None, :].bool()  # [batch, 1, 1, seq]
+        zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
+        attention_bias = torch.where(keys & causal, zero, torch.finfo(hidden.dtype).min)
+        angles = positions.to(torch.float32)[:, None] * self.frequencies[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        rotary = (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, attention_bias)
+        return self.norm(hidden), mask
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
+        hidden, mask = self.hidden_states(input_ids, attention_mask)
+        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
