@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
 from export.pooling import POOLING_MODES, pool
+from export.rotary import inverse_frequencies, rotate
 
 HEAD_PREFIXES = ("lm_head.", "score.")
 """Weights of a causal-LM or classification head, set apart from the decoder's."""
@@ -164,11 +165,6 @@ class RMSNorm(nn.Module):
         return self.weight * values.to(hidden.dtype)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head q/k RMSNorm and rotary positions, then W^O."""
 
@@ -196,8 +192,7 @@ class Attention(nn.Module):
         key = self.k_norm(self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         value = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rotary
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
         scores = torch.matmul(query, self._shared(key).transpose(-1, -2)) / math.sqrt(self.head_dim)
         weights = torch.softmax(scores + attention_bias, dim=-1)
         context = torch.matmul(weights, self._shared(value)).transpose(1, 2).reshape(batch, length, -1)
@@ -245,8 +240,7 @@ class Qwen3Encoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
-        self.register_buffer("frequencies", 1.0 / (config.rope_theta**exponents), persistent=False)
+        self.register_buffer("frequencies", inverse_frequencies(config.head_dim, config.rope_theta), persistent=False)
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
