@@ -50,7 +50,8 @@ def test_parity_json_holds_every_output_to_the_model_and_to_flag_embedding(bge_m
     flag = fp32["flag_embedding"]
     assert flag["class"] == "BGEM3FlagModel" and flag["passed"] and flag["rows"] > 80
     assert flag["dense"]["min_cosine"] >= 0.9999 and flag["dense"]["max_abs_diff"] <= 1e-4
-    assert flag["lexical_weights"]["max_abs_diff"] <= 1e-4 and flag["lexical_weights"]["ids_on_one_side_only"] == 0
+    # An id on one side only counts at its weight against 0: a weight at relu's edge may be 0 on one side.
+    assert flag["lexical_weights"]["max_abs_diff"] <= 1e-4 and "ids_on_one_side_only" in flag["lexical_weights"]
     assert flag["colbert_vecs"]["max_abs_diff"] <= 1e-4 and flag["colbert_vecs"]["count_mismatches"] == []
     assert flag["colbert_score"]["max_abs_diff"] <= 1e-4
     library = fp32["reference_library"]  # sentence-transformers, on the dense output
@@ -95,8 +96,10 @@ def test_the_published_graph_equals_flag_embedding(bge_m3: ExportedBgeM3) -> Non
         for (_, terms, vectors), lexical, colbert in zip(
             served, expected["lexical_weights"], expected["colbert_vecs"], strict=True
         ):
-            assert set(terms) == {int(token) for token in lexical}
-            assert all(abs(terms[int(token)] - weight) <= 1e-4 for token, weight in lexical.items())
+            theirs = {int(token): float(weight) for token, weight in lexical.items()}
+            # Each id's weight on both sides, a missing id at 0 (a weight at relu's edge may be 0 on one side only).
+            assert all(abs(terms.get(i, 0.0) - theirs.get(i, 0.0)) <= 1e-4 for i in set(terms) | set(theirs))
+            assert len(set(terms) ^ set(theirs)) <= 0.05 * len(theirs)
             assert vectors.shape == colbert.shape and np.abs(vectors - colbert).max(initial=0.0) <= 1e-4
         for query, passage in ((0, 1), (2, 3), (10, 11), (11, 0)):  # "ok" and the truncated text among them
             ours = float((served[query][2] @ served[passage][2].T).max(axis=1).mean())
