@@ -1,4 +1,8 @@
-"""The one object that describes an encoder's shape."""
+"""The objects that describe an encoder's shape.
+
+The BERT family's EncoderConfig, and what the other families' configurations (ModernBERT, DeBERTa,
+GTE/NomicBERT, Qwen3) share.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from export.architecture_error import ArchitectureError
 from export.pooling import POOLING_MODES, Pooling
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
@@ -100,3 +105,38 @@ class EncoderConfig:
     def to_dict(self) -> dict[str, object]:
         """Plain-data form, for parity.json and the repository's parameters."""
         return dataclasses.asdict(self)
+
+
+class OwnEncoderFacts:
+    """What the configurations of the families with their own encoder module answer alike.
+
+    A mixin for their frozen dataclasses: segments as type_vocab_size says (none when the family has
+    no such field), the longest sequence as max_positions, the plain-data form, and the checks every
+    one of them makes.
+    """
+
+    max_positions: int
+    pooling: str
+
+    @property
+    def uses_segments(self) -> bool:
+        """Whether the model takes token_type_ids (a single segment row needs no input)."""
+        return getattr(self, "type_vocab_size", 0) > 1
+
+    @property
+    def max_sequence_positions(self) -> int:
+        """Longest sequence the model was made for."""
+        return self.max_positions
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form, for parity.json."""
+        return dataclasses.asdict(self)
+
+    def check_sizes_and_pooling(self, positive: tuple[str, ...]) -> None:
+        """ArchitectureError unless each of `positive` is a positive integer and the pooling is one we have."""
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ArchitectureError(f"{name} must be a positive integer, got {value!r}")
+        if self.pooling not in POOLING_MODES:
+            raise ArchitectureError(f"unsupported pooling {self.pooling!r}")

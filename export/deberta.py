@@ -22,7 +22,6 @@ and looks the rows up, so any length up to max_positions runs.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -31,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
-from export.pooling import POOLING_MODES, pool
+from export.config import OwnEncoderFacts
+from export.pooling import pool
 
 ACTIVATIONS = {
     "gelu": "gelu",
@@ -50,7 +50,7 @@ UNUSED_POSITION_TABLE = "embeddings.position_embeddings.weight"
 
 
 @dataclass(frozen=True)
-class DebertaConfig:
+class DebertaConfig(OwnEncoderFacts):
     """Hyper-parameters of a DeBERTa-v2/v3 encoder, validated on construction."""
 
     vocab_size: int
@@ -85,10 +85,7 @@ class DebertaConfig:
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions")
-        for name in (*positive, "max_relative_positions", "conv_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ArchitectureError(f"{name} must be a positive integer, got {value!r}")
+        self.check_sizes_and_pooling((*positive, "max_relative_positions", "conv_groups"))
         if self.d_model % self.num_heads:
             raise ArchitectureError(f"hidden_size {self.d_model} is not divisible by num_attention_heads")
         unknown = [term for term in self.attention_terms if term not in ATTENTION_TERMS]
@@ -106,8 +103,6 @@ class DebertaConfig:
                 f"conv_kernel_size {self.conv_kernel_size} / conv_groups {self.conv_groups}: an odd kernel"
                 " (an even one changes the sequence length) over groups that divide hidden_size"
             )
-        if self.pooling not in POOLING_MODES:
-            raise ArchitectureError(f"unsupported pooling {self.pooling!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ArchitectureError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
 
@@ -125,20 +120,6 @@ class DebertaConfig:
     def scale_factor(self) -> int:
         """The scores are divided by √(d_k · this): one for content, one for each position term."""
         return 1 + len(self.attention_terms)
-
-    @property
-    def uses_segments(self) -> bool:
-        """Whether the model takes token_type_ids (DeBERTa-v3 has no segment embedding)."""
-        return self.type_vocab_size > 1
-
-    @property
-    def max_sequence_positions(self) -> int:
-        """Longest sequence the model is run with."""
-        return self.max_positions
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json."""
-        return dataclasses.asdict(self)
 
 
 def _activation_name(hf_config: dict, key: str, default: str) -> str:

@@ -11,7 +11,6 @@ W_out. A final LayerNorm, then pooling (export.pooling) as for every encoder her
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -20,14 +19,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
-from export.pooling import POOLING_MODES, pool
+from export.config import OwnEncoderFacts
+from export.pooling import pool
 from export.rotary import RotaryTable, rotate
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 
 @dataclass(frozen=True)
-class ModernBertConfig:
+class ModernBertConfig(OwnEncoderFacts):
     """Hyper-parameters of a ModernBERT encoder, validated on construction."""
 
     vocab_size: int
@@ -53,37 +53,20 @@ class ModernBertConfig:
     normalize: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions", "local_attention"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ArchitectureError(f"{name} must be a positive integer, got {value!r}")
+        self.check_sizes_and_pooling(
+            ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions", "local_attention")
+        )
         if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
             raise ArchitectureError(f"d_model {self.d_model} / num_heads {self.num_heads} must be an even head width")
         if len(self.global_layers) != self.num_layers:
             raise ArchitectureError(f"{len(self.global_layers)} layer types for {self.num_layers} layers")
         if self.activation not in ACTIVATIONS.values():
             raise ArchitectureError(f"unsupported activation {self.activation!r}")
-        if self.pooling not in POOLING_MODES:
-            raise ArchitectureError(f"unsupported pooling {self.pooling!r}")
 
     @property
     def head_dim(self) -> int:
         """d_k: the width of one attention head."""
         return self.d_model // self.num_heads
-
-    @property
-    def uses_segments(self) -> bool:
-        """ModernBERT takes no token_type_ids."""
-        return False
-
-    @property
-    def max_sequence_positions(self) -> int:
-        """Longest sequence the model was trained for."""
-        return self.max_positions
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json."""
-        return dataclasses.asdict(self)
 
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> ModernBertConfig:

@@ -16,7 +16,6 @@ way (tests/export/test_qwen3.py measures it against transformers).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
-from export.pooling import POOLING_MODES, pool
+from export.config import OwnEncoderFacts
+from export.pooling import pool
 from export.rotary import inverse_frequencies, rotate
 
 HEAD_PREFIXES = ("lm_head.", "score.")
@@ -35,7 +35,7 @@ _DECODER_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
 @dataclass(frozen=True)
-class Qwen3Config:
+class Qwen3Config(OwnEncoderFacts):
     """Hyper-parameters of a Qwen3 decoder used as an embedder, validated on construction."""
 
     vocab_size: int
@@ -58,32 +58,15 @@ class Qwen3Config:
     normalize: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "num_layers", "ffn_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ArchitectureError(f"{name} must be a positive integer, got {value!r}")
+        self.check_sizes_and_pooling(
+            ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "num_layers", "ffn_dim")
+        )
         if self.num_heads % self.num_kv_heads:
             raise ArchitectureError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
         if self.head_dim % 2:
             raise ArchitectureError(f"head_dim {self.head_dim} must be even (rotary angles turn pairs)")
-        if self.pooling not in POOLING_MODES:
-            raise ArchitectureError(f"unsupported pooling {self.pooling!r}")
-
-    @property
-    def uses_segments(self) -> bool:
-        """Qwen3 takes no token_type_ids."""
-        return False
-
-    @property
-    def max_sequence_positions(self) -> int:
-        """Longest sequence the model was trained for."""
-        return self.max_positions
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json."""
-        return dataclasses.asdict(self)
 
 
 def _rope_theta(hf_config: dict) -> float:

@@ -13,7 +13,6 @@ by export.rotary_bert_formats.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,14 +20,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
-from export.pooling import POOLING_MODES, pool
+from export.config import OwnEncoderFacts
+from export.pooling import pool
 from export.rotary import RotaryTable, rotate
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 
 
 @dataclass(frozen=True)
-class RotaryBertConfig:
+class RotaryBertConfig(OwnEncoderFacts):
     """Hyper-parameters of a rotary, gated, post-norm BERT (GTE, NomicBERT), validated on construction."""
 
     vocab_size: int
@@ -59,10 +59,9 @@ class RotaryBertConfig:
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "head_dim", "max_positions"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ArchitectureError(f"{name} must be a positive integer, got {value!r}")
+        self.check_sizes_and_pooling(
+            ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "head_dim", "max_positions")
+        )
         if self.head_dim % 2:
             raise ArchitectureError(f"head width {self.head_dim} must be even for rotary positions")
         if self.rope_theta <= 0 or self.rope_linear_factor <= 0:
@@ -71,24 +70,8 @@ class RotaryBertConfig:
             raise ArchitectureError(f"type_vocab_size must be >= 0, got {self.type_vocab_size!r}")
         if self.activation not in ACTIVATIONS:
             raise ArchitectureError(f"unsupported activation {self.activation!r} (supported: {', '.join(ACTIVATIONS)})")
-        if self.pooling not in POOLING_MODES:
-            raise ArchitectureError(f"unsupported pooling {self.pooling!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ArchitectureError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
-
-    @property
-    def uses_segments(self) -> bool:
-        """Whether the model takes token_type_ids (a single segment row needs no input)."""
-        return self.type_vocab_size > 1
-
-    @property
-    def max_sequence_positions(self) -> int:
-        """Longest sequence the model was made for."""
-        return self.max_positions
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json."""
-        return dataclasses.asdict(self)
 
 
 def _activation(name: str, x: Tensor) -> Tensor:
