@@ -376,18 +376,14 @@ def served_vectors(
     batch_size: int,
 ) -> list[np.ndarray]:
     """Each text's kept vectors as the server makes them: its tokenisation, the graph, its kept positions."""
-    rules, length = spec.multivector, multivector.row_length(spec, input_type)
-    query = input_type == multivector.QUERY
-    prefix_id = rules.query_prefix_id if query else rules.document_prefix_id
-    expansion_id = rules.query_expansion_id if query else None
     vectors = []
     for start in range(0, len(texts), batch_size):
-        rows = tokenizer.encode_marked_rows(
-            texts[start : start + batch_size], length, prefix_id, expansion_id, rules.attend_to_expansion_tokens
-        )
+        rows = multivector.tokenized(tokenizer, spec, texts[start : start + batch_size], input_type)
         feed = rows.padded(spec.pad_token_id)
         (token_vectors,) = session.run([TOKEN_VECTORS], {name: feed[name] for name in spec.input_names})
-        vectors += multivector.row_vectors(token_vectors, multivector.kept_positions(rows, rules, input_type))
+        vectors += multivector.row_vectors(
+            token_vectors, multivector.kept_positions(rows, spec.multivector, input_type)
+        )
     return vectors
 
 

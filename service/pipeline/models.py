@@ -262,21 +262,11 @@ class ServedModel:
 
     def _marked_rows(self, request: ValidRequest) -> TokenRows:
         """A multi-vector model's rows: the texts as its input type says; for pairs, the distinct queries first."""
+        tokenizer, spec = self.tokenizer, self.spec
         if request.queries is None:
-            return self._marked(request.texts, request.input_type)
-        distinct = list(dict.fromkeys(request.queries))
-        return self._marked(distinct, multivector.QUERY).joined(self._marked(request.texts, multivector.DOCUMENT))
-
-    def _marked(self, texts: list[str], input_type: str) -> TokenRows:
-        rules = self.spec.multivector
-        query = input_type == multivector.QUERY
-        return self.tokenizer.encode_marked_rows(
-            texts,
-            multivector.row_length(self.spec, input_type),
-            rules.query_prefix_id if query else rules.document_prefix_id,
-            rules.query_expansion_id if query else None,
-            rules.attend_to_expansion_tokens,
-        )
+            return multivector.tokenized(tokenizer, spec, request.texts, request.input_type)
+        queries = multivector.tokenized(tokenizer, spec, list(dict.fromkeys(request.queries)), multivector.QUERY)
+        return queries.joined(multivector.tokenized(tokenizer, spec, request.texts, multivector.DOCUMENT))
 
     def _check_windows(self, rows: TokenRows, request: ValidRequest) -> None:
         """Refuse a split request over --max-chunks-per-request, or one asking for an output windows cannot give."""

@@ -24,6 +24,7 @@ import numpy as np
 from service.core.repository import ModelSpec, MultiVectorSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument
+from service.pipeline.tokenizer import TextTokenizer
 
 MULTIVECTOR = "multivector"
 LENGTHS = "multivector_lengths"
@@ -54,6 +55,19 @@ def row_length(spec: ModelSpec, input_type: str) -> int:
     rules = spec.multivector
     length = rules.query_length if input_type == QUERY else rules.document_length
     return min(length or spec.max_sequence_length, spec.max_sequence_length)
+
+
+def tokenized(tokenizer: TextTokenizer, spec: ModelSpec, texts: list[str], input_type: str) -> TokenRows:
+    """Texts as the model's rules tokenise a query or a document: its prefix, its length, a query's expansion."""
+    rules = spec.multivector
+    query = input_type == QUERY
+    return tokenizer.encode_marked_rows(
+        texts,
+        row_length(spec, input_type),
+        rules.query_prefix_id if query else rules.document_prefix_id,
+        rules.query_expansion_id if query else None,
+        rules.attend_to_expansion_tokens,
+    )
 
 
 def kept_positions(rows: TokenRows, rules: MultiVectorSpec, input_type: str) -> list[np.ndarray]:

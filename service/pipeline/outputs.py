@@ -41,8 +41,6 @@ _NUMPY = {"FP32": np.dtype("<f4"), "INT8": np.dtype("i1"), "UINT8": np.dtype("u1
 _GRAPH_DATATYPE = "FP32"
 INTERNAL = (TOKEN_VECTORS, TOKEN_WEIGHTS)
 """Graph outputs only served through the outputs made from them."""
-PAIR_ONLY = (multivector.SCORE,)
-"""Outputs answered only for pairs (a query input)."""
 CHUNKS = "chunk_embeddings"
 """Each window's own vector, texts' windows in order (`truncate` false: service.pipeline.long_texts)."""
 CHUNK_COUNTS = "chunk_counts"

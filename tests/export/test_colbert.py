@@ -59,18 +59,11 @@ def test_parity_json_holds_the_graph_to_multivector_encoder(colbert: ExportedCol
 
 def _served(spec, session: ort.InferenceSession, texts: list[str], input_type: str) -> list[np.ndarray]:
     """Each text's kept vectors as the server makes them, the texts in one batch."""
-    rules = spec.multivector
-    query = input_type == multivector.QUERY
-    rows = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id).encode_marked_rows(
-        texts,
-        multivector.row_length(spec, input_type),
-        rules.query_prefix_id if query else rules.document_prefix_id,
-        rules.query_expansion_id if query else None,
-        rules.attend_to_expansion_tokens,
-    )
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    rows = multivector.tokenized(tokenizer, spec, texts, input_type)
     feed = rows.padded(spec.pad_token_id)
     (vectors,) = session.run(["token_vectors"], {name: feed[name] for name in spec.input_names})
-    return multivector.row_vectors(vectors, multivector.kept_positions(rows, rules, input_type))
+    return multivector.row_vectors(vectors, multivector.kept_positions(rows, spec.multivector, input_type))
 
 
 def test_served_vectors_and_scores_equal_pylate(colbert: ExportedColbert) -> None:
