@@ -3,8 +3,9 @@
 BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) with different
 settings; each is described here by how its config.json translates into an EncoderConfig and how
 its parameter names map onto the encoder's. ModernBERT (export.modernbert), DeBERTa-v2/v3
-(export.deberta), GTE and NomicBERT (export.rotary_bert, read by export.rotary_bert_formats) and Qwen3
-(export.qwen3, a decoder read at its last token) are their own encoders.
+(export.deberta), GTE and NomicBERT (export.rotary_bert, read by export.rotary_bert_formats), Qwen3
+(export.qwen3, a decoder read at its last token) and Gemma3's bidirectional text model (export.gemma,
+EmbeddingGemma) are their own encoders.
 Weights of task heads (poolers, classifiers, language model heads) are returned apart, for
 export.heads.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from export import deberta, modernbert, qwen3, rotary_bert_formats
+from export import deberta, gemma, modernbert, qwen3, rotary_bert_formats
 from export.architecture_error import ArchitectureError
 from export.config import ConfigError, EncoderConfig
 from export.rotary_bert import RotaryBertConfig
@@ -81,7 +82,12 @@ class Architecture:
     model_type: str
     config: Callable[
         [dict, str, bool],
-        EncoderConfig | modernbert.ModernBertConfig | deberta.DebertaConfig | RotaryBertConfig | qwen3.Qwen3Config,
+        EncoderConfig
+        | modernbert.ModernBertConfig
+        | deberta.DebertaConfig
+        | RotaryBertConfig
+        | qwen3.Qwen3Config
+        | gemma.GemmaConfig,
     ]
     """config.json (with pooling and normalisation) -> the encoder's configuration."""
     rename: Renamer
@@ -221,11 +227,19 @@ ARCHITECTURES: dict[str, Architecture] = {
         "nomic_bert", rotary_bert_formats.nomic_bert_config, rotary_bert_formats.rename_nomic_bert_weights
     ),
     "qwen3": Architecture("qwen3", qwen3.config_from_hf, qwen3.rename_weights),
+    # Gemma3's text model names its weights as Qwen3's decoder does (embed_tokens, layers, norm).
+    "gemma3_text": Architecture("gemma3_text", gemma.config_from_hf, qwen3.rename_weights),
 }
 """Supported model_type -> how to read it."""
 REFUSAL_REASONS = {
     "new": "GTE's remote-code form, which transformers runs only with trust_remote_code;"
     " its transformers-native form (model_type 'gte', as alibaba-nlp-community/gte-base-en-v1.5) is supported",
+    "gemma3": "Gemma3's image-and-text model; its text model (model_type 'gemma3_text', as EmbeddingGemma)"
+    " is supported",
+    "embedding_gemma2": "EmbeddingGemma 2, a Gemma4-based model (per-layer embeddings, images and audio), is not"
+    " implemented; EmbeddingGemma (model_type 'gemma3_text') is",
+    "embedding_gemma2_text": "EmbeddingGemma 2's text model (Gemma4's per-layer embeddings) is not implemented;"
+    " EmbeddingGemma (model_type 'gemma3_text') is",
 }
 """Unsupported model_types worth a reason beyond the list of supported ones."""
 

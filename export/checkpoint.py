@@ -20,6 +20,8 @@ from export.bge_m3 import DENSE_POOLING, BgeM3Config, BgeM3Encoder, BgeM3Error, 
 from export.colbert import ColbertConfig, ColbertEncoder, ColbertError, colbert_config, dense_weights
 from export.config import EncoderConfig
 from export.deberta import DebertaConfig, DebertaEncoder
+from export.dense import DenseConfig, DenseEmbedder, DenseError, check_width, dense_layer, layer_weights
+from export.gemma import GemmaConfig, GemmaEncoder
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
@@ -36,7 +38,7 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
-AnyEncoderConfig = EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig | Qwen3Config
+AnyEncoderConfig = EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig | Qwen3Config | GemmaConfig
 """The configuration of any encoder here."""
 
 
@@ -84,6 +86,8 @@ class Checkpoint:
     """A ColBERT model's Dense projection and multi-vector rules; None: not a ColBERT model."""
     bge_m3: BgeM3Config | None = None
     """bge-m3's ColBERT and sparse heads beside the dense embedding (task embed); None: not bge-m3."""
+    dense: DenseConfig | None = None
+    """An embedder's Dense modules after pooling (EmbeddingGemma's projection); None: it has none."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -114,6 +118,8 @@ class Checkpoint:
             model = ColbertEncoder(encoder, self.colbert)
         elif self.bge_m3 is not None:
             model = BgeM3Encoder(encoder, self.bge_m3)
+        elif self.dense is not None:
+            model = DenseEmbedder(encoder, self.dense)
         else:
             model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
         model.load_state_dict(self.state_dict, strict=True)
@@ -128,6 +134,8 @@ def build_encoder(config: AnyEncoderConfig) -> nn.Module:
         return RotaryBertEncoder(config)
     if isinstance(config, Qwen3Config):
         return Qwen3Encoder(config)
+    if isinstance(config, GemmaConfig):
+        return GemmaEncoder(config)
     return DebertaEncoder(config) if isinstance(config, DebertaConfig) else Encoder(config)
 
 
@@ -261,6 +269,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         splade=heads.splade,
         colbert=heads.colbert,
         bge_m3=heads.bge_m3,
+        dense=heads.dense,
     )
 
 
@@ -272,6 +281,7 @@ class _Heads:
     splade: SpladeConfig | None = None
     bge_m3: BgeM3Config | None = None
     colbert: ColbertConfig | None = None
+    dense: DenseConfig | None = None
     state: dict[str, torch.Tensor] | None = None
 
 
@@ -305,7 +315,27 @@ def _task_head(
             return _Heads(head=head, state=rename_head_weights(head_weights, head))
         except HeadError as error:
             raise CheckpointError(f"{folder}: {error}") from error
+    if declarations.pooled_dense:
+        dense, state = _dense_head(declarations.pooled_dense, d_model)
+        return _Heads(dense=dense, state=state)
     return _Heads()
+
+
+def _dense_head(modules: tuple[tuple[Path, dict], ...], d_model: int) -> tuple[DenseConfig, dict[str, torch.Tensor]]:
+    """An embedder's Dense modules after pooling, checked, with their weights."""
+    layers: list = []
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for index, (module_folder, settings) in enumerate(modules):
+            width = layers[-1].out_features if layers else d_model
+            layer = dense_layer(module_folder / "config.json", settings, width)
+            state |= layer_weights(module_folder, _read_weights(module_folder), index, layer)
+            layers.append(layer)
+        config = DenseConfig(tuple(layers))
+        check_width(modules[-1][0] / "config.json", config, d_model)
+    except DenseError as error:
+        raise CheckpointError(str(error)) from error
+    return config, state
 
 
 def _is_bge_m3(folder: Path, hf_config: dict, task: str) -> bool:

@@ -26,6 +26,7 @@ from onnxruntime.transformers.optimizer import optimize_model
 
 from export.config import EncoderConfig
 from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
+from export.gemma import GemmaConfig
 from export.qwen3 import Qwen3Config
 from export.timing import compare_throughput, cpu_session, token_feed
 from service.core.repository import online_optimization
@@ -95,8 +96,8 @@ def _save(model: OnnxModel, output: Path) -> None:
 
 
 def cpu_forms(config: object) -> tuple[str, ...]:
-    """The CPU candidate forms for an encoder: all of them, or the unfused graph alone for a decoder (Qwen3)."""
-    return ("unfused",) if isinstance(config, Qwen3Config) else CPU_FORMS
+    """The CPU candidate forms: all of them, or the unfused graph alone for the RMSNorm families (Qwen3, Gemma)."""
+    return ("unfused",) if isinstance(config, Qwen3Config | GemmaConfig) else CPU_FORMS
 
 
 def fp16_refusal(config: object) -> str | None:

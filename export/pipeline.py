@@ -439,7 +439,13 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
         "head": next(
             (
                 head.to_dict()
-                for head in (checkpoint.head, checkpoint.splade, checkpoint.colbert, checkpoint.bge_m3)
+                for head in (
+                    checkpoint.head,
+                    checkpoint.splade,
+                    checkpoint.colbert,
+                    checkpoint.bge_m3,
+                    checkpoint.dense,
+                )
                 if head is not None
             ),
             None,

@@ -2,8 +2,9 @@
 
 `modules.json` lists the modules `SentenceTransformer`, `CrossEncoder` or `SparseEncoder` chains;
 each module's own file configures it, and `config_sentence_transformers.json` says which class
-made the folder. The exporter implements three chains: a Transformer at the folder root, then (for
-an embedder) one Pooling module and optionally a Normalize module last; a CrossEncoder's
+made the folder. The exporter implements these chains: a Transformer at the folder root, then (for
+an embedder) one Pooling module, any number of Dense modules (export.dense: EmbeddingGemma's
+projection) and optionally a Normalize module last; a CrossEncoder's
 Transformer alone; a SparseEncoder's (MLM)Transformer (fill-mask) then SpladePooling (SPLADE); PyLate's
 ColBERT: a Transformer then PyLate's Dense (config_sentence_transformers.json model_type "ColBERT", or none).
 A folder whose modules include SpladePooling is a sparse embedder, one with PyLate's Dense a ColBERT
@@ -43,6 +44,11 @@ SPLADE_POOLING_TYPES = (
     "sentence_transformers.sparse_encoder.modules.SpladePooling",
     "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling",
 )
+DENSE_TYPES = (
+    "sentence_transformers.models.Dense",  # sentence-transformers 2 to 5.x (EmbeddingGemma's folder)
+    "sentence_transformers.base.modules.dense.Dense",  # 6 on
+)
+"""sentence-transformers' Dense (a linear map of the pooled embedding): accepted after an embedder's Pooling."""
 PYLATE_DENSE_TYPES = ("pylate.models.Dense.Dense",)
 """PyLate's Dense (a ColBERT model's projection): accepted in a ColBERT folder only."""
 MODULE_KINDS = (
@@ -51,12 +57,14 @@ MODULE_KINDS = (
     | {name: "Normalize" for name in NORMALIZE_TYPES}
     | {name: "MLMTransformer" for name in MLM_TRANSFORMER_TYPES}
     | {name: "SpladePooling" for name in SPLADE_POOLING_TYPES}
+    | {name: "Dense" for name in DENSE_TYPES}
 )
 """modules.json `type` -> the module it names, for every type name a sentence-transformers release writes."""
 CHAIN_KINDS = MODULE_KINDS | {name: "PyLateDense" for name in PYLATE_DENSE_TYPES}
 """modules.json `type` -> the module it names, sentence-transformers' and PyLate's."""
 SUPPORTED_CHAIN = (
-    "supported: sentence-transformers' Transformer at the folder root, then Pooling, then optionally Normalize last;"
+    "supported: sentence-transformers' Transformer at the folder root, then Pooling, then any Dense modules"
+    " (identity activation), then optionally Normalize last;"
     " or a CrossEncoder's Transformer alone; or a SparseEncoder's MLMTransformer then SpladePooling;"
     " or PyLate's ColBERT: a Transformer then PyLate's Dense"
 )
@@ -168,6 +176,8 @@ class Declarations:
     """A ColBERT model's PyLate Dense config.json (its fields checked by export.colbert); None: not ColBERT."""
     dense_folder: Path | None = None
     """The PyLate Dense module's folder (its weights)."""
+    pooled_dense: tuple[tuple[Path, dict], ...] = ()
+    """An embedder's sentence-transformers Dense modules after Pooling, in order: (folder, config.json fields)."""
 
 
 def _read_json(path: Path) -> object:
@@ -233,10 +243,11 @@ def _check_chain(path: Path, modules: list[tuple[str, str]], task: str) -> None:
             f"{path}: {', '.join(rest)} after a sequence-classification Transformer (config.json's architectures)"
             f" is not implemented ({SUPPORTED_CHAIN})"
         )
-    if task == "embed" and rest not in (["Pooling"], ["Pooling", "Normalize"]):
+    body = rest[:-1] if rest[-1:] == ["Normalize"] else rest
+    if task == "embed" and (body[:1] != ["Pooling"] or any(kind != "Dense" for kind in body[1:])):
         raise FolderError(
             f"{path}: modules {' -> '.join(kinds)}: an embedder must have exactly one Pooling after the Transformer,"
-            f" and Normalize only as the last module ({SUPPORTED_CHAIN})"
+            f" then only Dense modules, and Normalize only as the last module ({SUPPORTED_CHAIN})"
         )
 
 
@@ -304,6 +315,14 @@ def _pylate_dense(path: Path) -> dict:
     if unknown:
         raise FolderError(f"{path}: Dense field {unknown[0]!r} is not implemented here")
     return settings
+
+
+def _dense_module(folder: Path) -> tuple[Path, dict]:
+    """A sentence-transformers Dense module: its folder and config.json as written (export.dense checks the fields)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FolderError(f"{path}: the Dense module's config.json is missing")
+    return folder, read_object(path)
 
 
 def _check_normalize(folder: Path) -> None:
@@ -461,7 +480,12 @@ def read_declarations(folder: Path, task: str) -> Declarations:
     if not pooling_file.is_file():
         raise FolderError(f"{pooling_file}: the Pooling module's config.json is missing")
     pooling, dimension = _pooling(pooling_file)
-    normalize = len(modules) == 3
+    normalize = CHAIN_KINDS[modules[-1][0]] == "Normalize"
     if normalize:
-        _check_normalize(_module_folder(folder, modules_file, modules[2][1]))
-    return Declarations(pooling, dimension, pooling_file, normalize, max_seq_length, model_config)
+        _check_normalize(_module_folder(folder, modules_file, modules[-1][1]))
+    dense = tuple(
+        _dense_module(_module_folder(folder, modules_file, where))
+        for kind, where in modules[2:]
+        if CHAIN_KINDS[kind] == "Dense"
+    )
+    return Declarations(pooling, dimension, pooling_file, normalize, max_seq_length, model_config, pooled_dense=dense)

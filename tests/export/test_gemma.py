@@ -1,0 +1,206 @@
+"""EmbeddingGemma (export.gemma, export.dense) against transformers, sentence-transformers and a real server.
+
+One tiny random Gemma3 text model in EmbeddingGemma's form (bidirectional attention; sliding,
+full and sliding layers with their own rotary bases; a sliding window of 8, so a token sees 4
+either side, shorter than most sentences here; grouped-query heads whose width times their count
+is not the hidden size; a query_pre_attn_scalar that is not head_dim) with a tokenizer of Gemma's
+kind (SentencePiece-style BPE: spaces as ▁, byte fallback, <bos> ... <eos> added), saved as
+sentence-transformers saves EmbeddingGemma: Transformer, mean Pooling, two Dense modules (hidden ->
+4 x hidden -> hidden, identity activation, no bias), Normalize, with EmbeddingGemma's prompts.
+Exported once (fp32) by `python -m export --source` with its Matryoshka widths, and served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+from openai import OpenAI
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Dense
+from sentence_transformers.sentence_transformer import modules as st_models
+from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+from torch import nn
+from tritonclient import grpc as triton_grpc
+
+from export import gemma
+from export.architecture_error import ArchitectureError
+from export.checkpoint import CheckpointError, load_checkpoint
+from service.core.repository import read_model
+from service.pipeline.tokenizer import TextTokenizer
+from tests.export import tiny_models
+from tests.servers import start_server
+from tests.vectors import assert_same_vectors
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+"""Gemma's first ids: <pad> 0, <eos> 1, <bos> 2, <unk> 3."""
+BYTE_TOKENS = [f"<0x{value:02X}>" for value in range(256)]
+MAX_LENGTH = tiny_models.MAX_POSITIONS - 2
+SLIDING_WINDOW = 8
+"""config.json's sliding_window: a sliding layer's token sees 4 tokens either side."""
+PROMPTS = {
+    "query": "task: search result | query: ",
+    "document": "title: none | text: ",
+    "BitextMining": "task: search result | query: ",
+    "Clustering": "task: clustering | query: ",
+    "Classification": "task: classification | query: ",
+    "InstructionRetrieval": "task: code retrieval | query: ",
+    "MultilabelClassification": "task: classification | query: ",
+    "PairClassification": "task: sentence similarity | query: ",
+    "Reranking": "task: search result | query: ",
+    "Retrieval": "task: search result | query: ",
+    "Retrieval-query": "task: search result | query: ",
+    "Retrieval-document": "title: none | text: ",
+    "STS": "task: sentence similarity | query: ",
+    "Summarization": "task: summarization | query: ",
+}
+"""EmbeddingGemma's prompts (its config_sentence_transformers.json)."""
+MATRYOSHKA_DIMENSIONS = (16, 8)
+"""A tiny model's stand-ins for EmbeddingGemma's 512, 256 and 128."""
+SENTENCES = [
+    "Hi.",
+    *tiny_models.training_sentences()[:5],
+    "A naïve café ☕ sentence with bytes the vocabulary lacks.",
+    "A much longer sentence that goes on and on, well past the others in the batch, " * 2,
+]
+
+
+def _gemma_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
+    """BPE as Gemma's tokenizer.json builds it: spaces as ▁, no pre-tokenizer, byte fallback, <bos> $A <eos>."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    trainer = trainers.BpeTrainer(vocab_size=tiny_models.VOCAB_SIZE, special_tokens=SPECIAL_TOKENS)
+    tokenizer.train_from_iterator(tiny_models.training_sentences(), trainer)
+    spec = json.loads(tokenizer.to_str())
+    for token in BYTE_TOKENS:  # byte fallback needs the 256 byte pieces, as Gemma's vocabulary has them
+        spec["model"]["vocab"].setdefault(token, len(spec["model"]["vocab"]))
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    bos, eos = tokenizer.token_to_id("<bos>"), tokenizer.token_to_id("<eos>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A <eos>", pair="<bos> $A <eos> $B <eos>", special_tokens=[("<bos>", bos), ("<eos>", eos)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        model_max_length=MAX_LENGTH,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def _hf_config(tokenizer: transformers.PreTrainedTokenizerFast, **overrides: object) -> transformers.Gemma3TextConfig:
+    config = transformers.Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny_models.HIDDEN,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 5_000.0},
+        },
+        use_bidirectional_attention=True,
+        max_position_embeddings=tiny_models.MAX_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **overrides,
+    )
+    return config
+
+
+@dataclass(frozen=True)
+class Source:
+    """The tiny model's folders and where it was published."""
+
+    base: Path
+    """transformers' folder (Gemma3TextModel + tokenizer)."""
+    model: Path
+    """The sentence-transformers folder."""
+    repository: Path
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Source:
+    """The tiny EmbeddingGemma as sentence-transformers saves it, exported (fp32) once by the command line."""
+    root = tmp_path_factory.mktemp("gemma")
+    base = root / "base"
+    tokenizer = _gemma_tokenizer(base)
+    torch.manual_seed(33)
+    model = transformers.AutoModel.from_config(_hf_config(tokenizer), attn_implementation="eager").eval()
+    tiny_models._randomise(model, seed=33)
+    model.save_pretrained(str(base))
+    transformer = st_models.Transformer(str(base), max_seq_length=MAX_LENGTH)
+    width = transformer.get_embedding_dimension()
+    modules: list[nn.Module] = [transformer, st_models.Pooling(width, pooling_mode="mean")]
+    generator = torch.Generator().manual_seed(34)
+    for in_features, out_features in ((width, 4 * width), (4 * width, width)):
+        weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+        modules.append(Dense(in_features, out_features, bias=False, activation_function=None, init_weight=weight))
+    modules.append(st_models.Normalize())
+    SentenceTransformer(modules=modules, prompts=PROMPTS, similarity_fn_name="cosine").save(str(root / "model"))
+    repository = root / "repository"
+    command = [sys.executable, "-m", "export", "--source", str(root / "model"), "--repository", str(repository)]
+    command += ["--name", "gemma", "--variants", "fp32", "--threads", "1"]
+    command += ["--matryoshka-dimensions", ",".join(map(str, MATRYOSHKA_DIMENSIONS))]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return Source(base, root / "model", repository)
+
+
+@pytest.fixture(scope="module")
+def embedder(source: Source) -> SentenceTransformer:
+    """sentence-transformers' own reading of the folder."""
+    return SentenceTransformer(str(source.model), device="cpu")
+
+
+def _batch(source: Source, texts: list[str]) -> dict[str, torch.Tensor]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.base))
+    encoded = tokenizer(texts, padding=True, return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+
+def test_hidden_states_equal_transformers_and_the_window_matters(source: Source) -> None:
+    """Every real token within 1e-5 of Gemma3TextModel, right- and left-padded; without the window they differ."""
+    reference = transformers.AutoModel.from_pretrained(str(source.base), attn_implementation="eager").eval()
+    checkpoint = load_checkpoint(source.base)
+    assert checkpoint.model_type == "gemma3_text" and checkpoint.config.window_radius == SLIDING_WINDOW // 2
+    ours = checkpoint.build_model()
+    batch = _batch(source, SENTENCES)
+    lengths = batch["attention_mask"].sum(dim=1)
+    assert int(lengths.max()) > 2 * SLIDING_WINDOW
+    left = {name: tensor.clone() for name, tensor in batch.items()}
+    for row, length in enumerate(lengths.tolist()):
+        for tensor in left.values():
+            tensor[row] = torch.roll(tensor[row], tensor.shape[1] - length)
+    with torch.inference_mode():
+        for feed in (batch, left):
+            expected = reference(**feed).last_hidden_state
+            hidden, _ = ours(**feed)
+            attended = feed["attention_mask"].bool()
+            assert float((hidden - expected)[attended].abs().max()) <= 1e-5
+        unwindowed = gemma.GemmaEncoder(dataclasses.replace(checkpoint.config, sliding_window=4 * MAX_LENGTH))
+        unwindowed.load_state_dict(ours.state_dict())
+        wide, _ = unwindowed(**batch)
+        hidden, _ = ours(**batch)
+    assert float((wide - hidden)[batch["attention_mask"].bool()].abs().max()) > 1e-2
