@@ -9,7 +9,9 @@ basic online optimisation (FP32_GRAPH_OPTIMIZATION, written into config.pbtxt): 
 level ONNX Runtime would fuse every form's Add + LayerNormalization again, whatever was measured.
 CUDA: the fully fused graph (fused attention is the fast path there) converted to fp16.
 The optimiser's fusions are BERT's: a decoder (Qwen3) is offered its unfused graph alone and no fp16
-form (`cpu_forms`, `fp16_refusal`, which say why).
+form (`cpu_forms`, `fp16_refusal`, which say why); Gemma (EmbeddingGemma) its unfused graph alone, on
+the CPU and converted to fp16 for CUDA (`fp16_form`), the gate deciding whether its fp16 activations
+hold.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from onnxruntime.transformers.onnx_model import OnnxModel
 from onnxruntime.transformers.optimizer import optimize_model
 
 from export.config import EncoderConfig
-from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
 from export.gemma import GemmaConfig
+from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
 from export.qwen3 import Qwen3Config
 from export.timing import compare_throughput, cpu_session, token_feed
 from service.core.repository import online_optimization
@@ -105,6 +107,15 @@ def fp16_refusal(config: object) -> str | None:
     return DECODER_FP16_REFUSAL if isinstance(config, Qwen3Config) else None
 
 
+def fp16_form(config: object) -> str:
+    """The graph form converted to fp16 for CUDA: the fully fused one, or the unfused one for Gemma.
+
+    Gemma's fusions do not apply: the optimiser's RMSNorm fusion writes SimplifiedLayerNormalization, which the
+    ONNX checker refuses.
+    """
+    return "unfused" if isinstance(config, GemmaConfig) else "fully_fused"
+
+
 def write_cpu_form(raw: Path, output: Path, config: EncoderConfig, form: str) -> None:
     """Write one CPU candidate form of the exported graph."""
     if form == "unfused":
@@ -114,8 +125,9 @@ def write_cpu_form(raw: Path, output: Path, config: EncoderConfig, form: str) ->
 
 
 def write_cuda_fp16(raw: Path, output: Path, config: EncoderConfig) -> None:
-    """Write the fully fused graph in fp16 with fp32/int64 inputs and outputs kept."""
-    model = _optimise(raw, config, "fully_fused", use_gpu=True)
+    """Write the fp16_form graph in fp16 with fp32/int64 inputs and outputs kept."""
+    form = fp16_form(config)
+    model = OnnxModel(onnx.load(str(raw))) if form == "unfused" else _optimise(raw, config, form, use_gpu=True)
     model.convert_float_to_float16(keep_io_types=True)
     _save(model, output)
 

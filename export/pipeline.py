@@ -278,7 +278,7 @@ class _Build:
             }
 
     def fp16_variant(self, gate: _Gate) -> None:
-        """The fully fused fp16 graph for CUDA, gated on CUDA where usable here, else (said plainly) on the CPU.
+        """The fp16 graph for CUDA (optimize.fp16_form), gated on CUDA where usable here, else (said plainly) on CPU.
 
         None for an architecture without an fp16 form (optimize.fp16_refusal), with a warning saying why.
         """
@@ -292,7 +292,7 @@ class _Build:
         session, self.cuda_problem = _fp16_session(path, self.options.threads)
         gate.record("fp16", None, session)
         self.files["fp16"] = path
-        self.recipes["fp16"] = {"graph_form": "fully_fused", "target": CUDA}
+        self.recipes["fp16"] = {"graph_form": optimize.fp16_form(self.checkpoint.config), "target": CUDA}
         if self.cuda_problem:
             log.warning(
                 "fp16 was checked on the CPU only (CUDA cannot be used here: %s); "

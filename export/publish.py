@@ -38,6 +38,7 @@ from service.core.repository import (
     P_MULTIVECTOR,
     P_NORMALIZE,
     P_PAD_TOKEN_ID,
+    P_POOLED_PROJECTION,
     P_POOLING,
     P_PREFERRED_PREFIX,
     P_PROMPTS,
@@ -153,6 +154,8 @@ def _task_parameters(checkpoint: Checkpoint) -> dict[str, str]:
         P_POOLING: checkpoint.config.pooling,
         P_NORMALIZE: str(checkpoint.config.normalize).lower(),
     } | _embedding_parameters(checkpoint)
+    if checkpoint.dense is not None:
+        parameters[P_POOLED_PROJECTION] = "dense"
     if checkpoint.bge_m3 is not None:
         parameters[P_MULTIVECTOR] = MULTIVECTOR.to_json()
     return parameters

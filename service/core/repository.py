@@ -60,6 +60,10 @@ P_VOCAB_SIZE = "vocab_size"
 P_TYPE_VOCAB_SIZE = "type_vocab_size"
 P_POOLING = "pooling"
 P_NORMALIZE = "normalize"
+P_POOLED_PROJECTION = "pooled_projection"
+POOLED_PROJECTIONS = ("", "dense")
+"""What maps an embedder's pooled vector before normalisation ("dense": sentence-transformers' Dense modules);
+absent: nothing, the embedding is the pooled token states."""
 P_TOKENIZER = "tokenizer"
 P_PAD_TOKEN_ID = "pad_token_id"
 P_MODEL_TYPE = "model_type"
@@ -158,6 +162,8 @@ class ModelSpec:
     """The source's architecture, as reported ("" when the repository does not say)."""
     pooling: str = "mean"
     normalize: bool = True
+    pooled_projection: str = ""
+    """What maps the pooled vector before normalisation ("dense"); "" nothing (late chunking pools as the graph)."""
     prompts: dict[str, str] = field(default_factory=dict)
     """Prompt name -> the prefix put before a text (sentence-transformers' prompts)."""
     default_prompt_name: str = ""
@@ -368,6 +374,9 @@ def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> 
             raise RepositoryError(f"{source}: output sparse_embedding has dims [{width}], vocab_size is {vocab_size}")
         return {"prompts": prompts, "default_prompt_name": default_prompt}
     pooling = _parameter(config, P_POOLING, source, "mean")
+    projection = _parameter(config, P_POOLED_PROJECTION, source, "")
+    if projection not in POOLED_PROJECTIONS:
+        raise RepositoryError(f"{source}: pooled_projection {projection!r} is not one of {POOLED_PROJECTIONS}")
     if pooling not in POOLING_MODES:
         raise RepositoryError(f"{source}: pooling {pooling!r} is not one of {', '.join(POOLING_MODES)}")
     dimensions = _json_parameter(config, P_MATRYOSHKA_DIMENSIONS, source, list)
@@ -377,6 +386,7 @@ def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> 
     return {
         "pooling": pooling,
         "normalize": _parameter(config, P_NORMALIZE, source, "true") == "true",
+        "pooled_projection": projection,
         "prompts": prompts,
         "default_prompt_name": default_prompt,
         "similarity_fn_name": _parameter(config, P_SIMILARITY_FN_NAME, source, ""),

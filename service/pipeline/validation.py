@@ -309,6 +309,11 @@ def late_chunking_choice(
     spec = signature.spec
     if spec.task != "embed":
         raise InvalidArgument(f"parameter {LATE_CHUNKING}: model {spec.name} is a {spec.task} model, not an embedder")
+    if spec.pooled_projection:
+        raise InvalidArgument(
+            f"parameter {LATE_CHUNKING}: model {spec.name} maps its pooled vector through {spec.pooled_projection}"
+            " layers, which a chunk's pooled token states would not pass through"
+        )
     if pairs:
         raise InvalidArgument(f"parameter {LATE_CHUNKING} embeds chunks of one document: send no {QUERY_INPUT} input")
     for name in outputs:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import openai
 import pytest
 import torch
 import transformers
@@ -34,8 +34,7 @@ from torch import nn
 from tritonclient import grpc as triton_grpc
 
 from export import gemma
-from export.architecture_error import ArchitectureError
-from export.checkpoint import CheckpointError, load_checkpoint
+from export.checkpoint import load_checkpoint
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
@@ -204,3 +203,88 @@ def test_hidden_states_equal_transformers_and_the_window_matters(source: Source)
         wide, _ = unwindowed(**batch)
         hidden, _ = ours(**batch)
     assert float((wide - hidden)[batch["attention_mask"].bool()].abs().max()) > 1e-2
+
+
+def test_the_tokenizer_adds_bos_and_eos_and_falls_back_to_bytes(source: Source) -> None:
+    """transformers and the server's tokenizer agree on the ids: <bos> first, <eos> last, unknown bytes as pieces."""
+    hf = transformers.AutoTokenizer.from_pretrained(str(source.model))
+    ours = TextTokenizer(source.model / "tokenizer.json", MAX_LENGTH)
+    for text in SENTENCES[:2] + SENTENCES[-2:-1]:
+        ids = hf(PROMPTS["query"] + text, truncation=True, max_length=MAX_LENGTH)["input_ids"]
+        assert ids[0] == hf.bos_token_id and ids[-1] == hf.eos_token_id
+        assert ours.encode_rows([PROMPTS["query"] + text]).input_ids.tolist() == ids
+    assert hf.convert_tokens_to_ids("<0xE2>") in hf("☕")["input_ids"]
+
+
+def test_the_folder_reads_as_embeddinggemma(source: Source) -> None:
+    """Mean pooling, the two Dense modules between it and Normalize, the prompts, the Matryoshka widths, fp32 only."""
+    checkpoint = load_checkpoint(source.model)
+    assert (checkpoint.model_type, checkpoint.task) == ("gemma3_text", "embed")
+    assert (checkpoint.config.pooling, checkpoint.config.normalize) == ("mean", True)
+    assert [(layer.in_features, layer.out_features, layer.bias) for layer in checkpoint.dense.layers] == [
+        (tiny_models.HIDDEN, 4 * tiny_models.HIDDEN, False),
+        (4 * tiny_models.HIDDEN, tiny_models.HIDDEN, False),
+    ]
+    spec = read_model(source.repository / "gemma")
+    assert spec.model_type == "gemma3_text" and list(spec.input_names) == ["input_ids", "attention_mask"]
+    assert spec.prompts == PROMPTS and spec.default_prompt_name == ""
+    assert tuple(spec.matryoshka_dimensions) == MATRYOSHKA_DIMENSIONS and spec.pooled_projection == "dense"
+    report = json.loads((source.repository / "gemma" / "parity.json").read_text())
+    assert report["head"]["style"] == "dense" and len(report["head"]["layers"]) == 2
+    assert set(report["cpu_graph_forms"]["fp32"]["gate"]) == {"unfused"}  # BERT's fusions do not apply
+    library = report["variants"]["fp32"]["reference_library"]
+    assert library["passed"] and library["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("prompt_name", ["query", "document"])
+def test_published_graph_equals_sentence_transformers(
+    source: Source, embedder: SentenceTransformer, prompt_name: str
+) -> None:
+    """The published fp32 graph on the prompted texts as the server tokenises them, against encode(prompt_name)."""
+    spec = read_model(source.repository / "gemma")
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
+    feed = tokenizer.encode([PROMPTS[prompt_name] + text for text in SENTENCES]).feed(spec.input_names)
+    (embedding,) = session.run(["embedding"], feed)
+    expected = embedder.encode(SENTENCES, prompt_name=prompt_name, convert_to_numpy=True)
+    assert_same_vectors(embedding, expected, min_cosine=0.9999)
+
+
+def _grpc_embeddings(client: triton_grpc.InferenceServerClient, texts: list[str], prompt_name: str) -> np.ndarray:
+    text = triton_grpc.InferInput("text", [len(texts)], "BYTES")
+    text.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_))
+    answer = client.infer(
+        "gemma",
+        [text],
+        outputs=[triton_grpc.InferRequestedOutput("embedding")],
+        parameters={"prompt_name": prompt_name},
+    )
+    return answer.as_numpy("embedding")
+
+
+def test_served_embeddings_equal_sentence_transformers(
+    source: Source, embedder: SentenceTransformer, tmp_path: Path
+) -> None:
+    """A real server over gRPC (tritonclient) and the OpenAI SDK, each prompt, and a Matryoshka width."""
+    width = MATRYOSHKA_DIMENSIONS[-1]
+    with start_server(source.repository, tmp_path / "server.log") as server:
+        grpc = triton_grpc.InferenceServerClient(server.target)
+        sdk = OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+        try:
+            for prompt_name in ("query", "document"):
+                expected = embedder.encode(SENTENCES, prompt_name=prompt_name, convert_to_numpy=True)
+                assert_same_vectors(_grpc_embeddings(grpc, SENTENCES, prompt_name), expected, min_cosine=0.9999)
+                answer = sdk.embeddings.create(model="gemma", input=SENTENCES, extra_body={"prompt_name": prompt_name})
+                served = np.array([item.embedding for item in answer.data], dtype=np.float32)
+                assert_same_vectors(served, expected, min_cosine=0.9999)
+            shortened = embedder.encode(SENTENCES, prompt_name="query", truncate_dim=width, convert_to_numpy=True)
+            answer = sdk.embeddings.create(
+                model="gemma", input=SENTENCES, dimensions=width, extra_body={"prompt_name": "query"}
+            )
+            served = np.array([item.embedding for item in answer.data], dtype=np.float32)
+            expected = shortened / np.linalg.norm(shortened, axis=1, keepdims=True)  # the server renormalises
+            assert_same_vectors(served, expected, min_cosine=0.9999)
+            with pytest.raises(openai.BadRequestError, match="late_chunking: model gemma maps its pooled vector"):
+                sdk.embeddings.create(model="gemma", input=SENTENCES[:2], extra_body={"late_chunking": True})
+        finally:
+            grpc.close()
