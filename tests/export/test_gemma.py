@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from torch import nn
 from tritonclient import grpc as triton_grpc
 
 from export import gemma
-from export.checkpoint import load_checkpoint
+from export.architecture_error import ArchitectureError
+from export.checkpoint import CheckpointError, load_checkpoint
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
@@ -288,3 +290,57 @@ def test_served_embeddings_equal_sentence_transformers(
                 sdk.embeddings.create(model="gemma", input=SENTENCES[:2], extra_body={"late_chunking": True})
         finally:
             grpc.close()
+
+
+def test_unimplemented_settings_are_refused_in_one_line(tmp_path: Path) -> None:
+    hf = json.loads(_hf_config(_gemma_tokenizer(tmp_path)).to_json_string())
+    refusals = {
+        "use_bidirectional_attention": (False, "unsupported use_bidirectional_attention false"),
+        "attn_logit_softcapping": (50.0, "unsupported attn_logit_softcapping 50.0"),
+        "rope_parameters": (
+            {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+            "unsupported rope_parameters full_attention rope_type 'linear'",
+        ),
+        "rope_scaling": ({"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling rope_type 'yarn'"),
+        "hidden_activation": ("silu", "unsupported hidden_activation 'silu'"),
+        "layer_types": (["sliding_attention", "chunked_attention", "full_attention"], "'chunked_attention'"),
+    }
+    for key, (value, message) in refusals.items():
+        with pytest.raises(ArchitectureError, match=message):
+            gemma.config_from_hf(hf | {key: value}, pooling="mean", normalize=True)
+    config = gemma.config_from_hf(hf, pooling="mean", normalize=True)
+    assert (config.rope_theta, config.rope_local_theta, config.query_pre_attn_scalar) == (5_000.0, 100.0, 24.0)
+    # transformers 4.x's keys (EmbeddingGemma's config.json): rope_theta, rope_local_base_freq, a layer pattern
+    legacy = {key: value for key, value in hf.items() if key not in ("rope_parameters", "layer_types")}
+    legacy |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": None, "sliding_window_pattern": 2}
+    config = gemma.config_from_hf(legacy, pooling="mean", normalize=True)
+    assert (config.rope_theta, config.rope_local_theta) == (1e6, 1e4)
+    assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "message"),
+    [
+        ("gemma3", "Gemma3's image-and-text model"),
+        ("embedding_gemma2", "EmbeddingGemma 2, a Gemma4-based model"),
+    ],
+)
+def test_other_gemma_models_are_refused_naming_the_one_supported(
+    source: Source, tmp_path: Path, model_type: str, message: str
+) -> None:
+    folder = shutil.copytree(source.base, tmp_path / "changed")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": model_type}))
+    with pytest.raises(CheckpointError, match=f"unsupported architecture '{model_type}': {message}"):
+        load_checkpoint(folder)
+
+
+def test_a_dense_chain_ending_at_another_width_is_refused(source: Source, tmp_path: Path) -> None:
+    """The server answers the embedding and the token states at one width: a projection to another is refused."""
+    folder = shutil.copytree(source.model, tmp_path / "changed")
+    embedder = SentenceTransformer(str(folder), device="cpu")
+    dense = embedder[3]
+    narrower = Dense(dense.in_features, 8, bias=False, activation_function=None)
+    SentenceTransformer(modules=[*list(embedder)[:3], narrower, embedder[4]]).save(str(folder))
+    with pytest.raises(CheckpointError, match="Dense out_features 8 ends the chain at a width other than the hidden"):
+        load_checkpoint(folder)

@@ -52,13 +52,14 @@ def test_every_accepted_module_type_is_what_sentence_transformers_resolves_it_to
     assert [MODULE_KINDS[name] for name in written] == ["Transformer", "Pooling", "Normalize"]
 
 
-def test_a_dense_module_is_refused_naming_it(tmp_path: Path) -> None:
+def test_a_dense_module_with_an_activation_not_implemented_is_refused_naming_it(tmp_path: Path) -> None:
+    """sentence-transformers' Dense is read (export.dense: the identity activation only); its default tanh is not."""
     source = tiny_models.save_sentence_transformer("bert", tmp_path, dense_width=16)
     with pytest.raises(CheckpointError) as refusal:
         load_checkpoint(source)
     message = str(refusal.value)
-    assert message.startswith(f"{source / 'modules.json'}: module type not implemented here:")
-    assert "'sentence_transformers.base.modules.dense.Dense' at path '2_Dense'" in message
+    assert message.startswith(f"{source / '2_Dense' / 'config.json'}: Dense activation_function")
+    assert "'torch.nn.modules.activation.Tanh' is not supported" in message
     assert "\n" not in message
 
 
@@ -154,7 +155,7 @@ REFUSED_FIELDS = {
         "modules.json",
         lambda modules: [modules[0], modules[2], modules[1]],
         "modules Transformer -> Normalize -> Pooling: an embedder must have exactly one Pooling after the"
-        " Transformer, and Normalize only as the last module",
+        " Transformer, then only Dense modules, and Normalize only as the last module",
     ),
     "no pooling": (
         "modules.json",
