@@ -344,3 +344,43 @@ def test_a_dense_chain_ending_at_another_width_is_refused(source: Source, tmp_pa
     SentenceTransformer(modules=[*list(embedder)[:3], narrower, embedder[4]]).save(str(folder))
     with pytest.raises(CheckpointError, match="Dense out_features 8 ends the chain at a width other than the hidden"):
         load_checkpoint(folder)
+
+
+EMBEDDINGGEMMA_300M = {
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3TextModel"],
+    "attention_bias": False,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 768,
+    "intermediate_size": 1152,
+    "max_position_embeddings": 2048,
+    "num_attention_heads": 3,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_local_base_freq": 10_000.0,
+    "rope_scaling": None,
+    "rope_theta": 1_000_000.0,
+    "sliding_window": 512,
+    "use_bidirectional_attention": True,
+    "vocab_size": 262_144,
+}
+"""google/embeddinggemma-300m's config.json as transformers 4.x wrote it (layer_types left to the default pattern)."""
+
+
+def test_embeddinggemma_config_reads_as_transformers_reads_it() -> None:
+    config = gemma.config_from_hf(EMBEDDINGGEMMA_300M, pooling="mean", normalize=True)
+    reference = transformers.Gemma3TextConfig(**{k: v for k, v in EMBEDDINGGEMMA_300M.items() if k != "model_type"})
+    assert config.layer_types == tuple(reference.layer_types)
+    assert config.window_radius == reference.sliding_window - 1  # transformers' bound is exclusive
+    assert (config.rope_theta, config.rope_local_theta) == (
+        reference.rope_parameters["full_attention"]["rope_theta"],
+        reference.rope_parameters["sliding_attention"]["rope_theta"],
+    )
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_dim) == (3, 1, 256, 1152)
+    assert config.max_sequence_positions == 2048
