@@ -3,8 +3,8 @@
 BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) with different
 settings; each is described here by how its config.json translates into an EncoderConfig and how
 its parameter names map onto the encoder's. ModernBERT (export.modernbert), DeBERTa-v2/v3
-(export.deberta), GTE and NomicBERT (export.rotary_bert, read by export.rotary_bert_formats) and Qwen3
-(export.qwen3, a decoder read at its last token) are their own encoders.
+(export.deberta), GTE and NomicBERT (export.rotary_bert, read by export.rotary_bert_formats), Qwen3
+(export.qwen3, a decoder read at its last token) and EuroBERT (export.eurobert) are their own encoders.
 Weights of task heads (poolers, classifiers, language model heads) are returned apart, for
 export.heads.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from export import deberta, modernbert, qwen3, rotary_bert_formats
+from export import deberta, eurobert, modernbert, qwen3, rotary_bert_formats
 from export.architecture_error import ArchitectureError
 from export.config import ConfigError, EncoderConfig
 from export.rotary_bert import RotaryBertConfig
@@ -81,7 +81,12 @@ class Architecture:
     model_type: str
     config: Callable[
         [dict, str, bool],
-        EncoderConfig | modernbert.ModernBertConfig | deberta.DebertaConfig | RotaryBertConfig | qwen3.Qwen3Config,
+        EncoderConfig
+        | modernbert.ModernBertConfig
+        | deberta.DebertaConfig
+        | RotaryBertConfig
+        | qwen3.Qwen3Config
+        | eurobert.EuroBertConfig,
     ]
     """config.json (with pooling and normalisation) -> the encoder's configuration."""
     rename: Renamer
@@ -221,6 +226,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         "nomic_bert", rotary_bert_formats.nomic_bert_config, rotary_bert_formats.rename_nomic_bert_weights
     ),
     "qwen3": Architecture("qwen3", qwen3.config_from_hf, qwen3.rename_weights),
+    "eurobert": Architecture("eurobert", eurobert.config_from_hf, eurobert.rename_weights),
 }
 """Supported model_type -> how to read it."""
 REFUSAL_REASONS = {

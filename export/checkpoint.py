@@ -20,6 +20,7 @@ from export.bge_m3 import DENSE_POOLING, BgeM3Config, BgeM3Encoder, BgeM3Error, 
 from export.colbert import ColbertConfig, ColbertEncoder, ColbertError, colbert_config, dense_weights
 from export.config import EncoderConfig
 from export.deberta import DebertaConfig, DebertaEncoder
+from export.eurobert import EuroBertConfig, EuroBertEncoder
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
@@ -36,7 +37,7 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
-AnyEncoderConfig = EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig | Qwen3Config
+AnyEncoderConfig = EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig | Qwen3Config | EuroBertConfig
 """The configuration of any encoder here."""
 
 
@@ -128,6 +129,8 @@ def build_encoder(config: AnyEncoderConfig) -> nn.Module:
         return RotaryBertEncoder(config)
     if isinstance(config, Qwen3Config):
         return Qwen3Encoder(config)
+    if isinstance(config, EuroBertConfig):
+        return EuroBertEncoder(config)
     return DebertaEncoder(config) if isinstance(config, DebertaConfig) else Encoder(config)
 
 

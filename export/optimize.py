@@ -8,8 +8,9 @@ is a candidate, not a given.) The fp32 forms are measured, gated and served at O
 basic online optimisation (FP32_GRAPH_OPTIMIZATION, written into config.pbtxt): at its default
 level ONNX Runtime would fuse every form's Add + LayerNormalization again, whatever was measured.
 CUDA: the fully fused graph (fused attention is the fast path there) converted to fp16.
-The optimiser's fusions are BERT's: a decoder (Qwen3) is offered its unfused graph alone and no fp16
-form (`cpu_forms`, `fp16_refusal`, which say why).
+The optimiser's fusions are BERT's: a model with RMSNorm and rotary grouped-query attention (the
+Qwen3 decoder, EuroBERT) is offered its unfused graph alone and no fp16 form (`cpu_forms`,
+`fp16_refusal`, which say why).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from onnxruntime.transformers.onnx_model import OnnxModel
 from onnxruntime.transformers.optimizer import optimize_model
 
 from export.config import EncoderConfig
+from export.eurobert import EuroBertConfig
 from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
 from export.qwen3 import Qwen3Config
 from export.timing import compare_throughput, cpu_session, token_feed
@@ -33,14 +35,17 @@ from service.core.repository import online_optimization
 log = logging.getLogger(__name__)
 
 CPU_FORMS = ("unfused", "attention_fused", "fully_fused")
+UNFUSED_ONLY = (Qwen3Config, EuroBertConfig)
+"""Configurations of the models with RMSNorm and rotary grouped-query attention, which BERT's fusions do not fit."""
 DECODER_FUSION_REFUSAL = (
-    "ONNX Runtime's BERT fusions do not apply to a causal grouped-query decoder: its attention fusion matches"
-    " no rotary grouped-query attention, and its RMSNorm fusion writes SimplifiedLayerNormalization, an"
-    " ONNX Runtime op the ONNX checker refuses"
+    "ONNX Runtime's BERT fusions do not apply to RMSNorm and rotary grouped-query attention (a Qwen3 decoder,"
+    " EuroBERT): its attention fusion matches no rotary grouped-query attention, and its RMSNorm fusion writes"
+    " SimplifiedLayerNormalization, an ONNX Runtime op the ONNX checker refuses"
 )
 DECODER_FP16_REFUSAL = (
-    "the fp16 CUDA form is BERT's fully fused graph, whose fusions do not apply to a decoder, and an fp16"
-    " RMSNorm over a decoder's large activations has no gate of its own yet"
+    "the fp16 CUDA form is BERT's fully fused graph, whose fusions do not apply to RMSNorm and rotary"
+    " grouped-query attention (a Qwen3 decoder, EuroBERT), and an fp16 RMSNorm over such a model's large"
+    " activations has no gate of its own yet"
 )
 FP32_GRAPH_OPTIMIZATION = "basic"
 """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU: constant folding and
@@ -95,13 +100,13 @@ def _save(model: OnnxModel, output: Path) -> None:
 
 
 def cpu_forms(config: object) -> tuple[str, ...]:
-    """The CPU candidate forms for an encoder: all of them, or the unfused graph alone for a decoder (Qwen3)."""
-    return ("unfused",) if isinstance(config, Qwen3Config) else CPU_FORMS
+    """The CPU candidate forms for an encoder: all of them, or the unfused graph alone (Qwen3, EuroBERT)."""
+    return ("unfused",) if isinstance(config, UNFUSED_ONLY) else CPU_FORMS
 
 
 def fp16_refusal(config: object) -> str | None:
     """Why no fp16 CUDA form is built for an encoder; None: one is."""
-    return DECODER_FP16_REFUSAL if isinstance(config, Qwen3Config) else None
+    return DECODER_FP16_REFUSAL if isinstance(config, UNFUSED_ONLY) else None
 
 
 def write_cpu_form(raw: Path, output: Path, config: EncoderConfig, form: str) -> None:
