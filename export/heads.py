@@ -104,12 +104,7 @@ def head_config(hf_config: dict, model_type: str) -> HeadConfig:
     if style == "deberta":
         return _deberta_head(hf_config, labels)
     if style == "eurobert":
-        pooling = hf_config.get("classifier_pooling", "late")
-        if pooling not in _EUROBERT_POOLING:
-            raise HeadError(
-                f"config.json: unsupported classifier_pooling {pooling!r} (supported: {', '.join(_EUROBERT_POOLING)})"
-            )
-        return HeadConfig(style, labels, pooling=_EUROBERT_POOLING[pooling], activation="gelu")
+        return _eurobert_head(hf_config, labels)
     if style != "modernbert":
         return HeadConfig(style, labels, activation="relu" if style == "distilbert" else "tanh")
     activation = hf_config.get("classifier_activation", "gelu")
@@ -138,6 +133,22 @@ def _deberta_head(hf_config: dict, labels: tuple[str, ...]) -> HeadConfig:
     if width != hf_config.get("hidden_size"):
         raise HeadError(f"config.json: unsupported pooler_hidden_size {width} (only hidden_size)")
     return HeadConfig("deberta", labels, activation=activation)
+
+
+def _eurobert_head(hf_config: dict, labels: tuple[str, ...]) -> HeadConfig:
+    """EuroBERT's head: dense + GeLU + classifier, read where classifier_pooling says."""
+    pooling = hf_config.get("classifier_pooling", "late")
+    if pooling not in _EUROBERT_POOLING:
+        raise HeadError(
+            f"config.json: unsupported classifier_pooling {pooling!r} (supported: {', '.join(_EUROBERT_POOLING)})"
+        )
+    remote = hf_config.get("clf_pooling", pooling)
+    if remote != pooling:  # the remote-code model's key, which transformers does not read
+        raise HeadError(
+            f"config.json: clf_pooling {remote!r} (EuroBERT's remote-code key) disagrees with classifier_pooling"
+            f" {pooling!r}, which transformers reads"
+        )
+    return HeadConfig("eurobert", labels, pooling=_EUROBERT_POOLING[pooling], activation="gelu")
 
 
 class ClassificationHead(nn.Module):

@@ -288,8 +288,8 @@ def test_served_reranker_equals_cross_encoder(sources: Sources, server: RunningS
     np.testing.assert_allclose(logits[:, 0], expected, atol=1e-4)
 
 
-def test_unimplemented_settings_are_refused_in_one_line(sources: Sources) -> None:
-    hf = json.loads((sources.base / "config.json").read_text())
+def test_unimplemented_settings_are_refused_in_one_line(tmp_path: Path) -> None:
+    hf = json.loads(_hf_config(_llama3_tokenizer(tmp_path)).to_json_string())
     refusals = {
         "rope_parameters": (
             {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
@@ -307,6 +307,9 @@ def test_unimplemented_settings_are_refused_in_one_line(sources: Sources) -> Non
     assert eurobert.config_from_hf(legacy, pooling="mean", normalize=True).rope_theta == 250_000.0
     with pytest.raises(HeadError, match="unsupported classifier_pooling 'max'"):
         head_config(hf | {"classifier_pooling": "max"}, "eurobert")
+    with pytest.raises(HeadError, match=r"clf_pooling 'bos' .* disagrees with classifier_pooling 'late'"):
+        head_config(hf | {"clf_pooling": "bos"}, "eurobert")
+    assert head_config(hf | {"clf_pooling": "mean", "classifier_pooling": "mean"}, "eurobert").pooling == "mean"
 
 
 def test_rename_sets_heads_apart() -> None:
