@@ -152,7 +152,7 @@ def _eurobert_head(hf_config: dict, labels: tuple[str, ...]) -> HeadConfig:
 
 
 class ClassificationHead(nn.Module):
-    """First position (or the mean) -> dense -> activation (-> LayerNorm) -> output layer: logits."""
+    """First position or mean -> dense -> activation (-> LayerNorm) -> output: logits (late: per position, averaged)."""
 
     def __init__(self, d_model: int, head: HeadConfig) -> None:
         super().__init__()
