@@ -4,8 +4,8 @@ BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) 
 settings; each is described here by how its config.json translates into an EncoderConfig and how
 its parameter names map onto the encoder's. ModernBERT (export.modernbert), DeBERTa-v2/v3
 (export.deberta), GTE and NomicBERT (export.rotary_bert, read by export.rotary_bert_formats), Qwen3
-(export.qwen3, a decoder read at its last token) and Gemma3's bidirectional text model (export.gemma,
-EmbeddingGemma) are their own encoders.
+(export.qwen3, a decoder read at its last token), Gemma3's bidirectional text model (export.gemma,
+EmbeddingGemma) and EuroBERT (export.eurobert) are their own encoders.
 Weights of task heads (poolers, classifiers, language model heads) are returned apart, for
 export.heads.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from export import deberta, gemma, modernbert, qwen3, rotary_bert_formats
+from export import deberta, eurobert, gemma, modernbert, qwen3, rotary_bert_formats
 from export.architecture_error import ArchitectureError
 from export.config import ConfigError, EncoderConfig
 from export.rotary_bert import RotaryBertConfig
@@ -87,7 +87,8 @@ class Architecture:
         | deberta.DebertaConfig
         | RotaryBertConfig
         | qwen3.Qwen3Config
-        | gemma.GemmaConfig,
+        | gemma.GemmaConfig
+        | eurobert.EuroBertConfig,
     ]
     """config.json (with pooling and normalisation) -> the encoder's configuration."""
     rename: Renamer
@@ -229,6 +230,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture("qwen3", qwen3.config_from_hf, qwen3.rename_weights),
     # Gemma3's text model names its weights as Qwen3's decoder does (embed_tokens, layers, norm).
     "gemma3_text": Architecture("gemma3_text", gemma.config_from_hf, qwen3.rename_weights),
+    "eurobert": Architecture("eurobert", eurobert.config_from_hf, eurobert.rename_weights),
 }
 """Supported model_type -> how to read it."""
 REFUSAL_REASONS = {

@@ -21,6 +21,7 @@ from export.colbert import ColbertConfig, ColbertEncoder, ColbertError, colbert_
 from export.config import EncoderConfig
 from export.deberta import DebertaConfig, DebertaEncoder
 from export.dense import DenseConfig, DenseEmbedder, DenseError, check_width, dense_layer, layer_weights
+from export.eurobert import EuroBertConfig, EuroBertEncoder
 from export.gemma import GemmaConfig, GemmaEncoder
 from export.heads import HeadConfig, HeadError, SequenceClassifier, head_config, is_classifier, rename_head_weights
 from export.model import Encoder
@@ -38,7 +39,9 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
-AnyEncoderConfig = EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig | Qwen3Config | GemmaConfig
+AnyEncoderConfig = (
+    EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig | Qwen3Config | GemmaConfig | EuroBertConfig
+)
 """The configuration of any encoder here."""
 
 
@@ -136,6 +139,8 @@ def build_encoder(config: AnyEncoderConfig) -> nn.Module:
         return Qwen3Encoder(config)
     if isinstance(config, GemmaConfig):
         return GemmaEncoder(config)
+    if isinstance(config, EuroBertConfig):
+        return EuroBertEncoder(config)
     return DebertaEncoder(config) if isinstance(config, DebertaConfig) else Encoder(config)
 
 

@@ -7,7 +7,9 @@ logits [batch, num_labels]:
 - RoBERTa, XLM-RoBERTa, MPNet: dense + tanh, then out_proj;
 - DistilBERT: pre_classifier + ReLU, then the classifier;
 - ModernBERT: dense + its classifier activation + LayerNorm, then the classifier;
-- DeBERTa-v2/v3: its ContextPooler (dense + pooler_hidden_act), then the classifier.
+- DeBERTa-v2/v3: its ContextPooler (dense + pooler_hidden_act), then the classifier;
+- EuroBERT: dense + GeLU, then the classifier, on the first position ("bos"), on the mean ("mean"), or on
+  every position, the logits then averaged over the mask ("late", its default).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ _HEAD_LAYERS = {
     "distilbert": ("pre_classifier", "", "classifier"),
     "modernbert": ("head.dense", "head.norm", "classifier"),
     "deberta": ("pooler.dense", "", "classifier"),
+    "eurobert": ("dense", "", "classifier"),
 }
 _HEAD_STYLE = {
     "bert": "bert",
@@ -39,8 +42,11 @@ _HEAD_STYLE = {
     "distilbert": "distilbert",
     "modernbert": "modernbert",
     "deberta-v2": "deberta",
+    "eurobert": "eurobert",
 }
 _ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": nn.functional.gelu, "silu": nn.functional.silu}
+_EUROBERT_POOLING = {"bos": "cls", "mean": "mean", "late": "late"}
+"""EuroBERT's classifier_pooling -> what the head reads."""
 
 
 class HeadError(ValueError):
@@ -54,7 +60,8 @@ class HeadConfig:
     style: str
     labels: tuple[str, ...]
     pooling: str = "cls"
-    """What the head reads: the first position (cls) or the mean over the mask (ModernBERT may say so)."""
+    """What the head reads: the first position (cls), the mean over the mask (ModernBERT, EuroBERT may say so),
+    or every position, its logits averaged over the mask (late: EuroBERT)."""
     activation: str = "tanh"
     layer_norm_eps: float | None = None
     """The LayerNorm after the activation (ModernBERT); None: no LayerNorm."""
@@ -96,6 +103,8 @@ def head_config(hf_config: dict, model_type: str) -> HeadConfig:
     style = _HEAD_STYLE[model_type]
     if style == "deberta":
         return _deberta_head(hf_config, labels)
+    if style == "eurobert":
+        return _eurobert_head(hf_config, labels)
     if style != "modernbert":
         return HeadConfig(style, labels, activation="relu" if style == "distilbert" else "tanh")
     activation = hf_config.get("classifier_activation", "gelu")
@@ -126,8 +135,24 @@ def _deberta_head(hf_config: dict, labels: tuple[str, ...]) -> HeadConfig:
     return HeadConfig("deberta", labels, activation=activation)
 
 
+def _eurobert_head(hf_config: dict, labels: tuple[str, ...]) -> HeadConfig:
+    """EuroBERT's head: dense + GeLU + classifier, read where classifier_pooling says."""
+    pooling = hf_config.get("classifier_pooling", "late")
+    if pooling not in _EUROBERT_POOLING:
+        raise HeadError(
+            f"config.json: unsupported classifier_pooling {pooling!r} (supported: {', '.join(_EUROBERT_POOLING)})"
+        )
+    remote = hf_config.get("clf_pooling", pooling)
+    if remote != pooling:  # the remote-code model's key, which transformers does not read
+        raise HeadError(
+            f"config.json: clf_pooling {remote!r} (EuroBERT's remote-code key) disagrees with classifier_pooling"
+            f" {pooling!r}, which transformers reads"
+        )
+    return HeadConfig("eurobert", labels, pooling=_EUROBERT_POOLING[pooling], activation="gelu")
+
+
 class ClassificationHead(nn.Module):
-    """First position (or the mean) -> dense -> activation (-> LayerNorm) -> output layer: logits."""
+    """First position or mean -> dense -> activation (-> LayerNorm) -> output: logits (late: per position, averaged)."""
 
     def __init__(self, d_model: int, head: HeadConfig) -> None:
         super().__init__()
@@ -138,9 +163,14 @@ class ClassificationHead(nn.Module):
         self.norm = nn.Identity() if eps is None else nn.LayerNorm(d_model, eps=eps, bias=head.norm_bias)
         self.output = nn.Linear(d_model, head.num_labels)
 
+    def _logits(self, pooled: Tensor) -> Tensor:
+        return self.output(self.norm(self.activation(self.dense(pooled))))
+
     def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
         """Logits [batch, num_labels] from hidden states [batch, seq, d_model] and the float mask [batch, seq]."""
-        return self.output(self.norm(self.activation(self.dense(pool(hidden, mask, self.pooling, normalize=False)))))
+        if self.pooling == "late":
+            return pool(self._logits(hidden), mask, "mean", normalize=False)
+        return self._logits(pool(hidden, mask, self.pooling, normalize=False))
 
 
 class SequenceClassifier(nn.Module):

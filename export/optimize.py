@@ -8,10 +8,10 @@ is a candidate, not a given.) The fp32 forms are measured, gated and served at O
 basic online optimisation (FP32_GRAPH_OPTIMIZATION, written into config.pbtxt): at its default
 level ONNX Runtime would fuse every form's Add + LayerNormalization again, whatever was measured.
 CUDA: the fully fused graph (fused attention is the fast path there) converted to fp16.
-The optimiser's fusions are BERT's: a decoder (Qwen3) is offered its unfused graph alone and no fp16
-form (`cpu_forms`, `fp16_refusal`, which say why); Gemma (EmbeddingGemma) its unfused graph alone, on
-the CPU and converted to fp16 for CUDA (`fp16_form`), the gate deciding whether its fp16 activations
-hold.
+The optimiser's fusions are BERT's: a model with RMSNorm and rotary grouped-query attention (the
+Qwen3 decoder, EuroBERT, Gemma) is offered its unfused graph alone (`cpu_forms`). Qwen3 and EuroBERT
+get no fp16 form (`fp16_refusal` says why); Gemma (EmbeddingGemma) gets its unfused graph converted to
+fp16 for CUDA (`fp16_form`), the gate deciding whether its fp16 activations hold.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from onnxruntime.transformers.onnx_model import OnnxModel
 from onnxruntime.transformers.optimizer import optimize_model
 
 from export.config import EncoderConfig
+from export.eurobert import EuroBertConfig
 from export.gemma import GemmaConfig
 from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
 from export.qwen3 import Qwen3Config
@@ -36,14 +37,19 @@ from service.core.repository import online_optimization
 log = logging.getLogger(__name__)
 
 CPU_FORMS = ("unfused", "attention_fused", "fully_fused")
+UNFUSED_ONLY = (Qwen3Config, EuroBertConfig, GemmaConfig)
+"""Configurations of the models with RMSNorm and rotary grouped-query attention, which BERT's fusions do not fit."""
+NO_FP16 = (Qwen3Config, EuroBertConfig)
+"""Of those, the ones with no fp16 form (see DECODER_FP16_REFUSAL)."""
 DECODER_FUSION_REFUSAL = (
-    "ONNX Runtime's BERT fusions do not apply to a causal grouped-query decoder: its attention fusion matches"
-    " no rotary grouped-query attention, and its RMSNorm fusion writes SimplifiedLayerNormalization, an"
-    " ONNX Runtime op the ONNX checker refuses"
+    "ONNX Runtime's BERT fusions do not apply to RMSNorm and rotary grouped-query attention (a Qwen3 decoder,"
+    " EuroBERT, Gemma): its attention fusion matches no rotary grouped-query attention, and its RMSNorm fusion writes"
+    " SimplifiedLayerNormalization, an ONNX Runtime op the ONNX checker refuses"
 )
 DECODER_FP16_REFUSAL = (
-    "the fp16 CUDA form is BERT's fully fused graph, whose fusions do not apply to a decoder, and an fp16"
-    " RMSNorm over a decoder's large activations has no gate of its own yet"
+    "the fp16 CUDA form is BERT's fully fused graph, whose fusions do not apply to RMSNorm and rotary"
+    " grouped-query attention (a Qwen3 decoder, EuroBERT), and an fp16 RMSNorm over such a model's large"
+    " activations has no gate of its own yet"
 )
 FP32_GRAPH_OPTIMIZATION = "basic"
 """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU: constant folding and
@@ -98,13 +104,13 @@ def _save(model: OnnxModel, output: Path) -> None:
 
 
 def cpu_forms(config: object) -> tuple[str, ...]:
-    """The CPU candidate forms: all of them, or the unfused graph alone for the RMSNorm families (Qwen3, Gemma)."""
-    return ("unfused",) if isinstance(config, Qwen3Config | GemmaConfig) else CPU_FORMS
+    """The CPU candidate forms for an encoder: all of them, or the unfused graph alone (Qwen3, EuroBERT, Gemma)."""
+    return ("unfused",) if isinstance(config, UNFUSED_ONLY) else CPU_FORMS
 
 
 def fp16_refusal(config: object) -> str | None:
     """Why no fp16 CUDA form is built for an encoder; None: one is."""
-    return DECODER_FP16_REFUSAL if isinstance(config, Qwen3Config) else None
+    return DECODER_FP16_REFUSAL if isinstance(config, NO_FP16) else None
 
 
 def fp16_form(config: object) -> str:
