@@ -10,6 +10,7 @@ softmax([no, yes])[yes] of the last position's logits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -29,7 +30,9 @@ from tritonclient.utils import InferenceServerException
 from export.checkpoint import load_checkpoint
 from export.yes_no_reranker import YesNoError, read_head
 from service.core.repository import RepositoryError, read_model
+from service.errors import InvalidArgument
 from service.pipeline.tokenizer import TextTokenizer
+from service.pipeline.validation import instruction_choice
 from tests.export import tiny_models
 from tests.servers import RunningServer, start_server
 from tests.servers import post_json as post
@@ -303,3 +306,20 @@ def test_the_repository_declares_and_checks_the_template(folders: tuple[Path, Pa
 def test_other_causal_lms_are_refused_in_one_line(folders: tuple[Path, Path]) -> None:
     with pytest.raises(YesNoError, match="only with Qwen3-Reranker's template"):
         read_head(folders[0], "llama")
+
+
+def test_placeholders_are_filled_in_one_pass(folders: tuple[Path, Path]) -> None:
+    """A query or document holding a placeholder's name stays as it is."""
+    template = read_model(folders[1] / MODEL).pair_template
+    filled = template.filled("what is {document}?", "{instruction} {query}")
+    assert filled == format_instruction(None, "what is {document}?", "{instruction} {query}")
+
+
+def test_an_instruction_needs_a_template_and_pairs(folders: tuple[Path, Path]) -> None:
+    spec = read_model(folders[1] / MODEL)
+    assert instruction_choice({"instruction": CUSTOM_INSTRUCTION}, spec, pairs=True) == CUSTOM_INSTRUCTION
+    assert instruction_choice({}, spec, pairs=True) is None
+    with pytest.raises(InvalidArgument, match="goes with"):
+        instruction_choice({"instruction": CUSTOM_INSTRUCTION}, spec, pairs=False)
+    with pytest.raises(InvalidArgument, match="has no pair template"):
+        instruction_choice({"instruction": CUSTOM_INSTRUCTION}, dataclasses.replace(spec, pair_template=None), True)
