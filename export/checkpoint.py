@@ -31,6 +31,10 @@ from export.rotary_bert import RotaryBertConfig, RotaryBertEncoder
 from export.sentence_transformers_folder import Declarations, FolderError, folder_task, read_declarations, read_object
 from export.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
 from export.splade import rename_head_weights as rename_masked_lm_weights
+from export.yes_no_reranker import QWEN3_RERANKER_TEMPLATE, YesNoError, YesNoHead, YesNoReranker, is_causal_lm
+from export.yes_no_reranker import head_weights as yes_no_weights
+from export.yes_no_reranker import read_head as read_yes_no_head
+from service.core.repository import PairTemplate
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -81,8 +85,8 @@ class Checkpoint:
     """The source's architecture (config.json model_type)."""
     serving: SentenceTransformerSettings = field(default_factory=SentenceTransformerSettings)
     """Prompts, similarity function and Matryoshka widths the source declares."""
-    head: HeadConfig | None = None
-    """The classification head of a reranker or classifier; None: an embedding model."""
+    head: HeadConfig | YesNoHead | None = None
+    """The classification head of a reranker or classifier (or a causal LM's yes/no); None: an embedding model."""
     splade: SpladeConfig | None = None
     """A sparse embedder's masked-LM head and SPLADE pooling; None: not a sparse embedder."""
     colbert: ColbertConfig | None = None
@@ -91,6 +95,8 @@ class Checkpoint:
     """bge-m3's ColBERT and sparse heads beside the dense embedding (task embed); None: not bge-m3."""
     dense: DenseConfig | None = None
     """An embedder's Dense modules after pooling (EmbeddingGemma's projection); None: it has none."""
+    pair_template: PairTemplate | None = None
+    """How a reranker that reads a prompt (Qwen3-Reranker) makes a pair one sequence; None: the tokenizer's form."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -123,6 +129,8 @@ class Checkpoint:
             model = BgeM3Encoder(encoder, self.bge_m3)
         elif self.dense is not None:
             model = DenseEmbedder(encoder, self.dense)
+        elif isinstance(self.head, YesNoHead):
+            model = YesNoReranker(encoder, self.head)
         else:
             model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
         model.load_state_dict(self.state_dict, strict=True)
@@ -213,6 +221,8 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     """Load a Hugging Face / sentence-transformers folder, checking its weights match its config.
 
     matryoshka_dimensions: widths the embedding was trained to be shortened to (the folder does not say).
+    A causal LM without sentence-transformers modules is read as Qwen3-Reranker (export.yes_no_reranker);
+    with them, as the embedder they declare (Qwen3-Embedding).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -222,7 +232,8 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         raise CheckpointError(f"{folder}: no config.json")
     try:
         hf_config = read_object(config_file)
-        task = folder_task(folder, is_classifier(hf_config))
+        yes_no = is_causal_lm(hf_config) and not (folder / "modules.json").is_file()
+        task = folder_task(folder, is_classifier(hf_config) or yes_no)
         declarations = read_declarations(folder, task)
     except FolderError as error:
         raise CheckpointError(str(error)) from error
@@ -230,6 +241,8 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     pooling, normalize = declarations.pooling, declarations.normalize
     if bge_m3_heads:
         pooling, normalize = _bge_m3_pooling(folder, declarations)
+    if yes_no:
+        pooling, normalize = "lasttoken", False
     try:
         source = architecture(hf_config.get("model_type"))
         config = source.config(hf_config, pooling, normalize)
@@ -254,6 +267,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         encoder_weights=state_dict,
         head_weights=head_weights,
         bge_m3_heads=bge_m3_heads,
+        yes_no=yes_no,
     )
     if heads.state is not None:
         state_dict = {f"encoder.{k}": v for k, v in state_dict.items()} | {
@@ -275,6 +289,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         colbert=heads.colbert,
         bge_m3=heads.bge_m3,
         dense=heads.dense,
+        pair_template=QWEN3_RERANKER_TEMPLATE if yes_no else None,
     )
 
 
@@ -282,7 +297,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
 class _Heads:
     """The head on the encoder and its weights; all None: a plain embedder."""
 
-    head: HeadConfig | None = None
+    head: HeadConfig | YesNoHead | None = None
     splade: SpladeConfig | None = None
     bge_m3: BgeM3Config | None = None
     colbert: ColbertConfig | None = None
@@ -301,8 +316,15 @@ def _task_head(
     encoder_weights: dict[str, torch.Tensor],
     head_weights: dict[str, torch.Tensor],
     bge_m3_heads: bool,
+    yes_no: bool = False,
 ) -> _Heads:
-    """The head on the encoder (a classifier's, SPLADE's, ColBERT's or bge-m3's) and its weights."""
+    """The head on the encoder (a classifier's, a causal LM's yes/no, SPLADE's, ColBERT's or bge-m3's), its weights."""
+    if yes_no:
+        try:
+            head = read_yes_no_head(folder, model_type)
+            return _Heads(head=head, state=yes_no_weights(hf_config, head, encoder_weights, head_weights))
+        except YesNoError as error:
+            raise CheckpointError(f"{folder}: {error}") from error
     if bge_m3_heads:
         bge_m3, state = _bge_m3_heads(folder, d_model)
         return _Heads(bge_m3=bge_m3, state=state)
@@ -320,14 +342,13 @@ def _task_head(
             return _Heads(head=head, state=rename_head_weights(head_weights, head))
         except HeadError as error:
             raise CheckpointError(f"{folder}: {error}") from error
-    if declarations.pooled_dense:
-        dense, state = _dense_head(declarations.pooled_dense, d_model)
-        return _Heads(dense=dense, state=state)
-    return _Heads()
+    return _dense_heads(declarations.pooled_dense, d_model)
 
 
-def _dense_head(modules: tuple[tuple[Path, dict], ...], d_model: int) -> tuple[DenseConfig, dict[str, torch.Tensor]]:
-    """An embedder's Dense modules after pooling, checked, with their weights."""
+def _dense_heads(modules: tuple[tuple[Path, dict], ...], d_model: int) -> _Heads:
+    """An embedder's Dense modules after pooling (none: no head), checked, with their weights."""
+    if not modules:
+        return _Heads()
     layers: list = []
     state: dict[str, torch.Tensor] = {}
     try:
@@ -340,7 +361,7 @@ def _dense_head(modules: tuple[tuple[Path, dict], ...], d_model: int) -> tuple[D
         check_width(modules[-1][0] / "config.json", config, d_model)
     except DenseError as error:
         raise CheckpointError(str(error)) from error
-    return config, state
+    return _Heads(dense=config, state=state)
 
 
 def _is_bge_m3(folder: Path, hf_config: dict, task: str) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from export import bge_m3_reference, optimize, parity, reference_library
+from export import bge_m3_reference, optimize, parity, reference_library, yes_no_reference
 from export.checkpoint import Checkpoint
 from export.embedding_ranges import calibration_ranges
 from export.onnx_export import OPSET, export_onnx, input_names
@@ -216,6 +216,7 @@ class _Build:
                 checkpoint.tokenizer_folder / "tokenizer.json",
                 checkpoint.max_seq_length,
                 checkpoint.config.pad_token_id,
+                checkpoint.pair_template,
             )
         self.raw = workdir / "exported.onnx"
         self.choices: dict[str, optimize.FormChoice] = {}
@@ -388,10 +389,14 @@ def _library_checks(build: _Build, gate: _Gate, report: dict[str, object]) -> No
     checkpoint, stage = build.checkpoint, build.stage
     sessions = {variant: gate.sessions[variant] for variant in build.files}
     sentences = parity.read_sentences(build.options.sentences)
-    stage("reference library: each published variant against sentence-transformers on the source folder")
     check = reference_library.check_published
     if checkpoint.task == "multivector" and build.tokenizer is not None:
         check = reference_library.check_multivector
+    if checkpoint.pair_template is not None and build.tokenizer is not None:
+        stage("the model card: each published variant against its transformers scoring on the source folder")
+        check = yes_no_reference.check_published
+    else:
+        stage("reference library: each published variant against sentence-transformers on the source folder")
     library, library_failures = check(checkpoint, build.tokenizer, build.names, sessions, sentences)
     if library_failures:
         raise GateRefused("reference library refused: " + "; ".join(library_failures))

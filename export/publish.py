@@ -38,6 +38,7 @@ from service.core.repository import (
     P_MULTIVECTOR,
     P_NORMALIZE,
     P_PAD_TOKEN_ID,
+    P_PAIR_TEMPLATE,
     P_POOLED_PROJECTION,
     P_POOLING,
     P_PREFERRED_PREFIX,
@@ -149,7 +150,10 @@ def _task_parameters(checkpoint: Checkpoint) -> dict[str, str]:
     if checkpoint.task == "multivector":
         return _prompt_parameters(checkpoint) | {P_MULTIVECTOR: checkpoint.colbert.rules.to_json()}
     if checkpoint.task == "classify":
-        return {P_LABELS: labels_parameter(checkpoint.head)}
+        template = checkpoint.pair_template
+        return {P_LABELS: labels_parameter(checkpoint.head)} | (
+            {P_PAIR_TEMPLATE: template.to_json()} if template else {}
+        )
     parameters = {
         P_POOLING: checkpoint.config.pooling,
         P_NORMALIZE: str(checkpoint.config.normalize).lower(),

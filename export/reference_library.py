@@ -63,9 +63,15 @@ class LibraryReference:
     normalized: bool
     """Compared after L2-normalising both sides: the folder has no modules.json, so sentence-transformers
     mean-pools without normalising while the exporter normalises; direction and values after scaling compare."""
+    compared: str = ""
+    """What was compared, where the reference is not sentence-transformers (a model card's code); "": describe's."""
+    against: str = ""
+    """The reference as failures name it; "": sentence-transformers' model_class on the folder."""
 
     def describe(self) -> str:
         """What was compared, for parity.json."""
+        if self.compared:
+            return self.compared
         if self.output == "logits":
             return "CrossEncoder.predict logits (no activation) on sentence pairs"
         if self.output == SPARSE_OUTPUT:
@@ -98,7 +104,7 @@ class LibraryFigures:
 
 
 @contextlib.contextmanager
-def _quiet_loading() -> Iterator[None]:
+def quiet_loading() -> Iterator[None]:
     """The weight-loading progress bars of transformers off while the library loads the folder (not a stage)."""
     from transformers.utils import logging as transformers_logging  # noqa: PLC0415  (build-time only)
 
@@ -123,7 +129,7 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
     library = f"sentence-transformers {sentence_transformers.__version__}"
     if checkpoint.task == "classify":
         pairs = sentence_pairs(texts)
-        with _quiet_loading():
+        with quiet_loading():
             cross_encoder = sentence_transformers.CrossEncoder(folder, **loading)
         logits = cross_encoder.predict(pairs, activation_fn=torch.nn.Identity(), show_progress_bar=False)
         expected = np.asarray(logits, dtype=np.float32).reshape(len(pairs), -1)
@@ -131,12 +137,12 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
     prefix = checkpoint.serving.prompts.get(checkpoint.serving.default_prompt_name, "")
     served = [prefix + text for text in texts]
     if checkpoint.task == "sparse":
-        with _quiet_loading():
+        with quiet_loading():
             sparse_encoder = sentence_transformers.SparseEncoder(folder, **loading)
         encoded = sparse_encoder.encode(texts, convert_to_tensor=True, show_progress_bar=False)
         expected = encoded.to_dense().numpy().astype(np.float32)
         return LibraryReference(library, "SparseEncoder", served, labels, expected, SPARSE_OUTPUT, normalized=False)
-    with _quiet_loading():
+    with quiet_loading():
         model = sentence_transformers.SentenceTransformer(folder, **loading)
     expected = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
     normalized = not (checkpoint.folder / "modules.json").is_file()
@@ -177,7 +183,7 @@ def measure(
         differences = differences / np.maximum(np.abs(expected).max(axis=1), 1e-30)
     worst_diff = int(np.argmax(differences))
     required = required_figures(variant, reference.output)
-    against = f"sentence-transformers' {reference.model_class} on the folder"
+    against = reference.against or f"sentence-transformers' {reference.model_class} on the folder"
     failures = []
     min_cosine, worst_cosine_input = None, ""
     if reference.output != "logits":
@@ -206,7 +212,7 @@ def measure(
     )
 
 
-def _figures_for_report(reference: LibraryReference, figures: LibraryFigures) -> dict[str, object]:
+def figures_for_report(reference: LibraryReference, figures: LibraryFigures) -> dict[str, object]:
     """One variant's figures as parity.json records them."""
     report: dict[str, object] = {
         "library": reference.library,
@@ -263,7 +269,7 @@ def check_published(
             max_length=checkpoint.max_seq_length,
             pad_token_id=checkpoint.config.pad_token_id,
         )
-        report[variant] = _figures_for_report(reference, figures)
+        report[variant] = figures_for_report(reference, figures)
         failures += figures.failures
     return report, failures
 
@@ -283,7 +289,7 @@ def check_masked_lm(
     import transformers  # noqa: PLC0415  (build-time only: the server never imports it)
 
     splade = checkpoint.splade
-    with _quiet_loading():
+    with quiet_loading():
         masked_lm = transformers.AutoModelForMaskedLM.from_pretrained(
             str(checkpoint.folder), dtype=torch.float32, local_files_only=True
         ).eval()
@@ -475,7 +481,7 @@ def check_multivector(
     import sentence_transformers  # noqa: PLC0415  (build-time only: the server never imports it)
 
     texts = [*sentences, " ".join(sentences)]
-    with _quiet_loading():
+    with quiet_loading():
         encoder = sentence_transformers.MultiVectorEncoder(
             str(checkpoint.folder), device="cpu", local_files_only=True, model_kwargs={"dtype": torch.float32}
         )

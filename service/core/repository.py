@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -82,6 +83,9 @@ P_MULTIVECTOR = "multivector"
 (MultiVectorSpec's fields); required with output token_vectors."""
 GRAPH_LEVELS = {-1: "basic", 0: "all", 1: "extended", 2: "disabled"}
 """Triton's `optimization.graph.level` values and the ONNX Runtime online optimisation each stands for."""
+P_PAIR_TEMPLATE = "pair_template"
+"""JSON object: how a reranker that reads a prompt (Qwen3-Reranker) makes one sequence of a (query, document)
+pair (PairTemplate's fields); absent: the tokenizer's own pair form ([CLS] q [SEP] d [SEP])."""
 P_VARIANT_PREFIX = "variant."
 P_PREFERRED_PREFIX = "preferred_variant."
 
@@ -126,6 +130,36 @@ class MultiVectorSpec:
 
 
 MULTIVECTOR_SCORES = ("sum", "mean")
+PAIR_FIELDS = ("instruction", "query", "document")
+"""The placeholders of a pair template's middle, each there exactly once."""
+_PLACEHOLDER = re.compile(r"\{(" + "|".join(PAIR_FIELDS) + r")\}")
+
+
+@dataclass(frozen=True)
+class PairTemplate:
+    """A (query, document) pair as one prompted sequence: prefix + middle (placeholders filled) + suffix.
+
+    As Qwen3-Reranker's model card builds it: the prefix and the suffix are tokenised alone, without
+    special tokens, and kept whole; the filled middle is tokenised alone and truncated at its end to
+    the model's length less theirs.
+    """
+
+    prefix: str
+    middle: str
+    """Holds {instruction}, {query} and {document} once each; no other braces are read."""
+    suffix: str
+    default_instruction: str
+    """The instruction a request naming none gets."""
+
+    def filled(self, query: str, document: str, instruction: str | None = None) -> str:
+        """The middle with its placeholders replaced (in one pass: a query holding "{document}" stays as it is)."""
+        values = {"instruction": self.default_instruction if instruction is None else instruction}
+        values |= {"query": query, "document": document}
+        return _PLACEHOLDER.sub(lambda match: values[match.group(1)], self.middle)
+
+    def to_json(self) -> str:
+        """The config.pbtxt parameter's value."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -178,6 +212,8 @@ class ModelSpec:
     """A multi-vector model's rules (task multivector, or an embedder with token_vectors); None otherwise."""
     multivector_width: int = 0
     """Width of each token vector (0 without token_vectors)."""
+    pair_template: PairTemplate | None = None
+    """How a reranker that reads a prompt pairs a query and a document; None: the tokenizer's own pair form."""
     graph_outputs: tuple[str, ...] = ()
     """The graph's outputs as config.pbtxt lists them (the task's own, then any extra heads')."""
     graph_optimization: str = "all"
@@ -427,6 +463,24 @@ def _multivector(config: mc.ModelConfig, source: Path) -> MultiVectorSpec:
     return MultiVectorSpec(**fields)
 
 
+def _pair_template(config: mc.ModelConfig, source: Path, task: str, width: int) -> PairTemplate | None:
+    """The pair_template parameter, checked: a reranker's (one logit), its fields strings, each placeholder once."""
+    fields = _json_parameter(config, P_PAIR_TEMPLATE, source, dict)
+    if not fields:
+        return None
+    where = f"{source}: parameter {P_PAIR_TEMPLATE!r}"
+    if task != "classify" or width != 1:
+        raise RepositoryError(f"{where} belongs to a reranker (task classify, one label), not this {task} model")
+    names = [f.name for f in dataclasses.fields(PairTemplate)]
+    if sorted(fields) != sorted(names) or not all(isinstance(value, str) for value in fields.values()):
+        raise RepositoryError(f"{where} must hold exactly {', '.join(names)}, each a string")
+    found = _PLACEHOLDER.findall(fields["middle"])
+    if sorted(found) != sorted(PAIR_FIELDS):
+        placeholders = ", ".join("{" + name + "}" for name in PAIR_FIELDS)
+        raise RepositoryError(f"{where}: middle must hold {placeholders} once each, it holds {found}")
+    return PairTemplate(**fields)
+
+
 def _inside(folder: Path, name: str, source: Path) -> Path:
     """folder/name, where name (from config.pbtxt) is a relative path that stays inside folder."""
     path = PurePosixPath(name)
@@ -500,6 +554,7 @@ def read_model(directory: Path) -> ModelSpec:
         graph_optimization=GRAPH_LEVELS[level],
         multivector=_multivector(config, source) if multivector_width else None,
         multivector_width=multivector_width,
+        pair_template=_pair_template(config, source, task, width),
         graph_outputs=graph_outputs,
         **_task_facts(config, source, task, width),
     )

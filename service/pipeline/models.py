@@ -124,7 +124,7 @@ class ServedModel:
         self.metrics = metrics.of(ModelLabels(spec.name, spec.version))
         self.statistics = statistics.TABLES.of(spec.name, spec.version, policy.max_batch_size)
         self.tokenizer = (
-            TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+            TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id, spec.pair_template)
             if spec.tokenizer_file is not None
             else None
         )
@@ -255,9 +255,8 @@ class ServedModel:
         if queries is None:
             work = functools.partial(self.tokenizer.encode_rows, texts, request.truncate)
         else:
-            work = functools.partial(
-                self.tokenizer.encode_pair_rows, list(zip(queries, texts, strict=True)), request.truncate
-            )
+            pairs = list(zip(queries, texts, strict=True))
+            work = functools.partial(self.tokenizer.encode_pair_rows, pairs, request.truncate, request.instruction)
         return await self.tokenizer_work(characters, work), None
 
     def _marked_rows(self, request: ValidRequest) -> TokenRows:

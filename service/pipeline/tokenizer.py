@@ -14,6 +14,9 @@ Pairs (a reranker's query and document) are tokenised as the model's tokenizer p
 post-processor: `[CLS] a [SEP] b [SEP]` with segment ids, or `<s> a </s></s> b </s>`), the
 longer member truncated first. Pair members are not clipped: which member is longer decides
 where truncation cuts, so they are tokenised whole (the request's byte limits bound the cost).
+A reranker that reads a prompt (Qwen3-Reranker) has a pair template instead (the repository's
+`PairTemplate`): prefix + the middle holding instruction, query and document + suffix, the prefix
+and suffix kept whole and the middle cut at its end, as its model card builds a pair.
 
 With `truncate=False` a pair longer than the model's maximum is refused instead of cut; a single
 text is split into windows instead (`encode_windows`: each at most the model's length with its
@@ -33,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
+from service.core.repository import PairTemplate
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument
 
@@ -74,8 +78,13 @@ CLIP_GROWTH = 4
 class TextTokenizer:
     """A `tokenizers` tokenizer with truncation at max_length: texts as rows of their own length, or padded."""
 
-    def __init__(self, path: Path, max_length: int, pad_token_id: int | None = None) -> None:
-        """pad_token_id None: the id the file gives its pad token."""
+    def __init__(
+        self, path: Path, max_length: int, pad_token_id: int | None = None, pair_template: PairTemplate | None = None
+    ) -> None:
+        """pad_token_id None: the id the file gives its pad token; pair_template None: the file's own pair form.
+
+        A pair template whose prefix and suffix leave no token of max_length for the middle is refused (ValueError).
+        """
         self._tokenizer = Tokenizer.from_file(str(path))
         self._max_length = max_length
         padding = self._tokenizer.padding or {}
@@ -89,11 +98,26 @@ class TextTokenizer:
         self._windowed: dict[int, Tokenizer] = {}
         """Copies truncating with a stride, by overlap, made on first use (`encode_windows`)."""
         self._truncating: dict[int, Tokenizer] = {}
-        """Copies truncating at other lengths (a late-interaction model's queries and documents), made on first use."""
+        """Copies truncating at other lengths (a late-interaction model's queries and documents, a pair template's
+        middle), made on first use."""
         self._untruncated: Tokenizer | None = None
         """The same tokenizer without truncation, made when a refusal needs a text's full count."""
         self._known_ids: np.ndarray | None = None
         """Whether each id from 0 to the largest is in the vocabulary (added tokens included), made on first decode."""
+        self._pair_template = pair_template
+        self._template_ends: tuple[list[int], list[int]] = ([], [])
+        """The pair template's prefix and suffix as token ids (tokenised alone, without special tokens)."""
+        if pair_template is not None:
+            whole = self._whole()
+            prefix, suffix = (
+                whole.encode(end, add_special_tokens=False).ids for end in (pair_template.prefix, pair_template.suffix)
+            )
+            self._template_ends = (prefix, suffix)
+            if len(prefix) + len(suffix) >= max_length:
+                raise ValueError(
+                    f"the pair template's prefix and suffix take {len(prefix) + len(suffix)} tokens, leaving none of"
+                    f" the model's {max_length} for the query and document"
+                )
 
     def clip(self, text: str) -> str:
         """A prefix of `text` that tokenises (after truncation at max_length) exactly as `text` does.
@@ -179,11 +203,7 @@ class TextTokenizer:
         first token. With `expansion_id`, each row is padded to `length` with it, those tokens unattended
         unless `attend_expansion` (ColBERT's query expansion); their vectors are kept all the same.
         """
-        truncating = self._truncating.get(length)
-        if truncating is None:
-            truncating = Tokenizer.from_str(self._tokenizer.to_str())
-            truncating.enable_truncation(max_length=length - (prefix_id is not None))
-            self._truncating[length] = truncating
+        truncating = self._truncating_at(length - (prefix_id is not None))
         encodings = truncating.encode_batch_fast([self.clip(text) for text in texts])
         rows = [e.ids if prefix_id is None else [*e.ids[:1], prefix_id, *e.ids[1:]] for e in encodings]
         if expansion_id is None:
@@ -198,12 +218,53 @@ class TextTokenizer:
         lengths = np.full(len(rows), length, dtype=np.int64)
         return TokenRows(ids.ravel(), lengths, length, None if attend_expansion else mask.ravel())
 
-    def encode_pair_rows(self, pairs: list[Pair], truncate: bool = True) -> TokenRows:
-        """Tokenise (a, b) pairs as the model's tokenizer pairs them, each row at its own length, with segment ids."""
+    def _truncating_at(self, length: int) -> Tokenizer:
+        """A copy truncating at `length` tokens (special tokens included), made on first use."""
+        truncating = self._truncating.get(length)
+        if truncating is None:
+            truncating = Tokenizer.from_str(self._tokenizer.to_str())
+            truncating.enable_truncation(max_length=length)
+            self._truncating[length] = truncating
+        return truncating
+
+    @property
+    def pair_template(self) -> PairTemplate | None:
+        """The pair template pairs are made with; None: the tokenizer's own pair form."""
+        return self._pair_template
+
+    def encode_pair_rows(self, pairs: list[Pair], truncate: bool = True, instruction: str | None = None) -> TokenRows:
+        """Tokenise (a, b) pairs, each row at its own length: by the pair template, or as the tokenizer pairs them.
+
+        The tokenizer's own pair form gives segment ids.
+        instruction: the template's instruction for these pairs (None: its default); only with a pair template.
+        """
+        if self._pair_template is not None:
+            return self._templated_rows(pairs, truncate, instruction)
+        if instruction is not None:
+            raise InvalidArgument("this model has no pair template: its pairs take no instruction")
         encodings = self._tokenizer.encode_batch_fast(pairs)
         if not truncate:
             self._refuse_truncated(encodings, pairs)
         return _rows(encodings, with_types=True)
+
+    def _templated_rows(self, pairs: list[Pair], truncate: bool, instruction: str | None) -> TokenRows:
+        """Pairs by the pair template: prefix, the filled middle cut at its end to the room left, suffix."""
+        prefix, suffix = self._template_ends
+        room = self._max_length - len(prefix) - len(suffix)
+        middles = [self._pair_template.filled(query, document, instruction) for query, document in pairs]
+        encodings = self._truncating_at(room).encode_batch_fast(middles)
+        if not truncate:
+            for row, encoding in enumerate(encodings):
+                if encoding.overflowing:
+                    whole = len(prefix) + len(self._whole().encode(middles[row])) + len(suffix)
+                    raise InvalidArgument(
+                        f"pair {row} has {whole} tokens with its template, more than the model's {self._max_length},"
+                        " and truncate is false"
+                    )
+        lengths = np.fromiter((len(prefix) + len(e) + len(suffix) for e in encodings), dtype=np.int64, count=len(pairs))
+        rows = itertools.chain.from_iterable(itertools.chain(prefix, e.ids, suffix) for e in encodings)
+        ids = np.fromiter(rows, dtype=np.int64, count=int(lengths.sum()))
+        return TokenRows(ids, lengths, int(lengths.max()))
 
     def encode_chunks(self, chunks: list[str]) -> tuple[TokenRows, np.ndarray]:
         """Late chunking: consecutive chunks of one document as one row, and each chunk's [start, stop) in it.
@@ -288,9 +349,9 @@ class TextTokenizer:
         padded = self.encode_rows(texts).padded(self.pad_token_id)
         return TokenizedBatch(padded["input_ids"], padded["attention_mask"], padded["token_type_ids"])
 
-    def encode_pairs(self, pairs: list[Pair]) -> TokenizedBatch:
-        """Tokenise pairs into one batch padded to the longest, segment ids included."""
-        padded = self.encode_pair_rows(pairs).padded(self.pad_token_id)
+    def encode_pairs(self, pairs: list[Pair], instruction: str | None = None) -> TokenizedBatch:
+        """Tokenise pairs into one batch padded to the longest, segment ids included (encode_pair_rows's forms)."""
+        padded = self.encode_pair_rows(pairs, instruction=instruction).padded(self.pad_token_id)
         return TokenizedBatch(padded["input_ids"], padded["attention_mask"], padded["token_type_ids"])
 
 

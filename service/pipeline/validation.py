@@ -29,6 +29,8 @@ PROMPT_NAME = "prompt_name"
 TRUNCATE = "truncate"
 DIMENSIONS = "dimensions"
 LATE_CHUNKING = "late_chunking"
+INSTRUCTION = "instruction"
+"""A reranker's instruction for its pair template (Qwen3-Reranker's <Instruct>), in place of its default."""
 REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
 """Token inputs a token request must carry; token_type_ids defaults to zeros."""
 ELEMENT_BYTES = {"INT64": 8}
@@ -118,6 +120,8 @@ class ValidRequest:
     """Whether a multi-vector model's texts are queries or documents (service.pipeline.multivector)."""
     late_chunking: bool = False
     """The texts are consecutive chunks of one document, embedded in its context (service.pipeline.long_texts)."""
+    instruction: str | None = None
+    """The pair template's instruction for these pairs; None: the template's default."""
 
     @property
     def rows(self) -> int:
@@ -323,6 +327,23 @@ def late_chunking_choice(
     return True
 
 
+def instruction_choice(parameters: dict[str, object], spec: ModelSpec, pairs: bool) -> str | None:
+    """The `instruction` parameter (a reranker with a pair template, on pairs), checked; None: the default."""
+    value = parameters.get(INSTRUCTION)
+    if value is None:
+        return None
+    if spec.pair_template is None:
+        raise InvalidArgument(
+            f"parameter {INSTRUCTION}: model {spec.name} has no pair template (only a reranker that reads a prompt,"
+            " as Qwen3-Reranker, takes one)"
+        )
+    if not pairs:
+        raise InvalidArgument(f"parameter {INSTRUCTION} goes with (query, text) pairs: send input {QUERY_INPUT}")
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgument(f"parameter {INSTRUCTION} must be a non-empty string")
+    return value
+
+
 def dimensions_choice(requested: int | None, parameters: dict[str, object], spec: ModelSpec) -> int | None:
     """The embedding width asked for (OpenAI's `dimensions` or the `dimensions` parameter), checked; None: full."""
     value = parameters.get(DIMENSIONS, requested)
@@ -435,6 +456,7 @@ def validate(
         top_k=top_k_choice(parameters, INDICES in signature.outputs, spec.name),
         input_type=input_type_choice(parameters, spec),
         late_chunking=late_chunking_choice(parameters, signature, pairs, requested),
+        instruction=instruction_choice(parameters, spec, pairs),
     )
 
 

@@ -29,11 +29,20 @@ from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor,
 from service.pipeline.embedding_types import EMBEDDING_TYPES
 from service.pipeline.models import ModelInfo
 from service.pipeline.outputs import type_output
-from service.pipeline.validation import DIMENSIONS, PROMPT_NAME, TEXT_INPUT, TRUNCATE
+from service.pipeline.validation import DIMENSIONS, INSTRUCTION, PROMPT_NAME, TEXT_INPUT, TRUNCATE
 
 V2_ROUTES = frozenset({"/v2/embed"})
 """Cohere's v2 routes: their errors are Cohere's {"message"}."""
-FIELDS = ("model", "query", "documents", "top_n", "return_documents", "max_chunks_per_doc", "rank_fields")
+FIELDS = (
+    "model",
+    "query",
+    "documents",
+    "top_n",
+    "return_documents",
+    "max_chunks_per_doc",
+    "rank_fields",
+    "instruction",
+)
 EMBED_FIELDS = ("model", "texts", "input_type", "embedding_types", "output_dimension", "truncate")
 EMBED_TYPES = (*EMBEDDING_TYPES, "base64")
 """Cohere's embedding_types: the served forms, and base64 (the float embedding's bytes)."""
@@ -70,7 +79,10 @@ def _body(payload: object, accepted: tuple[str, ...]) -> dict:
 
 
 async def rerank(call: TaskCall, payload: object) -> Answer:
-    """POST /v1/rerank: {"model", "query", "documents", "top_n", "return_documents"} -> {"results": [...], ...}."""
+    """POST /v1/rerank: {"model", "query", "documents", "top_n", "return_documents"} -> {"results": [...], ...}.
+
+    `instruction` (an extension) replaces the default instruction of a reranker with a pair template.
+    """
     payload = _body(payload, FIELDS)
     query = payload.get("query")
     if not isinstance(query, str) or not query:
@@ -106,7 +118,8 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
 
         return body
 
-    return await reranked(call, model, query, documents, {}, body_of=body_of)
+    parameters = {INSTRUCTION: payload[INSTRUCTION]} if payload.get(INSTRUCTION) is not None else {}
+    return await reranked(call, model, query, documents, parameters, body_of=body_of)
 
 
 def _embedding_types(value: object) -> list[str]:

@@ -34,6 +34,7 @@ from service.pipeline.sparse import INDICES, TOP_K, VALUES
 from service.pipeline.tokenizer import TextTokenizer, Token
 from service.pipeline.validation import (
     DIMENSIONS,
+    INSTRUCTION,
     PROMPT_NAME,
     QUERY_INPUT,
     TEXT_INPUT,
@@ -58,7 +59,16 @@ EMBED_FIELDS = (
     "embedding_type",
     "model",
 )
-RERANK_FIELDS = ("query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction", "model")
+RERANK_FIELDS = (
+    "query",
+    "texts",
+    "raw_scores",
+    "return_text",
+    "truncate",
+    "truncation_direction",
+    "model",
+    "instruction",
+)
 PREDICT_FIELDS = ("inputs", "raw_scores", "truncate", "truncation_direction", "model")
 TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model")
 SIMILARITY_FIELDS = ("inputs", "parameters", "model")
@@ -392,6 +402,7 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     """POST /rerank: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}].
 
     Best first; a score is the sigmoid of the reranker's logit, or the logit itself with raw_scores.
+    `instruction` (an extension) replaces the default instruction of a reranker with a pair template.
     """
     fields = _object(payload, RERANK_FIELDS)
     query = fields.get("query")
@@ -411,7 +422,7 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
             {"index": int(i), "score": float(ranked[i]), **({"text": texts[i]} if return_text else {})} for i in order
         ]
 
-    return await reranked(call, model, query, texts, _parameters(fields, TRUNCATE), body_of=body_of)
+    return await reranked(call, model, query, texts, _parameters(fields, TRUNCATE, INSTRUCTION), body_of=body_of)
 
 
 async def reranked(
