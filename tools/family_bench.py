@@ -1,0 +1,275 @@
+"""Each encoder family at its example checkpoint's size (random weights): export, size, RSS, texts/s.
+
+    python -m tools.family_bench --work DIR [--families gte,qwen3] [--seconds 20] [--output FILE]
+
+For each family, in one run on this machine:
+1. A folder of the example checkpoint's shape (its config's sizes, transformers' own random
+   initialisation) with a small tokenizer of the family's kind, wrapped as the checkpoint is
+   (sentence-transformers folder or CrossEncoder). The tokenizer's vocabulary does not change
+   the graph's cost: the config's vocab_size sets the embedding table. max_seq_length is 512
+   everywhere, so that the export gate's cases stay small; it does not change the graph.
+2. `python -m export --variants fp32 --threads 2`, timed (the parity gate included), and the
+   size of the published graph and its weights.
+3. A server on that model alone (`--intra-op-threads 2`), warmed up, then one tritonclient gRPC
+   client sending 8 rows of 128 random tokens (token inputs) one request at a time for
+   --seconds: texts/s, and the resident memory of every server process (VmRSS from /proc,
+   summed) at the end.
+Families are measured one after another (one server at a time, so that RSS is the model's own).
+Needs the test extra (transformers, sentence-transformers, tritonclient).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+import tritonclient.grpc as triton
+from sentence_transformers import CrossEncoder, SentenceTransformer
+from sentence_transformers.sentence_transformer import modules as st_models
+
+from service.core.repository import read_model
+from service.processes import children
+from tests.export import tiny_models
+from tests.export.test_qwen3 import _qwen_tokenizer as save_qwen_tokenizer
+from tools.local_server import start_server
+from tools.stress.monitor import read_rss_bytes
+
+ROWS, TOKENS = 8, 128
+THREADS = 2
+MAX_SEQ_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's example checkpoint and how to make a folder of its shape."""
+
+    example: str
+    make: Callable[[Path], Path]
+    """Writes the folder the exporter reads as `model` under the given directory and returns it."""
+
+
+@dataclass
+class Figures:
+    """One family's measured figures."""
+
+    example: str
+    export_s: float
+    model_mb: float
+    rss_mb: float
+    texts_per_s: float
+
+
+def _embedder(base: Path, folder: Path, pooling: str, normalize: bool, prompts: dict[str, str] | None) -> Path:
+    transformer = st_models.Transformer(str(base), max_seq_length=MAX_SEQ_LENGTH)
+    modules = [transformer, st_models.Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)]
+    modules += [st_models.Normalize()] if normalize else []
+    SentenceTransformer(modules=modules, prompts=prompts).save(str(folder))
+    return folder
+
+
+BERT_BASE = {"vocab_size": 30528, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12}
+
+
+def _gte(root: Path) -> Path:
+    """gte-base-en-v1.5: BERT-base sizes, rotary (theta 500,000), gated GELU; CLS pooling."""
+    base = root / "base"
+    tiny_models.save_tokenizer("bert", base, max_length=MAX_SEQ_LENGTH)
+    config = transformers.GteConfig(
+        **BERT_BASE,
+        intermediate_size=3072,
+        max_position_embeddings=8192,
+        type_vocab_size=0,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    )
+    transformers.AutoModel.from_config(config).eval().save_pretrained(str(base))
+    return _embedder(base, root / "model", "cls", False, None)
+
+
+def _nomic(root: Path) -> Path:
+    """nomic-embed-text-v1.5: BERT-base sizes, rotary, SwiGLU; mean pooling, normalised, its prompts."""
+    base = root / "base"
+    tiny_models.save_tokenizer("bert", base, max_length=MAX_SEQ_LENGTH)
+    config = transformers.NomicBertConfig(
+        **BERT_BASE, intermediate_size=3072, max_position_embeddings=8192, type_vocab_size=2, pad_token_id=0
+    )
+    transformers.AutoModel.from_config(config).eval().save_pretrained(str(base))
+    prompts = {"search_query": "search_query: ", "search_document": "search_document: "}
+    return _embedder(base, root / "model", "mean", True, prompts)
+
+
+def _deberta(root: Path) -> Path:
+    """mxbai-rerank-base-v1 (DeBERTa-v3-base): relative attention, 256 buckets; a one-label CrossEncoder."""
+    base = root / "base"
+    tiny_models.save_tokenizer("deberta-v2", base, max_length=MAX_SEQ_LENGTH)
+    config = transformers.DebertaV2Config(
+        vocab_size=128100,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+        relative_attention=True,
+        position_buckets=256,
+        norm_rel_ebd="layer_norm",
+        share_att_key=True,
+        pos_att_type="p2c|c2p",
+        layer_norm_eps=1e-7,
+        max_relative_positions=-1,
+        position_biased_input=False,
+        type_vocab_size=0,
+        pad_token_id=0,
+        num_labels=1,
+        architectures=["DebertaV2ForSequenceClassification"],
+    )
+    transformers.DebertaV2ForSequenceClassification(config).eval().save_pretrained(str(base))
+    CrossEncoder(str(base), device="cpu", max_length=MAX_SEQ_LENGTH).save(str(root / "model"))
+    return root / "model"
+
+
+def _qwen3(root: Path) -> Path:
+    """Qwen3-Embedding-0.6B: 28 layers of 1024, 16 query and 8 key/value heads of 128; last-token pooling."""
+    base = root / "base"
+    tokenizer = save_qwen_tokenizer(base, max_length=MAX_SEQ_LENGTH)
+    config = transformers.Qwen3Config(
+        vocab_size=151669,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    transformers.AutoModel.from_config(config).eval().save_pretrained(str(base))
+    prompts = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"}
+    return _embedder(base, root / "model", "lasttoken", True, prompts)
+
+
+FAMILIES = {
+    "gte": Family("Alibaba-NLP/gte-base-en-v1.5", _gte),
+    "nomic_bert": Family("nomic-ai/nomic-embed-text-v1.5", _nomic),
+    "deberta-v2": Family("mixedbread-ai/mxbai-rerank-base-v1", _deberta),
+    "qwen3": Family("Qwen/Qwen3-Embedding-0.6B", _qwen3),
+}
+
+
+def _export(source: Path, repository: Path, name: str) -> float:
+    command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(repository)]
+    command += ["--name", name, "--variants", "fp32", "--threads", str(THREADS)]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: export failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+def _model_bytes(repository: Path, name: str) -> int:
+    graph = Path(read_model(repository / name).variants["fp32"])
+    return sum(path.stat().st_size for path in graph.parent.glob(graph.name + "*"))
+
+
+def _token_inputs(vocab: int, seed: int) -> list[triton.InferInput]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, vocab, size=(ROWS, TOKENS), dtype=np.int64)
+    inputs = [
+        triton.InferInput("input_ids", [ROWS, TOKENS], "INT64"),
+        triton.InferInput("attention_mask", [ROWS, TOKENS], "INT64"),
+    ]
+    inputs[0].set_data_from_numpy(ids)
+    inputs[1].set_data_from_numpy(np.ones_like(ids))
+    return inputs
+
+
+def _serve(repository: Path, name: str, vocab: int, seconds: float) -> tuple[float, int]:
+    """(texts/s, summed RSS bytes of the server's processes) for one model alone on a server."""
+    arguments = ("--intra-op-threads", str(THREADS))
+    with start_server(repository, repository / "server.log", *arguments) as server:
+        client = triton.InferenceServerClient(server.target)
+        inputs = _token_inputs(vocab, seed=0)
+        for _ in range(2):
+            client.infer(name, inputs)
+        requests, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            client.infer(name, inputs)
+            requests += 1
+        texts_per_s = requests * ROWS / (time.perf_counter() - started)
+        pids = [server.process.pid, *children(server.process.pid)]
+        rss = sum(read_rss_bytes(pid) or 0 for pid in pids)
+        client.close()
+    return texts_per_s, rss
+
+
+def measure(name: str, family: Family, work: Path, seconds: float, reuse: bool) -> Figures:
+    """Make, export and serve one family; its figures.
+
+    `reuse`: serve a repository an earlier run exported under `work`, with the export time it recorded.
+    """
+    repository = work / "repositories" / name
+    recorded = repository / "export_seconds.json"
+    if reuse and recorded.exists():
+        source = work / "sources" / name / "model"
+        export_s = json.loads(recorded.read_text())["export_s"]
+    else:
+        torch.manual_seed(0)
+        source = family.make(work / "sources" / name)
+        export_s = _export(source, repository, name)
+        recorded.write_text(json.dumps({"export_s": export_s}) + "\n")
+    vocab = min(len(transformers.AutoTokenizer.from_pretrained(str(source))), 400)
+    texts_per_s, rss = _serve(repository, name, vocab, seconds)
+    return Figures(
+        family.example,
+        round(export_s, 1),
+        round(_model_bytes(repository, name) / 1e6, 1),
+        round(rss / 1e6),
+        round(texts_per_s, 1),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure the chosen families one after another and print a table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True, help="where the folders and repositories are written")
+    parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}")
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long each model is driven")
+    parser.add_argument("--output", type=Path, help="also write the figures here as JSON")
+    parser.add_argument(
+        "--reuse-exports", action="store_true", help="serve what an earlier run exported under --work (its export time)"
+    )
+    options = parser.parse_args(argv)
+    names = [name for name in options.families.split(",") if name]
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    figures = {}
+    for name in names:
+        figures[name] = asdict(measure(name, FAMILIES[name], options.work, options.seconds, options.reuse_exports))
+        print(name, json.dumps(figures[name]), flush=True)
+    print(f"\n| family | example | export s | model MB | RSS served MB | texts/s at {ROWS}x{TOKENS} |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, row in figures.items():
+        cells = [name, *(str(value) for value in row.values())]
+        print("| " + " | ".join(cells) + " |")
+    if options.output:
+        options.output.parent.mkdir(parents=True, exist_ok=True)
+        options.output.write_text(json.dumps(figures, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
