@@ -33,6 +33,10 @@ EMBEDDING_RANGES_FILE = "embedding_ranges.npz"
 PLATFORM = "onnxruntime_onnx"
 VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+ADAPTER_IDS = "adapter_ids"
+"""A graph input of a model with task adapters (jina-embeddings-v3): INT64 [batch, sequence], each token's task
+adapter, 1 + the task's place in the tasks parameter (0: none); the server gives every token of a text its
+task's id."""
 TOKEN_VECTORS = "token_vectors"
 """A multi-vector model's graph output: [batch, sequence, width], each position's L2-normalised vector
 (which positions belong to a text is the multivector parameter's rule, applied by the server)."""
@@ -67,6 +71,8 @@ P_TASK = "task"
 P_LABELS = "labels"
 P_PROMPTS = "prompts"
 P_DEFAULT_PROMPT_NAME = "default_prompt_name"
+P_ADAPTER_TASKS = "adapter_tasks"
+"""JSON list: the task adapters' names; a task's id in adapter_ids is 1 + its place (0: no adapter)."""
 P_SIMILARITY_FN_NAME = "similarity_fn_name"
 P_MATRYOSHKA_DIMENSIONS = "matryoshka_dimensions"
 P_EMBEDDING_RANGES = "embedding_ranges"
