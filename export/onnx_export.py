@@ -20,8 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def input_names(model: nn.Module) -> list[str]:
-    """The graph's inputs, in order: token_type_ids only where the model has segments, adapter_ids where it has
-    task adapters."""
+    """The graph's inputs, in order: token_type_ids only with segments, adapter_ids only with task adapters."""
     names = ["input_ids", "attention_mask"]
     if model.config.uses_segments:
         names.append("token_type_ids")

@@ -242,8 +242,10 @@ def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: 
 
 
 def with_adapter_ids(feed: dict[str, np.ndarray], input_names: list[str], first: int = 0) -> dict[str, np.ndarray]:
-    """The feed with adapter_ids where the graph takes them: row i's every token with id (first + i) mod
-    GATE_ADAPTER_IDS, so that the gate runs each task's adapter (and none) on its rows."""
+    """The feed with adapter_ids where the graph takes them: each task's adapter (and none) on some of its rows.
+
+    Row i's every token takes id (first + i) mod GATE_ADAPTER_IDS.
+    """
     if ADAPTER_IDS not in input_names:
         return feed
     rows, length = feed["input_ids"].shape
@@ -632,7 +634,8 @@ def fidelity_reference(
                 "attention_mask": mask[None, :],
                 "token_type_ids": np.zeros((1, length), dtype=np.int64),
             }
-            rows.append(({name: row[name] for name in input_names if name != ADAPTER_IDS}, f"tokens row {index} ({style}, {real} tokens)"))
+            label = f"tokens row {index} ({style}, {real} tokens)"
+            rows.append(({name: row[name] for name in input_names if name != ADAPTER_IDS}, label))
     width = max(feed["input_ids"].shape[1] for feed, _ in rows)
     padded = [pad_to(feed, width, model.config.pad_token_id) for feed, _ in rows]
     batch = {name: np.concatenate([feed[name] for feed in padded]) for name in input_names if name != ADAPTER_IDS}

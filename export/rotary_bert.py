@@ -154,8 +154,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """The gated network, W_down(act(x·W_gate) ⊙ (x·W_up)) with W_up and W_gate one matrix (up_gate), or the plain
-    one, W_down(act(x·W_up)) (up)."""
+    """The feed-forward network: gated, W_down(act(x·W_gate) ⊙ (x·W_up)), or plain, W_down(act(x·W_up)).
+
+    The gated one holds W_up and W_gate as one matrix, up_gate; the plain one W_up as up.
+    """
 
     def __init__(self, config: RotaryBertConfig, name: str) -> None:
         super().__init__()

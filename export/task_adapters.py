@@ -69,7 +69,7 @@ def _setting_is_set(value: object) -> bool:
 
 
 def _scale(config: dict, rank: int, where: Path) -> float:
-    """s of one module with rank r: lora_alpha / r, or lora_alpha / √r with rsLoRA."""
+    """The scale s of one module with rank r: lora_alpha / r, or lora_alpha / √r with rsLoRA."""
     alpha = config.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ArchitectureError(f"{where}: lora_alpha must be a number, got {alpha!r}")
@@ -98,9 +98,7 @@ class _Block:
     scale: float
 
 
-def _read_folder(
-    folder: Path, task_id: int, targets: dict[str, Target], blocks: dict[str, list[_Block]]
-) -> None:
+def _read_folder(folder: Path, task_id: int, targets: dict[str, Target], blocks: dict[str, list[_Block]]) -> None:
     """Add one task's blocks (read from its PEFT folder) to `blocks`, by the encoder's module."""
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     try:

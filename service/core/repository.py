@@ -178,6 +178,9 @@ class ModelSpec:
     """A multi-vector model's rules (task multivector, or an embedder with token_vectors); None otherwise."""
     multivector_width: int = 0
     """Width of each token vector (0 without token_vectors)."""
+    adapter_tasks: tuple[str, ...] = ()
+    """The task adapters' names (jina-embeddings-v3's retrieval.query …): task i's id in adapter_ids is i + 1;
+    empty: the model has none."""
     graph_outputs: tuple[str, ...] = ()
     """The graph's outputs as config.pbtxt lists them (the task's own, then any extra heads')."""
     graph_optimization: str = "all"
@@ -217,6 +220,10 @@ class ModelSpec:
     def uses_segments(self) -> bool:
         """Whether the graph takes token_type_ids."""
         return "token_type_ids" in self.input_names
+
+    def adapter_id(self, task: str) -> int:
+        """A task adapter's id in adapter_ids (a ValueError for a task the model has not)."""
+        return self.adapter_tasks.index(task) + 1
 
 
 def online_optimization(variant: str, device: str, fp32_on_cpu: str) -> str:
@@ -273,8 +280,10 @@ def latest_version(directory: Path) -> str:
 def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[tuple[str, ...], int, int]:
     """Validate inputs/outputs for the task; the token input names, the task output's width, the token vectors'."""
     names = tuple(i.name for i in config.input)
-    if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= set(TOKEN_INPUTS):
-        raise RepositoryError(f"{source}: inputs must be input_ids, attention_mask[, token_type_ids]; got {names}")
+    if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= {*TOKEN_INPUTS, ADAPTER_IDS}:
+        raise RepositoryError(
+            f"{source}: inputs must be input_ids, attention_mask[, token_type_ids][, {ADAPTER_IDS}]; got {names}"
+        )
     for tensor in config.input:
         if tensor.data_type != mc.TYPE_INT64 or list(tensor.dims) != [-1]:
             raise RepositoryError(f"{source}: input {tensor.name} must be TYPE_INT64 with dims [-1]")
@@ -391,6 +400,16 @@ def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> 
     }
 
 
+def _adapter_tasks(config: mc.ModelConfig, source: Path, input_names: tuple[str, ...]) -> tuple[str, ...]:
+    """The adapter_tasks parameter, checked: present exactly when the graph takes adapter_ids, distinct names."""
+    tasks = _json_parameter(config, P_ADAPTER_TASKS, source, list)
+    if bool(tasks) != (ADAPTER_IDS in input_names):
+        raise RepositoryError(f"{source}: input {ADAPTER_IDS} and parameter {P_ADAPTER_TASKS} go together")
+    if not all(isinstance(task, str) and task for task in tasks) or len(set(tasks)) != len(tasks):
+        raise RepositoryError(f"{source}: parameter {P_ADAPTER_TASKS} must list distinct task names")
+    return tuple(tasks)
+
+
 def _multivector(config: mc.ModelConfig, source: Path) -> MultiVectorSpec:
     """The multivector parameter, checked field by field."""
     fields = _json_parameter(config, P_MULTIVECTOR, source, dict)
@@ -497,6 +516,7 @@ def read_model(directory: Path) -> ModelSpec:
         multivector=_multivector(config, source) if multivector_width else None,
         multivector_width=multivector_width,
         graph_outputs=graph_outputs,
+        adapter_tasks=_adapter_tasks(config, source, input_names),
         **_task_facts(config, source, task, width),
     )
 
