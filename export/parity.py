@@ -511,18 +511,21 @@ def served_feeds(
     *,
     max_length: int,
     pad_token_id: int,
-    adapters: bool = False,
+    adapter_ids: list[int] | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
     """Texts (or pairs) as the server feeds them: each alone, and in padded batches.
 
     Batches hold SENTENCE_BATCH rows padded on the right to a multiple of SERVED_LENGTH_BUCKET
-    (never past max_length), as the server's batcher pads them. adapters: item i takes the task
-    adapter the sentence cases give it (with_adapter_ids); otherwise none.
+    (never past max_length), as the server's batcher pads them. adapter_ids: each item's task
+    adapter, every token of its row alike, as the server gives them (None: none).
     """
 
     def encoded_from(first: int, chunk: list) -> dict[str, np.ndarray]:
         feed = _encode(tokenizer, chunk)
-        return with_adapter_ids(feed, input_names, first) if adapters else feed
+        if adapter_ids is not None:
+            ids = np.array(adapter_ids[first : first + len(chunk)], dtype=np.int64)
+            feed[ADAPTER_IDS] = np.repeat(ids[:, None], feed["input_ids"].shape[1], axis=1)
+        return feed
 
     alone = [{name: encoded_from(i, [item])[name] for name in input_names} for i, item in enumerate(items)]
     batches = []
@@ -580,7 +583,12 @@ class ServedPath:
         self.sentences = sentences
         self.expected = expected
         self.alone, self.batches = served_feeds(
-            tokenizer, sentences, input_names, max_length=max_length, pad_token_id=pad_token_id, adapters=True
+            tokenizer,
+            sentences,
+            input_names,
+            max_length=max_length,
+            pad_token_id=pad_token_id,
+            adapter_ids=[i % GATE_ADAPTER_IDS for i in range(len(sentences))],  # as the sentence cases have them
         )
 
     def measure(self, session: ort.InferenceSession) -> ServedFigures:
