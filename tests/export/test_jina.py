@@ -229,19 +229,35 @@ def test_served_tasks_equal_the_reference(source: Path, repository: Path, refere
             refused.value
         )
         _assert_token_rows_of_every_task_in_one_request(server.target, source, library, reference)
+        _assert_refused(server.target, source)
         card = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused").models.retrieve(NAME)
         assert card.model_extra["tasks"] == list(TASKS)
 
 
-def test_remote_code_form_is_refused(source: Path, tmp_path: Path) -> None:
-    """jina-embeddings-v3's remote-code config (xlm-roberta with lora_adaptations) is refused in one line."""
-    folder = tmp_path / "remote-code"
+REMOTE_CODE = {"model_type": "xlm-roberta", "lora_adaptations": list(TASKS), "position_embedding_type": "rotary"}
+
+
+@pytest.mark.parametrize(
+    ("file", "changes", "refusal"),
+    [
+        ("config.json", REMOTE_CODE, r"jina-embeddings-v3 remote-code form .*its transformers-native form"),
+        ("separation/adapter_config.json", {"use_dora": True}, r"separation/adapter_config.json: unsupported use_dora"),
+        ("separation/adapter_config.json", {"bias": "all"}, r"unsupported bias 'all' \(only 'none'\)"),
+        ("separation/adapter_config.json", {"peft_type": "IA3"}, r"unsupported peft_type 'IA3' \(only LORA\)"),
+    ],
+)
+def test_what_is_not_implemented_is_refused_by_name(
+    source: Path, tmp_path: Path, file: str, changes: dict[str, object], refusal: str
+) -> None:
+    """The remote-code config (xlm-roberta with lora_adaptations) and PEFT settings that change the delta otherwise
+    are refused in one line naming them."""
+    folder = tmp_path / "changed"
     shutil.copytree(source, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config |= {"model_type": "xlm-roberta", "lora_adaptations": list(TASKS), "position_embedding_type": "rotary"}
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"jina-embeddings-v3 remote-code form.*its transformers-native form"):
+    path = folder / file
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+    with pytest.raises(CheckpointError, match=refusal) as refused:
         load_checkpoint(folder)
+    assert "\n" not in str(refused.value)
 
 
 def _assert_token_rows_of_every_task_in_one_request(
@@ -251,15 +267,42 @@ def _assert_token_rows_of_every_task_in_one_request(
     their own task's adapter (no prompts: the rows are the texts' own tokens)."""
     batch = _batch(source)
     feed = {name: batch[name].numpy().astype(np.int64) for name in ("input_ids", "attention_mask")}
+    tensors = _token_inputs(feed, 0)
     feed[ADAPTER_IDS] = _mixed_adapter_ids(*feed["input_ids"].shape)
-    tensors = []
-    for name, array in feed.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), "INT64")
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
+    tensors[-1].set_data_from_numpy(feed[ADAPTER_IDS])
     with grpcclient.InferenceServerClient(target) as client:
         served = client.infer(NAME, tensors).as_numpy("embedding")
     task_of_row = [(None, *TASKS)[i] for i in feed[ADAPTER_IDS][:, 0]]
     expected = {task: _library_embeddings(library, reference, task, prompt=False) for task in set(task_of_row)}
     rows = np.stack([expected[task][row] for row, task in enumerate(task_of_row)])
     assert_same_vectors(served, rows, min_cosine=0.9999)
+
+
+def _assert_refused(target: str, source: Path) -> None:
+    """A prompt_name naming another task than task, adapter_ids beside task, and an adapter id past the tasks."""
+    batch = _batch(source)
+    feed = {name: batch[name].numpy().astype(np.int64) for name in ("input_ids", "attention_mask")}
+    text = grpcclient.InferInput("text", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Hi."], dtype=np.object_))
+    cases = [
+        ([text], {"task": "separation", "prompt_name": "retrieval.query"}, "names another task than parameter task"),
+        ([*_token_inputs(feed, 1)], {"task": "separation"}, "both choose the task"),
+        ([*_token_inputs(feed, len(TASKS) + 1)], {}, "adapter_ids: values must be in [0, 5]"),
+    ]
+    with grpcclient.InferenceServerClient(target) as client:
+        for inputs, parameters, message in cases:
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer(NAME, inputs, parameters=parameters)
+            assert refused.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
+            assert message in str(refused.value), str(refused.value)
+
+
+def _token_inputs(feed: dict[str, np.ndarray], adapter_id: int) -> list[grpcclient.InferInput]:
+    """The token inputs, with every token on one adapter id."""
+    arrays = feed | {ADAPTER_IDS: np.full_like(feed["input_ids"], adapter_id)}
+    tensors = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), "INT64")
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
