@@ -194,7 +194,8 @@ def _library_embeddings(
 
 def test_served_tasks_equal_the_reference(source: Path, repository: Path, reference: PeftModel, tmp_path: Path) -> None:
     """Every task (and none) at once over gRPC (tritonclient, task and prompt_name) and the openai SDK (task), in
-    batches that mix them, against sentence-transformers with the task's prompt and adapter; unknown tasks refused."""
+    batches that mix them, against sentence-transformers with the task's prompt and adapter; unknown tasks refused.
+    Two front ends: the rows and their adapter ids travel the engine's wire."""
     library = _sentence_transformers(source, reference)
     expected = {task: _library_embeddings(library, reference, task) for task in (None, *TASKS)}
     for task in TASKS:  # each adapter changes the vectors, so a task served with another's would be seen
@@ -217,7 +218,9 @@ def test_served_tasks_equal_the_reference(source: Path, repository: Path, refere
     calls = [(task, "task", over_grpc) for task in (None, *TASKS)]
     calls += [(task, "prompt_name", over_grpc) for task in TASKS]
     calls += [(task, "", over_openai) for task in (None, *TASKS)]
-    with start_server(repository, tmp_path / "server.log", "--max-queue-delay-us", "20000") as server:
+    with start_server(
+        repository, tmp_path / "server.log", "--max-queue-delay-us", "20000", "--frontends", "2"
+    ) as server:
         with ThreadPoolExecutor(len(calls)) as pool:
             answers = list(pool.map(lambda call: call[2](call[0], call[1]) if call[1] else call[2](call[0]), calls))
         for (task, _, _), served in zip(calls, answers, strict=True):
