@@ -233,6 +233,10 @@ def test_served_tasks_equal_the_reference(source: Path, repository: Path, refere
         )
         _assert_token_rows_of_every_task_in_one_request(server.target, source, library, reference)
         _assert_refused(server.target, source)
+        with grpcclient.InferenceServerClient(server.target) as client:
+            config = client.get_model_config(NAME).config
+        assert json.loads(config.parameters["adapter_tasks"].string_value) == list(TASKS)
+        assert {tensor.name: tensor.optional for tensor in config.input}[ADAPTER_IDS]
         card = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused").models.retrieve(NAME)
         assert card.model_extra["tasks"] == list(TASKS)
 
