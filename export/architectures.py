@@ -3,9 +3,10 @@
 BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet are one encoder (export.model) with different
 settings; each is described here by how its config.json translates into an EncoderConfig and how
 its parameter names map onto the encoder's. ModernBERT (export.modernbert), DeBERTa-v2/v3
-(export.deberta), GTE and NomicBERT (export.rotary_bert, read by export.rotary_bert_formats), Qwen3
-(export.qwen3, a decoder read at its last token), Gemma3's bidirectional text model (export.gemma,
-EmbeddingGemma) and EuroBERT (export.eurobert) are their own encoders.
+(export.deberta), GTE, NomicBERT and jina-embeddings-v3 (export.rotary_bert, read by
+export.rotary_bert_formats; Jina's task adapters by export.task_adapters), Qwen3 (export.qwen3, a
+decoder read at its last token), Gemma3's bidirectional text model (export.gemma, EmbeddingGemma)
+and EuroBERT (export.eurobert) are their own encoders.
 Weights of task heads (poolers, classifiers, language model heads) are returned apart, for
 export.heads.
 """
@@ -117,6 +118,8 @@ def _require(hf_config: dict, *keys: str) -> None:
 
 def _bert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
     _require(hf_config, "vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+    if "lora_adaptations" in hf_config:
+        raise ArchitectureError(f"unsupported {JINA_REMOTE_CODE}")
     if hf_config.get("position_embedding_type", "absolute") != "absolute":
         raise ArchitectureError(f"unsupported position_embedding_type {hf_config['position_embedding_type']!r}")
     if hf_config.get("is_decoder") and hf_config.get("model_type") != "mpnet":  # MPNet's attention ignores it
@@ -231,8 +234,16 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Gemma3's text model names its weights as Qwen3's decoder does (embed_tokens, layers, norm).
     "gemma3_text": Architecture("gemma3_text", gemma.config_from_hf, qwen3.rename_weights),
     "eurobert": Architecture("eurobert", eurobert.config_from_hf, eurobert.rename_weights),
+    "jina_embeddings_v3": Architecture(
+        "jina_embeddings_v3", rotary_bert_formats.jina_config, rotary_bert_formats.rename_jina_weights
+    ),
 }
 """Supported model_type -> how to read it."""
+JINA_REMOTE_CODE = (
+    "jina-embeddings-v3 remote-code form (xlm-roberta with lora_adaptations, XLMRobertaLoRA), which transformers"
+    " runs only with trust_remote_code: its transformers-native form (model_type 'jina_embeddings_v3' with one"
+    " PEFT adapter folder per task, as jinaai/jina-embeddings-v3-hf) is supported"
+)
 REFUSAL_REASONS = {
     "new": "GTE's remote-code form, which transformers runs only with trust_remote_code;"
     " its transformers-native form (model_type 'gte', as alibaba-nlp-community/gte-base-en-v1.5) is supported",

@@ -7,6 +7,7 @@ export.sentence_transformers_folder checks first: what the exporter does not imp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +29,11 @@ from export.model import Encoder
 from export.modernbert import ModernBertConfig, ModernBertEncoder
 from export.qwen3 import Qwen3Config, Qwen3Encoder
 from export.rotary_bert import RotaryBertConfig, RotaryBertEncoder
+from export.rotary_bert_formats import jina_adapter_targets
 from export.sentence_transformers_folder import Declarations, FolderError, folder_task, read_declarations, read_object
 from export.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
 from export.splade import rename_head_weights as rename_masked_lm_weights
+from export.task_adapters import adapter_folders, read_task_adapters
 from export.yes_no_reranker import QWEN3_RERANKER_TEMPLATE, YesNoError, YesNoHead, YesNoReranker, is_causal_lm
 from export.yes_no_reranker import head_weights as yes_no_weights
 from export.yes_no_reranker import read_head as read_yes_no_head
@@ -247,8 +250,10 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         source = architecture(hf_config.get("model_type"))
         config = source.config(hf_config, pooling, normalize)
         state_dict, head_weights = source.rename(_read_weights(folder))
+        config, adapter_weights = _task_adapters(folder, source.model_type, config)
     except ArchitectureError as error:
         raise CheckpointError(f"{folder}: {error}") from error
+    state_dict |= adapter_weights
     if declarations.pooling_dimension not in (None, config.d_model):
         raise CheckpointError(
             f"{declarations.pooling_file}: embedding dimension {declarations.pooling_dimension}"
@@ -291,6 +296,34 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         dense=heads.dense,
         pair_template=QWEN3_RERANKER_TEMPLATE if yes_no else None,
     )
+
+
+def _task_adapters(
+    folder: Path, model_type: str, config: AnyEncoderConfig
+) -> tuple[AnyEncoderConfig, dict[str, torch.Tensor]]:
+    """jina-embeddings-v3's task adapters (its PEFT folders) on its configuration, and their weights; none elsewhere."""
+    if model_type != "jina_embeddings_v3":
+        if adapter_folders(folder):
+            names = ", ".join(f.name for f in adapter_folders(folder))
+            raise ArchitectureError(f"task adapters ({names}) are implemented for jina_embeddings_v3 only")
+        return config, {}
+    if not adapter_folders(folder):
+        return config, {}
+    width = config.num_heads * config.head_dim
+    shapes = {"embeddings.token": (config.vocab_size, config.d_model)}
+    for index in range(config.num_layers):
+        shapes[f"layers.{index}.attention.qkv"] = (config.d_model, 3 * width)
+        shapes[f"layers.{index}.attention.output"] = (width, config.d_model)
+        shapes[f"layers.{index}.feed_forward.up"] = (config.d_model, config.ffn_dim)
+        shapes[f"layers.{index}.feed_forward.down"] = (config.ffn_dim, config.d_model)
+    adapters = read_task_adapters(folder, jina_adapter_targets(config.num_layers), shapes)
+    config = dataclasses.replace(config, tasks=adapters.tasks, lora_columns=adapters.columns)
+    weights = {}
+    for module, state in adapters.weights.items():
+        owner, _, attribute = module.rpartition(".")
+        for key, tensor in state.items():
+            weights[f"{owner}.{attribute}_lora.{key}"] = tensor
+    return config, weights
 
 
 @dataclass(frozen=True)

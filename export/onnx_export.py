@@ -10,7 +10,7 @@ import onnx
 import torch
 from torch import nn
 
-from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
+from service.core.repository import ADAPTER_IDS, TOKEN_VECTORS, TOKEN_WEIGHTS
 
 OPSET = 17
 # Protobuf's 2 GiB message limit: larger models keep their weights beside the graph.
@@ -20,10 +20,12 @@ log = logging.getLogger(__name__)
 
 
 def input_names(model: nn.Module) -> list[str]:
-    """The graph's inputs, in order: token_type_ids only where the model has segments."""
+    """The graph's inputs, in order: token_type_ids only with segments, adapter_ids only with task adapters."""
     names = ["input_ids", "attention_mask"]
     if model.config.uses_segments:
         names.append("token_type_ids")
+    if getattr(model.config, "tasks", ()):
+        names.append(ADAPTER_IDS)
     return names
 
 
@@ -75,7 +77,9 @@ def export_onnx(model: nn.Module, path: Path) -> None:
     ONNX Runtime's transformer optimiser can fuse (the dynamo exporter's graph is not).
     """
     names = input_names(model)
-    example = (torch.ones(2, 8, dtype=torch.int64),) * len(names)
+    # input_ids and attention_mask by position, the optional inputs by name (adapter_ids may come without segments).
+    ones = torch.ones(2, 8, dtype=torch.int64)
+    example = (ones, ones, {name: ones for name in names[2:]})
     shapes = output_shapes(model)
     dynamic_axes = {name: {0: "batch", 1: "sequence"} for name in names}
     for output, shape in shapes.items():

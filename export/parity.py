@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, cosines
-from service.core.repository import TASK_VECTORS, TOKEN_VECTORS
+from service.core.repository import ADAPTER_IDS, TASK_VECTORS, TOKEN_VECTORS
 from service.pipeline.tokenizer import TextTokenizer
 
 BATCH_SIZES = (1, 2, 7, 32)
@@ -196,6 +196,9 @@ def mask_row(length: int, real: int, style: str, rng: np.random.Generator) -> np
     return row
 
 
+GATE_ADAPTER_IDS = 6
+"""Adapter ids the gate's rows cycle through on a model with task adapters: none, then jina-embeddings-v3's five
+(an id past a model's tasks selects none, as 0 does)."""
 CASE_TOKENS = 8192
 """The most tokens one random-token gate batch holds (32 rows of 256; one row of 8,192)."""
 
@@ -228,6 +231,7 @@ def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: 
                 "attention_mask": mask,
                 "token_type_ids": rng.integers(0, 2, size=(batch, length), dtype=np.int64) * mask,
             }
+            feed = with_adapter_ids(feed, input_names, first=len(cases))
             name = f"tokens {batch}x{length}"
             labels = tuple(
                 f"{name} row {row} ({style}, {n} tokens)"
@@ -235,6 +239,18 @@ def token_cases(input_names: list[str], vocab_size: int, max_length: int, seed: 
             )
             cases.append(Case("tokens", name, {k: feed[k] for k in input_names}, labels))
     return cases
+
+
+def with_adapter_ids(feed: dict[str, np.ndarray], input_names: list[str], first: int = 0) -> dict[str, np.ndarray]:
+    """The feed with adapter_ids where the graph takes them: each task's adapter (and none) on some of its rows.
+
+    Row i's every token takes id (first + i) mod GATE_ADAPTER_IDS.
+    """
+    if ADAPTER_IDS not in input_names:
+        return feed
+    rows, length = feed["input_ids"].shape
+    ids = (first + np.arange(rows, dtype=np.int64)) % GATE_ADAPTER_IDS
+    return feed | {ADAPTER_IDS: np.repeat(ids[:, None], length, axis=1)}
 
 
 def sentence_pairs(sentences: list[str]) -> list[tuple[str, str]]:
@@ -245,7 +261,7 @@ def sentence_pairs(sentences: list[str]) -> list[tuple[str, str]]:
 def _encode(tokenizer: TextTokenizer, chunk: list) -> dict[str, np.ndarray]:
     """A padded batch of texts, or of pairs as the model's tokenizer pairs them."""
     batch = tokenizer.encode_pairs(chunk) if isinstance(chunk[0], tuple) else tokenizer.encode(chunk)
-    return batch.feed()
+    return batch.feed(("input_ids", "attention_mask", "token_type_ids", ADAPTER_IDS))
 
 
 def _label(item: str | tuple[str, str]) -> str:
@@ -257,7 +273,7 @@ def sentence_cases(input_names: list[str], tokenizer: TextTokenizer, sentences: 
     cases = []
     for start in range(0, len(sentences), SENTENCE_BATCH):
         chunk = sentences[start : start + SENTENCE_BATCH]
-        feed = _encode(tokenizer, chunk)
+        feed = with_adapter_ids(_encode(tokenizer, chunk), input_names, first=start)
         labels = tuple(f"sentence {start + i + 1}: {_label(text)}" for i, text in enumerate(chunk))
         cases.append(
             Case("sentences", f"sentences {start + 1}-{start + len(chunk)}", {k: feed[k] for k in input_names}, labels)
@@ -293,7 +309,8 @@ def sentence_mask_cases(input_names: list[str], tokenizer: TextTokenizer, senten
     cases = []
     for start in range(0, len(sentences), SENTENCE_BATCH):
         chunk = sentences[start : start + SENTENCE_BATCH]
-        feed = {name: array for name, array in _encode(tokenizer, chunk).items() if name in input_names}
+        feed = with_adapter_ids(_encode(tokenizer, chunk), input_names, first=start)
+        feed = {name: array for name, array in feed.items() if name in input_names}
         for style, reshaped in (("left-padded", left_padded(feed)), ("holed", holed(feed))):
             labels = tuple(f"sentence {start + i + 1} {style}: {_label(text)}" for i, text in enumerate(chunk))
             name = f"sentences {start + 1}-{start + len(chunk)} {style}"
@@ -488,17 +505,32 @@ def embed_each(model: nn.Module, feeds: list[dict[str, np.ndarray]]) -> np.ndarr
 
 
 def served_feeds(
-    tokenizer: TextTokenizer, items: list, input_names: list[str], *, max_length: int, pad_token_id: int
+    tokenizer: TextTokenizer,
+    items: list,
+    input_names: list[str],
+    *,
+    max_length: int,
+    pad_token_id: int,
+    adapter_ids: list[int] | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
     """Texts (or pairs) as the server feeds them: each alone, and in padded batches.
 
     Batches hold SENTENCE_BATCH rows padded on the right to a multiple of SERVED_LENGTH_BUCKET
-    (never past max_length), as the server's batcher pads them.
+    (never past max_length), as the server's batcher pads them. adapter_ids: each item's task
+    adapter, every token of its row alike, as the server gives them (None: none).
     """
-    alone = [{name: _encode(tokenizer, [item])[name] for name in input_names} for item in items]
+
+    def encoded_from(first: int, chunk: list) -> dict[str, np.ndarray]:
+        feed = _encode(tokenizer, chunk)
+        if adapter_ids is not None:
+            ids = np.array(adapter_ids[first : first + len(chunk)], dtype=np.int64)
+            feed[ADAPTER_IDS] = np.repeat(ids[:, None], feed["input_ids"].shape[1], axis=1)
+        return feed
+
+    alone = [{name: encoded_from(i, [item])[name] for name in input_names} for i, item in enumerate(items)]
     batches = []
     for start in range(0, len(items), SENTENCE_BATCH):
-        encoded = _encode(tokenizer, items[start : start + SENTENCE_BATCH])
+        encoded = encoded_from(start, items[start : start + SENTENCE_BATCH])
         feed = {name: encoded[name] for name in input_names}
         width = feed["input_ids"].shape[1]
         bucketed = -(-width // SERVED_LENGTH_BUCKET) * SERVED_LENGTH_BUCKET
@@ -551,7 +583,12 @@ class ServedPath:
         self.sentences = sentences
         self.expected = expected
         self.alone, self.batches = served_feeds(
-            tokenizer, sentences, input_names, max_length=max_length, pad_token_id=pad_token_id
+            tokenizer,
+            sentences,
+            input_names,
+            max_length=max_length,
+            pad_token_id=pad_token_id,
+            adapter_ids=[i % GATE_ADAPTER_IDS for i in range(len(sentences))],  # as the sentence cases have them
         )
 
     def measure(self, session: ort.InferenceSession) -> ServedFigures:
@@ -605,10 +642,12 @@ def fidelity_reference(
                 "attention_mask": mask[None, :],
                 "token_type_ids": np.zeros((1, length), dtype=np.int64),
             }
-            rows.append(({name: row[name] for name in input_names}, f"tokens row {index} ({style}, {real} tokens)"))
+            label = f"tokens row {index} ({style}, {real} tokens)"
+            rows.append(({name: row[name] for name in input_names if name != ADAPTER_IDS}, label))
     width = max(feed["input_ids"].shape[1] for feed, _ in rows)
     padded = [pad_to(feed, width, model.config.pad_token_id) for feed, _ in rows]
-    batch = {name: np.concatenate([feed[name] for feed in padded]) for name in input_names}
+    batch = {name: np.concatenate([feed[name] for feed in padded]) for name in input_names if name != ADAPTER_IDS}
+    batch = with_adapter_ids(batch, input_names)
     output = model.output_names[-1]  # embedding, logits, sparse_embedding or token_vectors
 
     output = next(name for name in model.output_names if name in TASK_VECTORS.values())  # embedding, logits, sparse

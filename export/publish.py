@@ -28,6 +28,7 @@ from service.core.repository import (
     EMBEDDING_RANGES_FILE,
     FIDELITY_FILE,
     GRAPH_LEVELS,
+    P_ADAPTER_TASKS,
     P_DEFAULT_PROMPT_NAME,
     P_EMBEDDING_CALIBRATION,
     P_EMBEDDING_RANGES,
@@ -162,6 +163,8 @@ def _task_parameters(checkpoint: Checkpoint) -> dict[str, str]:
         parameters[P_POOLED_PROJECTION] = "dense"
     if checkpoint.bge_m3 is not None:
         parameters[P_MULTIVECTOR] = MULTIVECTOR.to_json()
+    if getattr(checkpoint.config, "tasks", ()):
+        parameters[P_ADAPTER_TASKS] = json.dumps(list(checkpoint.config.tasks))
     return parameters
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -27,11 +28,15 @@ import torch
 from export.checkpoint import Checkpoint
 from export.parity import SENTENCE_BATCH, TOLERANCES, sentence_pairs, served_feeds
 from export.splade import SPARSE_OUTPUT
+from export.task_adapters import adapter_folders
 from protocol import model_config_pb2 as mc
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import TOKEN_VECTORS, ModelSpec
 from service.pipeline import multivector
 from service.pipeline.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 FP32_MIN_COSINE = FIDELITY_MIN_COSINE
 """fp32's least cosine to the library's embeddings: the fidelity rule (served embeddings equal the model's)."""
@@ -67,6 +72,9 @@ class LibraryReference:
     """What was compared, where the reference is not sentence-transformers (a model card's code); "": describe's."""
     against: str = ""
     """The reference as failures name it; "": sentence-transformers' model_class on the folder."""
+    adapter_ids: list[int] | None = None
+    """Each input's task adapter (a model with task adapters: its inputs once with none, then a part again with
+    each task's adapter and prompt); None: the model has none."""
 
     def describe(self) -> str:
         """What was compared, for parity.json."""
@@ -80,6 +88,11 @@ class LibraryReference:
                 " max_abs_diff relative to each row's largest value"
             )
         described = "SentenceTransformer.encode embeddings, default prompt applied"
+        if self.adapter_ids is not None:
+            described += (
+                "; then the first inputs with each task's adapter (the transformer under PEFT, set_adapter) and"
+                " the task's prompt"
+            )
         if self.normalized:
             described += (
                 "; compared after L2-normalising both (no modules.json: sentence-transformers"
@@ -146,7 +159,49 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
         model = sentence_transformers.SentenceTransformer(folder, **loading)
     expected = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
     normalized = not (checkpoint.folder / "modules.json").is_file()
-    return LibraryReference(library, "SentenceTransformer", served, labels, expected, "embedding", normalized)
+    tasks = getattr(checkpoint.config, "tasks", ())
+    if not tasks:
+        return LibraryReference(library, "SentenceTransformer", served, labels, expected, "embedding", normalized)
+    import peft  # noqa: PLC0415  (build-time only, for models with task adapters)
+
+    library += f" + peft {peft.__version__}"
+    adapter_ids = [0] * len(texts)
+    answers = [expected]
+    for task_id, (task, task_served, task_expected) in enumerate(_task_answers(checkpoint, model, sentences), 1):
+        served += task_served
+        labels += [f"{task}: input {i + 1}: {text[:40]!r}" for i, text in enumerate(sentences[:SENTENCE_BATCH])]
+        adapter_ids += [task_id] * len(task_served)
+        answers.append(task_expected)
+    return LibraryReference(
+        library, "SentenceTransformer", served, labels, np.concatenate(answers), "embedding", normalized, adapter_ids
+    )
+
+
+def _task_answers(
+    checkpoint: Checkpoint, model: SentenceTransformer, sentences: list[str]
+) -> Iterator[tuple[str, list[str], np.ndarray]]:
+    """Each task's name, its first SENTENCE_BATCH gate sentences as served, and the library's embeddings of them.
+
+    As served: the task's prompt before each. The library: sentence-transformers with its transformer
+    wrapped by PEFT with every task folder's adapter, set_adapter to the task's.
+    """
+    from peft import PeftModel  # noqa: PLC0415  (build-time only)
+
+    folders = adapter_folders(checkpoint.folder)
+    transformer = model[0]
+    with quiet_loading():
+        wrapped = PeftModel.from_pretrained(transformer.model, str(folders[0]), adapter_name=folders[0].name)
+        for folder in folders[1:]:
+            wrapped.load_adapter(str(folder), adapter_name=folder.name)
+    transformer.model = wrapped.eval()
+    texts = sentences[:SENTENCE_BATCH]
+    prompts = checkpoint.serving.prompts
+    for task, folder in zip(checkpoint.config.tasks, folders, strict=True):
+        wrapped.set_adapter(folder.name)
+        name = task if task in prompts else checkpoint.serving.default_prompt_name or None
+        prefix = prompts.get(name or "", "")
+        encoded = model.encode(texts, prompt_name=name, convert_to_numpy=True, show_progress_bar=False)
+        yield task, [prefix + text for text in texts], encoded
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:
@@ -173,7 +228,14 @@ def measure(
     pad_token_id: int,
 ) -> LibraryFigures:
     """A variant's answers on the reference's inputs (each alone and batched: the worse counts) against the library."""
-    feeds = served_feeds(tokenizer, reference.inputs, input_names, max_length=max_length, pad_token_id=pad_token_id)
+    feeds = served_feeds(
+        tokenizer,
+        reference.inputs,
+        input_names,
+        max_length=max_length,
+        pad_token_id=pad_token_id,
+        adapter_ids=reference.adapter_ids,
+    )
     answers = [np.concatenate([session.run([reference.output], feed)[0] for feed in way]) for way in feeds]
     expected = reference.expected
     if reference.normalized:

@@ -1,4 +1,4 @@
-"""GTE's and NomicBERT's config.json and weight names, read onto export.rotary_bert.
+"""GTE's, NomicBERT's and jina-embeddings-v3's config.json and weight names, read onto export.rotary_bert.
 
 Each config.json is read as the installed transformers reads it (its native `gte` and `nomic_bert`
 configurations, with their defaults for what a file leaves out), since transformers is the
@@ -9,7 +9,9 @@ transformers ignores are still checked: one that asks for something else than wh
 `hidden_size`) is refused by name. Weights may be named as the original checkpoints name them
 (GTE's `encoder.layer.N.attention.qkv_proj`, NomicBERT's `encoder.layers.N.attn.Wqkv`; what
 `save_pretrained` writes) or as transformers' modules do (`layers.N.self_attn.q_proj`): Q, K and
-V, and W_up and W_gate, are joined into this encoder's single matrices.
+V, and W_up and W_gate, are joined into this encoder's single matrices. jina-embeddings-v3 is
+read in its transformers-native form (model_type jina_embeddings_v3, as jinaai/jina-embeddings-v3-hf
+ships it), its task adapters by export.task_adapters.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from export.architecture_error import ArchitectureError
 from export.rotary_bert import RotaryBertConfig
+from export.task_adapters import Target
 
 ACTIVATIONS = {
     "gelu": "gelu",
@@ -80,6 +83,7 @@ class _Defaults:
 
 
 GTE_DEFAULTS = _Defaults(250048, "gelu", 8192, 1, 1, 160_000.0)
+JINA_DEFAULTS = _Defaults(250002, "gelu", 8194, 1, 1, 20_000.0)
 NOMIC_BERT_DEFAULTS = _Defaults(30528, "silu", 2048, 2, 0, 1000.0)
 
 
@@ -191,6 +195,22 @@ def nomic_bert_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryB
     )
 
 
+def jina_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertConfig:
+    """Translate a transformers-native jina-embeddings-v3 config.json (model_type jina_embeddings_v3).
+
+    Its task adapters are not in config.json: export.task_adapters reads them from their folders.
+    """
+    common = _common(hf_config, JINA_DEFAULTS, pooling, normalize)
+    return RotaryBertConfig(
+        **{**common, "layer_norm_eps": hf_config.get("layer_norm_eps", 1e-5)},
+        max_positions=hf_config.get("max_position_embeddings", JINA_DEFAULTS.max_position_embeddings),
+        attention_bias=True,
+        up_gate_bias=True,
+        down_bias=True,
+        gated=False,
+    )
+
+
 Slot = tuple[str, int, int]
 """A checkpoint module's place in the encoder: (module, part, parts): part of a matrix joined from parts."""
 _LAYER = re.compile(r"^(?:encoder\.layers?|layers)\.(\d+)\.(.+)\.(weight|bias)$")
@@ -211,6 +231,17 @@ _NATIVE_LAYER: dict[str, Slot] = {
     "mlp.down_proj": ("feed_forward.down", 0, 1),
     "post_mlp_layernorm": ("output_norm", 0, 1),
 }
+_JINA_LAYER: dict[str, Slot] = {
+    **{module: slot for module, slot in _NATIVE_LAYER.items() if not module.startswith("mlp.")},
+    "mlp.fc1": ("feed_forward.up", 0, 1),
+    "mlp.fc2": ("feed_forward.down", 0, 1),
+    "mixer.Wqkv": ("attention.qkv", 0, 1),
+    "mixer.out_proj": ("attention.output", 0, 1),
+    "norm1": ("attention_norm", 0, 1),
+    "norm2": ("output_norm", 0, 1),
+}
+"""jina-embeddings-v3's layer modules, as transformers' modules name them and as its checkpoints do (what
+save_pretrained writes: the original model's names, Q, K and V in one Wqkv)."""
 _GTE_LAYER: dict[str, Slot] = {
     **_NATIVE_LAYER,
     "attention.qkv_proj": ("attention.qkv", 0, 1),
@@ -275,3 +306,19 @@ def rename_nomic_bert_weights(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """NomicBERT's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
     return _rename(weights, ("nomic_bert.", *WRAPPERS), _NOMIC_LAYER)
+
+
+def rename_jina_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """jina-embeddings-v3's parameter names (transformers') -> the encoder's, and the task heads' weights apart."""
+    return _rename(weights, ("roberta.", *WRAPPERS), _JINA_LAYER)
+
+
+def jina_adapter_targets(num_layers: int) -> dict[str, Target]:
+    """Where a LoRA of each of jina-embeddings-v3's modules (transformers' names) lands in the encoder."""
+    targets = {"embeddings.word_embeddings": Target("embeddings.token")}
+    for index in range(num_layers):
+        for module, (slot, part, parts) in _JINA_LAYER.items():
+            if "norm" not in module:
+                for layer in (f"layers.{index}", f"encoder.layers.{index}"):
+                    targets[f"{layer}.{module}"] = Target(f"layers.{index}.{slot}", part, parts)
+    return targets

@@ -33,6 +33,7 @@ def token_feed(input_names: list[str], batch: int, length: int, vocab_size: int,
         "input_ids": rng.integers(1, vocab_size, size=(batch, length), dtype=np.int64),
         "attention_mask": np.ones((batch, length), dtype=np.int64),
         "token_type_ids": np.zeros((batch, length), dtype=np.int64),
+        "adapter_ids": np.zeros((batch, length), dtype=np.int64),
     }
     return {name: feed[name] for name in input_names}
 

@@ -33,12 +33,13 @@ def padded_feed(groups: list[Group], policy: BatchingPolicy) -> tuple[dict[str, 
     """
     ids: list[np.ndarray] = []
     lengths: list[int] = []
-    masked = typed = False
+    masked = typed = adapted = False
     for group in groups:
         item = group.item
         tokens, starts, item_lengths = item.rows, item.starts, item.lengths
         masked = masked or tokens.attention_mask is not None
         typed = typed or tokens.token_type_ids is not None
+        adapted = adapted or tokens.adapter_ids is not None
         if len(item_lengths) == 1:  # most requests: one text, its ids whole
             lengths.append(item_lengths[0])
             ids.append(tokens.input_ids)
@@ -60,7 +61,12 @@ def padded_feed(groups: list[Group], policy: BatchingPolicy) -> tuple[dict[str, 
     else:
         feed_types = np.zeros(shape, dtype=np.int64)
     real_tokens = int(np.count_nonzero(feed_mask)) if masked else sum(lengths)
-    return {"input_ids": feed_ids, "attention_mask": feed_mask, "token_type_ids": feed_types}, real_tokens
+    feed = {"input_ids": feed_ids, "attention_mask": feed_mask, "token_type_ids": feed_types}
+    if adapted:
+        feed["adapter_ids"] = _laid_out(np.concatenate(list(_each_row(groups, "adapter_ids", 0))), kept, shape, 0)
+    else:
+        feed["adapter_ids"] = np.zeros(shape, dtype=np.int64)
+    return feed, real_tokens
 
 
 def request_outputs(group: Group, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -34,6 +34,10 @@ EMBEDDING_RANGES_FILE = "embedding_ranges.npz"
 PLATFORM = "onnxruntime_onnx"
 VARIANT_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+ADAPTER_IDS = "adapter_ids"
+"""A graph input of a model with task adapters (jina-embeddings-v3): INT64 [batch, sequence], each token's task
+adapter, 1 + the task's place in the tasks parameter (0: none); the server gives every token of a text its
+task's id."""
 TOKEN_VECTORS = "token_vectors"
 """A multi-vector model's graph output: [batch, sequence, width], each position's L2-normalised vector
 (which positions belong to a text is the multivector parameter's rule, applied by the server)."""
@@ -72,6 +76,8 @@ P_TASK = "task"
 P_LABELS = "labels"
 P_PROMPTS = "prompts"
 P_DEFAULT_PROMPT_NAME = "default_prompt_name"
+P_ADAPTER_TASKS = "adapter_tasks"
+"""JSON list: the task adapters' names; a task's id in adapter_ids is 1 + its place (0: no adapter)."""
 P_SIMILARITY_FN_NAME = "similarity_fn_name"
 P_MATRYOSHKA_DIMENSIONS = "matryoshka_dimensions"
 P_EMBEDDING_RANGES = "embedding_ranges"
@@ -214,6 +220,9 @@ class ModelSpec:
     """Width of each token vector (0 without token_vectors)."""
     pair_template: PairTemplate | None = None
     """How a reranker that reads a prompt pairs a query and a document; None: the tokenizer's own pair form."""
+    adapter_tasks: tuple[str, ...] = ()
+    """The task adapters' names (jina-embeddings-v3's retrieval.query …): task i's id in adapter_ids is i + 1;
+    empty: the model has none."""
     graph_outputs: tuple[str, ...] = ()
     """The graph's outputs as config.pbtxt lists them (the task's own, then any extra heads')."""
     graph_optimization: str = "all"
@@ -253,6 +262,10 @@ class ModelSpec:
     def uses_segments(self) -> bool:
         """Whether the graph takes token_type_ids."""
         return "token_type_ids" in self.input_names
+
+    def adapter_id(self, task: str) -> int:
+        """A task adapter's id in adapter_ids (a ValueError for a task the model has not)."""
+        return self.adapter_tasks.index(task) + 1
 
 
 def online_optimization(variant: str, device: str, fp32_on_cpu: str) -> str:
@@ -309,8 +322,10 @@ def latest_version(directory: Path) -> str:
 def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[tuple[str, ...], int, int]:
     """Validate inputs/outputs for the task; the token input names, the task output's width, the token vectors'."""
     names = tuple(i.name for i in config.input)
-    if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= set(TOKEN_INPUTS):
-        raise RepositoryError(f"{source}: inputs must be input_ids, attention_mask[, token_type_ids]; got {names}")
+    if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= {*TOKEN_INPUTS, ADAPTER_IDS}:
+        raise RepositoryError(
+            f"{source}: inputs must be input_ids, attention_mask[, token_type_ids][, {ADAPTER_IDS}]; got {names}"
+        )
     for tensor in config.input:
         if tensor.data_type != mc.TYPE_INT64 or list(tensor.dims) != [-1]:
             raise RepositoryError(f"{source}: input {tensor.name} must be TYPE_INT64 with dims [-1]")
@@ -429,6 +444,16 @@ def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> 
         "matryoshka_dimensions": matryoshka,
         "embedding_ranges": _embedding_ranges(config, source.parent, source, (width, *matryoshka)),
     }
+
+
+def _adapter_tasks(config: mc.ModelConfig, source: Path, input_names: tuple[str, ...]) -> tuple[str, ...]:
+    """The adapter_tasks parameter, checked: present exactly when the graph takes adapter_ids, distinct names."""
+    tasks = _json_parameter(config, P_ADAPTER_TASKS, source, list)
+    if bool(tasks) != (ADAPTER_IDS in input_names):
+        raise RepositoryError(f"{source}: input {ADAPTER_IDS} and parameter {P_ADAPTER_TASKS} go together")
+    if not all(isinstance(task, str) and task for task in tasks) or len(set(tasks)) != len(tasks):
+        raise RepositoryError(f"{source}: parameter {P_ADAPTER_TASKS} must list distinct task names")
+    return tuple(tasks)
 
 
 def _multivector(config: mc.ModelConfig, source: Path) -> MultiVectorSpec:
@@ -556,6 +581,7 @@ def read_model(directory: Path) -> ModelSpec:
         multivector_width=multivector_width,
         pair_template=_pair_template(config, source, task, width),
         graph_outputs=graph_outputs,
+        adapter_tasks=_adapter_tasks(config, source, input_names),
         **_task_facts(config, source, task, width),
     )
 

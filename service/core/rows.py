@@ -46,6 +46,9 @@ class TokenRows(msgspec.Struct, gc=False):
     """int64 [sum of lengths], or None when every token of every row attends."""
     token_type_ids: np.ndarray | None = None
     """int64 [sum of lengths], or None when every segment id is 0."""
+    adapter_ids: np.ndarray | None = None
+    """int64 [sum of lengths]: each token's task adapter (a model with task adapters), or None when every one is 0
+    (none)."""
 
     @property
     def rows(self) -> int:
@@ -61,10 +64,11 @@ class TokenRows(msgspec.Struct, gc=False):
 
     @classmethod
     def from_padded(cls, tokens: dict[str, np.ndarray]) -> TokenRows:
-        """Rows from [rows, length] arrays (input_ids, attention_mask, optional token_type_ids): right padding dropped.
+        """Rows from [rows, length] arrays (input_ids, attention_mask[, token_type_ids][, adapter_ids]), unpadded.
 
-        The request's width stays the arrays' length. The mask is kept only where some row has a
-        zero before its last attended token; the segment ids only where one of them is not 0.
+        Right padding is dropped. The request's width stays the arrays' length. The mask is kept only
+        where some row has a zero before its last attended token; the segment and adapter ids only
+        where one of them is not 0.
         """
         ids, mask = tokens["input_ids"], tokens["attention_mask"]
         width = ids.shape[1]
@@ -73,15 +77,14 @@ class TokenRows(msgspec.Struct, gc=False):
         lengths = (width - np.argmax(attended[:, ::-1], axis=1)).astype(_INT64)
         kept = np.arange(width) < lengths[:, None]
         needs_mask = bool((np.count_nonzero(attended, axis=1) != lengths).any())
-        types = tokens.get("token_type_ids")
-        if types is not None and not types.any():
-            types = None
+        types, adapters = (_nonzero(tokens.get(name), kept) for name in ("token_type_ids", "adapter_ids"))
         return cls(
             input_ids=np.ascontiguousarray(ids[kept], dtype=_INT64),
             lengths=lengths,
             width=width,
             attention_mask=np.ascontiguousarray(mask[kept], dtype=_INT64) if needs_mask else None,
-            token_type_ids=None if types is None else np.ascontiguousarray(types[kept], dtype=_INT64),
+            token_type_ids=types,
+            adapter_ids=adapters,
         )
 
     def joined(self, other: TokenRows) -> TokenRows:
@@ -101,6 +104,7 @@ class TokenRows(msgspec.Struct, gc=False):
             max(self.width, other.width),
             both("attention_mask", 1),
             both("token_type_ids", 0),
+            both("adapter_ids", 0),
         )
 
     def split(self, first: int) -> tuple[TokenRows, TokenRows]:
@@ -108,7 +112,7 @@ class TokenRows(msgspec.Struct, gc=False):
         cut = int(self.lengths[:first].sum())
         parts = []
         for rows, tokens in ((slice(None, first), slice(None, cut)), (slice(first, None), slice(cut, None))):
-            mask, types = self.attention_mask, self.token_type_ids
+            mask, types, adapters = self.attention_mask, self.token_type_ids, self.adapter_ids
             parts.append(
                 TokenRows(
                     self.input_ids[tokens],
@@ -116,6 +120,7 @@ class TokenRows(msgspec.Struct, gc=False):
                     self.width,
                     None if mask is None else mask[tokens],
                     None if types is None else types[tokens],
+                    None if adapters is None else adapters[tokens],
                 )
             )
         return parts[0], parts[1]
@@ -128,10 +133,24 @@ class TokenRows(msgspec.Struct, gc=False):
         mask = kept.astype(_INT64)
         if self.attention_mask is not None:
             mask[kept] = self.attention_mask
-        types = np.zeros((self.rows, self.width), dtype=_INT64)
-        if self.token_type_ids is not None:
-            types[kept] = self.token_type_ids
-        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        padded = {"input_ids": ids, "attention_mask": mask}
+        for name in ("token_type_ids", "adapter_ids"):
+            padded[name] = np.zeros((self.rows, self.width), dtype=_INT64)
+            if getattr(self, name) is not None:
+                padded[name][kept] = getattr(self, name)
+        return padded
+
+    def with_adapter(self, adapter_id: int) -> TokenRows:
+        """These rows with every token on one task adapter (0: none)."""
+        adapters = np.full(len(self.input_ids), adapter_id, _INT64) if adapter_id else None
+        return TokenRows(self.input_ids, self.lengths, self.width, self.attention_mask, self.token_type_ids, adapters)
+
+
+def _nonzero(values: np.ndarray | None, kept: np.ndarray) -> np.ndarray | None:
+    """An optional per-token array's kept values, or None where there is none or every value is 0."""
+    if values is None or not values.any():
+        return None
+    return np.ascontiguousarray(values[kept], dtype=_INT64)
 
 
 class WorkResult(msgspec.Struct, gc=False):

@@ -375,6 +375,7 @@ class ModelRuntime:
                 "input_ids": np.full((rows, length), 1, dtype=np.int64),
                 "attention_mask": np.ones((rows, length), dtype=np.int64),
                 "token_type_ids": np.zeros((rows, length), dtype=np.int64),
+                "adapter_ids": np.zeros((rows, length), dtype=np.int64),
             }
             try:
                 self.run(feed, self.output_names)

@@ -43,7 +43,10 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
-    """One request's token rows for a model; the payload holds input_ids, lengths, then mask and types if present."""
+    """One request's token rows for a model.
+
+    The payload holds input_ids, lengths, then the mask, the segment ids and the adapter ids where present.
+    """
 
     id: int
     model: str
@@ -58,6 +61,8 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     typed: bool
     trace: bytes | None = None
     """The request's span context (service.ops.tracing.to_wire) while tracing is on: 25 bytes."""
+    adapted: bool = False
+    """The rows carry adapter ids (a model with task adapters, a task asked for)."""
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -243,7 +248,7 @@ def submit_message(
         memoryview(np.ascontiguousarray(rows.input_ids, _INT64)),
         memoryview(np.ascontiguousarray(rows.lengths, _INT64)),
     ]
-    for optional in (rows.attention_mask, rows.token_type_ids):
+    for optional in (rows.attention_mask, rows.token_type_ids, rows.adapter_ids):
         if optional is not None:
             buffers.append(memoryview(np.ascontiguousarray(optional, _INT64)))
     message = Submit(
@@ -258,6 +263,7 @@ def submit_message(
         rows.attention_mask is not None,
         rows.token_type_ids is not None,
         trace,
+        rows.adapter_ids is not None,
     )
     return message, buffers
 
@@ -316,14 +322,17 @@ def rows_of(message: Submit, words: np.ndarray, offset: int) -> tuple[TokenRows,
     ids = words[offset:end]
     lengths = words[end : end + message.rows]
     offset = end + message.rows
-    mask = types = None
+    mask = types = adapters = None
     if message.masked:
         mask = words[offset : offset + tokens]
         offset += tokens
     if message.typed:
         types = words[offset : offset + tokens]
         offset += tokens
-    return TokenRows(ids, lengths, message.width, mask, types), offset
+    if message.adapted:
+        adapters = words[offset : offset + tokens]
+        offset += tokens
+    return TokenRows(ids, lengths, message.width, mask, types, adapters), offset
 
 
 class EngineConnection(_Frames):

@@ -182,6 +182,8 @@ class ServedModel:
                     self._check_windows(rows, request)
             else:
                 rows = request.tokens
+            if request.adapter_id:
+                rows = rows.with_adapter(request.adapter_id)
             answer_bytes = answers.reserve(self._answer_size(rows, request, encodings))
             graph = tuple(dict.fromkeys(self.signature.outputs[name].source for name in request.outputs))
             if spans is not None:

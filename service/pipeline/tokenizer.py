@@ -51,6 +51,11 @@ class TokenizedBatch:
     attention_mask: np.ndarray
     token_type_ids: np.ndarray
 
+    @property
+    def adapter_ids(self) -> np.ndarray:
+        """No task adapter for any token (a model with task adapters takes the ids of the tasks asked for)."""
+        return np.zeros_like(self.input_ids)
+
     def feed(
         self, input_names: Sequence[str] = ("input_ids", "attention_mask", "token_type_ids")
     ) -> dict[str, np.ndarray]:

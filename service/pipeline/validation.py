@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.core.repository import ModelSpec
+from service.core.repository import ADAPTER_IDS, ModelSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument, RequestTooLarge
 from service.pipeline.multivector import DOCUMENT, SCORE, input_type_choice
@@ -26,6 +26,8 @@ TEXT_INPUT = "text"
 QUERY_INPUT = "query"
 """The optional first member of each pair, for a classifier or a multi-vector model: row i is (query[i], text[i])."""
 PROMPT_NAME = "prompt_name"
+TASK = "task"
+"""A model's task adapter (jina-embeddings-v3's retrieval.query …), as Jina's API names the choice."""
 TRUNCATE = "truncate"
 DIMENSIONS = "dimensions"
 LATE_CHUNKING = "late_chunking"
@@ -122,6 +124,9 @@ class ValidRequest:
     """The texts are consecutive chunks of one document, embedded in its context (service.pipeline.long_texts)."""
     instruction: str | None = None
     """The pair template's instruction for these pairs; None: the template's default."""
+    adapter_id: int = 0
+    """The task adapter every row runs with (1 + its place in the model's adapter_tasks; 0: none, or the token
+    request's own adapter_ids)."""
 
     @property
     def rows(self) -> int:
@@ -246,6 +251,12 @@ def _check_tokens(tokens: dict[str, np.ndarray], signature: ModelSignature) -> N
     types = tokens.get("token_type_ids")
     if types is not None and types.size and (types.min() < 0 or types.max() >= signature.spec.type_vocab_size):
         raise InvalidArgument(f"token_type_ids: values must be in [0, {signature.spec.type_vocab_size})")
+    adapters = tokens.get(ADAPTER_IDS)
+    if adapters is not None and adapters.size and (adapters.min() < 0 or adapters.max() > len(spec.adapter_tasks)):
+        raise InvalidArgument(
+            f"{ADAPTER_IDS}: values must be in [0, {len(spec.adapter_tasks)}] (0: no adapter; task i + 1:"
+            f" {', '.join(spec.adapter_tasks)})"
+        )
 
 
 def requested_outputs(names: Sequence[str], signature: ModelSignature, pairs: bool) -> tuple[str, ...]:
@@ -279,8 +290,41 @@ def timeout_s(parameters: dict[str, object]) -> float | None:
 
 
 def prompt_prefix(parameters: dict[str, object], spec: ModelSpec) -> str:
-    """The prefix the request's prompt_name names (or the model's default prompt's); "" for none."""
-    name = parameters.get(PROMPT_NAME)
+    """The prefix the request's prompt_name or task names (or the model's default prompt's); "" for none."""
+    return prompt_and_task(parameters, spec)[0]
+
+
+def _task_id(task: object, spec: ModelSpec) -> int:
+    """The id of the task adapter a task parameter names, checked."""
+    if not isinstance(task, str) or task not in spec.adapter_tasks:
+        known = ", ".join(spec.adapter_tasks) or "none"
+        raise InvalidArgument(f"parameter {TASK} {task!r} is not a task of model {spec.name} (tasks: {known})")
+    return spec.adapter_id(task)
+
+
+def prompt_and_task(parameters: dict[str, object], spec: ModelSpec) -> tuple[str, int]:
+    """The prefix the request's prompt puts before each text, and the id of the task adapter its rows run with.
+
+    prompt_name names a prompt, task a task adapter; either one, where its name is both a prompt and a
+    task (jina-embeddings-v3 names its prompts after its tasks), selects both, and given together
+    they must not name two tasks. Neither: the model's default prompt, and the task of that name if
+    there is one (else no adapter, as transformers and sentence-transformers run the model).
+    """
+    prompt, task = parameters.get(PROMPT_NAME), parameters.get(TASK)
+    if task is None:
+        name = spec.default_prompt_name if prompt is None else prompt
+        prefix = _prompt(prompt, spec)
+        return prefix, spec.adapter_id(name) if name in spec.adapter_tasks else 0
+    adapter_id = _task_id(task, spec)
+    if prompt is not None and prompt != task and prompt in spec.adapter_tasks:
+        raise InvalidArgument(f"parameter {PROMPT_NAME} {prompt!r} names another task than parameter {TASK} {task!r}")
+    if prompt is None and task in spec.prompts:
+        prompt = task
+    return _prompt(prompt, spec), adapter_id
+
+
+def _prompt(name: object, spec: ModelSpec) -> str:
+    """The prefix of a prompt_name (None: the model's default prompt's); "" for none."""
     if name is None:
         return spec.prompts.get(spec.default_prompt_name, "")
     if spec.task == "classify":
@@ -416,7 +460,7 @@ def validate(
     spec = signature.spec
     decoded = _decode_inputs(inputs, signature.input_datatypes)
     texts = tokens = queries = None
-    prefix = prompt_prefix(parameters, spec)
+    prefix, adapter_id = prompt_and_task(parameters, spec)
     if TEXT_INPUT in decoded:
         if set(decoded) - {TEXT_INPUT, QUERY_INPUT}:
             raise InvalidArgument("input text cannot be combined with token inputs")
@@ -439,6 +483,8 @@ def validate(
     else:
         arrays = {name: np.asarray(value) for name, value in decoded.items()}
         _check_tokens(arrays, signature)
+        if ADAPTER_IDS in arrays and TASK in parameters:
+            raise InvalidArgument(f"input {ADAPTER_IDS} and parameter {TASK} both choose the task: send one")
         check_rows(arrays["input_ids"].shape[0], signature, row_limit)
         tokens = TokenRows.from_padded(arrays)
     pairs = queries is not None
@@ -457,6 +503,7 @@ def validate(
         input_type=input_type_choice(parameters, spec),
         late_chunking=late_chunking_choice(parameters, signature, pairs, requested),
         instruction=instruction_choice(parameters, spec, pairs),
+        adapter_id=adapter_id if tokens is None or ADAPTER_IDS not in decoded else 0,
     )
 
 

@@ -5,7 +5,8 @@ As OpenAI's: `input` is a string or a list of strings, `encoding_format` float o
 it, `user` accepted and unused, `usage` counted by the model's own tokenizer. Unlike OpenAI's,
 token arrays are refused: ids from OpenAI's tokenizer mean nothing to this model.
 
-Extensions: `prompt_name` (sentence-transformers' prompts), `truncate` (false: a text longer than
+Extensions: `prompt_name` (sentence-transformers' prompts), `task` (a model's task adapter, as Jina's API:
+jina-embeddings-v3's retrieval.query …), `truncate` (false: a text longer than
 the model is embedded whole, in windows: service.pipeline.long_texts), `late_chunking` (the inputs
 are consecutive chunks of one document, each embedded in its context, as Jina's API) and `embedding_type` (float,
 int8, uint8, binary or ubinary: service.pipeline.embedding_types), whose integers come as JSON numbers, or with
@@ -41,9 +42,11 @@ FIELDS = (
     "embedding_type",
     "truncate",
     "late_chunking",
+    "task",
 )
-"""OpenAI's fields, and the extensions prompt_name (sentence-transformers'), embedding_type, truncate and
-late_chunking (as Jina's API: the inputs are chunks of one document; the SDK sends them with extra_body)."""
+"""OpenAI's fields, and the extensions prompt_name (sentence-transformers'), embedding_type, truncate,
+late_chunking and task (as Jina's API: the inputs are chunks of one document; the task adapter; the SDK sends
+them with extra_body)."""
 OWNER = "encoder-serve"
 TOKEN_ARRAYS_REFUSED = (
     "input must be a string or a list of strings: token arrays are not accepted, this server tokenises with"
@@ -64,6 +67,8 @@ class EmbeddingsRequest:
     """One of embedding_types.EMBEDDING_TYPES (checked against the model when it is known)."""
     truncate: bool = True
     late_chunking: bool = False
+    task: str | None = None
+    """The model's task adapter to embed with (checked against the model by the engine's rules)."""
 
 
 def _texts(value: object) -> list[str]:
@@ -97,6 +102,9 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
     prompt_name = payload.get("prompt_name")
     if prompt_name is not None and not isinstance(prompt_name, str):
         raise InvalidArgument("prompt_name must be a string: the name of one of the model's prompts")
+    task = payload.get("task")
+    if task is not None and not isinstance(task, str):
+        raise InvalidArgument("task must be a string: the name of one of the model's task adapters")
     embedding_type = payload.get("embedding_type", "float")
     if embedding_type not in EMBEDDING_TYPES:
         raise InvalidArgument(f"embedding_type must be one of {', '.join(EMBEDDING_TYPES)}, got {embedding_type!r}")
@@ -107,7 +115,7 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
         )
     texts = _texts(payload["input"])
     return EmbeddingsRequest(
-        model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate, late_chunking
+        model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate, late_chunking, task
     )
 
 
@@ -145,7 +153,8 @@ async def embeddings(
         dimensions=request.dimensions,
         parameters={"truncate": request.truncate}
         | ({"late_chunking": True} if request.late_chunking else {})
-        | ({} if request.prompt_name is None else {"prompt_name": request.prompt_name}),
+        | ({} if request.prompt_name is None else {"prompt_name": request.prompt_name})
+        | ({} if request.task is None else {"task": request.task}),
         encodings={output: BASE64 if request.encoding_format == "base64" else JSON},
     )
     async with door.inference(context, inference_request) as inference:
@@ -165,6 +174,7 @@ def _model_card(model: ModelInfo, created: int) -> dict[str, object]:
         card["default_prompt_name"] = spec.default_prompt_name or None
         card["dimensions"] = [spec.hidden_size, *spec.matryoshka_dimensions]
         card["embedding_types"] = embedding_types(model.signature)
+        card["tasks"] = list(spec.adapter_tasks)
     elif spec.task == "classify":
         card["labels"] = list(spec.labels)
     return card
