@@ -115,9 +115,9 @@ class AsyncEmbeddingClient(ClientSettings):
         attempt = 0
         while True:
             attempt += 1
-            stub = self._connections.next_stub()
+            stub = self.connections.next_stub()
             try:
-                return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+                return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self.call_metadata)
             except grpc.aio.AioRpcError as failure:
                 error = rpc_error(failure)
             delay_s = self.retry.delay_s(error, attempt)
@@ -128,7 +128,7 @@ class AsyncEmbeddingClient(ClientSettings):
 
     async def close(self) -> None:
         """Close the connections."""
-        for channel in self._connections.channels:
+        for channel in self.connections.channels:
             await channel.close()
 
     async def __aenter__(self) -> AsyncEmbeddingClient:

@@ -53,9 +53,9 @@ class ClientSettings:
         self.retry = retry or RetryPolicy()
         self.retries = 0
         """Calls tried again so far (after RESOURCE_EXHAUSTED or UNAVAILABLE)."""
-        self._metadata = security.metadata()
+        self.call_metadata = security.metadata()
         self._infos: dict[str, tasks.ModelInfo] = {}
-        self._connections = self._connect(target, connections, security)
+        self.connections = self._connect(target, connections, security)
 
     @staticmethod
     def _connect(target: str, count: int, security: ClientSecurity) -> Connections:

@@ -104,9 +104,9 @@ class EmbeddingClient(ClientSettings):
         attempt = 0
         while True:
             attempt += 1
-            stub = self._connections.next_stub()
+            stub = self.connections.next_stub()
             try:
-                return getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+                return getattr(stub, method)(request, timeout=self.timeout_s, metadata=self.call_metadata)
             except grpc.RpcError as failure:
                 error = rpc_error(failure)
             delay_s = self.retry.delay_s(error, attempt)
@@ -117,7 +117,7 @@ class EmbeddingClient(ClientSettings):
 
     def close(self) -> None:
         """Close the connections."""
-        for channel in self._connections.channels:
+        for channel in self.connections.channels:
             channel.close()
 
     def __enter__(self) -> EmbeddingClient:
