@@ -76,7 +76,8 @@ async def _embed(args: argparse.Namespace) -> None:
         progress_stream=None if args.quiet else sys.stderr,
     )
     if not args.quiet:
-        print(json.dumps({"rows": report.rows, "embedded": report.embedded, "output": str(report.output)}))
+        summary = {"rows": report.rows, "embedded": report.embedded, "retries": report.retries}
+        print(json.dumps({**summary, "texts_per_s": round(report.texts_per_s, 1), "output": str(report.output)}))
 
 
 async def _score(args: argparse.Namespace) -> None:

@@ -61,7 +61,7 @@ def stacked(responses: Sequence[pb.ModelInferResponse], name: str) -> np.ndarray
     return np.concatenate([output_values(response, name) for response in responses])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SparseEmbeddings:
     """Sparse embeddings: row i's terms are indices[i, :counts[i]] with values[i, :counts[i]], largest first."""
 
@@ -136,7 +136,7 @@ def model_info(metadata: pb.ModelMetadataResponse, config: pb.ModelConfigRespons
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Ranking:
     """Documents ranked for a query: best first."""
 
@@ -177,7 +177,7 @@ def ranking(
     return Ranking(order.astype(np.int64), scores[order].astype(np.float32))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Classification:
     """Each text's (or pair's) scores over the model's labels."""
 
