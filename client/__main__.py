@@ -1,8 +1,8 @@
 """`python -m client embed|rerank|classify`: bulk ingestion of a file, and quick reranking and classification.
 
-    python -m client embed docs.jsonl --field body --output vectors.npy --target dns:///encoder:8001
-    python -m client rerank --query "how do I bake bread?" --model my-reranker passages.txt
-    python -m client classify --model my-classifier reviews.txt
+python -m client embed docs.jsonl --field body --output vectors.npy --target dns:///encoder:8001
+python -m client rerank --query "how do I bake bread?" --model my-reranker passages.txt
+python -m client classify --model my-classifier reviews.txt
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ async def _score(args: argparse.Namespace) -> None:
         else:
             classes = await client.classify(texts, truncate=truncate, raw_scores=args.raw_scores)
             for text, label, scores in zip(texts, classes.labels, classes.scores.tolist(), strict=True):
-                print(json.dumps({"label": label, "scores": dict(zip(classes.label_names, scores)), "text": text}))
+                named = dict(zip(classes.label_names, scores, strict=True))
+                print(json.dumps({"label": label, "scores": named, "text": text}))
 
 
 def main(argv: list[str] | None = None) -> int:

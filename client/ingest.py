@@ -325,9 +325,10 @@ async def embed_file_async(
             "options": options.parameters(),
         }
         checkpoint = Checkpoint(output, identity, rows, width, resume)
+        batch_size = min(settings.batch_size, info.max_batch_size or settings.batch_size)
         progress = Progress(rows, checkpoint.finished.count, progress_stream, lambda: client.retries)
         ingestion = Ingestion(client, model, options, settings, checkpoint, progress)
-        await ingestion.run(WorkQueue(batches_of(texts.texts(), checkpoint, settings.batch_size)))
+        await ingestion.run(WorkQueue(batches_of(texts.texts(), checkpoint, batch_size)))
     if not checkpoint.complete():
         raise RuntimeError(f"rows left unwritten: finished {checkpoint.finished.spans} of {rows}")  # never expected
     _write_output(checkpoint)

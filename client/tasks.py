@@ -108,6 +108,8 @@ class ModelInfo:
     labels: tuple[str, ...] = ()
     """A classifier's labels, in logits order (one label: a reranker)."""
     max_sequence_length: int | None = None
+    max_batch_size: int = 0
+    """Texts one request may carry (0: no limit)."""
 
     @property
     def embedding_types(self) -> tuple[str, ...]:
@@ -133,6 +135,7 @@ def model_info(metadata: pb.ModelMetadataResponse, config: pb.ModelConfigRespons
         default_prompt_name=parameters.get("default_prompt_name", ""),
         labels=tuple(json.loads(parameters.get("labels") or "[]")),
         max_sequence_length=int(length) if length else None,
+        max_batch_size=config.config.max_batch_size,
     )
 
 
