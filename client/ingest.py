@@ -17,7 +17,7 @@ import collections
 import contextlib
 import importlib.util
 import sys
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -35,6 +35,7 @@ from client.protocol import output_array, text_request
 from client.retry import RetryPolicy
 from client.tasks import EmbedOptions
 from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol.channel_security import ClientSecurity
 
 TRANSPORTS = ("stream", "unary")
@@ -170,7 +171,7 @@ class Ingestion:
             await self.unary(batch)
             work.answered()
 
-    async def stream_worker(self, stub: object, work: WorkQueue) -> None:
+    async def stream_worker(self, stub: pb_grpc.GRPCInferenceServiceStub, work: WorkQueue) -> None:
         """Keep one stream open on a connection until the work is done, opening it again whenever it ends."""
         failures = 0
         while True:
@@ -184,7 +185,9 @@ class Ingestion:
                 raise ended
             await asyncio.sleep(delay_s)
 
-    async def _one_stream(self, stub: object, work: WorkQueue) -> tuple[EmbeddingError | None, bool]:
+    async def _one_stream(
+        self, stub: pb_grpc.GRPCInferenceServiceStub, work: WorkQueue
+    ) -> tuple[EmbeddingError | None, bool]:
         """One stream until the work is done (None) or it ends (its error); and whether it answered any batch."""
         pending: dict[str, Batch] = {}
         window = asyncio.Semaphore(self.settings.in_flight)
@@ -246,7 +249,7 @@ class Ingestion:
             self.checkpoint.save()
 
 
-async def _all_or_none(coroutines: list) -> None:
+async def _all_or_none(coroutines: list[Coroutine[object, object, None]]) -> None:
     """Run them together; the first failure cancels the others and is raised."""
     tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
     try:

@@ -22,6 +22,7 @@ import pytest
 
 from client import EmbeddingClient
 from client.__main__ import main
+from client.checkpoint import Checkpoint
 from client.ingest import IngestSettings, embed_file
 from tests.conftest import TINY_MODEL
 from tests.servers import ROOT, RunningServer, free_port, launch_server, metric_samples, metric_value, start_server
@@ -250,3 +251,17 @@ def test_progress_lines_when_not_on_a_terminal(tiny_server: RunningServer, small
     assert run.returncode == 0
     assert json.loads(out)["embedded"] == len(small)
     assert err.startswith(f"embedded {len(small)} texts in ") and "\r" not in err  # the summary, no bar
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(
+    tiny_server: RunningServer, small: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "vectors.npy"
+    Checkpoint(output, {"input": "another file"}, rows=3, width=32, resume=False).save()
+    path = tmp_path / "small.txt"
+    path.write_text("\n".join(small) + "\n")
+    arguments = ["embed", str(path), "--output", str(output), "--target", tiny_server.target, "--model", TINY_MODEL]
+    assert main([*arguments, "--resume"]) == 1
+    assert "belongs to another run" in capsys.readouterr().err
+    assert main([*arguments, "--quiet"]) == 0  # without --resume: a fresh run over it
+    assert np.load(output).shape == (len(small), 32)
