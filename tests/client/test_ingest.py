@@ -126,8 +126,9 @@ def test_resume_after_sigkill_does_only_the_rest(
     output = tmp_path / "vectors.npy"
     record = tmp_path / "vectors.npy.checkpoint.json"
     arguments = ["embed", str(input_file), "--output", str(output), "--target", tiny_server.target]
-    arguments += ["--model", TINY_MODEL, "--connections", "1", "--in-flight", "2"]
-    killed = cli(*arguments)
+    arguments += ["--model", TINY_MODEL]
+    # A text a request, one at a time: far from done when its first checkpoint with finished rows is saved (2 s in).
+    killed = cli(*arguments, "--batch-size", "1", "--connections", "1", "--in-flight", "1")
 
     def some_rows_recorded() -> bool:
         return record.is_file() and json.loads(record.read_text())["finished"] != []
@@ -139,18 +140,21 @@ def test_resume_after_sigkill_does_only_the_rest(
         killed.wait()
     assert not output.exists()
     recorded = sum(end - start for start, end in json.loads(record.read_text())["finished"])
-    summary = finished(cli(*arguments, "--resume", "--in-flight", "16"))
-    assert 0 < summary["embedded"] <= LINES - recorded and summary["rows"] == LINES
+    summary = finished(cli(*arguments, "--resume"))
+    # Rows written after the last checkpoint but not recorded in it are done again, and only those.
+    assert 0 < recorded < LINES and summary["embedded"] == LINES - recorded and summary["rows"] == LINES
     assert_every_row_is_its_own(np.load(output), reference)
 
 
 def test_a_small_queue_is_retried_without_loss(
     tiny_repository: Path, input_file: Path, reference: np.ndarray, tmp_path: Path
 ) -> None:
-    rows = 3000
+    rows = 1000
     head = tmp_path / "head.txt"
     head.write_text("".join(input_file.read_text().splitlines(keepends=True)[:rows]))
-    with start_server(tiny_repository, tmp_path / "server.log", "--max-queue-size", "2") as server:
+    # One request may wait, 5 ms at most, for a fuller batch: of 16 sent together, most are refused.
+    queue = ("--max-queue-size", "1", "--max-queue-delay-us", "5000")
+    with start_server(tiny_repository, tmp_path / "server.log", *queue) as server:
         for transport in ("unary", "stream"):
             output = tmp_path / f"{transport}.npy"
             settings = IngestSettings(batch_size=16, connections=2, in_flight=8, transport=transport)
