@@ -28,7 +28,7 @@ import numpy as np
 from client.aio import AsyncEmbeddingClient
 from client.base import DEFAULT_MODEL
 from client.checkpoint import Checkpoint
-from client.errors import EmbeddingError, rpc_error
+from client.errors import EmbeddingError, error_of, rpc_error
 from client.inputs import DEFAULT_FIELD, InputError, InputFile
 from client.progress import Progress
 from client.protocol import output_array, text_request
@@ -216,13 +216,23 @@ class Ingestion:
                 work.answered()
                 window.release()
                 answered_any = True
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                return error_of(code, await call.details()), answered_any
             await sender
             return None, answered_any
         except grpc.aio.AioRpcError as failure:
             return rpc_error(failure), answered_any
+        except asyncio.InvalidStateError:  # the stream ended while a request was being written to it
+            code = await call.code()
+            ended = grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code
+            return error_of(ended, f"the stream ended with {code.name}: {await call.details()}"), answered_any
         finally:
             sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            # Its failure, if any, is the stream's end, handled above.
+            with contextlib.suppress(
+                asyncio.CancelledError, asyncio.InvalidStateError, grpc.aio.AioRpcError, grpc.aio.UsageError
+            ):
                 await sender
             call.cancel()
             for batch in pending.values():
