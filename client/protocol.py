@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
+from client.errors import EmbeddingError
 from protocol import grpc_service_pb2 as pb
 
 _LENGTH = struct.Struct("<I")
@@ -25,13 +26,21 @@ RETRY_POLICY = {
 }
 
 
-class EmbeddingError(Exception):
-    """The server refused or failed a request; `code` is the gRPC status."""
+_DTYPES = {"FP32": np.dtype("<f4"), "INT8": np.dtype("i1"), "UINT8": np.dtype("u1"), "INT64": np.dtype("<i8")}
+"""The numpy type of each KServe datatype the server answers."""
+Parameter = bool | int | str
+"""A request parameter's value (prompt_name, truncate, dimensions, top_k, input_type...)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
+__all__ = [
+    "EmbeddingError",
+    "Parameter",
+    "batches",
+    "channel_options",
+    "output_array",
+    "output_values",
+    "text_request",
+    "token_request",
+]
 
 
 def channel_options(target: str, max_message_bytes: int) -> list[tuple[str, object]]:
@@ -49,14 +58,32 @@ def channel_options(target: str, max_message_bytes: int) -> list[tuple[str, obje
     ]
 
 
-def text_request(model: str, texts: Sequence[str], outputs: Sequence[str] = ("embedding",)) -> pb.ModelInferRequest:
-    """A ModelInferRequest carrying texts as one BYTES input in raw form."""
-    request = pb.ModelInferRequest(model_name=model)
-    request.inputs.add(name="text", datatype="BYTES", shape=[len(texts)])
-    encoded = [text.encode("utf-8") for text in texts]
-    request.raw_input_contents.append(b"".join(_LENGTH.pack(len(item)) + item for item in encoded))
+def text_request(
+    model: str,
+    texts: Sequence[str],
+    outputs: Sequence[str] = ("embedding",),
+    *,
+    queries: Sequence[str] | None = None,
+    parameters: dict[str, Parameter] | None = None,
+    request_id: str = "",
+) -> pb.ModelInferRequest:
+    """A ModelInferRequest carrying texts (and a pair's queries) as BYTES inputs in raw form, with parameters."""
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    named = [("text", texts)] if queries is None else [("query", queries), ("text", texts)]
+    for name, items in named:
+        request.inputs.add(name=name, datatype="BYTES", shape=[len(items)])
+        encoded = [item.encode("utf-8") for item in items]
+        request.raw_input_contents.append(b"".join(_LENGTH.pack(len(item)) + item for item in encoded))
     for name in outputs:
         request.outputs.add(name=name)
+    for key, value in (parameters or {}).items():
+        # bool first: a bool is an int too.
+        if isinstance(value, bool):
+            request.parameters[key].bool_param = value
+        elif isinstance(value, int):
+            request.parameters[key].int64_param = value
+        else:
+            request.parameters[key].string_param = value
     return request
 
 
@@ -72,11 +99,20 @@ def token_request(model: str, input_ids: np.ndarray, attention_mask: np.ndarray)
 
 def output_array(response: pb.ModelInferResponse, name: str) -> np.ndarray:
     """One FP32 output of a response as a numpy array."""
+    values = output_values(response, name)
+    if values.dtype != _DTYPES["FP32"]:
+        raise EmbeddingError(grpc.StatusCode.INTERNAL, f"output {name} is {values.dtype}, expected FP32")
+    return values
+
+
+def output_values(response: pb.ModelInferResponse, name: str) -> np.ndarray:
+    """One output of a response (FP32, INT8, UINT8 or INT64) as a numpy array of its shape."""
     for index, output in enumerate(response.outputs):
         if output.name == name:
-            if output.datatype != "FP32":
-                raise EmbeddingError(grpc.StatusCode.INTERNAL, f"output {name} is {output.datatype}, expected FP32")
-            return np.frombuffer(response.raw_output_contents[index], dtype="<f4").reshape(list(output.shape))
+            dtype = _DTYPES.get(output.datatype)
+            if dtype is None:
+                raise EmbeddingError(grpc.StatusCode.INTERNAL, f"output {name} has datatype {output.datatype}")
+            return np.frombuffer(response.raw_output_contents[index], dtype=dtype).reshape(list(output.shape))
     raise EmbeddingError(grpc.StatusCode.INTERNAL, f"response has no output {name!r}")
 
 

@@ -1,7 +1,8 @@
 """The client installs alone: `pip install encoder-serve` in a fresh virtual environment brings no ONNX Runtime.
 
 The project is installed from a copy of its sources (as from an sdist), then the installed client
-embeds a sentence from the running server, outside this checkout.
+embeds a sentence from the running server, outside this checkout, and its command line ingests a
+file (Parquet, whose extra is not installed, is refused in one line).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from tests.installs import copy_project_source, fresh_environment, pip_install
 from tests.servers import RunningServer
 
 SERVER_ONLY = ("onnxruntime", "onnxruntime-gpu", "tokenizers", "torch", "prometheus-client", "grpcio-reflection")
-CLIENT_MODULES = {"client", "client.protocol", "protocol", "protocol.channel_security"}
+CLIENT_MODULES = {
+    *("client", "client.aio", "client.base", "client.blocking", "client.channels", "client.errors"),
+    *("client.protocol", "client.retry", "client.tasks"),
+    *("protocol", "protocol.channel_security", "protocol.retry_hint"),
+}
 """What `import client` may load of this project: the SDK, its channel settings and the stubs (protocol), never
 service/."""
 PROBE = """
@@ -69,3 +74,18 @@ def test_client_installs_without_the_runtime_and_embeds(tiny_server: RunningServ
     ), loaded
     expected = EmbeddingClient(tiny_server.target, model=TINY_MODEL).embed([SENTENCE])
     np.testing.assert_allclose(np.array(found["embedding"], dtype=np.float32), expected, atol=1e-6)
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text(f"{SENTENCE}\nA second line.\n")
+    command = [python, "-m", "client", "embed", str(texts), "--target", tiny_server.target, "--model", TINY_MODEL]
+    ingest = subprocess.run(
+        [*command, "--output", str(tmp_path / "vectors.npy"), "--quiet"],
+        check=False, capture_output=True, text=True, timeout=120, cwd=environment,
+    )  # fmt: skip
+    assert ingest.returncode == 0, ingest.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "vectors.npy")[:1], expected, atol=1e-6)
+    parquet = subprocess.run(
+        [*command, "--output", str(tmp_path / "vectors.parquet")],
+        check=False, capture_output=True, text=True, timeout=120, cwd=environment,
+    )  # fmt: skip
+    assert parquet.returncode == 1 and "needs pyarrow" in parquet.stderr

@@ -15,6 +15,7 @@ import pytest
 import tritonclient.grpc as triton
 
 from client import AsyncEmbeddingClient, ClientSecurity, EmbeddingClient, EmbeddingError, SecurityError
+from client.__main__ import main as client_command
 from protocol.channel_security import read_api_key
 from service.ops import healthcheck
 from tests.conftest import API_KEY, TINY_MODEL, Pki
@@ -144,3 +145,28 @@ def test_security_settings_are_checked_and_the_key_stays_out_of_repr(pki: Pki, t
     empty.write_text("# no key here\n\n")
     with pytest.raises(SecurityError, match="holds no key"):
         ClientSecurity.from_files(api_key_file=empty)
+
+
+def test_api_key_argument_and_several_connections_over_tls(
+    tls_server: RunningServer, pki: Pki, plaintext_embeddings
+) -> None:
+    with EmbeddingClient(
+        tls_server.target, model=TINY_MODEL, security=pki.security(), api_key=API_KEY, connections=2
+    ) as client:
+        for _ in range(2):  # each connection
+            np.testing.assert_allclose(client.embed(TEXTS), plaintext_embeddings, atol=1e-5)
+
+
+def test_command_line_ingestion_over_mutual_tls_and_with_a_key(
+    mtls_server: RunningServer, tls_server: RunningServer, pki: Pki, plaintext_embeddings, tmp_path: Path
+) -> None:
+    source = tmp_path / "texts.txt"
+    source.write_text("".join(text + "\n" for text in TEXTS))
+    mutual = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+    keyed = ["--tls-ca", str(pki.ca), "--api-key-file", str(pki.api_key_file)]
+    for server, flags in ((mtls_server, mutual), (tls_server, keyed)):
+        output = tmp_path / "vectors.npy"
+        arguments = ["embed", str(source), "--output", str(output), "--target", server.target, "--model", TINY_MODEL]
+        assert client_command([*arguments, "--quiet", *flags]) == 0
+        np.testing.assert_allclose(np.load(output), plaintext_embeddings, atol=1e-5)
+    assert client_command([*arguments, "--quiet", "--tls-ca", str(pki.ca)]) == 1  # no key: UNAUTHENTICATED

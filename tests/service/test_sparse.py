@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 from sentence_transformers import SparseEncoder
 from tritonclient.utils import InferenceServerException
 
+from client import EmbeddingClient
 from service.pipeline.sparse import terms
 from tests.export import tiny_models
 from tests.servers import RunningServer, start_server
@@ -96,6 +97,20 @@ def test_top_k_keeps_the_largest_terms(server: RunningServer, expected: np.ndarr
         np.testing.assert_allclose(values[row], np.sort(dense)[::-1][:3], rtol=0, atol=1e-4)
     with pytest.raises(InferenceServerException, match="top_k must be a positive integer"):
         grpc_terms(server, TEXTS[:1], top_k=0)
+
+
+def test_sdk_embed_sparse_equals_sparse_encoder(server: RunningServer, expected: np.ndarray) -> None:
+    # Batches of 4 and 2 texts: the SDK pads the narrower batch's terms to the wider one's.
+    with EmbeddingClient(server.target, model=MODEL, batch_size=4) as client:
+        every, top = client.embed_sparse(TEXTS), client.embed_sparse(TEXTS, top_k=3)
+    np.testing.assert_allclose(densified(every.indices, every.values, expected.shape[1]), expected, rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(every.counts, np.count_nonzero(expected, axis=1))
+    first = every.row(0)
+    assert sorted(first) == np.flatnonzero(expected[0]).tolist()
+    np.testing.assert_allclose([first[i] for i in sorted(first)], expected[0][sorted(first)], rtol=0, atol=1e-4)
+    assert top.indices.shape == (len(TEXTS), 3)
+    for row, dense in enumerate(expected):
+        np.testing.assert_allclose(top.values[row], np.sort(dense)[::-1][:3], rtol=0, atol=1e-4)
 
 
 def test_tei_embed_sparse(server: RunningServer, expected: np.ndarray) -> None:

@@ -1,0 +1,127 @@
+"""The blocking client: every task of the server over gRPC, with retries."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from client import tasks
+from client.base import ClientSettings
+from client.channels import blocking_connections
+from client.errors import rpc_error
+from protocol import grpc_service_pb2 as pb
+
+
+class EmbeddingClient(ClientSettings):
+    """Blocking client: `EmbeddingClient("localhost:8001").embed(["a text"])` -> float32 [n, d].
+
+    Every task the server has: `embed` (dense, or int8/uint8/binary/ubinary), `embed_sparse`,
+    `rerank`, `classify`; `models` and `model_info` tell what is served. Each method takes `model=`
+    to use another model than the client's. Targets, security, connections and retries: ClientSettings.
+    """
+
+    _connect = staticmethod(blocking_connections)
+
+    def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str | None = None,
+        prompt_name: str | None = None,
+        dimensions: int | None = None,
+        truncate: bool | None = None,
+        embedding_type: str = "float",
+    ) -> np.ndarray:
+        """Embeddings of the texts, in order: float32 [n, d], or the int8/uint8/binary/ubinary form asked."""
+        options = tasks.EmbedOptions(prompt_name, dimensions, truncate)
+        requests = self._embed_requests(texts, model, embedding_type, options)
+        return self._embeddings([self.infer(request) for request in requests], embedding_type)
+
+    def embed_sparse(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str | None = None,
+        prompt_name: str | None = None,
+        truncate: bool | None = None,
+        top_k: int | None = None,
+    ) -> tasks.SparseEmbeddings:
+        """Sparse (SPLADE, bge-m3 lexical) embeddings of the texts, each its top_k largest terms (all by default)."""
+        requests = self._sparse_requests(texts, model, tasks.EmbedOptions(prompt_name, None, truncate, top_k))
+        return tasks.sparse([self.infer(request) for request in requests])
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        model: str | None = None,
+        top_n: int | None = None,
+        truncate: bool | None = None,
+        raw_scores: bool = False,
+    ) -> tasks.Ranking:
+        """The documents ranked for the query by a reranker (or a multi-vector model): best first, top_n of them."""
+        info = self.model_info(model)
+        requests = tasks.rerank_requests(info, query, documents, truncate, self.batch_size)
+        return tasks.ranking(info, [self.infer(request) for request in requests], top_n, raw_scores)
+
+    def classify(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str | None = None,
+        pairs_with: Sequence[str] | None = None,
+        truncate: bool | None = None,
+        raw_scores: bool = False,
+    ) -> tasks.Classification:
+        """Scores over a classifier's labels per text; with `pairs_with`, row i is (pairs_with[i], texts[i])."""
+        info = self.model_info(model)
+        requests = tasks.classify_requests(info, texts, pairs_with, truncate, self.batch_size)
+        return tasks.classification(info, [self.infer(request) for request in requests], raw_scores)
+
+    def models(self) -> list[str]:
+        """The names of the models the server has ready."""
+        index = self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=True))
+        return sorted({model.name for model in index.models})
+
+    def model_info(self, model: str | None = None) -> tasks.ModelInfo:
+        """What a model is (task, outputs, width, prompts, labels); asked once per model."""
+        name = model or self.model
+        if name not in self._infos:
+            metadata = self._call("ModelMetadata", pb.ModelMetadataRequest(name=name))
+            config = self._call("ModelConfig", pb.ModelConfigRequest(name=name))
+            self._infos[name] = tasks.model_info(metadata, config)
+        return self._infos[name]
+
+    def infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        """One ModelInfer call, retried as the client's retry policy says; EmbeddingError (typed) on failure."""
+        return self._call("ModelInfer", request)
+
+    def _call(self, method: str, request: object) -> object:
+        attempt = 0
+        while True:
+            attempt += 1
+            stub = self.connections.next_stub()
+            try:
+                return getattr(stub, method)(request, timeout=self.timeout_s, metadata=self.call_metadata)
+            except grpc.RpcError as failure:
+                error = rpc_error(failure)
+            delay_s = self.retry.delay_s(error, attempt)
+            if delay_s is None:
+                raise error
+            self.retries += 1
+            time.sleep(delay_s)
+
+    def close(self) -> None:
+        """Close the connections."""
+        for channel in self.connections.channels:
+            channel.close()
+
+    def __enter__(self) -> EmbeddingClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

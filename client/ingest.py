@@ -1,0 +1,370 @@
+"""Bulk ingestion: every text of a file embedded once, written in input order, through restarts and crashes.
+
+Rows are sent in batches, a bounded number in flight, over `ModelStreamInfer` streams (one per
+connection) or concurrent `ModelInfer` calls. A batch the server refuses for a while
+(RESOURCE_EXHAUSTED, UNAVAILABLE: a full queue, a drain, a restart) is sent again after a jittered
+backoff; a stream the server ends (a drain, the stream's age) is opened again and the batches it
+had not answered are sent again; a batch a stream answered with an error is sent once more as a
+ModelInfer call, whose status says whether it can be retried. Each answer is written at its rows'
+places (client.checkpoint), so nothing is written twice and a gap is impossible at the end; the
+checkpoint lets `resume` do only the rows not yet written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+import numpy as np
+
+from client.aio import AsyncEmbeddingClient
+from client.base import DEFAULT_MODEL
+from client.checkpoint import Checkpoint
+from client.errors import EmbeddingError, error_of, rpc_error
+from client.inputs import DEFAULT_FIELD, InputError, InputFile
+from client.progress import Progress
+from client.protocol import output_array, text_request
+from client.retry import RetryPolicy
+from client.tasks import EmbedOptions
+from protocol import grpc_service_pb2 as pb
+from protocol import grpc_service_pb2_grpc as pb_grpc
+from protocol.channel_security import ClientSecurity
+
+TRANSPORTS = ("stream", "unary")
+INGEST_RETRY = RetryPolicy(max_attempts=200, initial_backoff_s=0.05, max_backoff_s=2.0)
+"""Patient: a restart or a rollout may keep every address away for a while (about 5 minutes at most)."""
+CHECKPOINT_INTERVAL_S = 2.0
+OUTPUT_FORMATS = (".npy", ".parquet")
+
+
+@dataclass(frozen=True)
+class IngestSettings:
+    """How an ingestion sends its rows."""
+
+    batch_size: int = 64
+    """Texts per request."""
+    connections: int = 2
+    """Connections to the server (to each address of a dns:/// target)."""
+    in_flight: int = 16
+    """Requests unanswered per connection (a stream's window; the server holds up to --max-stream-inflight, 32)."""
+    transport: str = "stream"
+    """stream (ModelStreamInfer) or unary (ModelInfer)."""
+    timeout_s: float = 60.0
+    """Each ModelInfer call's deadline."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if min(self.batch_size, self.connections, self.in_flight) < 1:
+            raise ValueError("batch_size, connections and in_flight must be at least 1")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Some rows of the input: their numbers (ascending) and texts."""
+
+    number: int
+    rows: np.ndarray
+    texts: list[str]
+
+    def where(self) -> str:
+        """The rows, as input lines (1-based) for messages."""
+        return f"lines {self.rows[0] + 1}-{self.rows[-1] + 1}" if len(self.rows) > 1 else f"line {self.rows[0] + 1}"
+
+
+class WorkQueue:
+    """The batches still to answer: the ones to send again first, then the file's next ones.
+
+    `take` returns None once every batch is answered (none left, none out).
+    """
+
+    def __init__(self, batches: Iterator[Batch]) -> None:
+        self._fresh = batches
+        self._again: collections.deque[Batch] = collections.deque()
+        self._out = 0
+        self._changed = asyncio.Event()
+
+    async def take(self) -> Batch | None:
+        """The next batch to send, or None when all are answered."""
+        while True:
+            batch = self._again.popleft() if self._again else next(self._fresh, None)
+            if batch is not None:
+                self._out += 1
+                return batch
+            if self._out == 0:
+                return None
+            self._changed.clear()
+            await self._changed.wait()
+
+    def answered(self) -> None:
+        """A batch taken is answered."""
+        self._out -= 1
+        self._changed.set()
+
+    def send_again(self, batch: Batch) -> None:
+        """A batch taken must be sent again."""
+        self._out -= 1
+        self._again.append(batch)
+        self._changed.set()
+
+
+def batches_of(texts: Iterator[str], skip: Checkpoint, size: int) -> Iterator[Batch]:
+    """The rows not yet finished, in batches of `size` in file order."""
+    rows: list[int] = []
+    chunk: list[str] = []
+    number = 0
+    for row, text in enumerate(texts):
+        if row in skip.finished:
+            continue
+        rows.append(row)
+        chunk.append(text)
+        if len(chunk) == size:
+            yield Batch(number, np.array(rows), chunk)
+            number, rows, chunk = number + 1, [], []
+    if chunk:
+        yield Batch(number, np.array(rows), chunk)
+
+
+@dataclass
+class Ingestion:
+    """One run: its client, its work, where answers go, its progress."""
+
+    client: AsyncEmbeddingClient
+    model: str
+    options: EmbedOptions
+    settings: IngestSettings
+    checkpoint: Checkpoint
+    progress: Progress
+
+    def request(self, batch: Batch) -> pb.ModelInferRequest:
+        """The batch's request, with its number as id."""
+        parameters = self.options.parameters()
+        return text_request(self.model, batch.texts, ["embedding"], parameters=parameters, request_id=str(batch.number))
+
+    def store(self, batch: Batch, response: pb.ModelInferResponse) -> None:
+        """Write the batch's vectors at its rows."""
+        vectors = output_array(response, "embedding")
+        if vectors.shape[0] != len(batch.rows):
+            raise EmbeddingError(grpc.StatusCode.INTERNAL, f"{len(vectors)} vectors for {len(batch.rows)} texts")
+        self.checkpoint.write(batch.rows, vectors)
+        self.progress.advance(len(batch.rows))
+
+    async def unary(self, batch: Batch) -> None:
+        """Answer a batch with ModelInfer calls, retried; a refusal names the batch's lines."""
+        try:
+            response = await self.client.infer(self.request(batch))
+        except EmbeddingError as error:
+            raise type(error)(error.code, f"{batch.where()}: {error.message}") from error
+        self.store(batch, response)
+
+    async def unary_worker(self, work: WorkQueue) -> None:
+        """Send batches one at a time until the work is done."""
+        while (batch := await work.take()) is not None:
+            await self.unary(batch)
+            work.answered()
+
+    async def stream_worker(self, stub: pb_grpc.GRPCInferenceServiceStub, work: WorkQueue) -> None:
+        """Keep one stream open on a connection until the work is done, opening it again whenever it ends."""
+        failures = 0
+        while True:
+            ended, answered_any = await self._one_stream(stub, work)
+            if ended is None:
+                return
+            # A stream that answered some ended at a drain or its age: open the next one at once, or nearly.
+            failures = 1 if answered_any else failures + 1
+            delay_s = INGEST_RETRY.delay_s(ended, failures)
+            if delay_s is None:
+                raise ended
+            await asyncio.sleep(delay_s)
+
+    async def _one_stream(
+        self, stub: pb_grpc.GRPCInferenceServiceStub, work: WorkQueue
+    ) -> tuple[EmbeddingError | None, bool]:
+        """One stream until the work is done (None) or it ends (its error); and whether it answered any batch."""
+        pending: dict[str, Batch] = {}
+        window = asyncio.Semaphore(self.settings.in_flight)
+        call = stub.ModelStreamInfer(metadata=self.client.call_metadata)
+        answered_any = False
+
+        async def send() -> None:
+            while True:
+                await window.acquire()
+                batch = await work.take()
+                if batch is None:
+                    await call.done_writing()
+                    return
+                pending[str(batch.number)] = batch  # before any wait: a cancelled send never loses it
+                await call.write(self.request(batch))
+
+        sender = asyncio.create_task(send())
+        try:
+            async for answer in call:
+                batch = pending.pop(answer.infer_response.id)
+                if answer.error_message:  # a stream carries no status: ask again alone, where there is one
+                    self.progress.resent += 1
+                    await self.unary(batch)
+                else:
+                    self.store(batch, answer.infer_response)
+                work.answered()
+                window.release()
+                answered_any = True
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                return error_of(code, await call.details()), answered_any
+            await sender
+            return None, answered_any
+        except grpc.aio.AioRpcError as failure:
+            return rpc_error(failure), answered_any
+        except asyncio.InvalidStateError:  # the stream ended while a request was being written to it
+            code = await call.code()
+            ended = grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code
+            return error_of(ended, f"the stream ended with {code.name}: {await call.details()}"), answered_any
+        finally:
+            sender.cancel()
+            # Its failure, if any, is the stream's end, handled above.
+            with contextlib.suppress(
+                asyncio.CancelledError, asyncio.InvalidStateError, grpc.aio.AioRpcError, grpc.aio.UsageError
+            ):
+                await sender
+            call.cancel()
+            for batch in pending.values():
+                self.progress.resent += 1
+                work.send_again(batch)
+
+    async def run(self, work: WorkQueue) -> None:
+        """Send every batch, saving the checkpoint now and then."""
+        if self.settings.transport == "stream":
+            stubs = self.client.connections.stubs
+            workers = [self.stream_worker(stub, work) for stub in stubs]
+        else:
+            workers = [self.unary_worker(work) for _ in range(self.settings.in_flight * self.settings.connections)]
+        saver = asyncio.create_task(self._save_periodically())
+        try:
+            await _all_or_none(workers)
+        finally:
+            saver.cancel()
+            self.checkpoint.save()
+
+    async def _save_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_INTERVAL_S)
+            self.checkpoint.save()
+
+
+async def _all_or_none(coroutines: list[Coroutine[object, object, None]]) -> None:
+    """Run them together; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    """What a run did."""
+
+    rows: int
+    """Rows in the input (= vectors in the output)."""
+    embedded: int
+    """Rows this run embedded (the others were done by an earlier run)."""
+    seconds: float
+    retries: int
+    output: Path
+
+    @property
+    def texts_per_s(self) -> float:
+        """Rows embedded per second by this run."""
+        return self.embedded / self.seconds if self.seconds > 0 else 0.0
+
+
+async def embed_file_async(
+    source: Path,
+    output: Path,
+    *,
+    target: str = "localhost:8001",
+    model: str = DEFAULT_MODEL,
+    field: str = DEFAULT_FIELD,
+    column: str = DEFAULT_FIELD,
+    resume: bool = False,
+    options: EmbedOptions | None = None,
+    settings: IngestSettings | None = None,
+    security: ClientSecurity | None = None,
+    progress_stream: TextIO | None = sys.stderr,
+) -> IngestReport:
+    """Embed every text of `source` into `output` (.npy: float32 [rows, width]; .parquet: id, embedding), in order.
+
+    `resume`: continue the run whose checkpoint is beside `output` (same input, model and options).
+    `progress_stream` None: quiet. Raises InputError for a malformed input (naming the line) and
+    EmbeddingError for what the server refuses for good (naming the lines).
+    """
+    if output.suffix not in OUTPUT_FORMATS:
+        raise InputError(f"{output}: the output must be one of {', '.join(OUTPUT_FORMATS)}")
+    if output.suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise InputError(f"{output}: writing Parquet needs pyarrow: pip install 'encoder-serve[parquet]'")
+    options = options or EmbedOptions()
+    settings = settings or IngestSettings()
+    texts = InputFile(Path(source), field, column)
+    rows = texts.count()
+    if rows == 0:
+        raise InputError(f"{source}: no texts")
+    client = AsyncEmbeddingClient(
+        target, model, settings.timeout_s, settings.batch_size, security, connections=settings.connections,
+        retry=INGEST_RETRY,
+    )  # fmt: skip
+    async with client:
+        info = await client.model_info(model)
+        width = options.dimensions or info.dimension
+        if width is None:
+            raise InputError(f"model {model} answers no embedding (it is a {info.task} model)")
+        stat = texts.path.stat()
+        identity = {
+            "input": str(texts.path.resolve()),
+            "input_bytes": stat.st_size,
+            "input_mtime_ns": stat.st_mtime_ns,
+            "rows": rows,
+            "model": model,
+            "width": width,
+            "options": options.parameters(),
+        }
+        checkpoint = Checkpoint(output, identity, rows, width, resume)
+        batch_size = min(settings.batch_size, info.max_batch_size or settings.batch_size)
+        progress = Progress(rows, checkpoint.finished.count, progress_stream, lambda: client.retries)
+        ingestion = Ingestion(client, model, options, settings, checkpoint, progress)
+        await ingestion.run(WorkQueue(batches_of(texts.texts(), checkpoint, batch_size)))
+    if not checkpoint.complete():
+        raise RuntimeError(f"rows left unwritten: finished {checkpoint.finished.spans} of {rows}")  # never expected
+    _write_output(checkpoint)
+    progress.finish()
+    return IngestReport(rows, progress.done, progress.elapsed_s, progress.retries, output)
+
+
+def _write_output(checkpoint: Checkpoint) -> None:
+    """The final output from the finished partial one; then the partial output and its record go."""
+    output = checkpoint.output
+    if output.suffix == ".npy":
+        checkpoint.vectors.flush()
+        checkpoint.partial.replace(output)
+    else:
+        import pyarrow as pa  # noqa: PLC0415 (the optional extra: encoder-serve[parquet])
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        vectors = np.asarray(checkpoint.vectors)
+        column = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1])
+        pq.write_table(pa.table({"id": pa.array(np.arange(len(vectors))), "embedding": column}), output)
+    checkpoint.discard()
+
+
+def embed_file(source: Path, output: Path, **arguments: object) -> IngestReport:
+    """embed_file_async, blocking (arguments as there)."""
+    return asyncio.run(embed_file_async(source, output, **arguments))

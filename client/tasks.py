@@ -1,0 +1,235 @@
+"""Every task's requests and results, shared by the blocking and the asyncio client.
+
+A task's call is: build its requests here, send them (the clients' part), read the answers here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from client.protocol import Parameter, batches, output_values, text_request
+from protocol import grpc_service_pb2 as pb
+
+EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary")
+"""The forms of a dense embedding (sentence-transformers' `precision` names); each is the output `embedding[_type]`."""
+SPARSE_OUTPUTS = ("sparse_indices", "sparse_values")
+
+
+def embedding_output(embedding_type: str) -> str:
+    """The output that answers an embedding type."""
+    if embedding_type not in EMBEDDING_TYPES:
+        raise ValueError(f"embedding_type must be one of {', '.join(EMBEDDING_TYPES)}, got {embedding_type!r}")
+    return "embedding" if embedding_type == "float" else f"embedding_{embedding_type}"
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """How texts are embedded; None leaves the model's default."""
+
+    prompt_name: str | None = None
+    """One of the model's prompts (e.g. e5's `query`), put before each text."""
+    dimensions: int | None = None
+    """A Matryoshka width the model declares."""
+    truncate: bool | None = None
+    """False: a text longer than the model is embedded whole, in windows (embedders), or refused (pairs)."""
+    top_k: int | None = None
+    """Sparse embeddings: keep each text's k largest terms."""
+
+    def parameters(self) -> dict[str, Parameter]:
+        """The request parameters these options set."""
+        named = {"prompt_name": self.prompt_name, "dimensions": self.dimensions, "truncate": self.truncate}
+        named["top_k"] = self.top_k
+        return {key: value for key, value in named.items() if value is not None}
+
+
+def embed_requests(
+    model: str, texts: Sequence[str], outputs: Sequence[str], options: EmbedOptions, batch_size: int
+) -> list[pb.ModelInferRequest]:
+    """The requests that embed texts, batch_size texts each."""
+    if isinstance(texts, str) or not texts:
+        raise ValueError("give a non-empty list of texts")
+    parameters = options.parameters()
+    return [text_request(model, chunk, outputs, parameters=parameters) for chunk in batches(texts, batch_size)]
+
+
+def stacked(responses: Sequence[pb.ModelInferResponse], name: str) -> np.ndarray:
+    """One output of every response, rows concatenated in order."""
+    return np.concatenate([output_values(response, name) for response in responses])
+
+
+@dataclass(frozen=True, eq=False)
+class SparseEmbeddings:
+    """Sparse embeddings: row i's terms are indices[i, :counts[i]] with values[i, :counts[i]], largest first."""
+
+    indices: np.ndarray
+    """int64 [texts, k], padded with -1."""
+    values: np.ndarray
+    """float32 [texts, k], padded with 0."""
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Each text's number of terms."""
+        return (self.indices >= 0).sum(axis=1)
+
+    def row(self, index: int) -> dict[int, float]:
+        """One text's terms as {token id: weight}."""
+        keep = self.indices[index] >= 0
+        return dict(zip(self.indices[index][keep].tolist(), self.values[index][keep].tolist(), strict=True))
+
+
+def sparse(responses: Sequence[pb.ModelInferResponse]) -> SparseEmbeddings:
+    """Sparse terms of every response, padded to the widest one."""
+    parts = [(output_values(r, SPARSE_OUTPUTS[0]), output_values(r, SPARSE_OUTPUTS[1])) for r in responses]
+    width = max(indices.shape[1] for indices, _ in parts)
+    indices = np.concatenate([np.pad(i, ((0, 0), (0, width - i.shape[1])), constant_values=-1) for i, _ in parts])
+    values = np.concatenate([np.pad(v, ((0, 0), (0, width - v.shape[1]))) for _, v in parts])
+    return SparseEmbeddings(indices, values)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a served model is, from ModelMetadata (outputs and widths) and ModelConfig (task, prompts, labels)."""
+
+    name: str
+    versions: tuple[str, ...]
+    task: str
+    """embed, classify, sparse or multivector."""
+    outputs: dict[str, str]
+    """Every output it answers, with its KServe datatype."""
+    dimension: int | None
+    """An embedder's vector width."""
+    matryoshka_dimensions: tuple[int, ...] = ()
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str = ""
+    labels: tuple[str, ...] = ()
+    """A classifier's labels, in logits order (one label: a reranker)."""
+    max_sequence_length: int | None = None
+    max_batch_size: int = 0
+    """Texts one request may carry (0: no limit)."""
+
+    @property
+    def embedding_types(self) -> tuple[str, ...]:
+        """The embedding forms it answers."""
+        return tuple(kind for kind in EMBEDDING_TYPES if embedding_output(kind) in self.outputs)
+
+
+def model_info(metadata: pb.ModelMetadataResponse, config: pb.ModelConfigResponse) -> ModelInfo:
+    """A model's description from its metadata and its configuration as served."""
+    parameters = {key: value.string_value for key, value in config.config.parameters.items()}
+    outputs = {output.name: output.datatype for output in metadata.outputs}
+    widths = {output.name: list(output.shape) for output in metadata.outputs}
+    dimension = widths.get("embedding", [None])[-1]
+    length = parameters.get("max_sequence_length")
+    return ModelInfo(
+        name=metadata.name,
+        versions=tuple(metadata.versions),
+        task=parameters.get("task", "embed"),
+        outputs=outputs,
+        dimension=dimension,
+        matryoshka_dimensions=tuple(json.loads(parameters.get("matryoshka_dimensions") or "[]")),
+        prompts=json.loads(parameters.get("prompts") or "{}"),
+        default_prompt_name=parameters.get("default_prompt_name", ""),
+        labels=tuple(json.loads(parameters.get("labels") or "[]")),
+        max_sequence_length=int(length) if length else None,
+        max_batch_size=config.config.max_batch_size,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Ranking:
+    """Documents ranked for a query: best first."""
+
+    indices: np.ndarray
+    """int64: the documents' positions in the list given, best first (top_n of them when asked)."""
+    scores: np.ndarray
+    """float32, in the same order: the reranker's probability (sigmoid of its logit), its raw logit when
+    raw_scores, or a multi-vector model's MaxSim score."""
+
+
+def rerank_requests(
+    info: ModelInfo, query: str, documents: Sequence[str], truncate: bool | None, batch_size: int
+) -> list[pb.ModelInferRequest]:
+    """Pairs (query, document) in batches, asking the model's score output."""
+    if isinstance(documents, str) or not documents:
+        raise ValueError("give a non-empty list of documents")
+    if info.task == "classify" and len(info.labels) != 1:
+        raise ValueError(f"model {info.name} has {len(info.labels)} labels, not a reranker: use classify")
+    if info.task not in ("classify", "multivector") and "score" not in info.outputs:
+        raise ValueError(f"model {info.name} is a {info.task} model and cannot rerank")
+    output = "logits" if info.task == "classify" else "score"
+    parameters = {} if truncate is None else {"truncate": truncate}
+    return [
+        text_request(info.name, chunk, [output], queries=[query] * len(chunk), parameters=parameters)
+        for chunk in batches(documents, batch_size)
+    ]
+
+
+def ranking(
+    info: ModelInfo, responses: Sequence[pb.ModelInferResponse], top_n: int | None, raw_scores: bool
+) -> Ranking:
+    """The documents' scores, sorted best first (ties in document order), cut at top_n."""
+    output = "logits" if info.task == "classify" else "score"
+    scores = stacked(responses, output)[:, 0]
+    if info.task == "classify" and not raw_scores:
+        scores = _sigmoid(scores)
+    order = np.argsort(-scores, kind="stable")[:top_n]
+    return Ranking(order.astype(np.int64), scores[order].astype(np.float32))
+
+
+@dataclass(frozen=True, eq=False)
+class Classification:
+    """Each text's (or pair's) scores over the model's labels."""
+
+    label_names: tuple[str, ...]
+    scores: np.ndarray
+    """float32 [texts, labels]: softmax over several labels, sigmoid for one; raw logits when raw_scores."""
+
+    @property
+    def labels(self) -> list[str]:
+        """Each text's best label."""
+        return [self.label_names[index] for index in np.argmax(self.scores, axis=1)]
+
+
+def classify_requests(
+    info: ModelInfo, texts: Sequence[str], pairs_with: Sequence[str] | None, truncate: bool | None, batch_size: int
+) -> list[pb.ModelInferRequest]:
+    """Texts (or pairs, `pairs_with` holding each one's first member) in batches, asking the logits."""
+    if info.task != "classify":
+        raise ValueError(f"model {info.name} is a {info.task} model, not a classifier")
+    if isinstance(texts, str) or not texts:
+        raise ValueError("give a non-empty list of texts")
+    if pairs_with is not None and len(pairs_with) != len(texts):
+        raise ValueError(f"{len(pairs_with)} first members for {len(texts)} texts")
+    parameters = {} if truncate is None else {"truncate": truncate}
+    starts = range(0, len(texts), batch_size)
+    return [
+        text_request(
+            info.name,
+            texts[start : start + batch_size],
+            ["logits"],
+            queries=None if pairs_with is None else pairs_with[start : start + batch_size],
+            parameters=parameters,
+        )
+        for start in starts
+    ]
+
+
+def classification(info: ModelInfo, responses: Sequence[pb.ModelInferResponse], raw_scores: bool) -> Classification:
+    """Scores over the labels, as CrossEncoder and TEI make them from logits."""
+    logits = stacked(responses, "logits")
+    if raw_scores:
+        scores = logits
+    elif logits.shape[1] == 1:
+        scores = _sigmoid(logits)
+    else:
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores = shifted / shifted.sum(axis=1, keepdims=True)
+    return Classification(info.labels, scores.astype(np.float32))
+
+
+def _sigmoid(values: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-values.astype(np.float64)))
