@@ -173,7 +173,14 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
         adapter_ids += [task_id] * len(task_served)
         answers.append(task_expected)
     return LibraryReference(
-        library, "SentenceTransformer", served, labels, np.concatenate(answers), "embedding", normalized, adapter_ids
+        library,
+        "SentenceTransformer",
+        served,
+        labels,
+        np.concatenate(answers),
+        "embedding",
+        normalized,
+        adapter_ids=adapter_ids,
     )
 
 
