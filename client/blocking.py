@@ -34,9 +34,13 @@ class EmbeddingClient(ClientSettings):
         dimensions: int | None = None,
         truncate: bool | None = None,
         embedding_type: str = "float",
+        task: str | None = None,
     ) -> np.ndarray:
-        """Embeddings of the texts, in order: float32 [n, d], or the int8/uint8/binary/ubinary form asked."""
-        options = tasks.EmbedOptions(prompt_name, dimensions, truncate)
+        """Embeddings of the texts, in order: float32 [n, d], or the int8/uint8/binary/ubinary form asked.
+
+        task: one of the model's task adapters (`model_info(...).tasks`), with its prompt of that name.
+        """
+        options = tasks.EmbedOptions(prompt_name, dimensions, truncate, task=task)
         requests = self._embed_requests(texts, model, embedding_type, options)
         return self._embeddings([self.infer(request) for request in requests], embedding_type)
 
@@ -62,10 +66,14 @@ class EmbeddingClient(ClientSettings):
         top_n: int | None = None,
         truncate: bool | None = None,
         raw_scores: bool = False,
+        instruction: str | None = None,
     ) -> tasks.Ranking:
-        """The documents ranked for the query by a reranker (or a multi-vector model): best first, top_n of them."""
+        """The documents ranked for the query by a reranker (or a multi-vector model): best first, top_n of them.
+
+        instruction: a reranker with a pair template's instruction (Qwen3-Reranker's), in place of its default.
+        """
         info = self.model_info(model)
-        requests = tasks.rerank_requests(info, query, documents, truncate, self.batch_size)
+        requests = tasks.rerank_requests(info, query, documents, truncate, self.batch_size, instruction=instruction)
         return tasks.ranking(info, [self.infer(request) for request in requests], top_n, raw_scores)
 
     def classify(

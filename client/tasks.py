@@ -38,11 +38,13 @@ class EmbedOptions:
     """False: a text longer than the model is embedded whole, in windows (embedders), or refused (pairs)."""
     top_k: int | None = None
     """Sparse embeddings: keep each text's k largest terms."""
+    task: str | None = None
+    """One of the model's task adapters (jina-embeddings-v3's `retrieval.query`...), with its prompt of that name."""
 
     def parameters(self) -> dict[str, Parameter]:
         """The request parameters these options set."""
         named = {"prompt_name": self.prompt_name, "dimensions": self.dimensions, "truncate": self.truncate}
-        named["top_k"] = self.top_k
+        named |= {"top_k": self.top_k, "task": self.task}
         return {key: value for key, value in named.items() if value is not None}
 
 
@@ -107,6 +109,8 @@ class ModelInfo:
     default_prompt_name: str = ""
     labels: tuple[str, ...] = ()
     """A classifier's labels, in logits order (one label: a reranker)."""
+    tasks: tuple[str, ...] = ()
+    """Its task adapters (the `task` an embed call may name); empty: none."""
     max_sequence_length: int | None = None
     max_batch_size: int = 0
     """Texts one request may carry (0: no limit)."""
@@ -134,6 +138,7 @@ def model_info(metadata: pb.ModelMetadataResponse, config: pb.ModelConfigRespons
         prompts=json.loads(parameters.get("prompts") or "{}"),
         default_prompt_name=parameters.get("default_prompt_name", ""),
         labels=tuple(json.loads(parameters.get("labels") or "[]")),
+        tasks=tuple(json.loads(parameters.get("adapter_tasks") or "[]")),
         max_sequence_length=int(length) if length else None,
         max_batch_size=config.config.max_batch_size,
     )
@@ -151,9 +156,18 @@ class Ranking:
 
 
 def rerank_requests(
-    info: ModelInfo, query: str, documents: Sequence[str], truncate: bool | None, batch_size: int
+    info: ModelInfo,
+    query: str,
+    documents: Sequence[str],
+    truncate: bool | None,
+    batch_size: int,
+    *,
+    instruction: str | None = None,
 ) -> list[pb.ModelInferRequest]:
-    """Pairs (query, document) in batches, asking the model's score output."""
+    """Pairs (query, document) in batches, asking the model's score output.
+
+    instruction: a reranker with a pair template's instruction (Qwen3-Reranker's), in place of its default.
+    """
     if isinstance(documents, str) or not documents:
         raise ValueError("give a non-empty list of documents")
     if info.task == "classify" and len(info.labels) != 1:
@@ -161,7 +175,8 @@ def rerank_requests(
     if info.task not in ("classify", "multivector") and "score" not in info.outputs:
         raise ValueError(f"model {info.name} is a {info.task} model and cannot rerank")
     output = "logits" if info.task == "classify" else "score"
-    parameters = {} if truncate is None else {"truncate": truncate}
+    named = {"truncate": truncate, "instruction": instruction}
+    parameters = {key: value for key, value in named.items() if value is not None}
     return [
         text_request(info.name, chunk, [output], queries=[query] * len(chunk), parameters=parameters)
         for chunk in batches(documents, batch_size)

@@ -32,6 +32,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 from tritonclient.utils import InferenceServerException
 
+from client import EmbeddingClient
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.task_adapters import JINA_TASKS
 from service.core.repository import ADAPTER_IDS, read_model
@@ -239,6 +240,10 @@ def test_served_tasks_equal_the_reference(source: Path, repository: Path, refere
         assert {tensor.name: tensor.optional for tensor in config.input}[ADAPTER_IDS]
         card = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused").models.retrieve(NAME)
         assert card.model_extra["tasks"] == list(TASKS)
+        with EmbeddingClient(server.target, model=NAME) as sdk:  # the project's own client
+            assert sdk.model_info().tasks == TASKS
+            for task in (None, *TASKS):
+                assert_same_vectors(sdk.embed(SENTENCES, task=task), expected[task], min_cosine=0.9999)
 
 
 REMOTE_CODE = {"model_type": "xlm-roberta", "lora_adaptations": list(TASKS), "position_embedding_type": "rotary"}

@@ -27,6 +27,7 @@ import tritonclient.grpc as grpcclient
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tritonclient.utils import InferenceServerException
 
+from client import EmbeddingClient
 from export.checkpoint import load_checkpoint
 from export.yes_no_reranker import YesNoError, read_head
 from service.core.repository import RepositoryError, read_model
@@ -278,6 +279,10 @@ def test_an_instruction_replaces_the_default(server: RunningServer, reference: R
     status, answer = post(server, "/v1/rerank", body)
     assert status == 200
     np.testing.assert_allclose(by_index(answer["results"], "relevance_score"), expected, rtol=0, atol=1e-4)
+    with EmbeddingClient(server.target, model=MODEL) as sdk:  # the project's own client
+        ranking = sdk.rerank(QUERY, DOCUMENTS, instruction=CUSTOM_INSTRUCTION)
+    assert list(ranking.indices) == list(np.argsort(-expected, kind="stable"))
+    np.testing.assert_allclose(ranking.scores, expected[ranking.indices], rtol=0, atol=1e-4)
     status, answer = post(server, "/rerank", {"query": QUERY, "texts": DOCUMENTS, "instruction": 3})
     assert status == 422 and "instruction must be a non-empty string" in answer["error"]
 
