@@ -112,10 +112,17 @@ class InferenceStreams:
         reader = loop.create_task(self._read(requests, deadline, slots, answers, running, infer=infer))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
+        aged = False
+
+        def stop_reading() -> None:
+            nonlocal aged
+            aged = True
+            reader.cancel()
+
         timers = []
         if self._max_age_s is not None:  # one timer each per stream: nothing added to each request's path
             timers = [
-                loop.call_later(self._max_age_s, reader.cancel),
+                loop.call_later(self._max_age_s, stop_reading),
                 loop.call_later(self._max_age_s + self._answer_window_s, _cut_off, running),
             ]
         try:
@@ -127,9 +134,12 @@ class InferenceStreams:
                 timer.cancel()
             reader.cancel()
             _cut_off(running)
-        if reader.cancelled():
+        if not reader.cancelled():
+            reader.result()  # a failed read (not a client's half-close) ends the stream with that error
+        if reader.cancelled() or aged or self._closing:
+            # The server stopped reading. gRPC's reader may take that cancellation as the end of the
+            # requests and return: a stream the client had not closed still ends Unavailable then.
             raise Unavailable(STREAM_ENDED_MESSAGE)
-        reader.result()  # a failed read (not a client's half-close) ends the stream with that error
 
     async def _read(
         self,
