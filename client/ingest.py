@@ -31,7 +31,7 @@ from client.checkpoint import Checkpoint
 from client.errors import EmbeddingError, error_of, rpc_error
 from client.inputs import DEFAULT_FIELD, InputError, InputFile
 from client.progress import Progress
-from client.protocol import output_array, text_request
+from client.protocol import output_array, prompt_tokens, text_request
 from client.retry import RetryPolicy
 from client.tasks import EmbedOptions
 from protocol import grpc_service_pb2 as pb
@@ -155,7 +155,7 @@ class Ingestion:
         if vectors.shape[0] != len(batch.rows):
             raise EmbeddingError(grpc.StatusCode.INTERNAL, f"{len(vectors)} vectors for {len(batch.rows)} texts")
         self.checkpoint.write(batch.rows, vectors)
-        self.progress.advance(len(batch.rows))
+        self.progress.advance(len(batch.rows), prompt_tokens(response))
 
     async def unary(self, batch: Batch) -> None:
         """Answer a batch with ModelInfer calls, retried; a refusal names the batch's lines."""

@@ -14,7 +14,7 @@ LOG_INTERVAL_S = 10.0
 class Progress:
     """Rows done of `total` (`skipped` of them finished by an earlier run), their rate, the ETA and the retries.
 
-    Over gRPC the server does not say how many tokens a text was, so the rate is in texts.
+    Tokens are the server's count (each answer's `prompt_tokens` parameter), shown once it gives one.
     `stream` None: silent (--quiet), the summary included.
     """
 
@@ -30,6 +30,8 @@ class Progress:
         self.skipped = skipped
         self.done = 0
         """Rows embedded by this run."""
+        self.tokens = 0
+        """Their tokens, as the server counted them (0 where it does not say)."""
         self.resent = 0
         """Requests sent again because a stream ended before answering them, or answered them with an error."""
         self._calls_retried = calls_retried
@@ -54,9 +56,18 @@ class Progress:
         """Texts embedded per second by this run."""
         return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
-    def advance(self, rows: int) -> None:
-        """Count rows done; show the progress if it is time."""
+    @property
+    def token_rate(self) -> float:
+        """Tokens embedded per second by this run."""
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def _tokens_per_s(self) -> str:
+        return f", {self.token_rate:.0f} tokens/s" if self.tokens else ""
+
+    def advance(self, rows: int, tokens: int = 0) -> None:
+        """Count rows done (and their tokens); show the progress if it is time."""
         self.done += rows
+        self.tokens += tokens
         now = time.monotonic()
         if self._stream is not None and now - self._shown >= self._interval_s:
             self._shown = now
@@ -66,7 +77,8 @@ class Progress:
         finished = self.skipped + self.done
         left = self.total - finished
         eta = f"{left / self.rate:.0f} s" if self.rate > 0 else "?"
-        return f"{finished}/{self.total} texts, {self.rate:.0f} texts/s, ETA {eta}, {self.retries} retries"
+        rates = f"{self.rate:.0f} texts/s{self._tokens_per_s()}"
+        return f"{finished}/{self.total} texts, {rates}, ETA {eta}, {self.retries} retries"
 
     def _show(self) -> None:
         assert self._stream is not None
@@ -81,7 +93,8 @@ class Progress:
         """One line: what this run did."""
         resumed = f" ({self.skipped} done by an earlier run)" if self.skipped else ""
         return (
-            f"embedded {self.done} texts in {self.elapsed_s:.1f} s ({self.rate:.0f} texts/s){resumed},"
+            f"embedded {self.done} texts in {self.elapsed_s:.1f} s ({self.rate:.0f} texts/s{self._tokens_per_s()})"
+            f"{resumed},"
             f" {self.retries} retries; {self.skipped + self.done}/{self.total} rows written"
         )
 

@@ -119,3 +119,9 @@ def output_values(response: pb.ModelInferResponse, name: str) -> np.ndarray:
 def batches(texts: Sequence[str], batch_size: int) -> list[Sequence[str]]:
     """Texts in request-sized slices."""
     return [texts[start : start + batch_size] for start in range(0, len(texts), batch_size)]
+
+
+def prompt_tokens(response: pb.ModelInferResponse) -> int:
+    """The tokens the server counted for the request (its `prompt_tokens` response parameter; 0 if absent)."""
+    counted = response.parameters.get("prompt_tokens")
+    return counted.int64_param if counted is not None else 0

@@ -133,9 +133,14 @@ def output_array(output: np.ndarray) -> tuple[np.ndarray, str]:
     return np.ascontiguousarray(output, dtype=_FP32), "FP32"
 
 
+PROMPT_TOKENS = "prompt_tokens"
+"""The response parameter (int64) counting the request's real tokens, special tokens included (OpenAI's usage)."""
+
+
 def encode_infer_response(result: InferenceResult) -> pb.ModelInferResponse:
-    """Outputs as raw_output_contents, in the requested order; the request id echoed."""
+    """Outputs as raw_output_contents, in the requested order; the request id echoed; its tokens counted."""
     response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=result.id)
+    response.parameters[PROMPT_TOKENS].int64_param = result.prompt_tokens
     for name, output in result.outputs.items():
         array, datatype = output_array(output)
         response.outputs.add(name=name, datatype=datatype, shape=array.shape)

@@ -30,11 +30,12 @@ def test_a_log_gets_plain_lines_and_quiet_gets_nothing() -> None:
     log = io.StringIO()
     progress = Progress(total=10, skipped=0, stream=log, interval_s=1e-9)
     progress.advance(5)
-    progress.advance(5)
+    progress.advance(5, tokens=120)  # the server's count of the batch's tokens
     progress.finish()
     lines = log.getvalue().splitlines()
     assert [line.split(",")[0] for line in lines[:2]] == ["5/10 texts", "10/10 texts"]
-    assert lines[2].startswith("embedded 10 texts in ") and "\r" not in log.getvalue()
+    assert "tokens/s" not in lines[0] and " tokens/s, ETA " in lines[1] and progress.tokens == 120
+    assert lines[2].startswith("embedded 10 texts in ") and " tokens/s)" in lines[2] and "\r" not in log.getvalue()
     quiet = Progress(total=10, skipped=0, stream=None, interval_s=1e-9)
     quiet.advance(10)
     quiet.finish()  # nowhere to write: nothing fails

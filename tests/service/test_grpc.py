@@ -23,6 +23,7 @@ from tritonclient.grpc import service_pb2 as triton_pb
 from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
+from client.protocol import prompt_tokens
 from export.parity import read_sentences
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
@@ -111,6 +112,7 @@ def test_text_and_token_inputs_give_the_same_embedding(
         inputs.append(tensor)
     result = client.infer(TINY_MODEL, inputs, request_id="tokens-1")
     assert result.get_response().id == "tokens-1"
+    assert prompt_tokens(result.get_response()) == tokens.attention_mask.sum()  # the real tokens, as OpenAI's usage
     assert [o.name for o in result.get_response().outputs] == ["last_hidden_state", "embedding"]
     by_tokens = result.as_numpy("embedding")
     by_text = embed(client, TINY_MODEL, SENTENCES)
