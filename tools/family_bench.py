@@ -4,8 +4,9 @@
 
 For each family, in one run on this machine:
 1. A folder of the example checkpoint's shape (its config's sizes, transformers' own random
-   initialisation) with a small tokenizer of the family's kind, wrapped as the checkpoint is
-   (sentence-transformers folder or CrossEncoder). The tokenizer's vocabulary does not change
+   initialisation) with a small tokenizer of the family's kind (tests.export.family_tokenizers
+   and tiny_models), wrapped as the checkpoint is (sentence-transformers folder, CrossEncoder, or
+   the causal LM's own folder for Qwen3-Reranker). The tokenizer's vocabulary does not change
    the graph's cost: the config's vocab_size sets the embedding table. max_seq_length is 512
    everywhere, so that the export gate's cases stay small; it does not change the graph.
 2. `python -m export --variants fp32 --threads 2`, timed (the parity gate included), and the
@@ -34,12 +35,13 @@ import torch
 import transformers
 import tritonclient.grpc as triton
 from sentence_transformers import CrossEncoder, SentenceTransformer
+from sentence_transformers.base.modules import Dense
 from sentence_transformers.sentence_transformer import modules as st_models
+from torch import nn
 
 from service.core.repository import read_model
 from service.processes import children
-from tests.export import tiny_models
-from tests.export.test_qwen3 import _qwen_tokenizer as save_qwen_tokenizer
+from tests.export import family_tokenizers, tiny_models
 from tools.local_server import start_server
 from tools.stress.monitor import read_rss_bytes
 
@@ -68,9 +70,22 @@ class Figures:
     texts_per_s: float
 
 
-def _embedder(base: Path, folder: Path, pooling: str, normalize: bool, prompts: dict[str, str] | None) -> Path:
+def _embedder(
+    base: Path,
+    folder: Path,
+    pooling: str,
+    normalize: bool,
+    prompts: dict[str, str] | None,
+    *,
+    dense_widths: tuple[int, ...] = (),
+) -> Path:
+    """Transformer, Pooling, a Dense module (identity, no bias) to each of dense_widths in turn, Normalize."""
     transformer = st_models.Transformer(str(base), max_seq_length=MAX_SEQ_LENGTH)
-    modules = [transformer, st_models.Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)]
+    width = transformer.get_embedding_dimension()
+    modules: list[nn.Module] = [transformer, st_models.Pooling(width, pooling_mode=pooling)]
+    for out_features in dense_widths:
+        modules.append(Dense(width, out_features, bias=False, activation_function=None))
+        width = out_features
     modules += [st_models.Normalize()] if normalize else []
     SentenceTransformer(modules=modules, prompts=prompts).save(str(folder))
     return folder
@@ -139,7 +154,7 @@ def _deberta(root: Path) -> Path:
 def _qwen3(root: Path) -> Path:
     """Qwen3-Embedding-0.6B: 28 layers of 1024, 16 query and 8 key/value heads of 128; last-token pooling."""
     base = root / "base"
-    tokenizer = save_qwen_tokenizer(base, max_length=MAX_SEQ_LENGTH)
+    tokenizer = family_tokenizers.save_qwen_tokenizer(base, max_length=MAX_SEQ_LENGTH)
     config = transformers.Qwen3Config(
         vocab_size=151669,
         hidden_size=1024,
@@ -161,11 +176,102 @@ def _qwen3(root: Path) -> Path:
     return _embedder(base, root / "model", "lasttoken", True, prompts)
 
 
+def _qwen3_reranker(root: Path) -> Path:
+    """Qwen3-Reranker-0.6B: Qwen3ForCausalLM, 28 layers of 1024, 16 query and 8 key/value heads of 128; yes/no.
+
+    Sizes: Qwen3-0.6B's config.json (the reranker's base; its model card: 28 layers, 0.6B), tied embeddings,
+    Qwen3-Embedding-0.6B's vocabulary of 151,669. No sentence-transformers files, as Qwen publishes it.
+    """
+    folder = root / "model"
+    tokenizer = family_tokenizers.save_qwen_reranker_tokenizer(folder, max_length=MAX_SEQ_LENGTH)
+    config = transformers.Qwen3Config(
+        vocab_size=151669,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    transformers.Qwen3ForCausalLM(config).eval().save_pretrained(str(folder))
+    return folder
+
+
+def _eurobert(root: Path) -> Path:
+    """EuroBERT-210m: 12 layers of 768, 12 heads of 64, SwiGLU 3072, rotary base 250,000; mean pooling.
+
+    Sizes: EuroBERT/EuroBERT-210m's config.json (vocabulary 128,256, RMSNorm eps 1e-5, 8,192 positions).
+    """
+    base = root / "base"
+    tokenizer = family_tokenizers.save_llama3_tokenizer(base, max_length=MAX_SEQ_LENGTH)
+    config = transformers.EuroBertConfig(
+        **BERT_BASE | {"vocab_size": 128256},
+        intermediate_size=3072,
+        num_key_value_heads=12,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 2.5e5},
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        mask_token_id=tokenizer.mask_token_id,
+    )
+    transformers.AutoModel.from_config(config).eval().save_pretrained(str(base))
+    return _embedder(base, root / "model", "mean", False, None)
+
+
+def _gemma(root: Path) -> Path:
+    """embeddinggemma-300m: 24 bidirectional layers of 768, 3 query and 1 key/value heads of 256; Dense 3072, 768.
+
+    Five sliding layers (window 512) then one full, GELU 1152, vocabulary 262,144; mean pooling, two Dense
+    modules (identity, no bias), Normalize, its query and document prompts (its other task prompts do not
+    change the graph). Sizes: config.json as its fine-tunes republish it (acradin/DK_embedding, Etherll/test;
+    google's own folder is gated); the window 512 as llama.cpp's converter reads it (ggml-org/llama.cpp#15867).
+    """
+    base = root / "base"
+    tokenizer = family_tokenizers.save_gemma_tokenizer(base, max_length=MAX_SEQ_LENGTH)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=262144,
+        hidden_size=768,
+        intermediate_size=1152,
+        num_hidden_layers=24,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        use_bidirectional_attention=True,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    transformers.AutoModel.from_config(config).eval().save_pretrained(str(base))
+    prompts = {"query": "task: search result | query: ", "document": "title: none | text: "}
+    return _embedder(base, root / "model", "mean", True, prompts, dense_widths=(3072, 768))
+
+
 FAMILIES = {
     "gte": Family("Alibaba-NLP/gte-base-en-v1.5", _gte),
     "nomic_bert": Family("nomic-ai/nomic-embed-text-v1.5", _nomic),
     "deberta-v2": Family("mixedbread-ai/mxbai-rerank-base-v1", _deberta),
     "qwen3": Family("Qwen/Qwen3-Embedding-0.6B", _qwen3),
+    "qwen3-reranker": Family("Qwen/Qwen3-Reranker-0.6B", _qwen3_reranker),
+    "eurobert": Family("EuroBERT/EuroBERT-210m", _eurobert),
+    "gemma3_text": Family("google/embeddinggemma-300m", _gemma),
 }
 
 

@@ -26,7 +26,6 @@ import transformers
 import tritonclient.grpc as grpcclient
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from export import eurobert, optimize
 from export.architecture_error import ArchitectureError
@@ -34,16 +33,13 @@ from export.checkpoint import load_checkpoint
 from export.heads import HeadError, head_config
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
+from tests.export.family_tokenizers import LLAMA3_BOS as BOS
+from tests.export.family_tokenizers import LLAMA3_EOS as EOS
+from tests.export.family_tokenizers import save_llama3_tokenizer
 from tests.servers import RunningServer, post_json, start_server
 from tests.vectors import assert_same_vectors
 
 ROOT = Path(__file__).resolve().parents[2]
-BOS, EOS, MASK = "<|begin_of_text|>", "<|end_of_text|>", "<|mask|>"
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-"""Llama 3's pre-tokenisation pattern (its tokenizer.json's Split), before the byte-level mapping."""
 MAX_LENGTH = 64
 ROPE_THETA = 1_000.0
 """Not the 10,000 a reader falls back to, so that a rotary base read wrongly shows."""
@@ -57,38 +53,6 @@ QUERY = tiny_models.training_sentences()[7]
 PAIRS = [(QUERY, text) for text in [*SENTENCES, "A long passage, " * 30]]
 """One query, so that the pairs are also a rerank request; the last is truncated."""
 EMBEDDER, RERANKER = "eurobert-embed", "eurobert-reranker"
-
-
-def _llama3_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
-    """Byte-level BPE as Llama 3's tokenizer.json builds it, with EuroBERT's special tokens around every text."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=tiny_models.VOCAB_SIZE,
-        special_tokens=[BOS, EOS, MASK],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(tiny_models.training_sentences(), trainer)
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = [(BOS, tokenizer.token_to_id(BOS)), (EOS, tokenizer.token_to_id(EOS))]
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A {EOS}", pair=f"{BOS} $A {EOS} {BOS}:1 $B:1 {EOS}:1", special_tokens=specials
-    )
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        model_max_length=MAX_LENGTH,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=EOS,
-        mask_token=MASK,
-    )
-    fast.save_pretrained(str(folder))
-    return fast
 
 
 def _hf_config(tokenizer: transformers.PreTrainedTokenizerFast, **overrides: object) -> transformers.EuroBertConfig:
@@ -114,7 +78,7 @@ def _hf_config(tokenizer: transformers.PreTrainedTokenizerFast, **overrides: obj
 
 def save_model(folder: Path, seed: int, task: str = "embed", **overrides: object) -> Path:
     """A tiny random EuroBertModel (or -ForSequenceClassification) with its tokenizer in folder."""
-    tokenizer = _llama3_tokenizer(folder)
+    tokenizer = save_llama3_tokenizer(folder, max_length=MAX_LENGTH)
     torch.manual_seed(seed)
     auto = transformers.AutoModelForSequenceClassification if task == "classify" else transformers.AutoModel
     model = auto.from_config(_hf_config(tokenizer, **overrides), attn_implementation="eager").eval()
@@ -289,7 +253,7 @@ def test_served_reranker_equals_cross_encoder(sources: Sources, server: RunningS
 
 
 def test_unimplemented_settings_are_refused_in_one_line(tmp_path: Path) -> None:
-    hf = json.loads(_hf_config(_llama3_tokenizer(tmp_path)).to_json_string())
+    hf = json.loads(_hf_config(save_llama3_tokenizer(tmp_path, max_length=MAX_LENGTH)).to_json_string())
     refusals = {
         "rope_parameters": (
             {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},

@@ -30,7 +30,6 @@ from openai import OpenAI
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Dense
 from sentence_transformers.sentence_transformer import modules as st_models
-from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
 from torch import nn
 from tritonclient import grpc as triton_grpc
 
@@ -40,13 +39,11 @@ from export.checkpoint import CheckpointError, load_checkpoint
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
+from tests.export.family_tokenizers import save_gemma_tokenizer
 from tests.servers import start_server
 from tests.vectors import assert_same_vectors
 
 ROOT = Path(__file__).resolve().parents[2]
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
-"""Gemma's first ids: <pad> 0, <eos> 1, <bos> 2, <unk> 3."""
-BYTE_TOKENS = [f"<0x{value:02X}>" for value in range(256)]
 MAX_LENGTH = tiny_models.MAX_POSITIONS - 2
 SLIDING_WINDOW = 8
 """config.json's sliding_window: a sliding layer's token sees 4 tokens either side."""
@@ -75,33 +72,6 @@ SENTENCES = [
     "A naïve café ☕ sentence with bytes the vocabulary lacks.",
     "A much longer sentence that goes on and on, well past the others in the batch, " * 2,
 ]
-
-
-def _gemma_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
-    """BPE as Gemma's tokenizer.json builds it: spaces as ▁, no pre-tokenizer, byte fallback, <bos> $A <eos>."""
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    tokenizer.normalizer = normalizers.Replace(" ", "▁")
-    trainer = trainers.BpeTrainer(vocab_size=tiny_models.VOCAB_SIZE, special_tokens=SPECIAL_TOKENS)
-    tokenizer.train_from_iterator(tiny_models.training_sentences(), trainer)
-    spec = json.loads(tokenizer.to_str())
-    for token in BYTE_TOKENS:  # byte fallback needs the 256 byte pieces, as Gemma's vocabulary has them
-        spec["model"]["vocab"].setdefault(token, len(spec["model"]["vocab"]))
-    tokenizer = Tokenizer.from_str(json.dumps(spec))
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    bos, eos = tokenizer.token_to_id("<bos>"), tokenizer.token_to_id("<eos>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A <eos>", pair="<bos> $A <eos> $B <eos>", special_tokens=[("<bos>", bos), ("<eos>", eos)]
-    )
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        model_max_length=MAX_LENGTH,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
-    fast.save_pretrained(str(folder))
-    return fast
 
 
 def _hf_config(tokenizer: transformers.PreTrainedTokenizerFast, **overrides: object) -> transformers.Gemma3TextConfig:
@@ -146,7 +116,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Source:
     """The tiny EmbeddingGemma as sentence-transformers saves it, exported (fp32) once by the command line."""
     root = tmp_path_factory.mktemp("gemma")
     base = root / "base"
-    tokenizer = _gemma_tokenizer(base)
+    tokenizer = save_gemma_tokenizer(base, max_length=MAX_LENGTH)
     torch.manual_seed(33)
     model = transformers.AutoModel.from_config(_hf_config(tokenizer), attn_implementation="eager").eval()
     tiny_models._randomise(model, seed=33)
@@ -293,7 +263,7 @@ def test_served_embeddings_equal_sentence_transformers(
 
 
 def test_unimplemented_settings_are_refused_in_one_line(tmp_path: Path) -> None:
-    hf = json.loads(_hf_config(_gemma_tokenizer(tmp_path)).to_json_string())
+    hf = json.loads(_hf_config(save_gemma_tokenizer(tmp_path, max_length=MAX_LENGTH)).to_json_string())
     refusals = {
         "use_bidirectional_attention": (False, "unsupported use_bidirectional_attention false"),
         "attn_logit_softcapping": (50.0, "unsupported attn_logit_softcapping 50.0"),

@@ -20,7 +20,6 @@ import torch
 import transformers
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from export import optimize, qwen3
 from export.architecture_error import ArchitectureError
@@ -30,14 +29,10 @@ from export.pipeline import ExportOptions, export_model
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
+from tests.export.family_tokenizers import QWEN_EOS as EOS
+from tests.export.family_tokenizers import save_qwen_tokenizer
 from tests.vectors import assert_same_vectors
 
-EOS = "<|endoftext|>"
-SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-"""Qwen2's pre-tokenisation pattern (its tokenizer.json's Split), before the byte-level mapping."""
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 MAX_LENGTH = 64
 ROPE_THETA = 1_000.0
@@ -47,39 +42,6 @@ SENTENCES = [
     *tiny_models.training_sentences()[:6],
     "A much longer sentence that goes on and on, well past the others in the batch, " * 2,
 ]
-
-
-def _qwen_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
-    """Byte-level BPE as Qwen2's tokenizer.json builds it, with <|endoftext|> appended to every text."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=tiny_models.VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(tiny_models.training_sentences(), trainer)
-    tokenizer.decoder = decoders.ByteLevel()
-    eos = tokenizer.token_to_id(EOS)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"$A {EOS}", pair=f"$A {EOS} $B:1 {EOS}:1", special_tokens=[(EOS, eos)]
-    )
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        model_max_length=MAX_LENGTH,
-        eos_token=EOS,
-        pad_token=EOS,
-        padding_side="left",  # as Qwen3-Embedding's tokenizer_config.json: sentence-transformers pads on the left
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
-    fast.save_pretrained(str(folder))
-    return fast
 
 
 def _hf_config(tokenizer: transformers.PreTrainedTokenizerFast, **overrides: object) -> transformers.Qwen3Config:
@@ -119,7 +81,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Source:
     """The tiny Qwen3-Embedding as sentence-transformers saves it, exported (fp32) once."""
     root = tmp_path_factory.mktemp("qwen3")
     base = root / "base"
-    tokenizer = _qwen_tokenizer(base)
+    tokenizer = save_qwen_tokenizer(base, max_length=MAX_LENGTH)
     torch.manual_seed(32)
     model = transformers.AutoModel.from_config(_hf_config(tokenizer), attn_implementation="eager").eval()
     tiny_models._randomise(model, seed=32)
@@ -228,7 +190,7 @@ def test_parity_report_has_the_unfused_form_and_the_library_check(source: Source
 
 
 def test_unimplemented_settings_are_refused_in_one_line(tmp_path: Path) -> None:
-    hf = json.loads(_hf_config(_qwen_tokenizer(tmp_path)).to_json_string())
+    hf = json.loads(_hf_config(save_qwen_tokenizer(tmp_path, max_length=MAX_LENGTH)).to_json_string())
     refusals = {
         "rope_parameters": (
             {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0},
@@ -250,7 +212,7 @@ def test_unimplemented_settings_are_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_a_sliding_window_checkpoint_is_refused(tmp_path: Path) -> None:
-    tokenizer = _qwen_tokenizer(tmp_path)
+    tokenizer = save_qwen_tokenizer(tmp_path, max_length=MAX_LENGTH)
     config = _hf_config(tokenizer, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     transformers.AutoModel.from_config(config).save_pretrained(str(tmp_path))
     with pytest.raises(CheckpointError, match="sliding"):

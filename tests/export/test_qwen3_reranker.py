@@ -24,7 +24,6 @@ import pytest
 import torch
 import transformers
 import tritonclient.grpc as grpcclient
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tritonclient.utils import InferenceServerException
 
 from client import EmbeddingClient
@@ -35,6 +34,9 @@ from service.errors import InvalidArgument
 from service.pipeline.tokenizer import TextTokenizer
 from service.pipeline.validation import instruction_choice
 from tests.export import tiny_models
+from tests.export.family_tokenizers import QWEN3_RERANKER_PREFIX as PREFIX
+from tests.export.family_tokenizers import QWEN3_RERANKER_SUFFIX as SUFFIX
+from tests.export.family_tokenizers import save_qwen_reranker_tokenizer
 from tests.servers import RunningServer, start_server
 from tests.servers import post_json as post
 
@@ -42,16 +44,7 @@ MODEL = "qwen3-reranker"
 MAX_LENGTH = 256
 """The folder's model_max_length: this tokenizer makes the template's prefix, suffix and default instruction
 about 190 tokens; the documents fit in what they leave, the long one does not."""
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# The model card's code, as it is written there.
-PREFIX = (
-    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct"
-    ' provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
-)
-SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# The model card's code, as it is written there (its PREFIX and SUFFIX: family_tokenizers, trained on PREFIX).
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 CUSTOM_INSTRUCTION = "Given a question, find the sentence that answers it"
 QUERY = "Which animal is playing in the field?"
@@ -66,39 +59,8 @@ def format_instruction(instruction: str | None, query: str, document: str) -> st
     return f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
 
 
-def _tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
-    """Qwen2's byte-level BPE (no token appended), trained so that "yes" and "no" are tokens of their own."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=tiny_models.VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator([*tiny_models.training_sentences(), *["yes", "no"] * 50, PREFIX], trainer)
-    tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's: added, not special
-    tokenizer.decoder = decoders.ByteLevel()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        model_max_length=MAX_LENGTH,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        padding_side="left",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
-    fast.save_pretrained(str(folder))
-    assert fast.convert_tokens_to_ids("yes") != fast.unk_token_id and len(fast.encode("yes no")) == 2
-    return fast
-
-
 def _save_reranker(folder: Path) -> None:
-    tokenizer = _tokenizer(folder)
+    tokenizer = save_qwen_reranker_tokenizer(folder, max_length=MAX_LENGTH)
     config = transformers.Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=tiny_models.HIDDEN,
