@@ -53,7 +53,9 @@ def model_card_logits(checkpoint: Checkpoint, pairs: list[tuple[str, str]], temp
         rows = {"input_ids": [prefix + ids + suffix for ids in encoded["input_ids"]]}
         batch = tokenizer.pad(rows, padding=True, return_tensors="pt")
         with torch.inference_mode():
-            last = model(**batch).logits[:, -1, :]
+            # logits_to_keep=1: the language-model head at the last position only, as the card reads it
+            # (every position's logits over a 151k vocabulary would be gigabytes per batch at full size).
+            last = model(**batch, logits_to_keep=1).logits[:, -1, :]
         logits.append((last[:, yes] - last[:, no]).numpy()[:, None])
     return np.concatenate(logits).astype(np.float32)
 
