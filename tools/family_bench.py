@@ -5,10 +5,11 @@
 For each family, in one run on this machine:
 1. A folder of the example checkpoint's shape (its config's sizes, transformers' own random
    initialisation) with a small tokenizer of the family's kind (tests.export.family_tokenizers
-   and tiny_models), wrapped as the checkpoint is (sentence-transformers folder, CrossEncoder, or
-   the causal LM's own folder for Qwen3-Reranker). The tokenizer's vocabulary does not change
-   the graph's cost: the config's vocab_size sets the embedding table. max_seq_length is 512
-   everywhere, so that the export gate's cases stay small; it does not change the graph.
+   and tiny_models), wrapped as the checkpoint is (sentence-transformers folder, CrossEncoder,
+   the causal LM's own folder for Qwen3-Reranker, PEFT task adapters for jina-embeddings-v3).
+   The tokenizer's vocabulary does not change the graph's cost: the config's vocab_size sets the
+   embedding table. max_seq_length is 512 everywhere, so that the export gate's cases stay
+   small; it does not change the graph.
 2. `python -m export --variants fp32 --threads 2`, timed (the parity gate included), and the
    size of the published graph and its weights.
 3. A server on that model alone (`--intra-op-threads 2`), warmed up, then one tritonclient gRPC
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,8 @@ class Family:
     example: str
     make: Callable[[Path], Path]
     """Writes the folder the exporter reads as `model` under the given directory and returns it."""
+    parameters: dict[str, str] = field(default_factory=dict)
+    """The requests' parameters (jina-embeddings-v3: the task whose adapter runs)."""
 
 
 @dataclass
@@ -264,6 +267,33 @@ def _gemma(root: Path) -> Path:
     return _embedder(base, root / "model", "mean", True, prompts, dense_widths=(3072, 768))
 
 
+JINA_PROMPTS = {
+    "retrieval.query": "Represent the query for retrieving evidence documents: ",
+    "retrieval.passage": "Represent the document for retrieval: ",
+}
+JINA_ADAPTER_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "word_embeddings"]
+"""The modules jina-embeddings-v3-hf's LoRA adapters (rank 4, alpha 1) adapt."""
+
+
+def _jina(root: Path) -> Path:
+    """jina-embeddings-v3-hf: transformers' JinaEmbeddingsV3Config defaults, which are its sizes.
+
+    XLM-R large (24 layers of 1024, 16 heads, 4096, vocabulary 250,002) with rotary positions; mean
+    pooling, normalised; five PEFT task adapters of rank 4. Its requests run the retrieval.passage adapter.
+    """
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415  (only this family needs it)
+
+    base = root / "base"
+    tokenizer = tiny_models.save_tokenizer("xlm-roberta", base, max_length=MAX_SEQ_LENGTH)
+    config = transformers.JinaEmbeddingsV3Config(pad_token_id=tokenizer.pad_token_id)
+    transformers.AutoModel.from_config(config).eval().save_pretrained(str(base))
+    model = _embedder(base, root / "model", "mean", True, JINA_PROMPTS)
+    for task in ("retrieval_query", "retrieval_passage", "separation", "classification", "text_matching"):
+        lora = LoraConfig(target_modules=JINA_ADAPTER_TARGETS, r=4, lora_alpha=1, init_lora_weights=False)
+        get_peft_model(transformers.AutoModel.from_pretrained(str(model)), lora).save_pretrained(str(model / task))
+    return model
+
+
 FAMILIES = {
     "gte": Family("Alibaba-NLP/gte-base-en-v1.5", _gte),
     "nomic_bert": Family("nomic-ai/nomic-embed-text-v1.5", _nomic),
@@ -272,6 +302,7 @@ FAMILIES = {
     "qwen3-reranker": Family("Qwen/Qwen3-Reranker-0.6B", _qwen3_reranker),
     "eurobert": Family("EuroBERT/EuroBERT-210m", _eurobert),
     "gemma3_text": Family("google/embeddinggemma-300m", _gemma),
+    "jina_embeddings_v3": Family("jinaai/jina-embeddings-v3-hf", _jina, {"task": "retrieval.passage"}),
 }
 
 
@@ -302,17 +333,17 @@ def _token_inputs(vocab: int, seed: int) -> list[triton.InferInput]:
     return inputs
 
 
-def _serve(repository: Path, name: str, vocab: int, seconds: float) -> tuple[float, int]:
+def _serve(repository: Path, name: str, vocab: int, seconds: float, parameters: dict[str, str]) -> tuple[float, int]:
     """(texts/s, summed RSS bytes of the server's processes) for one model alone on a server."""
     arguments = ("--intra-op-threads", str(THREADS))
     with start_server(repository, repository / "server.log", *arguments) as server:
         client = triton.InferenceServerClient(server.target)
         inputs = _token_inputs(vocab, seed=0)
         for _ in range(2):
-            client.infer(name, inputs)
+            client.infer(name, inputs, parameters=parameters)
         requests, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
-            client.infer(name, inputs)
+            client.infer(name, inputs, parameters=parameters)
             requests += 1
         texts_per_s = requests * ROWS / (time.perf_counter() - started)
         pids = [server.process.pid, *children(server.process.pid)]
@@ -337,7 +368,7 @@ def measure(name: str, family: Family, work: Path, seconds: float, reuse: bool) 
         export_s = _export(source, repository, name)
         recorded.write_text(json.dumps({"export_s": export_s}) + "\n")
     vocab = min(len(transformers.AutoTokenizer.from_pretrained(str(source))), 400)
-    texts_per_s, rss = _serve(repository, name, vocab, seconds)
+    texts_per_s, rss = _serve(repository, name, vocab, seconds, family.parameters)
     return Figures(
         family.example,
         round(export_s, 1),
