@@ -42,6 +42,8 @@ TRANSPORTS = ("stream", "unary")
 INGEST_RETRY = RetryPolicy(max_attempts=200, initial_backoff_s=0.05, max_backoff_s=2.0)
 """Patient: a restart or a rollout may keep every address away for a while (about 5 minutes at most)."""
 CHECKPOINT_INTERVAL_S = 2.0
+GRPC_WRITE_RACE_DETAILS = "Internal error from Core"
+"""What grpcio's asyncio client says when a write meets the server's end of a stream (see _stream_end)."""
 OUTPUT_FORMATS = (".npy", ".parquet")
 
 
@@ -218,15 +220,16 @@ class Ingestion:
                 answered_any = True
             code = await call.code()
             if code != grpc.StatusCode.OK:
-                return error_of(code, await call.details()), answered_any
+                return _stream_end(error_of(code, await call.details())), answered_any
             await sender
             return None, answered_any
         except grpc.aio.AioRpcError as failure:
-            return rpc_error(failure), answered_any
+            return _stream_end(rpc_error(failure)), answered_any
         except asyncio.InvalidStateError:  # the stream ended while a request was being written to it
-            code = await call.code()
-            ended = grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code
-            return error_of(ended, f"the stream ended with {code.name}: {await call.details()}"), answered_any
+            code, details = await call.code(), await call.details()
+            if code == grpc.StatusCode.OK:  # ended by the server before its last answer was read: send again
+                return error_of(grpc.StatusCode.UNAVAILABLE, f"the stream ended with OK: {details}"), answered_any
+            return _stream_end(error_of(code, details)), answered_any
         finally:
             sender.cancel()
             # Its failure, if any, is the stream's end, handled above.
@@ -257,6 +260,18 @@ class Ingestion:
         while True:
             await asyncio.sleep(CHECKPOINT_INTERVAL_S)
             self.checkpoint.save()
+
+
+def _stream_end(error: EmbeddingError) -> EmbeddingError:
+    """How a stream ended: as it says, except grpcio's asyncio write race, which is a stream the server ended.
+
+    A write that meets the server's end of the stream replaces the server's status with INTERNAL
+    "Internal error from Core" in grpcio's asyncio client (grpc/grpc#36066): the server ended it (a
+    drain or its age), so it is UNAVAILABLE here, and its unanswered batches are sent again.
+    """
+    if error.code == grpc.StatusCode.INTERNAL and error.message == GRPC_WRITE_RACE_DETAILS:
+        return error_of(grpc.StatusCode.UNAVAILABLE, f"the stream ended while a request was written ({error.message})")
+    return error
 
 
 async def _all_or_none(coroutines: list[Coroutine[object, object, None]]) -> None:

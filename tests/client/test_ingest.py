@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,7 +24,8 @@ import pytest
 from client import EmbeddingClient
 from client.__main__ import main
 from client.checkpoint import Checkpoint
-from client.ingest import IngestSettings, embed_file
+from client.errors import error_of
+from client.ingest import GRPC_WRITE_RACE_DETAILS, IngestSettings, _stream_end, embed_file
 from tests.conftest import TINY_MODEL
 from tests.servers import ROOT, RunningServer, free_port, launch_server, metric_samples, metric_value, start_server
 from tools.loadtest.corpus import load_corpus
@@ -269,3 +271,12 @@ def test_resume_refuses_a_checkpoint_of_another_run(
     assert "belongs to another run" in capsys.readouterr().err
     assert main([*arguments, "--quiet"]) == 0  # without --resume: a fresh run over it
     assert np.load(output).shape == (len(small), 32)
+
+
+def test_grpcios_write_race_is_a_stream_the_server_ended() -> None:
+    """grpcio's asyncio client reports a write that meets the server's end of a stream as INTERNAL "Internal error
+    from Core" (grpc/grpc#36066, seen in a drain mid-ingestion): sent again as UNAVAILABLE; other errors stand."""
+    raced = _stream_end(error_of(grpc.StatusCode.INTERNAL, GRPC_WRITE_RACE_DETAILS))
+    assert raced.code == grpc.StatusCode.UNAVAILABLE and GRPC_WRITE_RACE_DETAILS in raced.message
+    other = _stream_end(error_of(grpc.StatusCode.INTERNAL, "the model failed"))
+    assert other.code == grpc.StatusCode.INTERNAL and other.message == "the model failed"
