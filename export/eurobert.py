@@ -23,10 +23,10 @@ from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
 from export.config import OwnEncoderFacts
+from export.grouped_attention import GroupedQueryAttention
 from export.pooling import pool
 from export.qwen3 import MLP, RMSNorm
-from export.qwen3 import _rope_theta as rope_theta
-from export.rotary import RotaryTable, rotate
+from export.rotary import RotaryTable, rope_theta
 
 HEAD_PREFIXES = ("dense.", "classifier.", "lm_head.")
 """Weights of the sequence-classification head (dense, classifier) or the masked-LM head, set apart."""
@@ -124,46 +124,20 @@ def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[
     return encoder, heads
 
 
-class Attention(nn.Module):
-    """Grouped-query self-attention over every kept token, with rotary positions, then W^O."""
-
-    def __init__(self, config: EuroBertConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.d_model, config.num_heads * config.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.d_model, config.num_kv_heads * config.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.d_model, config.num_kv_heads * config.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.d_model, bias=bias)
-
-    def _shared(self, states: Tensor) -> Tensor:
-        """Key/value heads [batch, kv_heads, seq, d_k] repeated for their query heads [batch, heads, seq, d_k]."""
-        batch, kv_heads, length, width = states.shape
-        groups = self.num_heads // kv_heads
-        return states[:, :, None].expand(batch, kv_heads, groups, length, width).reshape(batch, -1, length, width)
-
-    def _heads(self, states: Tensor, count: int) -> Tensor:
-        """[batch, seq, count · d_k] -> [batch, count, seq, d_k]."""
-        return states.view(states.shape[0], states.shape[1], count, self.head_dim).transpose(1, 2)
-
-    def forward(self, hidden: Tensor, rotary: tuple[Tensor, Tensor], attention_bias: Tensor) -> Tensor:
-        """Attend over hidden [batch, seq, d_model]; rotary is (cos, sin) [seq, d_k]; bias [batch, 1, 1, seq]."""
-        query = rotate(self._heads(self.q_proj(hidden), self.num_heads), *rotary)
-        key = rotate(self._heads(self.k_proj(hidden), self.num_kv_heads), *rotary)
-        value = self._heads(self.v_proj(hidden), self.num_kv_heads)
-        scores = torch.matmul(query, self._shared(key).transpose(-1, -2)) * self.head_dim**-0.5
-        weights = torch.softmax(scores + attention_bias, dim=-1)
-        context = torch.matmul(weights, self._shared(value)).transpose(1, 2)
-        return self.o_proj(context.reshape(hidden.shape[0], hidden.shape[1], -1))
-
-
 class Layer(nn.Module):
     """One pre-norm layer: x = x + Attention(RMSNorm(x)); x = x + MLP(RMSNorm(x))."""
 
     def __init__(self, config: EuroBertConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.d_model, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = GroupedQueryAttention(
+            config.d_model,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            bias=config.attention_bias,
+            scale=config.head_dim**-0.5,
+        )
         self.post_attention_layernorm = RMSNorm(config.d_model, config.rms_norm_eps)
         self.mlp = MLP(config)  # Qwen3's SwiGLU reads d_model and ffn_dim only
 

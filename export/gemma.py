@@ -29,8 +29,9 @@ from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
 from export.config import OwnEncoderFacts
+from export.grouped_attention import GroupedQueryAttention
 from export.pooling import pool
-from export.rotary import RotaryTable, rotate
+from export.rotary import RotaryTable
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -178,41 +179,6 @@ class GemmaRMSNorm(nn.Module):
         return (values * (1.0 + self.weight.to(torch.float32))).to(hidden.dtype)
 
 
-class Attention(nn.Module):
-    """Grouped-query self-attention with per-head q/k RMSNorm and rotary positions, then W^O."""
-
-    def __init__(self, config: GemmaConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.scale = 1.0 / math.sqrt(config.query_pre_attn_scalar)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.d_model, config.num_heads * config.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.d_model, config.num_kv_heads * config.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.d_model, config.num_kv_heads * config.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.d_model, bias=bias)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def _shared(self, states: Tensor) -> Tensor:
-        """Key/value heads [batch, kv_heads, seq, d_k] repeated for their query heads [batch, heads, seq, d_k]."""
-        batch, kv_heads, length, width = states.shape
-        groups = self.num_heads // kv_heads
-        return states[:, :, None].expand(batch, kv_heads, groups, length, width).reshape(batch, -1, length, width)
-
-    def forward(self, hidden: Tensor, rotary: tuple[Tensor, Tensor], attention_bias: Tensor) -> Tensor:
-        """Attend over hidden [batch, seq, d_model]; rotary is (cos, sin) [seq, d_k]; bias [batch, 1, seq|1, seq]."""
-        batch, length = hidden.shape[0], hidden.shape[1]
-        query = self.q_norm(self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
-        key = self.k_norm(self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        value = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary
-        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
-        scores = torch.matmul(query, self._shared(key).transpose(-1, -2)) * self.scale
-        weights = torch.softmax((scores + attention_bias).to(torch.float32), dim=-1).to(hidden.dtype)
-        context = torch.matmul(weights, self._shared(value)).transpose(1, 2).reshape(batch, length, -1)
-        return self.o_proj(context)
-
-
 class MLP(nn.Module):
     """GeGLU: W_down(gelu_tanh(x·W_gate) ⊙ x·W_up)."""
 
@@ -233,7 +199,15 @@ class Layer(nn.Module):
     def __init__(self, config: GemmaConfig) -> None:
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = GroupedQueryAttention(
+            config.d_model,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            bias=config.attention_bias,
+            scale=config.query_pre_attn_scalar**-0.5,
+            head_norm=lambda width: GemmaRMSNorm(width, config.rms_norm_eps),
+        )
         self.post_attention_layernorm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
         self.mlp = MLP(config)

@@ -16,7 +16,6 @@ way (tests/export/test_qwen3.py measures it against transformers).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +24,9 @@ from torch import Tensor, nn
 
 from export.architecture_error import ArchitectureError
 from export.config import OwnEncoderFacts
+from export.grouped_attention import GroupedQueryAttention
 from export.pooling import pool
-from export.rotary import inverse_frequencies, rotate
+from export.rotary import inverse_frequencies, rope_theta
 
 HEAD_PREFIXES = ("lm_head.", "score.")
 """Weights of a causal-LM or classification head, set apart from the decoder's."""
@@ -69,17 +69,6 @@ class Qwen3Config(OwnEncoderFacts):
             raise ArchitectureError(f"head_dim {self.head_dim} must be even (rotary angles turn pairs)")
 
 
-def _rope_theta(hf_config: dict) -> float:
-    """The rotary base; anything but plain rotary angles (YaRN, linear, dynamic scaling…) is refused by name."""
-    parameters = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or {}
-    for source, declared in (("rope_parameters", parameters), ("rope_scaling", scaling)):
-        kind = declared.get("rope_type", declared.get("type", "default"))
-        if kind != "default":
-            raise ArchitectureError(f"unsupported {source} rope_type {kind!r}: only default rotary angles")
-    return float(parameters.get("rope_theta", hf_config.get("rope_theta", 10_000.0)))
-
-
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> Qwen3Config:
     """Translate a Hugging Face Qwen3 config.json (Qwen3Model / Qwen3ForCausalLM)."""
     for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
@@ -107,7 +96,7 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> Qwen3Confi
         max_positions=hf_config.get("max_position_embeddings", 32768),
         pad_token_id=pad_token_id if isinstance(pad_token_id, int) else 0,
         rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(hf_config),
+        rope_theta=rope_theta(hf_config),
         attention_bias=bool(hf_config.get("attention_bias", False)),
         pooling=pooling,
         normalize=normalize,
@@ -148,40 +137,6 @@ class RMSNorm(nn.Module):
         return self.weight * values.to(hidden.dtype)
 
 
-class Attention(nn.Module):
-    """Grouped-query self-attention with per-head q/k RMSNorm and rotary positions, then W^O."""
-
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.d_model, config.num_heads * config.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.d_model, config.num_kv_heads * config.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.d_model, config.num_kv_heads * config.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.d_model, bias=bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def _shared(self, states: Tensor) -> Tensor:
-        """Key/value heads [batch, kv_heads, seq, d_k] repeated for their query heads [batch, heads, seq, d_k]."""
-        batch, kv_heads, length, width = states.shape
-        groups = self.num_heads // kv_heads
-        return states[:, :, None].expand(batch, kv_heads, groups, length, width).reshape(batch, -1, length, width)
-
-    def forward(self, hidden: Tensor, rotary: tuple[Tensor, Tensor], attention_bias: Tensor) -> Tensor:
-        """Attend over hidden [batch, seq, d_model]; rotary is (cos, sin) [seq, d_k]; bias [batch, 1, seq, seq]."""
-        batch, length = hidden.shape[0], hidden.shape[1]
-        query = self.q_norm(self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
-        key = self.k_norm(self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        value = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary
-        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
-        scores = torch.matmul(query, self._shared(key).transpose(-1, -2)) / math.sqrt(self.head_dim)
-        weights = torch.softmax(scores + attention_bias, dim=-1)
-        context = torch.matmul(weights, self._shared(value)).transpose(1, 2).reshape(batch, length, -1)
-        return self.o_proj(context)
-
-
 class MLP(nn.Module):
     """SwiGLU: W_down(silu(x·W_gate) ⊙ x·W_up)."""
 
@@ -202,7 +157,15 @@ class Layer(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.d_model, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = GroupedQueryAttention(
+            config.d_model,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            bias=config.attention_bias,
+            scale=config.head_dim**-0.5,
+            head_norm=lambda width: RMSNorm(width, config.rms_norm_eps),
+        )
         self.post_attention_layernorm = RMSNorm(config.d_model, config.rms_norm_eps)
         self.mlp = MLP(config)
 

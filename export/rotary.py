@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from export.architecture_error import ArchitectureError
+
 
 def inverse_frequencies(head_dim: int, theta: float, linear_factor: float = 1.0) -> Tensor:
     """The angle per position of each of the head_dim / 2 dimension pairs [head_dim / 2], fp32."""
@@ -43,3 +45,14 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated_half * sin
+
+
+def rope_theta(hf_config: dict) -> float:
+    """The rotary base; anything but plain rotary angles (YaRN, linear, dynamic scaling…) is refused by name."""
+    parameters = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    for source, declared in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        kind = declared.get("rope_type", declared.get("type", "default"))
+        if kind != "default":
+            raise ArchitectureError(f"unsupported {source} rope_type {kind!r}: only default rotary angles")
+    return float(parameters.get("rope_theta", hf_config.get("rope_theta", 10_000.0)))
