@@ -1,7 +1,7 @@
 """Python clients for the encoder service (any KServe v2 / Triton gRPC server with a text input).
 
 `EmbeddingClient` (blocking) and `AsyncEmbeddingClient` (asyncio): embed, embed_sparse, rerank,
-classify, models, model_info; typed errors (client.errors) and retries (client.retry). Bulk
+classify, tokenize, models, model_info; typed errors (client.errors) and retries (client.retry). Bulk
 ingestion of files: `client.ingest.embed_file` and `python -m client embed`.
 """
 
@@ -21,7 +21,7 @@ from client.errors import (
     Unavailable,
 )
 from client.retry import RetryPolicy
-from client.tasks import Classification, ModelInfo, Ranking, SparseEmbeddings
+from client.tasks import Classification, ModelInfo, Ranking, SparseEmbeddings, Tokens
 from protocol.channel_security import ClientSecurity, SecurityError
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "RetryPolicy",
     "SecurityError",
     "SparseEmbeddings",
+    "Tokens",
     "Unauthenticated",
     "Unavailable",
 ]

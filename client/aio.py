@@ -58,6 +58,24 @@ class AsyncEmbeddingClient(ClientSettings):
         requests = self._sparse_requests(texts, model, tasks.EmbedOptions(prompt_name, None, truncate, top_k))
         return tasks.sparse(await self._infer_all(requests))
 
+    async def tokenize(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str | None = None,
+        prompt_name: str | None = None,
+        truncate: bool | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> list[tasks.Tokens]:
+        """Each text's tokens as the model reads it (ids and character offsets); the model does not run.
+
+        The model's prompt (prompt_name, else its default) is put before each text, as `embed` does;
+        truncate False: every token of a text longer than the model's maximum.
+        """
+        options = tasks.EmbedOptions(prompt_name, None, truncate)
+        requests = tasks.tokenize_requests(model or self.model, texts, options, add_special_tokens, self.batch_size)
+        return tasks.tokens(await self._infer_all(requests))
+
     async def rerank(
         self,
         query: str,

@@ -19,7 +19,7 @@ class EmbeddingClient(ClientSettings):
     """Blocking client: `EmbeddingClient("localhost:8001").embed(["a text"])` -> float32 [n, d].
 
     Every task the server has: `embed` (dense, or int8/uint8/binary/ubinary), `embed_sparse`,
-    `rerank`, `classify`; `models` and `model_info` tell what is served. Each method takes `model=`
+    `rerank`, `classify`, `tokenize`; `models` and `model_info` tell what is served. Each method takes `model=`
     to use another model than the client's. Targets, security, connections and retries: ClientSettings.
     """
 
@@ -56,6 +56,24 @@ class EmbeddingClient(ClientSettings):
         """Sparse (SPLADE, bge-m3 lexical) embeddings of the texts, each its top_k largest terms (all by default)."""
         requests = self._sparse_requests(texts, model, tasks.EmbedOptions(prompt_name, None, truncate, top_k))
         return tasks.sparse([self.infer(request) for request in requests])
+
+    def tokenize(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str | None = None,
+        prompt_name: str | None = None,
+        truncate: bool | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> list[tasks.Tokens]:
+        """Each text's tokens as the model reads it (ids and character offsets); the model does not run.
+
+        The model's prompt (prompt_name, else its default) is put before each text, as `embed` does;
+        truncate False: every token of a text longer than the model's maximum.
+        """
+        options = tasks.EmbedOptions(prompt_name, None, truncate)
+        requests = tasks.tokenize_requests(model or self.model, texts, options, add_special_tokens, self.batch_size)
+        return tasks.tokens([self.infer(request) for request in requests])
 
     def rerank(
         self,

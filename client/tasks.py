@@ -17,6 +17,8 @@ from protocol import grpc_service_pb2 as pb
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary")
 """The forms of a dense embedding (sentence-transformers' `precision` names); each is the output `embedding[_type]`."""
 SPARSE_OUTPUTS = ("sparse_indices", "sparse_values")
+TOKEN_OUTPUTS = ("token_ids", "token_offsets", "token_counts")
+"""The texts' tokens as the model reads them; the server answers them without running the model."""
 
 
 def embedding_output(embedding_type: str) -> str:
@@ -90,6 +92,50 @@ def sparse(responses: Sequence[pb.ModelInferResponse]) -> SparseEmbeddings:
     indices = np.concatenate([np.pad(i, ((0, 0), (0, width - i.shape[1])), constant_values=-1) for i, _ in parts])
     values = np.concatenate([np.pad(v, ((0, 0), (0, width - v.shape[1]))) for _, v in parts])
     return SparseEmbeddings(indices, values)
+
+
+@dataclass(frozen=True, eq=False)
+class Tokens:
+    """One text's tokens as the model reads it (its prompt's prefix put before it, truncated at its maximum)."""
+
+    ids: np.ndarray
+    """int64 [tokens]: the token ids."""
+    offsets: np.ndarray
+    """int64 [tokens, 2]: each token's [start, stop) in the text as the model read it (characters, the prompt's
+    prefix included); (-1, -1) for special tokens."""
+
+    @property
+    def special(self) -> np.ndarray:
+        """Which tokens are the model's special tokens ([CLS], </s>...): bool [tokens]."""
+        return self.offsets[:, 0] < 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def tokenize_requests(
+    model: str,
+    texts: Sequence[str],
+    options: EmbedOptions,
+    add_special_tokens: bool | None,
+    batch_size: int,
+) -> list[pb.ModelInferRequest]:
+    """The requests that ask the texts' tokens, batch_size texts each."""
+    if isinstance(texts, str) or not texts:
+        raise ValueError("give a non-empty list of texts")
+    parameters = options.parameters()
+    if add_special_tokens is not None:
+        parameters["add_special_tokens"] = add_special_tokens
+    return [text_request(model, chunk, TOKEN_OUTPUTS, parameters=parameters) for chunk in batches(texts, batch_size)]
+
+
+def tokens(responses: Sequence[pb.ModelInferResponse]) -> list[Tokens]:
+    """Each text's tokens, in order."""
+    texts = []
+    for response in responses:
+        ids, offsets, counts = (output_values(response, name) for name in TOKEN_OUTPUTS)
+        texts += [Tokens(ids[row, :count], offsets[row, :count]) for row, count in enumerate(counts[:, 0])]
+    return texts
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,11 @@ class Pipeline:
                 request.row_limit,
                 dimensions=request.dimensions,
             )
+        if valid.tokens_only:
+            outputs, prompt_tokens, answer_bytes = await model.tokens(valid, request.encodings, self.answers, trace)
+            return InferenceResult(
+                model.spec.name, model.spec.version, request.id, outputs, prompt_tokens, answer_bytes, valid.rows
+            )
         answered = await model.run(valid, deadline, request.encodings, self.answers, trace)
         work = answered.work
         if trace is not None:

@@ -25,7 +25,7 @@ from service.pipeline import multivector
 from service.pipeline.answers import RAW, AnswerBudget, value_bytes
 from service.pipeline.embedding_types import TOKEN_STATES
 from service.pipeline.long_texts import Windows
-from service.pipeline.outputs import CHUNKS, output_width
+from service.pipeline.outputs import CHUNKS, TOKEN_COUNTS, TOKEN_IDS, TOKEN_OFFSETS, output_width
 from service.pipeline.tokenizer import TextTokenizer
 from service.pipeline.validation import ModelSignature, TextLimits, ValidRequest
 
@@ -199,6 +199,32 @@ class ServedModel:
         finally:
             self.accepted -= 1
         return RowsAnswered(work, rows.real_tokens, answer_bytes, rows, windows, spans)
+
+    async def tokens(
+        self,
+        request: ValidRequest,
+        encodings: dict[str, str],
+        answers: AnswerBudget,
+        trace: tracing.RequestTrace | None = None,
+    ) -> tuple[dict[str, np.ndarray], int, int]:
+        """The texts' tokens (the token outputs requested), answered by the tokenizer without running the model.
+
+        Returns the outputs, the texts' tokens in all, and the outputs' bytes as sent, counted in
+        `answers` until the front end releases them.
+        """
+        if self._closing:
+            raise Unavailable("the model is shutting down")
+        started = time.perf_counter()
+        with tracing.stage(trace, "tokenize"):
+            work = functools.partial(
+                self.tokenizer.token_table, request.texts, request.add_special_tokens, request.truncate
+            )
+            ids, offsets, counts = await self.tokenizer_work(sum(map(len, request.texts)), work)
+        self.metrics.tokenize_duration.observe(time.perf_counter() - started)
+        table = {TOKEN_IDS: ids, TOKEN_OFFSETS: offsets, TOKEN_COUNTS: counts}
+        outputs = {name: table[name] for name in request.outputs}
+        size = sum(array.size * value_bytes(encodings.get(name, RAW), "INT64") for name, array in outputs.items())
+        return outputs, int(counts.sum()), answers.reserve(math.ceil(size))
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (Unavailable); those accepted are still submitted and answered."""

@@ -4,7 +4,9 @@
 - sparse terms `sparse_indices` / `sparse_values` (service.pipeline.sparse), from a SPLADE model's
   `sparse_embedding` or from bge-m3's per-position `token_weights`;
 - multi-vector `multivector` / `multivector_lengths`, and the pairs' `score`
-  (service.pipeline.multivector), from `token_vectors`.
+  (service.pipeline.multivector), from `token_vectors`;
+- the texts' tokens `token_ids` / `token_offsets` / `token_counts`, from no graph output at all: a
+  request asking for them alone is answered by the tokenizer, without running the model.
 
 `token_vectors` and `token_weights` themselves are not served: which positions belong to a text is
 only known with the rows' tokens. A request naming no outputs gets the model's defaults: the
@@ -45,6 +47,16 @@ CHUNKS = "chunk_embeddings"
 """Each window's own vector, texts' windows in order (`truncate` false: service.pipeline.long_texts)."""
 CHUNK_COUNTS = "chunk_counts"
 """Each text's windows (1 for a text within the model's length)."""
+TOKENS = "tokens"
+"""The source of the token outputs: the request's texts as the model's tokenizer reads them (no graph output)."""
+TOKEN_IDS = "token_ids"
+"""Each text's token ids, padded with -1."""
+TOKEN_OFFSETS = "token_offsets"
+"""Each token's [start, stop) in its text (characters, the prompt's prefix included); (-1, -1) for special tokens
+and padding."""
+TOKEN_COUNTS = "token_counts"
+"""Each text's tokens."""
+TOKEN_OUTPUTS = (TOKEN_IDS, TOKEN_OFFSETS, TOKEN_COUNTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +70,8 @@ class ServedOutput:
     """The graph output it is made from (itself for the graph's own)."""
     form: str | None = None
     """What it is of its source: an embedding type (int8, uint8, binary, ubinary), sparse terms
-    (sparse_indices, sparse_values), multi-vector (multivector, multivector_lengths, score); None for the
-    graph's own."""
+    (sparse_indices, sparse_values), multi-vector (multivector, multivector_lengths, score), tokens
+    (token_ids, token_offsets, token_counts); None for the graph's own."""
 
     @property
     def itemsize(self) -> int:
@@ -67,8 +79,8 @@ class ServedOutput:
         return _NUMPY[self.datatype].itemsize
 
 
-def served_outputs(spec: ModelSpec) -> dict[str, ServedOutput]:
-    """Every output the model answers, by name: the graph's, then the forms made from them."""
+def served_outputs(spec: ModelSpec, accepts_text: bool) -> dict[str, ServedOutput]:
+    """Every output the model answers, by name: the graph's, the forms made from them, then (for text) the tokens."""
     graph = spec.output_names
     outputs = {name: ServedOutput(name, _GRAPH_DATATYPE, name) for name in graph if name not in INTERNAL}
     if EMBEDDING in outputs:
@@ -86,6 +98,8 @@ def served_outputs(spec: ModelSpec) -> dict[str, ServedOutput]:
         for name, datatype in ((multivector.MULTIVECTOR, "FP32"), (multivector.LENGTHS, "INT64")):
             outputs[name] = ServedOutput(name, datatype, TOKEN_VECTORS, name)
         outputs[multivector.SCORE] = ServedOutput(multivector.SCORE, "FP32", TOKEN_VECTORS, multivector.SCORE)
+    if accepts_text:
+        outputs |= {name: ServedOutput(name, "INT64", TOKENS, name) for name in TOKEN_OUTPUTS}
     return outputs
 
 
@@ -130,9 +144,9 @@ def output_width(output: ServedOutput, width: int) -> int:
     """Values a row of this output holds when its source is `width` wide (-1: known only once the rows are back)."""
     if output.form in ("binary", "ubinary"):
         return math.ceil(width / 8)
-    if output.form in (multivector.LENGTHS, multivector.SCORE, CHUNK_COUNTS):
+    if output.form in (multivector.LENGTHS, multivector.SCORE, CHUNK_COUNTS, TOKEN_COUNTS):
         return 1
-    return -1 if output.form in (INDICES, VALUES, multivector.MULTIVECTOR) else width
+    return -1 if output.form in (INDICES, VALUES, multivector.MULTIVECTOR, TOKEN_IDS, TOKEN_OFFSETS) else width
 
 
 def answer_outputs(

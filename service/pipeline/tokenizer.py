@@ -327,6 +327,33 @@ class TextTokenizer:
             )
         ]
 
+    def token_table(
+        self, texts: list[str], add_special_tokens: bool = True, truncate: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each text's tokens as arrays: ids, character offsets and counts.
+
+        ids: int64 [texts, width] padded with -1; offsets: int64 [texts, width, 2], each token's
+        [start, stop) in its text, (-1, -1) for special tokens and padding; counts: int64 [texts, 1].
+        truncate False: every token of the text, however long; else at most max_length.
+        """
+        if truncate:
+            encodings = self._tokenizer.encode_batch(
+                [self.clip(text) for text in texts], add_special_tokens=add_special_tokens
+            )
+        else:
+            encodings = self._whole().encode_batch(texts, add_special_tokens=add_special_tokens)
+        counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        width = int(counts.max(initial=0))
+        ids = np.full((len(texts), width), -1, dtype=np.int64)
+        offsets = np.full((len(texts), width, 2), -1, dtype=np.int64)
+        for row, encoding in enumerate(encodings):
+            count = counts[row]
+            ids[row, :count] = encoding.ids
+            placed = np.array(encoding.offsets, dtype=np.int64).reshape(count, 2)
+            placed[np.array(encoding.special_tokens_mask, dtype=bool)] = -1
+            offsets[row, :count] = placed
+        return ids, offsets, counts[:, None]
+
     def decode(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         """The text of each sequence of token ids (special tokens left out unless asked for).
 

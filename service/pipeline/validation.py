@@ -19,7 +19,16 @@ from service.core.repository import ADAPTER_IDS, ModelSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument, RequestTooLarge
 from service.pipeline.multivector import DOCUMENT, SCORE, input_type_choice
-from service.pipeline.outputs import CHUNK_COUNTS, CHUNKS, ServedOutput, check_output, default_outputs, served_outputs
+from service.pipeline.outputs import (
+    CHUNK_COUNTS,
+    CHUNKS,
+    TOKEN_OUTPUTS,
+    TOKENS,
+    ServedOutput,
+    check_output,
+    default_outputs,
+    served_outputs,
+)
 from service.pipeline.sparse import INDICES, top_k_choice
 
 TEXT_INPUT = "text"
@@ -33,6 +42,8 @@ DIMENSIONS = "dimensions"
 LATE_CHUNKING = "late_chunking"
 INSTRUCTION = "instruction"
 """A reranker's instruction for its pair template (Qwen3-Reranker's <Instruct>), in place of its default."""
+ADD_SPECIAL_TOKENS = "add_special_tokens"
+"""Whether the token outputs hold the special tokens the model adds (default true), as TEI's /tokenize asks."""
 REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
 """Token inputs a token request must carry; token_type_ids defaults to zeros."""
 ELEMENT_BYTES = {"INT64": 8}
@@ -95,7 +106,7 @@ class ModelSignature:
     @functools.cached_property
     def outputs(self) -> dict[str, ServedOutput]:
         """Every output the model answers, by name: the graph's and the forms made from them (built once)."""
-        return served_outputs(self.spec)
+        return served_outputs(self.spec, self.accepts_text)
 
 
 @dataclass(slots=True)
@@ -127,6 +138,10 @@ class ValidRequest:
     adapter_id: int = 0
     """The task adapter every row runs with (1 + its place in the model's adapter_tasks; 0: none, or the token
     request's own adapter_ids)."""
+    tokens_only: bool = False
+    """The request asks for the texts' tokens (service.pipeline.outputs.TOKEN_OUTPUTS): the model does not run."""
+    add_special_tokens: bool = True
+    """Whether the token outputs hold the model's special tokens."""
 
     @property
     def rows(self) -> int:
@@ -276,7 +291,30 @@ def requested_outputs(names: Sequence[str], signature: ModelSignature, pairs: bo
         raise InvalidArgument(f"model {spec.name} answers (query, text) pairs with output {SCORE} only")
     if SCORE in names and not scored_pairs:
         raise InvalidArgument(f"output {SCORE} scores (query, text) pairs: send the queries in input {QUERY_INPUT}")
+    tokens = [name for name in names if signature.outputs[name].source == TOKENS]
+    if tokens and len(tokens) != len(names):
+        raise InvalidArgument(
+            f"outputs {', '.join(TOKEN_OUTPUTS)} are the texts' tokens, answered without running the model:"
+            " request them apart from the model's other outputs"
+        )
     return tuple(names)
+
+
+def tokens_only_choice(
+    parameters: dict[str, object], outputs: tuple[str, ...], texts: list[str] | None, pairs: bool
+) -> tuple[bool, bool]:
+    """Whether the request asks for the texts' tokens alone, and the `add_special_tokens` parameter (default true)."""
+    tokens_only = bool(outputs) and outputs[0] in TOKEN_OUTPUTS
+    special = parameters.get(ADD_SPECIAL_TOKENS, True)
+    if not isinstance(special, bool):
+        raise InvalidArgument(f"parameter {ADD_SPECIAL_TOKENS} must be true or false")
+    if ADD_SPECIAL_TOKENS in parameters and not tokens_only:
+        raise InvalidArgument(f"parameter {ADD_SPECIAL_TOKENS} applies to the outputs {', '.join(TOKEN_OUTPUTS)} only")
+    if tokens_only and texts is None:
+        raise InvalidArgument(f"output {outputs[0]} is the tokens of texts: send input {TEXT_INPUT}, not token ids")
+    if tokens_only and pairs:
+        raise InvalidArgument(f"output {outputs[0]} is the tokens of single texts: send no input {QUERY_INPUT}")
+    return tokens_only, special
 
 
 def timeout_s(parameters: dict[str, object]) -> float | None:
@@ -491,6 +529,7 @@ def validate(
     requested = requested_outputs(outputs, signature, pairs)
     if not outputs and parameters.get(LATE_CHUNKING) is True:
         requested = ("embedding",)
+    tokens_only, add_special_tokens = tokens_only_choice(parameters, requested, texts, pairs)
     return ValidRequest(
         texts,
         tokens,
@@ -504,6 +543,8 @@ def validate(
         late_chunking=late_chunking_choice(parameters, signature, pairs, requested),
         instruction=instruction_choice(parameters, spec, pairs),
         adapter_id=adapter_id if tokens is None or ADAPTER_IDS not in decoded else 0,
+        tokens_only=tokens_only,
+        add_special_tokens=add_special_tokens,
     )
 
 

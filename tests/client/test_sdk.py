@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from tokenizers import Tokenizer
 
 from client import (
     AsyncEmbeddingClient,
@@ -133,6 +134,30 @@ def test_classify_texts_and_pairs(client: EmbeddingClient, repository: Path) -> 
     np.testing.assert_allclose(pairs.scores, expected_logits(folder, [(QUERY, t) for t in TEXTS]), atol=1e-5)
 
 
+def test_tokenize_gives_the_tokens_the_model_reads(client: EmbeddingClient, repository: Path) -> None:
+    """Ids and offsets as the model's tokenizer.json gives them for the prompted text; specials have no place."""
+    reference = Tokenizer.from_file(str(repository / EMBEDDER / "tokenizer.json"))
+    reference.no_padding()
+    reference.no_truncation()
+    for prompt_name, special in (("query", True), ("passage", False)):
+        texts = TEXTS[:3]
+        answer = client.tokenize(texts, model=EMBEDDER, prompt_name=prompt_name, add_special_tokens=special)
+        assert len(answer) == len(texts)  # two requests of 2 and 1 texts
+        for text, tokens in zip(texts, answer, strict=True):
+            prompted = PROMPTS[prompt_name] + text
+            encoding = reference.encode(prompted, add_special_tokens=special)
+            np.testing.assert_array_equal(tokens.ids, encoding.ids)
+            marked = np.array(encoding.special_tokens_mask, dtype=bool)
+            np.testing.assert_array_equal(tokens.special, marked)
+            np.testing.assert_array_equal(tokens.offsets[~marked], np.array(encoding.offsets)[~marked])
+            assert len(tokens) == len(encoding.ids) and tokens.special.any() == special
+    long_text = " ".join(SENTENCES * 40)
+    (cut,), (whole,) = client.tokenize([long_text]), client.tokenize([long_text], truncate=False)
+    assert len(cut) == client.model_info().max_sequence_length < len(whole)
+    with pytest.raises(InvalidRequest, match="'nope'"):
+        client.tokenize(TEXTS, model=EMBEDDER, prompt_name="nope")
+
+
 def test_refusals_are_typed_carry_the_reason_and_are_not_retried(server: RunningServer) -> None:
     with EmbeddingClient(server.target, model=EMBEDDER) as client:
         with pytest.raises(InvalidRequest) as refused:
@@ -153,6 +178,7 @@ async def test_async_client_every_task(server: RunningServer, client: EmbeddingC
             concurrent.model_info(EMBEDDER),
         )
         binary = await concurrent.embed(TEXTS, embedding_type="binary")
+        tokens = await concurrent.tokenize(TEXTS, model=EMBEDDER)
     np.testing.assert_allclose(
         embeddings, client.embed(TEXTS, model=EMBEDDER, prompt_name="query", dimensions=128), atol=1e-5
     )
@@ -162,6 +188,9 @@ async def test_async_client_every_task(server: RunningServer, client: EmbeddingC
     np.testing.assert_allclose(classes.scores, client.classify(TEXTS, model=BERT_CLASSIFIER).scores, atol=1e-5)
     np.testing.assert_array_equal(binary, client.embed(TEXTS, embedding_type="binary"))
     assert info.prompts == PROMPTS
+    for mine, blocking in zip(tokens, client.tokenize(TEXTS, model=EMBEDDER), strict=True):
+        np.testing.assert_array_equal(mine.ids, blocking.ids)
+        np.testing.assert_array_equal(mine.offsets, blocking.offsets)
 
 
 def established_connections_to(port: int) -> int:

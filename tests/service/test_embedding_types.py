@@ -227,6 +227,6 @@ def test_a_repository_without_ranges_serves_binary_but_not_int8(default_reposito
     config_file.write_text(config_text(config))
     spec = read_model(copy)
     assert spec.embedding_ranges == {}
-    assert check_output("embedding_binary", spec, served_outputs(spec)).datatype == "INT8"
+    assert check_output("embedding_binary", spec, served_outputs(spec, accepts_text=True)).datatype == "INT8"
     with pytest.raises(InvalidArgument, match="no calibrated embedding ranges"):
-        check_output("embedding_int8", spec, served_outputs(spec))
+        check_output("embedding_int8", spec, served_outputs(spec, accepts_text=True))

@@ -90,6 +90,9 @@ def test_live_ready_metadata_and_config_through_tritonclient(client: triton.Infe
         ("embedding_ubinary", "UINT8", [-1, 4]),
         ("chunk_embeddings", "FP32", [-1, 32]),
         ("chunk_counts", "INT64", [-1, 1]),
+        ("token_ids", "INT64", [-1, -1]),
+        ("token_offsets", "INT64", [-1, -1, 2]),
+        ("token_counts", "INT64", [-1, 1]),
     ]
     config = client.get_model_config(TINY_MODEL).config
     assert config.name == TINY_MODEL and config.max_batch_size == 64
@@ -97,6 +100,19 @@ def test_live_ready_metadata_and_config_through_tritonclient(client: triton.Infe
     assert config.instance_group[0].kind == config.instance_group[0].KIND_CPU
     index = client.get_model_repository_index()
     assert [(m.name, m.version, m.state) for m in index.models] == [(TINY_MODEL, "1", "READY")]
+
+
+def test_token_outputs_are_the_rows_the_model_would_read(client: triton.InferenceServerClient) -> None:
+    """token_ids and token_counts: each text's tokens, padded with -1, as many as an embedding request counts."""
+    outputs = [triton.InferRequestedOutput(name) for name in ("token_counts", "token_ids")]
+    result = client.infer(TINY_MODEL, [text_input(SENTENCES)], outputs=outputs)
+    counts, ids = result.as_numpy("token_counts")[:, 0], result.as_numpy("token_ids")
+    assert [o.name for o in result.get_response().outputs] == ["token_counts", "token_ids"]
+    embedded = client.infer(TINY_MODEL, [text_input(SENTENCES)], outputs=[triton.InferRequestedOutput("embedding")])
+    assert prompt_tokens(result.get_response()) == prompt_tokens(embedded.get_response()) == counts.sum()
+    for row, count in enumerate(counts):
+        assert (ids[row, :count] >= 0).all() and (ids[row, count:] == -1).all()
+    assert (ids[:, 0] == ids[0, 0]).all() and ids.shape == (len(SENTENCES), counts.max())  # [CLS] first
 
 
 def test_text_and_token_inputs_give_the_same_embedding(

@@ -80,6 +80,9 @@ def test_scores_of_pairs_over_grpc_equal_pylates(server: RunningServer, colbert:
             "multivector": ("FP32", [-1, -1, WIDTH]),
             "multivector_lengths": ("INT64", [-1, 1]),
             "score": ("FP32", [-1, 1]),
+            "token_ids": ("INT64", [-1, -1]),
+            "token_offsets": ("INT64", [-1, -1, 2]),
+            "token_counts": ("INT64", [-1, 1]),
         }
         assert [tensor.name for tensor in metadata.inputs][:2] == ["text", "query"]
         pairs = [(query, document) for query in queries for document in documents]
@@ -122,7 +125,7 @@ def test_kserve_rest_gives_the_same_vectors(server: RunningServer, colbert: Expo
         ({"input_type": "passage"}, ["multivector"], "input_type must be query or document, got 'passage'"),
         ({}, ["score"], "output score scores (query, text) pairs: send the queries in input query"),
         ({"truncate": False}, ["multivector"], "truncate false is not supported for multi-vector texts"),
-        ({}, ["embedding"], "unknown output 'embedding' (outputs: multivector, multivector_lengths, score)"),
+        ({}, ["embedding"], "unknown output 'embedding' (outputs: multivector, multivector_lengths, score, token_ids,"),
         ({"top_k": 3}, ["multivector"], "parameter top_k: model colbert answers no sparse embedding"),
     ],
 )

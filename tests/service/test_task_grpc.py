@@ -190,7 +190,7 @@ def test_metadata_and_config_say_what_each_task_takes(client: grpcclient.Inferen
     metadata = client.get_model_metadata(BERT_CLASSIFIER, as_json=True)
     inputs = {tensor["name"]: tensor for tensor in metadata["inputs"]}
     assert {"text", "query", "input_ids", "attention_mask", "token_type_ids"} <= set(inputs)
-    assert [(o["name"], o["shape"]) for o in metadata["outputs"]] == [("logits", ["-1", "3"])]
+    assert (metadata["outputs"][0]["name"], metadata["outputs"][0]["shape"]) == ("logits", ["-1", "3"])
     reranker = client.get_model_metadata(ROBERTA_RERANKER, as_json=True)
     assert "token_type_ids" not in {tensor["name"] for tensor in reranker["inputs"]}
     parameters = client.get_model_config(BERT_CLASSIFIER, as_json=True)["config"]["parameters"]
@@ -306,3 +306,111 @@ def test_rest_takes_the_same_pairs_and_parameters(
     )
     status, answer = rest_infer(server, EMBEDDER, {"inputs": [text], "parameters": {"prompt_name": "nope"}})
     assert status == 400 and "query, passage" in answer["error"], answer
+
+
+TOKEN_OUTPUTS = ("token_ids", "token_offsets", "token_counts")
+
+
+def token_outputs(
+    client: grpcclient.InferenceServerClient, model: str, texts: list[str], **parameters: object
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The texts' token ids, offsets and counts as the server's tokenizer reads them."""
+    outputs = [grpcclient.InferRequestedOutput(name) for name in TOKEN_OUTPUTS]
+    answer = client.infer(model, [bytes_input("text", texts)], outputs=outputs, parameters=parameters or None)
+    return tuple(answer.as_numpy(name) for name in TOKEN_OUTPUTS)
+
+
+def executions(client: grpcclient.InferenceServerClient, model: str) -> int:
+    """Batches the model has run (Triton's execution_count)."""
+    (figures,) = client.get_inference_statistics(model, as_json=True)["model_stats"]
+    return int(figures.get("execution_count", 0))
+
+
+def expected_tokens(repository: Path, model: str, texts: list[str], special: bool = True, length: int | None = 0):
+    """Ids, offsets ((-1, -1) for special tokens) and counts from the model's tokenizer.json: truncation at
+    `length` (0: the model's max_sequence_length; None: none), padded with -1."""
+    tokenizer = Tokenizer.from_file(str(repository / model / "tokenizer.json"))
+    tokenizer.no_padding()
+    if length is None:
+        tokenizer.no_truncation()
+    else:
+        config = repository / model / "config.pbtxt"
+        served = parse_config(config.read_text(), config).parameters
+        tokenizer.enable_truncation(length or int(served["max_sequence_length"].string_value))
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=special)
+    width = max(len(e.ids) for e in encodings)
+    ids = np.full((len(texts), width), -1, dtype=np.int64)
+    offsets = np.full((len(texts), width, 2), -1, dtype=np.int64)
+    for row, encoding in enumerate(encodings):
+        ids[row, : len(encoding.ids)] = encoding.ids
+        for place, (span, special_token) in enumerate(zip(encoding.offsets, encoding.special_tokens_mask, strict=True)):
+            if not special_token:
+                offsets[row, place] = span
+    return ids, offsets, np.array([[len(e.ids)] for e in encodings], dtype=np.int64)
+
+
+def test_token_outputs_are_the_tokenizers_reading_without_running_the_model(
+    client: grpcclient.InferenceServerClient, repository: Path
+) -> None:
+    """token_ids, token_offsets and token_counts: the prompted texts as the model's tokenizer reads them, truncated
+    at its maximum (or not, with truncate false), special tokens or not; no batch runs for them."""
+    texts = ["A.", QUERY, LONG_TEXT * 20]
+    embedding(client, texts[:1])
+    before = executions(client, EMBEDDER)
+    assert before > 0
+    ids, offsets, counts = token_outputs(client, EMBEDDER, texts)
+    reference = expected_tokens(repository, EMBEDDER, ["passage: " + text for text in texts])  # the default prompt
+    for served, expected in zip((ids, offsets, counts), reference, strict=True):
+        np.testing.assert_array_equal(served, expected)
+    assert ids[1][0] == 101 and offsets[1][0].tolist() == [-1, -1]  # [CLS], a special token, has no place
+    start, stop = offsets[1][1]
+    assert ("passage: " + QUERY)[start:stop] == "passage"
+    named = token_outputs(client, EMBEDDER, [QUERY], prompt_name="query", add_special_tokens=False)
+    for served, expected in zip(named, expected_tokens(repository, EMBEDDER, ["query: " + QUERY], False), strict=True):
+        np.testing.assert_array_equal(served, expected)
+    whole = token_outputs(client, EMBEDDER, texts[2:], truncate=False)
+    untruncated = expected_tokens(repository, EMBEDDER, ["passage: " + texts[2]], length=None)
+    for served, expected in zip(whole, untruncated, strict=True):
+        np.testing.assert_array_equal(served, expected)
+    assert whole[2][0, 0] > counts[2, 0]
+    pairs_model = token_outputs(client, BERT_CLASSIFIER, TEXTS[:2])
+    np.testing.assert_array_equal(pairs_model[0], expected_tokens(repository, BERT_CLASSIFIER, TEXTS[:2])[0])
+    assert executions(client, EMBEDDER) == before
+
+
+def test_token_outputs_over_rest(server: RunningServer, client: grpcclient.InferenceServerClient) -> None:
+    """KServe v2 REST answers the token outputs as gRPC does (the same pipeline)."""
+    text = {"name": "text", "shape": [2], "datatype": "BYTES", "data": TEXTS[:2]}
+    outputs = [{"name": "token_counts"}, {"name": "token_ids"}]
+    status, answer = rest_infer(server, EMBEDDER, {"inputs": [text], "outputs": outputs})
+    assert status == 200, answer
+    counts, ids = answer["outputs"]
+    expected_ids, _, expected_counts = token_outputs(client, EMBEDDER, TEXTS[:2])
+    assert counts["shape"] == [2, 1] and counts["data"] == expected_counts.ravel().tolist()
+    assert ids["shape"] == list(expected_ids.shape) and ids["data"] == expected_ids.ravel().tolist()
+
+
+def test_token_outputs_are_declared_and_their_misuse_refused(client: grpcclient.InferenceServerClient) -> None:
+    """Metadata lists the token outputs; mixing them with the model's outputs, token inputs, pairs and a stray
+    add_special_tokens are refused with what was wrong."""
+    shapes = {o["name"]: o["shape"] for o in client.get_model_metadata(EMBEDDER, as_json=True)["outputs"]}
+    assert [shapes[name] for name in TOKEN_OUTPUTS] == [["-1", "-1"], ["-1", "-1", "2"], ["-1", "1"]]
+    text = [bytes_input("text", TEXTS[:1])]
+    mixed = [grpcclient.InferRequestedOutput(name) for name in ("embedding", "token_ids")]
+    with pytest.raises(InferenceServerException, match="request them apart from the model's other outputs"):
+        client.infer(EMBEDDER, text, outputs=mixed)
+    ids = grpcclient.InferInput("input_ids", [1, 2], "INT64")
+    ids.set_data_from_numpy(np.array([[101, 102]], dtype=np.int64))
+    mask = grpcclient.InferInput("attention_mask", [1, 2], "INT64")
+    mask.set_data_from_numpy(np.ones((1, 2), dtype=np.int64))
+    with pytest.raises(InferenceServerException, match="send input text, not token ids"):
+        client.infer(EMBEDDER, [ids, mask], outputs=[grpcclient.InferRequestedOutput("token_ids")])
+    pair = [bytes_input("text", TEXTS[:1]), bytes_input("query", [QUERY])]
+    with pytest.raises(InferenceServerException, match="tokens of single texts: send no input query"):
+        client.infer(BERT_CLASSIFIER, pair, outputs=[grpcclient.InferRequestedOutput("token_counts")])
+    assert "applies to the outputs token_ids" in refusal(client, EMBEDDER, text, add_special_tokens=False)
+    with pytest.raises(InferenceServerException, match="add_special_tokens must be true or false"):
+        client.infer(
+            EMBEDDER, text, outputs=[grpcclient.InferRequestedOutput("token_ids")], parameters={"add_special_tokens": 1}
+        )
+    assert token_outputs(client, EMBEDDER, TEXTS[:1])[2].shape == (1, 1)
