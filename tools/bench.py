@@ -121,7 +121,7 @@ def in_process(plan: Plan, variant: str, kind: str, seconds: float) -> Ceiling:
     spec = read_model(plan.repository / plan.model)
     settings = ExecutionSettings(device="cpu", variant=variant, intra_op_threads=plan.threads)
     runtimes = [ModelRuntime(spec, settings) for _ in range(plan.instances)]
-    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    tokenizer = TextTokenizer.of_model(spec)
     texts = list(load_corpus(kind))
 
     def run(runtime: ModelRuntime, batch: list[str]) -> None:
@@ -175,7 +175,7 @@ def ingestion_ceiling(plan: Plan, texts: list[str]) -> float:
     spec = read_model(plan.repository / plan.model)
     settings = ExecutionSettings(device="cpu", variant=INGESTION_MODEL_VARIANT, intra_op_threads=plan.threads)
     runtimes = [ModelRuntime(spec, settings) for _ in range(plan.instances)]
-    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    tokenizer = TextTokenizer.of_model(spec)
     by_length = sorted(texts, key=lambda text: int(tokenizer.encode([text]).attention_mask.sum()))
     batches = [by_length[start : start + INGESTION_BATCH] for start in range(0, len(by_length), INGESTION_BATCH)]
     runtimes[0].run(tokenizer.encode(batches[-1]).feed(), ("embedding",))  # warm at the longest shape

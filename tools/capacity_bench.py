@@ -188,7 +188,7 @@ def engine_at_saturation(server: RunningServer, repository: Path, seconds: float
     """The engine's CPU per one-text request when it is kept full, and its event loop's share: medians of ROUNDS."""
     engine = roles(server)["engine"]
     spec = read_model(repository / TINY_MODEL)
-    rows = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id).encode_rows([SENTENCE])
+    rows = TextTokenizer.of_model(spec).encode_rows([SENTENCE])
     path = engine_socket(engine)
     rounds = [uvloop.run(_saturate(path, rows, seconds / ROUNDS, engine)) for _ in range(ROUNDS)]
     return Saturation(

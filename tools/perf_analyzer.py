@@ -82,7 +82,7 @@ def write_input_data(model_directory: Path, folder: Path, sentences: Sequence[st
     spec = read_model(model_directory)
     if spec.tokenizer_file is None:
         raise ValueError(f"{model_directory} has no tokenizer: it takes token inputs only")
-    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    tokenizer = TextTokenizer.of_model(spec)
     text_steps, token_steps = [], []
     for sentence in sentences:
         text_steps.append({"text": {"content": [sentence], "shape": [1]}})

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         export_model(checkpoint, repository, ExportOptions(variants=("fp32",), threads=arguments.threads))
         ceiling = in_process(repository, arguments.threads)
         spec = read_model(repository / EMBEDDER)
-        tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+        tokenizer = TextTokenizer.of_model(spec)
         query = "where can I find a quiet bridge in the rain"
         query_tokens = len(tokenizer.encode_rows([query]).input_ids) - 1
         texts = [text_of(tokenizer, TOKENS, offset) for offset in range(BATCH)]

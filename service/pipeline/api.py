@@ -9,7 +9,8 @@ request or a gRPC context: requests and results are numpy arrays, strings and sm
 Inside `infer`, in one place for every protocol: the request is checked against its model
 (service.pipeline.validation), admitted or refused at once, tokenised when it carries text, its
 answer budgeted, and its rows batched with everyone's (service.core.batcher, here or in the engine
-process). Counting, tenants and failures are the envelope's.
+process). A request for its texts' tokens alone (service.pipeline.outputs.TOKEN_OUTPUTS) is answered by
+the tokenizer and never reaches the batcher. Counting, tenants and failures are the envelope's.
 """
 
 from __future__ import annotations

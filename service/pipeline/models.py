@@ -123,11 +123,7 @@ class ServedModel:
         self.queue = queue
         self.metrics = metrics.of(ModelLabels(spec.name, spec.version))
         self.statistics = statistics.TABLES.of(spec.name, spec.version, policy.max_batch_size)
-        self.tokenizer = (
-            TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id, spec.pair_template)
-            if spec.tokenizer_file is not None
-            else None
-        )
+        self.tokenizer = TextTokenizer.of_model(spec) if spec.tokenizer_file is not None else None
         self._tokenizer_pool = tokenizer_pool
         self._inline_tokenize_chars = settings.inline_tokenize_chars
         self._chunk_overlap = settings.chunk_overlap_tokens

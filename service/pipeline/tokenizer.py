@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from service.core.repository import PairTemplate
+from service.core.repository import ModelSpec, PairTemplate
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument
 
@@ -123,6 +123,13 @@ class TextTokenizer:
                     f"the pair template's prefix and suffix take {len(prefix) + len(suffix)} tokens, leaving none of"
                     f" the model's {max_length} for the query and document"
                 )
+
+    @classmethod
+    def of_model(cls, spec: ModelSpec) -> TextTokenizer:
+        """The tokenizer a served model reads its texts with: its file, length, pad id and pair template."""
+        if spec.tokenizer_file is None:
+            raise ValueError(f"model {spec.name} has no tokenizer: it takes token ids")
+        return cls(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id, spec.pair_template)
 
     def clip(self, text: str) -> str:
         """A prefix of `text` that tokenises (after truncation at max_length) exactly as `text` does.
