@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 import torch
+from google.protobuf.message import EncodeError
 from torch import nn
 
 from service.core.repository import ADAPTER_IDS, TOKEN_VECTORS, TOKEN_WEIGHTS
@@ -29,9 +30,21 @@ def input_names(model: nn.Module) -> list[str]:
     return names
 
 
+def too_large_for_one_file(model_proto: onnx.ModelProto) -> bool:
+    """Whether a graph's weights must go beside it: over the threshold, or past what protobuf can even measure.
+
+    Protobuf refuses to size (or write) a message over 2 GiB (EncodeError): jina-embeddings-v3 and
+    the 0.6B Qwen3 models in fp32 are such graphs.
+    """
+    try:
+        return model_proto.ByteSize() > EXTERNAL_DATA_THRESHOLD_BYTES
+    except EncodeError:
+        return True
+
+
 def save_onnx(model_proto: onnx.ModelProto, path: Path) -> None:
     """Write a graph, moving weights to an external data file when the graph would be too large."""
-    large = model_proto.ByteSize() > EXTERNAL_DATA_THRESHOLD_BYTES
+    large = too_large_for_one_file(model_proto)
     onnx.save_model(
         model_proto,
         str(path),

@@ -29,7 +29,7 @@ from onnxruntime.transformers.optimizer import optimize_model
 from export.config import EncoderConfig
 from export.eurobert import EuroBertConfig
 from export.gemma import GemmaConfig
-from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
+from export.onnx_export import save_onnx, too_large_for_one_file
 from export.qwen3 import Qwen3Config
 from export.timing import compare_throughput, cpu_session, token_feed
 from service.core.repository import online_optimization
@@ -98,7 +98,7 @@ def _optimise(raw: Path, config: EncoderConfig, form: str, use_gpu: bool) -> Onn
 
 def _save(model: OnnxModel, output: Path) -> None:
     """Save through the optimiser (topological sort, com.microsoft opset import) and check."""
-    large = model.model.ByteSize() > EXTERNAL_DATA_THRESHOLD_BYTES
+    large = too_large_for_one_file(model.model)
     model.save_model_to_file(str(output), use_external_data_format=large)
     onnx.checker.check_model(str(output), full_check=True)
 

@@ -41,7 +41,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from export.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, save_onnx
+from export.onnx_export import save_onnx, too_large_for_one_file
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def quantize_int8(fp32_model: Path, output: Path, calibration: Sequence[dict[str
     model = onnx.load(str(fp32_model))
     smoothed_groups = smooth_activations(model, calibration, SMOOTHING_ALPHA)
     kept_fp32 = split_outlier_channels(model, calibration)
-    large = model.ByteSize() > EXTERNAL_DATA_THRESHOLD_BYTES
+    large = too_large_for_one_file(model)
     weights, weights_reason = weight_type()
     with tempfile.TemporaryDirectory() as folder:
         smoothed = Path(folder) / "smoothed.onnx"
