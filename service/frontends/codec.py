@@ -19,7 +19,7 @@ from service.errors import InvalidArgument, Unimplemented
 from service.ops.statistics import Duration, ModelStatistics
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, ModelState
 from service.pipeline.multivector import MULTIVECTOR
-from service.pipeline.outputs import TOKEN_OFFSETS, output_width
+from service.pipeline.outputs import TOKENS, output_width
 from service.pipeline.validation import QUERY_INPUT, REQUIRED_TOKEN_INPUTS, TEXT_INPUT, ModelSignature
 
 SERVER_NAME = "encoder-serve"
@@ -165,18 +165,17 @@ def served_output_configs(signature: ModelSignature) -> list[mc.ModelOutput]:
     The compact embeddings (`embedding_int8`, ...: service.pipeline.embedding_types), sparse terms
     (`sparse_indices`, `sparse_values`: service.pipeline.sparse) and multi-vector outputs (`multivector`,
     `multivector_lengths`, `score`: service.pipeline.multivector) are made by the server from the graph's
-    outputs, and the token outputs (`token_ids`, `token_offsets`, `token_counts`) by its tokenizer alone,
-    so config.pbtxt cannot declare them (Triton would look for them in the graph); the graph's
-    per-position `token_vectors` and `token_weights` are served only through them.
+    outputs, so config.pbtxt cannot declare them (Triton would look for them in the graph); the graph's
+    per-position `token_vectors` and `token_weights` are served only through them. The token outputs
+    (`token_ids`, `token_offsets`, `token_counts`) are answered but not declared: they are answered
+    alone, and Triton's tools (perf_analyzer) ask for every declared output at once.
     """
     spec = signature.spec
     outputs = [output for output in spec.config.output if output.name in signature.outputs]
     for output in signature.outputs.values():
-        if output.form is not None:
+        if output.form is not None and output.source != TOKENS:
             if output.form == MULTIVECTOR:
                 dims = [-1, spec.multivector_width]
-            elif output.form == TOKEN_OFFSETS:
-                dims = [-1, 2]
             else:
                 dims = [output_width(output, spec.hidden_size)]
             outputs.append(mc.ModelOutput(name=output.name, data_type=_CONFIG_DATATYPES[output.datatype], dims=dims))

@@ -90,9 +90,6 @@ def test_live_ready_metadata_and_config_through_tritonclient(client: triton.Infe
         ("embedding_ubinary", "UINT8", [-1, 4]),
         ("chunk_embeddings", "FP32", [-1, 32]),
         ("chunk_counts", "INT64", [-1, 1]),
-        ("token_ids", "INT64", [-1, -1]),
-        ("token_offsets", "INT64", [-1, -1, 2]),
-        ("token_counts", "INT64", [-1, 1]),
     ]
     config = client.get_model_config(TINY_MODEL).config
     assert config.name == TINY_MODEL and config.max_batch_size == 64

@@ -65,9 +65,6 @@ def test_health_metadata_and_config(client: triton.InferenceServerClient) -> Non
         "embedding_ubinary": ("UINT8", [-1, 4]),
         "chunk_embeddings": ("FP32", [-1, 32]),
         "chunk_counts": ("INT64", [-1, 1]),
-        "token_ids": ("INT64", [-1, -1]),
-        "token_offsets": ("INT64", [-1, -1, 2]),
-        "token_counts": ("INT64", [-1, 1]),
     }
     assert client.get_model_metadata(TINY_MODEL, "1")["name"] == TINY_MODEL
     config = client.get_model_config(TINY_MODEL)

@@ -80,9 +80,6 @@ def test_scores_of_pairs_over_grpc_equal_pylates(server: RunningServer, colbert:
             "multivector": ("FP32", [-1, -1, WIDTH]),
             "multivector_lengths": ("INT64", [-1, 1]),
             "score": ("FP32", [-1, 1]),
-            "token_ids": ("INT64", [-1, -1]),
-            "token_offsets": ("INT64", [-1, -1, 2]),
-            "token_counts": ("INT64", [-1, 1]),
         }
         assert [tensor.name for tensor in metadata.inputs][:2] == ["text", "query"]
         pairs = [(query, document) for query in queries for document in documents]
