@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from export.architecture_error import ArchitectureError
 from export.config import OwnEncoderFacts
 from export.pooling import pool
+from export.weight_names import unwrapped
 
 ACTIVATIONS = {
     "gelu": "gelu",
@@ -210,11 +211,7 @@ def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[
     encoder: dict[str, Tensor] = {}
     heads: dict[str, Tensor] = {}
     for original, tensor in weights.items():
-        key = original
-        for prefix in ("deberta.", "0.auto_model.", "model."):
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
+        key = unwrapped(original, ("deberta.", "0.auto_model.", "model."))
         if key.startswith(HEAD_PREFIXES):
             heads[key] = tensor
             continue

@@ -27,6 +27,7 @@ from export.grouped_attention import GroupedQueryAttention
 from export.pooling import pool
 from export.qwen3 import MLP, RMSNorm
 from export.rotary import RotaryTable, rope_theta
+from export.weight_names import split_weights
 
 HEAD_PREFIXES = ("dense.", "classifier.", "lm_head.")
 """Weights of the sequence-classification head (dense, classifier) or the masked-LM head, set apart."""
@@ -107,21 +108,7 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> EuroBertCo
 
 def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """EuroBERT's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
-    encoder: dict[str, Tensor] = {}
-    heads: dict[str, Tensor] = {}
-    for original, tensor in weights.items():
-        key = original
-        for prefix in _WRAPPERS:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
-        if key.startswith(HEAD_PREFIXES):
-            heads[key] = tensor
-        elif key.startswith(_ENCODER_PREFIXES):
-            encoder[key] = tensor
-        else:
-            raise ArchitectureError(f"unexpected weight {original!r}")
-    return encoder, heads
+    return split_weights(weights, _WRAPPERS, _ENCODER_PREFIXES, HEAD_PREFIXES)
 
 
 class Layer(nn.Module):

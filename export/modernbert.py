@@ -22,6 +22,7 @@ from export.architecture_error import ArchitectureError
 from export.config import OwnEncoderFacts
 from export.pooling import pool
 from export.rotary import RotaryTable, rotate
+from export.weight_names import split_weights
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
@@ -116,21 +117,12 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> ModernBert
 
 def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """ModernBERT's parameter names -> this module's, and the task heads' weights (head., classifier.) apart."""
-    encoder: dict[str, Tensor] = {}
-    heads: dict[str, Tensor] = {}
-    for original, tensor in weights.items():
-        key = original
-        for prefix in ("model.", "0.auto_model."):
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
-        if key.startswith(("head.", "classifier.", "decoder.")):
-            heads[key] = tensor
-        elif key.startswith(("embeddings.", "layers.", "final_norm.")):
-            encoder[key] = tensor
-        else:
-            raise ArchitectureError(f"unexpected weight {original!r}")
-    return encoder, heads
+    return split_weights(
+        weights,
+        ("model.", "0.auto_model."),
+        ("embeddings.", "layers.", "final_norm."),
+        ("head.", "classifier.", "decoder."),
+    )
 
 
 def _activation(name: str, x: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from export.config import OwnEncoderFacts
 from export.grouped_attention import GroupedQueryAttention
 from export.pooling import pool
 from export.rotary import inverse_frequencies, rope_theta
+from export.weight_names import split_weights
 
 HEAD_PREFIXES = ("lm_head.", "score.")
 """Weights of a causal-LM or classification head, set apart from the decoder's."""
@@ -105,21 +106,7 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> Qwen3Confi
 
 def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Qwen3's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
-    decoder: dict[str, Tensor] = {}
-    heads: dict[str, Tensor] = {}
-    for original, tensor in weights.items():
-        key = original
-        for prefix in _WRAPPERS:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
-        if key.startswith(HEAD_PREFIXES):
-            heads[key] = tensor
-        elif key.startswith(_DECODER_PREFIXES):
-            decoder[key] = tensor
-        else:
-            raise ArchitectureError(f"unexpected weight {original!r}")
-    return decoder, heads
+    return split_weights(weights, _WRAPPERS, _DECODER_PREFIXES, HEAD_PREFIXES)
 
 
 class RMSNorm(nn.Module):
