@@ -118,11 +118,7 @@ class Layer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.d_model, config.rms_norm_eps)
         self.self_attn = GroupedQueryAttention(
-            config.d_model,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            bias=config.attention_bias,
+            config,
             scale=config.head_dim**-0.5,
         )
         self.post_attention_layernorm = RMSNorm(config.d_model, config.rms_norm_eps)

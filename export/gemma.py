@@ -200,11 +200,7 @@ class Layer(nn.Module):
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
         self.self_attn = GroupedQueryAttention(
-            config.d_model,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            bias=config.attention_bias,
+            config,
             scale=config.query_pre_attn_scalar**-0.5,
             head_norm=lambda width: GemmaRMSNorm(width, config.rms_norm_eps),
         )

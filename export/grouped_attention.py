@@ -10,11 +10,22 @@ them (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm), so the checkpoints' weigh
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from export.rotary import rotate
+
+
+class GroupedAttentionConfig(Protocol):
+    """The sizes a grouped-query attention is built from (Qwen3Config, EuroBertConfig, GemmaConfig have them)."""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_bias: bool
 
 
 class GroupedQueryAttention(nn.Module):
@@ -25,16 +36,19 @@ class GroupedQueryAttention(nn.Module):
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
+        config: GroupedAttentionConfig,
         *,
-        bias: bool,
         scale: float,
         head_norm: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
+        d_model, num_heads, num_kv_heads, head_dim = (
+            config.d_model,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        bias = config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=bias)

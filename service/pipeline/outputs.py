@@ -59,6 +59,11 @@ TOKEN_COUNTS = "token_counts"
 TOKEN_OUTPUTS = (TOKEN_IDS, TOKEN_OFFSETS, TOKEN_COUNTS)
 
 
+def asks_for_tokens(outputs: tuple[str, ...]) -> bool:
+    """Whether requested outputs (checked: token outputs come alone) are the texts' tokens."""
+    return bool(outputs) and outputs[0] in TOKEN_OUTPUTS
+
+
 @dataclass(frozen=True, slots=True)
 class ServedOutput:
     """One output a model answers: the graph's own (`form` None) or one made from a graph output."""

@@ -25,6 +25,7 @@ from service.pipeline.outputs import (
     TOKEN_OUTPUTS,
     TOKENS,
     ServedOutput,
+    asks_for_tokens,
     check_output,
     default_outputs,
     served_outputs,
@@ -138,10 +139,13 @@ class ValidRequest:
     adapter_id: int = 0
     """The task adapter every row runs with (1 + its place in the model's adapter_tasks; 0: none, or the token
     request's own adapter_ids)."""
-    tokens_only: bool = False
-    """The request asks for the texts' tokens (service.pipeline.outputs.TOKEN_OUTPUTS): the model does not run."""
     add_special_tokens: bool = True
     """Whether the token outputs hold the model's special tokens."""
+
+    @property
+    def tokens_only(self) -> bool:
+        """The request asks for the texts' tokens (service.pipeline.outputs.TOKEN_OUTPUTS): the model does not run."""
+        return asks_for_tokens(self.outputs)
 
     @property
     def rows(self) -> int:
@@ -300,11 +304,11 @@ def requested_outputs(names: Sequence[str], signature: ModelSignature, pairs: bo
     return tuple(names)
 
 
-def tokens_only_choice(
+def add_special_tokens_choice(
     parameters: dict[str, object], outputs: tuple[str, ...], texts: list[str] | None, pairs: bool
-) -> tuple[bool, bool]:
-    """Whether the request asks for the texts' tokens alone, and the `add_special_tokens` parameter (default true)."""
-    tokens_only = bool(outputs) and outputs[0] in TOKEN_OUTPUTS
+) -> bool:
+    """The `add_special_tokens` parameter (default true), checked with a request for the texts' tokens."""
+    tokens_only = asks_for_tokens(outputs)
     special = parameters.get(ADD_SPECIAL_TOKENS, True)
     if not isinstance(special, bool):
         raise InvalidArgument(f"parameter {ADD_SPECIAL_TOKENS} must be true or false")
@@ -314,7 +318,7 @@ def tokens_only_choice(
         raise InvalidArgument(f"output {outputs[0]} is the tokens of texts: send input {TEXT_INPUT}, not token ids")
     if tokens_only and pairs:
         raise InvalidArgument(f"output {outputs[0]} is the tokens of single texts: send no input {QUERY_INPUT}")
-    return tokens_only, special
+    return special
 
 
 def timeout_s(parameters: dict[str, object]) -> float | None:
@@ -529,7 +533,6 @@ def validate(
     requested = requested_outputs(outputs, signature, pairs)
     if not outputs and parameters.get(LATE_CHUNKING) is True:
         requested = ("embedding",)
-    tokens_only, add_special_tokens = tokens_only_choice(parameters, requested, texts, pairs)
     return ValidRequest(
         texts,
         tokens,
@@ -543,8 +546,7 @@ def validate(
         late_chunking=late_chunking_choice(parameters, signature, pairs, requested),
         instruction=instruction_choice(parameters, spec, pairs),
         adapter_id=adapter_id if tokens is None or ADAPTER_IDS not in decoded else 0,
-        tokens_only=tokens_only,
-        add_special_tokens=add_special_tokens,
+        add_special_tokens=add_special_tokens_choice(parameters, requested, texts, pairs),
     )
 
 
