@@ -9,9 +9,9 @@ basic online optimisation (FP32_GRAPH_OPTIMIZATION, written into config.pbtxt): 
 level ONNX Runtime would fuse every form's Add + LayerNormalization again, whatever was measured.
 CUDA: the fully fused graph (fused attention is the fast path there) converted to fp16.
 The optimiser's fusions are BERT's: a model with RMSNorm and rotary grouped-query attention (the
-Qwen3 decoder, EuroBERT, Gemma) is offered its unfused graph alone (`cpu_forms`). Qwen3 and EuroBERT
-get no fp16 form (`fp16_refusal` says why); Gemma (EmbeddingGemma) gets its unfused graph converted to
-fp16 for CUDA (`fp16_form`), the gate deciding whether its fp16 activations hold.
+Qwen3 decoder, EuroBERT, Gemma) is offered its unfused graph alone (`cpu_forms`), and its fp16 form for
+CUDA is that unfused graph converted to fp16 (`fp16_form`), the gate deciding whether its fp16
+activations hold (a refused fp16 is withdrawn, not published: export.pipeline).
 """
 
 from __future__ import annotations
@@ -39,17 +39,10 @@ log = logging.getLogger(__name__)
 CPU_FORMS = ("unfused", "attention_fused", "fully_fused")
 UNFUSED_ONLY = (Qwen3Config, EuroBertConfig, GemmaConfig)
 """Configurations of the models with RMSNorm and rotary grouped-query attention, which BERT's fusions do not fit."""
-NO_FP16 = (Qwen3Config, EuroBertConfig)
-"""Of those, the ones with no fp16 form (see DECODER_FP16_REFUSAL)."""
 DECODER_FUSION_REFUSAL = (
     "ONNX Runtime's BERT fusions do not apply to RMSNorm and rotary grouped-query attention (a Qwen3 decoder,"
     " EuroBERT, Gemma): its attention fusion matches no rotary grouped-query attention, and its RMSNorm fusion writes"
     " SimplifiedLayerNormalization, an ONNX Runtime op the ONNX checker refuses"
-)
-DECODER_FP16_REFUSAL = (
-    "the fp16 CUDA form is BERT's fully fused graph, whose fusions do not apply to RMSNorm and rotary"
-    " grouped-query attention (a Qwen3 decoder, EuroBERT), and an fp16 RMSNorm over such a model's large"
-    " activations has no gate of its own yet"
 )
 FP32_GRAPH_OPTIMIZATION = "basic"
 """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU: constant folding and
@@ -108,18 +101,12 @@ def cpu_forms(config: object) -> tuple[str, ...]:
     return ("unfused",) if isinstance(config, UNFUSED_ONLY) else CPU_FORMS
 
 
-def fp16_refusal(config: object) -> str | None:
-    """Why no fp16 CUDA form is built for an encoder; None: one is."""
-    return DECODER_FP16_REFUSAL if isinstance(config, NO_FP16) else None
-
-
 def fp16_form(config: object) -> str:
-    """The graph form converted to fp16 for CUDA: the fully fused one, or the unfused one for Gemma.
+    """The graph form converted to fp16 for CUDA: the fully fused one, or the unfused one (Qwen3, EuroBERT, Gemma).
 
-    Gemma's fusions do not apply: the optimiser's RMSNorm fusion writes SimplifiedLayerNormalization, which the
-    ONNX checker refuses.
+    BERT's fusions do not apply to those (DECODER_FUSION_REFUSAL).
     """
-    return "unfused" if isinstance(config, GemmaConfig) else "fully_fused"
+    return "unfused" if isinstance(config, UNFUSED_ONLY) else "fully_fused"
 
 
 def write_cpu_form(raw: Path, output: Path, config: EncoderConfig, form: str) -> None:

@@ -2,8 +2,10 @@
 
 Every graph form that is measured is gated too: a CPU candidate that misses its variant's
 tolerance (on any mask shape) is never eligible, and a variant with no passing form refuses the
-whole export. What a user of the server gets (texts in, `embedding` out) is measured for every
-published variant and decides the default on CUDA (the fidelity rule, service.core.fidelity).
+whole export, except fp16: CUDA's alternative to fp32, a refused fp16 is withdrawn (not published,
+the reason in parity.json) and fp32 serves CUDA. What a user of the server gets (texts in,
+`embedding` out) is measured for every published variant and decides the default on CUDA (the
+fidelity rule, service.core.fidelity).
 Last, every published variant is held to the library that made the source folder, run on that
 folder (export.reference_library; FlagEmbedding for bge-m3's three outputs, export.bge_m3_reference):
 the gates before it compare with our own reading of the folder.
@@ -15,7 +17,7 @@ import dataclasses
 import datetime
 import logging
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +53,7 @@ Stage = Callable[[str], None]
 
 
 class GateRefused(RuntimeError):
-    """A variant failed the parity gate (or its speed bar); nothing was published."""
+    """fp32 or int8 failed the parity gate, or a reference library disagreed; nothing was published."""
 
 
 @dataclass(frozen=True)
@@ -117,12 +119,14 @@ class _Gate:
             self.fidelity, embedding, variant, provider, required_cosine(variant, chosen_by_default=False)
         )
 
-    def failures(self) -> list[str]:
-        failures = [failure for result in self.results.values() for failure in result.failures]
+    def failures(self, variants: Iterable[str]) -> list[str]:
+        """The recorded variants' misses: their tolerances, and the server's check at load."""
+        chosen = [variant for variant in variants if variant in self.results]
+        failures = [failure for variant in chosen for failure in self.results[variant].failures]
         return failures + [
-            f"{variant}: would fail the server's check at load: {check.describe()}"
-            for variant, check in self.load_checks.items()
-            if not check.passed
+            f"{variant}: would fail the server's check at load: {self.load_checks[variant].describe()}"
+            for variant in chosen
+            if not self.load_checks[variant].passed
         ]
 
 
@@ -176,18 +180,22 @@ def _fidelity_basis(gate: _Gate, variant: str) -> float:
     return min(kind.min_cosine for kind in gate.results[variant].figures.values())
 
 
-def preferred_variants(gate: _Gate, published: list[str], cuda_problem: str | None) -> dict[str, dict[str, object]]:
+def preferred_variants(
+    gate: _Gate, published: list[str], withdrawn: dict[str, str], cuda_problem: str | None
+) -> dict[str, dict[str, object]]:
     """The default per device under the fidelity rule, with what it rests on.
 
     CPU: fp32 (int8 is only ever an explicit choice). CUDA: fp16 where its served embeddings
-    measured >= the fidelity rule, else fp32. When fp16 could only be measured on the CPU, that is
-    said, and the server checks it again on CUDA at load.
+    measured >= the fidelity rule, else fp32 (and fp32 where fp16 was not built or was withdrawn,
+    saying why). When fp16 could only be measured on the CPU, that is said, and the server checks it
+    again on CUDA at load.
     """
     choices: dict[str, dict[str, object]] = {
         "cpu": {"variant": "fp32", "basis": "fidelity rule: fp32 on the CPU; int8 only by explicit choice"}
     }
     if "fp16" not in published:
-        choices["cuda"] = {"variant": "fp32", "basis": "fp16 not built"}
+        basis = f"fp16 not published: {withdrawn['fp16']}" if "fp16" in withdrawn else "fp16 not built"
+        choices["cuda"] = {"variant": "fp32", "basis": basis}
         return choices
     measured = _fidelity_basis(gate, "fp16")
     provider = gate.results["fp16"].provider
@@ -223,6 +231,8 @@ class _Build:
         self.files: dict[str, Path] = {}
         self.recipes: dict[str, dict[str, object]] = {}
         self.refusals: list[str] = []
+        self.withdrawn: dict[str, str] = {}
+        """variant -> why it was left out of what is published (the export goes on without it)."""
         self.cuda_problem: str | None = None
 
     def references(self) -> _Gate:
@@ -278,15 +288,18 @@ class _Build:
                 **int8_recipes.get(choice.form, {}),
             }
 
+    def withdraw(self, variant: str, reason: str) -> None:
+        """Leave a built variant out of what is published, with a warning; the reason goes into parity.json."""
+        log.warning("%s not published: %s", variant, reason)
+        del self.files[variant]
+        self.withdrawn[variant] = reason
+
     def fp16_variant(self, gate: _Gate) -> None:
         """The fp16 graph for CUDA (optimize.fp16_form), gated on CUDA where usable here, else (said plainly) on CPU.
 
-        None for an architecture without an fp16 form (optimize.fp16_refusal), with a warning saying why.
+        A refused fp16 is withdrawn rather than refusing the export: CUDA serves fp16 only where it meets
+        the fidelity rule, and fp32 otherwise, so fp32 serves CUDA in its place.
         """
-        refusal = optimize.fp16_refusal(self.checkpoint.config)
-        if refusal is not None:
-            log.warning("%s: fp16 not built: %s", self.checkpoint.name, refusal)
-            return
         self.stage("fp16: build and parity gate")
         path = self.workdir / "fp16.onnx"
         optimize.write_cuda_fp16(self.raw, path, self.checkpoint.config)
@@ -300,6 +313,9 @@ class _Build:
                 "the server checks it again on CUDA when it loads it",
                 self.cuda_problem,
             )
+        failures = gate.failures(["fp16"])
+        if failures:
+            self.withdraw("fp16", "refused by the parity gate: " + "; ".join(failures))
 
     def int8_speed(self) -> dict[str, object]:
         """int8 against fp32 at the reference shape; int8 is withdrawn (not published) if it misses the bar.
@@ -316,10 +332,7 @@ class _Build:
         speedup["bar"] = bar
         speedup["published"] = speedup["speedup"] >= bar
         if not speedup["published"]:
-            log.warning(
-                "int8 not published: %sx fp32 at %s is below the %sx bar", speedup["speedup"], speedup["shape"], bar
-            )
-            del self.files["int8"]
+            self.withdraw("int8", f"{speedup['speedup']}x fp32 at {speedup['shape']} is below the {bar}x bar")
         return speedup
 
 
@@ -329,7 +342,7 @@ def export_model(
     """Build every requested variant, gate it, and publish the model; return the parity report.
 
     stage is told each export stage as it starts (the command line shows progress with it).
-    Raises GateRefused (repository untouched) when any variant misses its tolerance.
+    Raises GateRefused (repository untouched) when fp32 or int8 misses its tolerance (a refused fp16 is withdrawn).
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
@@ -349,12 +362,12 @@ def export_model(
         build.cpu_variants(gate, forms)
         if "fp16" in options.variants:
             build.fp16_variant(gate)
-        failures = build.refusals + gate.failures()
+        failures = build.refusals + gate.failures(build.files)
         speedup = build.int8_speed() if "int8" in build.files and not failures else None
         if failures:
             raise GateRefused("parity gate refused: " + "; ".join(failures))
         report = _report(build, gate, speedup)
-        preferred = preferred_variants(gate, list(build.files), build.cuda_problem)
+        preferred = preferred_variants(gate, list(build.files), build.withdrawn, build.cuda_problem)
         report["preferred_variants"] = {device: choice["variant"] for device, choice in preferred.items()}
         report["preferred_variants_basis"] = preferred
         _library_checks(build, gate, report)
@@ -467,15 +480,21 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
             for variant in choices
         },
         "int8_speed": speedup,
-        "variants": {
-            variant: {
-                **gate.results[variant].to_dict(),
-                "served": gate.served_figures[variant].to_dict() if variant in gate.served_figures else None,
-                "load_check": _load_check_figures(gate.load_checks[variant]),
-                "recipe": build.recipes[variant],
-            }
-            for variant in build.files
+        "variants": {variant: _variant_figures(build, gate, variant) for variant in build.files},
+        "withdrawn": {
+            variant: {"reason": reason, **_variant_figures(build, gate, variant)}
+            for variant, reason in build.withdrawn.items()
         },
+    }
+
+
+def _variant_figures(build: _Build, gate: _Gate, variant: str) -> dict[str, object]:
+    """One variant's gate verdict, served figures, load check and recipe, as parity.json records them."""
+    return {
+        **gate.results[variant].to_dict(),
+        "served": gate.served_figures[variant].to_dict() if variant in gate.served_figures else None,
+        "load_check": _load_check_figures(gate.load_checks[variant]),
+        "recipe": build.recipes[variant],
     }
 
 

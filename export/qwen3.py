@@ -4,9 +4,10 @@ Token embeddings feed S pre-norm layers: x = x + Attention(RMSNorm(x)); x = x + 
 then a final RMSNorm. RMSNorm(x) = w ⊙ x / √(mean(x²) + ε). Attention is grouped-query: H query
 heads share K key/value heads (query head h reads key/value head h // (H / K)), each head d_k wide
 (head_dim, not necessarily d_model / H). Every query and key head is RMS-normalised over its d_k
-(q_norm, k_norm) before rotary angles (base rope_theta) turn it. A token attends to itself and to
-the earlier tokens that the padding mask keeps (causal). The MLP is SwiGLU: W_down(silu(x·W_gate) ⊙
-x·W_up). Pooling (export.pooling) takes the last attended token ("lasttoken").
+(q_norm, k_norm) before rotary angles (base rope_theta; cos and sin tabled in fp32, export.rotary) turn
+it. A token attends to itself and to the earlier tokens that the padding mask keeps (causal). The MLP
+is SwiGLU: W_down(silu(x·W_gate) ⊙ x·W_up). Pooling (export.pooling) takes the last attended token
+("lasttoken").
 
 The server pads on the right; sentence-transformers pads Qwen3-Embedding on the left. Causal
 attention never lets a real token see padding that comes after it, and rotary angles make a score
@@ -26,7 +27,7 @@ from export.architecture_error import ArchitectureError
 from export.config import OwnEncoderFacts
 from export.grouped_attention import GroupedQueryAttention
 from export.pooling import pool
-from export.rotary import inverse_frequencies, rope_theta
+from export.rotary import RotaryTable, rope_theta
 from export.weight_names import split_weights
 
 HEAD_PREFIXES = ("lm_head.", "score.")
@@ -169,7 +170,7 @@ class Qwen3Encoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
-        self.register_buffer("frequencies", inverse_frequencies(config.head_dim, config.rope_theta), persistent=False)
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_positions)
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
@@ -182,9 +183,7 @@ class Qwen3Encoder(nn.Module):
         keys = attention_mask[:, None, None, :].bool()  # [batch, 1, 1, seq]
         zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
         attention_bias = torch.where(keys & causal, zero, torch.finfo(hidden.dtype).min)
-        angles = positions.to(torch.float32)[:, None] * self.frequencies[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        rotary = (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))
+        rotary = self.rotary(input_ids.shape[1], hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, rotary, attention_bias)
         return self.norm(hidden), mask

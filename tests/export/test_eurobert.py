@@ -5,8 +5,9 @@ so that heads x head_dim is not the hidden size, rotary base 1,000) with a byte-
 EuroBERT's Llama-3 form (<|begin_of_text|> before and <|end_of_text|> after every text, <|end_of_text|>
 as padding, <|mask|>): an embedder saved as sentence-transformers saves it (Transformer + mean Pooling
 + Normalize, with query and document prompts) and a reranker (EuroBertForSequenceClassification, one
-label, its default "late" pooling) saved as a CrossEncoder folder, both exported (fp32) once by
-`python -m export --source` and served by one real server.
+label, its default "late" pooling) saved as a CrossEncoder folder, both exported once by
+`python -m export --source` (the embedder in fp32 and fp16, the reranker in fp32: a classifier's only variant)
+and served by one real server.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import openai
 import pytest
 import torch
@@ -27,10 +29,12 @@ import tritonclient.grpc as grpcclient
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
-from export import eurobert, optimize
+from export import eurobert
 from export.architecture_error import ArchitectureError
 from export.checkpoint import load_checkpoint
 from export.heads import HeadError, head_config
+from service.core.fidelity import VARIANT_MIN_COSINE
+from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
 from tests.export.family_tokenizers import LLAMA3_BOS as BOS
@@ -102,7 +106,7 @@ class Sources:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> Sources:
-    """The embedder and the reranker, each exported (fp32) by the command line, the two at once."""
+    """The embedder (fp32 and fp16) and the reranker (fp32), each exported by the command line, the two at once."""
     root = tmp_path_factory.mktemp("eurobert")
     base = save_model(root / "base", seed=41)
     transformer = st_models.Transformer(str(base), max_seq_length=MAX_LENGTH)
@@ -114,9 +118,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> Sources:
     CrossEncoder(str(classifier), device="cpu").save(str(root / "reranker"))
     repository = root / "repository"
     runs = []
-    for name, folder in ((EMBEDDER, root / "embedder"), (RERANKER, root / "reranker")):
+    for name, folder, variants in ((EMBEDDER, root / "embedder", "fp32,fp16"), (RERANKER, root / "reranker", "fp32")):
         command = [sys.executable, "-m", "export", "--source", str(folder), "--repository", str(repository)]
-        command += ["--name", name, "--variants", "fp32", "--threads", "1"]
+        command += ["--name", name, "--variants", variants, "--threads", "1"]
         runs.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for run in runs:
         _, stderr = run.communicate(timeout=600)
@@ -195,14 +199,21 @@ def test_classifier_logits_equal_transformers(sources: Sources, tmp_path: Path, 
         assert difference <= 1e-5, f"{kind}: max abs diff {difference:.2e}"
 
 
-def test_parity_report_has_the_unfused_form_and_the_library_checks(sources: Sources) -> None:
+def test_parity_report_has_the_unfused_forms_and_the_library_checks(sources: Sources) -> None:
+    """fp32 (and the embedder's fp16) are the unfused graph (BERT's fusions do not apply), held to the library."""
     for name, model_class in ((EMBEDDER, "SentenceTransformer"), (RERANKER, "CrossEncoder")):
         report = json.loads((sources.repository / name / "parity.json").read_text())
         assert report["model_type"] == "eurobert" and report["encoder"]["num_kv_heads"] == 2
-        assert set(report["cpu_graph_forms"]["fp32"]["gate"]) == {"unfused"}  # BERT's fusions do not apply
+        assert set(report["cpu_graph_forms"]["fp32"]["gate"]) == {"unfused"}
         library = report["variants"]["fp32"]["reference_library"]
         assert library["class"] == model_class and library["passed"] and library["max_abs_diff"] <= 1e-4
-    assert optimize.fp16_refusal(load_checkpoint(sources.embedder).config) is not None
+    report = json.loads((sources.repository / EMBEDDER / "parity.json").read_text())
+    assert set(report["variants"]) == {"fp32", "fp16"} and report["withdrawn"] == {}
+    fp16 = report["variants"]["fp16"]
+    assert fp16["passed"] and fp16["recipe"]["graph_form"] == "unfused"
+    assert fp16["reference_library"]["passed"] and fp16["reference_library"]["min_cosine"] >= VARIANT_MIN_COSINE["fp16"]
+    weights = onnx.load(str(read_model(sources.repository / EMBEDDER).variants["fp16"])).graph.initializer
+    assert max(weights, key=lambda tensor: np.prod(tensor.dims)).data_type == onnx.TensorProto.FLOAT16
 
 
 def _embedding_over_grpc(server: RunningServer, texts: list[str], **parameters: object) -> np.ndarray:

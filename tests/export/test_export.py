@@ -259,15 +259,24 @@ def test_graph_forms_that_mishandle_masks_are_never_published(
         assert not forms["gate"][form]["passed"] and ("left-padded" in failures or "holed" in failures), form
 
 
-def test_fp16_gate_refuses_a_graph_that_mishandles_masks(
-    repository_copy: Path, default_folder: Path, monkeypatch: pytest.MonkeyPatch
+def test_fp16_gate_withdraws_a_graph_that_mishandles_masks(
+    tmp_path: Path, default_folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    before = tree(repository_copy)
+    """fp16 alone is left out: the model is published in fp32, which serves CUDA, and parity.json says why."""
     _old_mask_format(monkeypatch)
     checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=2, tokenizer_folder=default_folder)
-    with pytest.raises(GateRefused, match=r"fp16: embedding cosine [\d.]+ < 0.999 at .*(left-padded|holed)"):
-        export_model(checkpoint, repository_copy, ExportOptions(variants=("fp32", "fp16"), threads=1))
-    assert tree(repository_copy) == before
+    export_model(checkpoint, tmp_path, ExportOptions(variants=("fp32", "fp16"), threads=1))
+    reason = r"refused by the parity gate: fp16: embedding cosine [\d.]+ < 0.999 at .*(left-padded|holed)"
+    assert re.search("fp16 not published: " + reason, caplog.text)
+    spec = read_model(tmp_path / TINY_MODEL)
+    assert set(spec.variants) == {"fp32"} and spec.preferred_variants == {"cpu": "fp32", "cuda": "fp32"}
+    assert not (tmp_path / TINY_MODEL / spec.version / VARIANT_FILES["fp16"]).exists()
+    report = json.loads((tmp_path / TINY_MODEL / "parity.json").read_text())
+    assert set(report["variants"]) == {"fp32"} and set(report["withdrawn"]) == {"fp16"}
+    withdrawn = report["withdrawn"]["fp16"]
+    assert not withdrawn["passed"] and re.match(reason, withdrawn["reason"])
+    assert withdrawn["cases"]["sentence_masks"]["min_cosine"] < 0.999
+    assert re.match("fp16 not published: " + reason, report["preferred_variants_basis"]["cuda"]["basis"])
 
 
 def test_int8_accuracy_gate_refuses_to_publish(
