@@ -46,11 +46,13 @@ lint: $(VENV)/.installed
 # The venv's tools (kubectl, hadolint, perf_analyzer) come first on PATH. ENCODER_TEST_REQUIRE_TOOLS=1:
 # a test whose external program (promtool, prometheus, kubectl, locust) is missing fails instead of
 # skipping, so the suite cannot shrink quietly (make setup installs them). The end-to-end suites then
-# run again against servers of two front-end processes and an engine process (ENCODER_FRONTENDS=2).
+# run again against servers of two front-end processes and an engine process (ENCODER_FRONTENDS=2),
+# and with the gRPC port on Envoy (ENCODER_GRPC_TRANSPORT=envoy), with the clients we did not write.
 MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py test_http_openai.py \
 	test_http_kserve.py test_http_security.py test_http_lifecycle.py test_security.py test_shutdown.py \
 	test_cancellation.py test_limits.py test_readiness.py test_statistics.py test_metrics.py test_row_batching.py \
-	test_watchdog.py test_embedding_types.py test_long_texts.py test_sparse.py test_multivector.py)
+	test_watchdog.py test_embedding_types.py test_long_texts.py test_sparse.py test_multivector.py test_task_grpc.py)
+ENVOY_SUITES := $(MULTIPROCESS_SUITES) tests/client tests/tools/test_perf_analyzer.py
 TEST_REPOSITORY := $(abspath .test-cache/default-repository)
 test: setup lint
 	rm -rf .test-cache
@@ -58,6 +60,8 @@ test: setup lint
 		$(PY) -m pytest
 	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
 		ENCODER_FRONTENDS=2 $(PY) -m pytest $(MULTIPROCESS_SUITES)
+	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
+		ENCODER_GRPC_TRANSPORT=envoy $(PY) -m pytest $(ENVOY_SUITES)
 
 protos: $(VENV)/.installed
 	$(PY) protos/generate.py

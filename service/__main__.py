@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import sys
 
 import uvloop
@@ -33,15 +32,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"service: error: {error}", file=sys.stderr)
             return 2
         settings = dataclasses.replace(settings, frontends=processes.frontends(settings))
-        role = "supervisor" if settings.frontends > 1 else "server"
+        several = settings.frontends > 1 or settings.grpc_transport == "envoy"
+        role = "supervisor" if several else "server"
     else:
         role, settings, runtime = child
         processes.prepare_child(role, runtime)
-    logging.basicConfig(
-        level=settings.log_level,
-        format=f"%(asctime)s %(levelname)s {'' if role == 'server' else f'[{role}] '}%(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    processes.configure_logging(settings, role)
     if role == "supervisor":
         try:
             check_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca, settings.api_key_file)

@@ -5,6 +5,10 @@
      ├─ encoder-serve: frontend 1  the gRPC, HTTP and health ports (shared: SO_REUSEPORT), keys, TLS,
      └─ encoder-serve: frontend N  validation, tokenising; rows to the engine, outputs back
 
+With --grpc-transport envoy each front end is an Envoy process running the front end on its embedded
+Python (service.frontends.grpc.envoy); it drains when its standard input closes, as Envoy keeps
+SIGTERM for itself, so the supervisor stops it by closing that pipe.
+
 The supervisor holds the ports and starts every process at once; each front end binds the ports
 (health NOT_SERVING), then connects to the engine, which loads the models once every front end has
 connected, as a lone server binds its ports before it loads. A process that
@@ -36,6 +40,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from service.frontends.grpc import envoy
 from service.ops.metrics import LiveGauges
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, StatisticsTables, TritonMetricsCollector
@@ -76,6 +81,15 @@ def set_title(role: str) -> None:
     import setproctitle  # noqa: PLC0415 - only processes of a server of several are renamed
 
     setproctitle.setproctitle(f"{TITLE}: {role}")
+
+
+def configure_logging(settings: Settings, role: str) -> None:
+    """Log to stderr at --log-level, each line naming the process's role (but a lone server's)."""
+    logging.basicConfig(
+        level=settings.log_level,
+        format=f"%(asctime)s %(levelname)s {'' if role == 'server' else f'[{role}] '}%(name)s: %(message)s",
+        stream=sys.stderr,
+    )
 
 
 def _die_with_parent() -> None:
@@ -130,6 +144,13 @@ class _Child:
     def exited(self) -> int | None:
         return self.process.poll()
 
+    def request_stop(self) -> None:
+        """Ask the process to drain and exit: SIGTERM, or (an Envoy front end) its standard input closed."""
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        else:
+            self.process.send_signal(signal.SIGTERM)
+
 
 class Supervisor:
     """Starts the engine and the front ends, serves /metrics, and keeps the server whole or stops it."""
@@ -152,7 +173,12 @@ class Supervisor:
             SETTINGS_VARIABLE: json.dumps(values),
             "PROMETHEUS_MULTIPROC_DIR": str(self.runtime / METRICS_FOLDER),
         }
-        process = subprocess.Popen([sys.executable, "-m", "service"], env=env)
+        if role.startswith("frontend") and settings.grpc_transport == "envoy":
+            index = int(role.rsplit(maxsplit=1)[-1])
+            command = envoy.command(settings, self.runtime, index)
+            process = subprocess.Popen(command, env={**env, **envoy.environment()}, stdin=subprocess.PIPE)
+        else:
+            process = subprocess.Popen([sys.executable, "-m", "service"], env=env)
         child = _Child(role, process)
         self._children.append(child)
         return child
@@ -232,7 +258,7 @@ class Supervisor:
         """SIGTERM, then SIGKILL whatever still runs after grace_s."""
         for child in children:
             if child.exited is None:
-                child.process.send_signal(signal.SIGTERM)
+                child.request_stop()
         deadline = time.monotonic() + grace_s
         for child in children:
             with contextlib.suppress(subprocess.TimeoutExpired):

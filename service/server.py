@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import REGISTRY, start_http_server
 
 from protocol import grpc_service_pb2 as pb
@@ -21,6 +21,7 @@ from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
 from service.core.wire import EngineLink
 from service.envelope import Envelope
+from service.frontends.grpc.asgi import GrpcAsgiApp, StopListening
 from service.frontends.grpc.health import NOT_SERVING, SERVING, HealthService
 from service.frontends.grpc.interceptor import ErrorInterceptor
 from service.frontends.grpc.servicer import InferenceServicer
@@ -135,11 +136,18 @@ class InferenceServer:
 
     Alone, it loads the repository's models into its own engine. As a front end (`frontend`) it
     shares its ports with the other front ends and serves the models the engine process announces.
+    `hosted_by`: a front end inside Envoy (service.frontends.grpc.envoy), which holds the gRPC port and
+    hands its calls to `grpc_app`; awaited at the drain, it closes Envoy's listener. Otherwise
+    grpc.aio serves the port. The health port is grpc.aio's either way.
     """
 
-    def __init__(self, settings: Settings, frontend: FrontendRole | None = None) -> None:
+    def __init__(
+        self, settings: Settings, frontend: FrontendRole | None = None, hosted_by: StopListening | None = None
+    ) -> None:
         self.settings = settings
         self.frontend = frontend
+        self.hosted_by = hosted_by
+        self.grpc_app: GrpcAsgiApp | None = None
         self.pipeline = Pipeline(settings)
         self.envelope = Envelope(self.pipeline, api_keys=None)
         """Every request's envelope, over both ports; its API keys are read at start."""
@@ -170,26 +178,23 @@ class InferenceServer:
         self.tls = ReloadingTls(files) if files is not None else None
         # Each front end holds every tenant to its share of the limits (the kernel spreads connections among them).
         self.envelope.api_keys = api_keys(settings.api_key_file, 1 / max(1, settings.frontends))
-        interceptor = ErrorInterceptor(self.envelope)
-        self._server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings, reuse_port))
-        services = GenericHandlersOnly(self._server)
+        services = self._grpc_transport(ErrorInterceptor(self.envelope), reuse_port)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, services)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, services)
-        reflection.enable_server_reflection(
-            (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            services,
-            pool=reflection_pool(),
+        reflected = (
+            INFERENCE_SERVICE,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer(reflected, pool=reflection_pool()), services
         )
         for service in (OVERALL, *names):
             await self.health.set(service, NOT_SERVING)
-        address = f"{settings.host}:{settings.grpc_port}"
-        if self.tls is not None:
-            self.grpc_port = self._server.add_secure_port(address, self.tls.credentials())
+        if self.grpc_app is not None:  # Envoy holds the port
+            self.grpc_port = settings.grpc_port
         else:
-            self.grpc_port = self._server.add_insecure_port(address)
-        if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC port {address}")
-        await self._server.start()
+            await self._start_grpc_listener()
         if settings.health_port:
             await self._start_health_listener(reuse_port)
         if settings.http_port:
@@ -228,6 +233,32 @@ class InferenceServer:
                 model.policy.max_queue_delay_s * 1e6,
             )
             self._model_ready(name)
+
+    def _grpc_transport(self, interceptor: ErrorInterceptor, reuse_port: bool) -> GenericHandlersOnly | GrpcAsgiApp:
+        """Where the gRPC services are registered: Envoy's application (hosted), or a grpc.aio server."""
+        settings = self.settings
+        if self.hosted_by is not None:
+            self.grpc_app = GrpcAsgiApp(
+                interceptor,
+                settings.max_message_bytes,
+                settings.max_response_bytes + RESPONSE_FRAMING_BYTES,
+                stop_listening=self.hosted_by,
+            )
+            return self.grpc_app
+        self._server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings, reuse_port))
+        return GenericHandlersOnly(self._server)
+
+    async def _start_grpc_listener(self) -> None:
+        """grpc.aio's gRPC port, TLS as set."""
+        settings = self.settings
+        address = f"{settings.host}:{settings.grpc_port}"
+        if self.tls is not None:
+            self.grpc_port = self._server.add_secure_port(address, self.tls.credentials())
+        else:
+            self.grpc_port = self._server.add_insecure_port(address)
+        if self.grpc_port == 0:
+            raise OSError(f"cannot bind gRPC port {address}")
+        await self._server.start()
 
     async def _connect(self, frontend: FrontendRole) -> None:
         """Connect to the engine process (once its socket is open): its models are served as it announces them."""
@@ -315,6 +346,8 @@ class InferenceServer:
         await self.health.end_watches()  # they saw NOT_SERVING: they must not hold the grace period
         log.info("draining (up to %.0f s)", self.settings.drain_timeout_s)
         transports = []
+        if self.grpc_app is not None:
+            transports.append(self.grpc_app.stop(max(0.0, deadline - time.monotonic())))
         if self._server is not None:
             transports.append(self._server.stop(grace=max(0.0, deadline - time.monotonic())))
         if self._http is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from tools.local_server import launch_server as launch_local_server
 from tools.local_server import start_server as start_local_server
 
 __all__ = [
+    "GRPC_TRANSPORT",
     "ROOT",
     "RunningServer",
     "cuda_usable",
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
+GRPC_TRANSPORT = os.environ.get("ENCODER_GRPC_TRANSPORT", "grpcio")
+"""The transport the suite's servers serve gRPC with (the suite runs again on Envoy: see the Makefile)."""
 
 
 def server_pids(server: RunningServer) -> list[int]:

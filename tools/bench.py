@@ -47,7 +47,7 @@ from service.core.repository import read_model
 from service.core.runtime import ExecutionSettings, ModelRuntime
 from service.pipeline.tokenizer import TextTokenizer
 from tools.loadtest import Level, LevelResult, LoadConfig, Workload, check_target, load_corpus, run_level
-from tools.local_server import process_cpu_seconds, rows_per_run, start_server
+from tools.local_server import rows_per_run, server_cpu_seconds, start_server
 
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 CEILING_BATCH = 32
@@ -303,9 +303,9 @@ async def _cpu_per_call(target: str, pid: int, call: str, calls: int) -> float:
                 await method(message)
 
         await caller(100)  # warm the channel and the server's caches
-        before = process_cpu_seconds(pid)
+        before = server_cpu_seconds(pid)
         await asyncio.gather(*(caller(calls // CALL_CPU_CONCURRENCY) for _ in range(CALL_CPU_CONCURRENCY)))
-        return (process_cpu_seconds(pid) - before) / (calls // CALL_CPU_CONCURRENCY * CALL_CPU_CONCURRENCY) * 1e6
+        return (server_cpu_seconds(pid) - before) / (calls // CALL_CPU_CONCURRENCY * CALL_CPU_CONCURRENCY) * 1e6
 
 
 def call_cpu(scratch: Path) -> CallCpu:

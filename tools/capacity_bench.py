@@ -1,6 +1,6 @@
 """Node capacity of a server of several processes, projected from each process's CPU time per request.
 
-    python -m tools.capacity_bench [--frontends 2] [--seconds 8] [--output FILE]
+    python -m tools.capacity_bench [--frontends 2] [--seconds 8] [--transports grpcio,envoy] [--output FILE]
 
 A tiny random encoder (exported here by the real exporter) served by `--frontends N` front-end
 processes and one engine process. For one-text requests over gRPC (ModelInfer) and over HTTP
@@ -15,9 +15,12 @@ it (user + system, every thread, /proc) over the requests answered gives:
   its event loop's thread (frames, batch formation, answers) and the model's threads.
 
 Projected capacity of a 16-core node: min(1 / E at saturation, 15 / F): one core for the engine,
-fifteen for front ends. Targets: >= 15,000 requests/s, E <= 60 us. For comparison, one process
-(`--frontends 1`) is measured the same way: its CPU per request, the model's included, all on one
-event loop whatever the node has.
+fifteen for front ends. Targets: >= 15,000 requests/s, E <= 60 us. For comparison, one front end
+(`--frontends 1`) is measured the same way: the CPU per request of every process, the model's
+included (one process with grpcio; an Envoy front end and the engine with envoy).
+
+Each gRPC transport named (`--transports`, service's --grpc-transport) is measured in turn, the
+same way, in one run: their figures compare.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class Load:
     requests_per_s: float
     frontend_us: float
     engine_us: float
+    total_us: float
+    """Every process of the server (the supervisor's included)."""
 
 
 def roles(server: RunningServer) -> dict[str, int]:
@@ -136,7 +141,8 @@ def measure(server: RunningServer, protocol: str, seconds: float) -> Load:
         requests, cpu = uvloop.run(drive(server, protocol, seconds / ROUNDS))
         elapsed = time.monotonic() - started
         frontends = sum(used for role, used in cpu.items() if role.startswith("frontend") or role == "server")
-        rounds.append((requests / elapsed, frontends / requests * 1e6, cpu.get("engine", 0.0) / requests * 1e6))
+        engine, total = cpu.get("engine", 0.0), sum(cpu.values())
+        rounds.append((requests / elapsed, *(used / requests * 1e6 for used in (frontends, engine, total))))
     return Load(protocol, *(statistics.median(figures) for figures in zip(*rounds, strict=True)))
 
 
@@ -201,42 +207,59 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.capacity_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--frontends", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--transports", default="grpcio", help="gRPC transports to measure, comma-separated")
     parser.add_argument("--output", type=Path)
     arguments = parser.parse_args(argv)
+    transports = arguments.transports.split(",")
+    loads: dict[str, list[Load]] = {}
+    alone: dict[str, list[Load]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         repository = Path(scratch) / "repository"
         checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_model_folder())
         export_model(checkpoint, repository, ExportOptions(variants=("fp32",), threads=1))
-        flags = ("--frontends", str(arguments.frontends))
-        with start_server(repository, Path(scratch) / "server.log", *flags) as server:
-            loads = [measure(server, protocol, arguments.seconds) for protocol in ("grpc", "openai")]
-            saturation = engine_at_saturation(server, repository, arguments.seconds)
-        with start_server(repository, Path(scratch) / "single.log", "--frontends", "1") as single:
-            alone = [measure(single, protocol, arguments.seconds) for protocol in ("grpc", "openai")]
-    lines = [f"{arguments.frontends} front ends + engine, tiny model, one-text requests, {IN_FLIGHT} in flight:"]
+        for transport in transports:
+            flags = ("--frontends", str(arguments.frontends), "--grpc-transport", transport)
+            with start_server(repository, Path(scratch) / f"{transport}.log", *flags) as server:
+                loads[transport] = [measure(server, protocol, arguments.seconds) for protocol in ("grpc", "openai")]
+                if transport == transports[0]:
+                    saturation = engine_at_saturation(server, repository, arguments.seconds)
+            flags = ("--frontends", "1", "--grpc-transport", transport)
+            with start_server(repository, Path(scratch) / f"{transport}-single.log", *flags) as single:
+                alone[transport] = [measure(single, protocol, arguments.seconds) for protocol in ("grpc", "openai")]
     saturated = saturation.engine_us
-    figures = {
+    figures: dict[str, object] = {
         "frontends": arguments.frontends,
         "engine_us_at_saturation": round(saturated, 1),
         "engine_loop_us_at_saturation": round(saturation.loop_us, 1),
-        "protocols": {},
+        "transports": {},
     }
-    for load, lone in zip(loads, alone, strict=True):
-        capacity = min(1e6 / saturated, (NODE_CORES - 1) * 1e6 / load.frontend_us)
-        figures["protocols"][load.protocol] = {
-            **asdict(load),
-            "projected_16_core_requests_per_s": round(capacity),
-            "one_process_us": round(lone.frontend_us, 1),
-        }
-        verdict = "met" if capacity >= TARGET_CAPACITY else "MISSED"
+    lines = []
+    for transport in transports:
         lines.append(
-            f"  {load.protocol}: {load.requests_per_s:.0f} req/s here; front ends {load.frontend_us:.0f} us/req,"
-            f" engine {load.engine_us:.0f} us/req at this load, {saturated:.1f} us/req at saturation ->"
-            f" 16 cores: min(1/{saturated:.1f} us, 15/{load.frontend_us:.0f} us) = {capacity:,.0f} req/s"
-            f" (target >= {TARGET_CAPACITY:,}: {verdict}); one process: {lone.frontend_us:.0f} us/req"
+            f"gRPC on {transport}: {arguments.frontends} front ends + engine, tiny model, one-text requests,"
+            f" {IN_FLIGHT} in flight:"
         )
+        protocols = figures["transports"][transport] = {}
+        for load, lone in zip(loads[transport], alone[transport], strict=True):
+            capacity = min(1e6 / saturated, (NODE_CORES - 1) * 1e6 / load.frontend_us)
+            protocols[load.protocol] = {
+                **asdict(load),
+                "projected_16_core_requests_per_s": round(capacity),
+                "one_frontend_all_processes_us": round(lone.total_us, 1),
+                "one_frontend_requests_per_s": round(lone.requests_per_s),
+            }
+            verdict = "met" if capacity >= TARGET_CAPACITY else "MISSED"
+            lines.append(
+                f"  {load.protocol}: {load.requests_per_s:.0f} req/s here; front ends {load.frontend_us:.0f} us/req,"
+                f" engine {load.engine_us:.0f} us/req at this load, {saturated:.1f} us/req at saturation ->"
+                f" 16 cores: min(1/{saturated:.1f} us, 15/{load.frontend_us:.0f} us) = {capacity:,.0f} req/s"
+                f" (target >= {TARGET_CAPACITY:,}: {verdict}); one front end: {lone.total_us:.0f} us/req in all"
+                f" processes, {lone.requests_per_s:.0f} req/s"
+            )
+        grpc_us, openai_us = (load.frontend_us for load in loads[transport])
+        lines.append(f"  gRPC front-end CPU per request / OpenAI's: {grpc_us / openai_us:.2f}")
     lines.append(
-        f"  engine CPU per request at saturation {saturated:.1f} us (target <= {TARGET_ENGINE_US:g} us:"
+        f"engine CPU per request at saturation {saturated:.1f} us (target <= {TARGET_ENGINE_US:g} us:"
         f" {'met' if saturated <= TARGET_ENGINE_US else 'MISSED'}): its event loop {saturation.loop_us:.1f} us,"
         f" the model's threads {saturated - saturation.loop_us:.1f} us"
     )

@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.processes import children
+
 START_TIMEOUT_S = 180
 BATCH_ROWS, BATCHES_RUN = "encoder_batch_size_sum", "encoder_batch_size_count"
 
@@ -37,6 +39,11 @@ def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
     # The command name (field 2) may hold spaces: count fields from after its closing parenthesis.
     fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu_seconds(pid: int) -> float:
+    """process_cpu_seconds of a server and of its child processes (a server of several: engine, front ends)."""
+    return sum(process_cpu_seconds(process) for process in (pid, *children(pid)))
 
 
 _PORTS_HANDED_OUT: set[int] = set()

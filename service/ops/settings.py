@@ -196,6 +196,15 @@ class Settings:
             " of --max-batch-size, within --max-request-text-bytes"
         ),
     )
+    grpc_transport: str = field(
+        default="grpcio",
+        metadata=_doc(
+            "what serves the gRPC and health ports: grpcio (grpc.aio in each front end), or envoy (each front end"
+            " an Envoy process running the front end on its embedded Python: HTTP/2 and TLS in compiled code;"
+            " always a supervisor, an engine process and --frontends Envoy front ends)",
+            choices=("grpcio", "envoy"),
+        ),
+    )
     max_concurrent_streams: int = field(
         default=8192,
         metadata=_doc(

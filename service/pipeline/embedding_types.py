@@ -45,10 +45,10 @@ def embedding_types(signature: ModelSignature) -> list[str]:
 
 def shortened(embeddings: np.ndarray, width: int, normalize: bool) -> np.ndarray:
     """Matryoshka embeddings cut to their first `width` values, L2-normalised again when the model normalises."""
-    cut = np.ascontiguousarray(embeddings[:, :width])
-    if normalize:
-        cut /= np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
-    return cut
+    cut = embeddings[:, :width]
+    if normalize:  # a new array: the rows may be a read-only view of the engine's answer
+        return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+    return np.ascontiguousarray(cut)
 
 
 def quantize(embeddings: np.ndarray, kind: str, ranges: np.ndarray | None = None) -> np.ndarray:

@@ -331,6 +331,21 @@ def test_bad_requests_get_a_precise_status_and_the_server_keeps_serving(
     assert stub.ModelInfer(raw_text_request([b"still serving"]), timeout=10).outputs
 
 
+def test_gzip_requests_are_read_and_bound_by_the_limit_once_expanded(cpu_server: RunningServer) -> None:
+    plain_request = raw_text_request([b"a compressed sentence", b"and another"])
+    with grpc.insecure_channel(cpu_server.target) as channel:
+        plain = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(plain_request, timeout=10)
+    with grpc.insecure_channel(cpu_server.target, compression=grpc.Compression.Gzip) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        compressed = stub.ModelInfer(plain_request, timeout=10)
+        assert compressed.raw_output_contents == plain.raw_output_contents
+        # A few kilobytes on the wire, 3 MiB once expanded: past --max-message-bytes (2 MiB).
+        with pytest.raises(grpc.RpcError) as oversized:
+            stub.ModelInfer(raw_text_request([b"a" * (3 << 20)]), timeout=10)
+        assert oversized.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert stub.ModelInfer(plain_request, timeout=10).raw_output_contents == plain.raw_output_contents
+
+
 def test_tritonclient_sees_the_status_too(client: triton.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException) as failure:
         client.infer("nope", [text_input(["x"])])

@@ -1,0 +1,463 @@
+"""The gRPC port as an ASGI application, for a compiled HTTP/2 server in front (Envoy: service.frontends.grpc.envoy).
+
+It runs the same method handlers a grpc.aio server runs (the servicer, health, reflection, behind
+the same door: interceptor.ErrorInterceptor), giving each call a context with the part of
+grpc.aio.ServicerContext they use. What grpc.aio does for them is done here: gRPC's framing and
+status trailers (framing.py), the receive and send size limits, `grpc-timeout` as the call's
+deadline, a reset stream cancelling its handler, compressed requests, and a drain that refuses new
+calls and waits for the running ones.
+
+Handler shapes served: unary (a coroutine), server streams written with `context.write` (a
+coroutine) and bidirectional streams (an async generator), the shapes this server's services have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, NoReturn
+
+import grpc
+
+from service.frontends.grpc import framing
+from service.frontends.grpc.interceptor import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+StopListening = Callable[[], Awaitable[None]]
+"""Ask the HTTP/2 server in front to take no new connections and send GOAWAY on its open ones."""
+TRANSPORT_HEADERS = frozenset(
+    {"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "host", "content-length"}
+)
+"""Request headers that are gRPC's transport, not the call's metadata (as grpc.aio leaves them out)."""
+RESPONSE_HEADERS = [
+    (b"content-type", b"application/grpc"),
+    (b"grpc-accept-encoding", framing.ACCEPTED_ENCODINGS.encode()),
+]
+SHUTTING_DOWN_MESSAGE = "the server is shutting down: send this call to another replica"
+METHOD_NOT_FOUND = "Method not found!"
+"""grpc's own message for a method no service has."""
+DEADLINE_EXCEEDED = "Deadline Exceeded"
+DISCONNECT_POLL_S = 0.1
+"""How often a call whose request was read looks whether its client is still there. pyvoy answers `receive`
+at once after the body's end (an empty body) and http.disconnect once the stream is reset, so a reset is
+seen by asking; a call answered sooner never asks."""
+
+
+class _Refused(Exception):
+    """A call answered with a status before any handler runs."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class AsgiCall:
+    """One call's context: the part of grpc.aio.ServicerContext the handlers use, over the call's ASGI channel."""
+
+    def __init__(
+        self,
+        scope: Scope,
+        send: Send,
+        metadata: tuple[tuple[str, str | bytes], ...],
+        *,
+        deadline: float | None,
+        serializer: Callable[[Any], bytes] | None,
+        max_send_bytes: int,
+    ) -> None:
+        self._scope = scope
+        self._send = send
+        self._metadata = metadata
+        self._deadline = deadline
+        self._serialize = serializer
+        self._max_send_bytes = max_send_bytes
+        self._trailing: list[tuple[str, str | bytes]] = []
+        self._done_callbacks: list[Callable[[AsgiCall], None]] = []
+        self.started = False
+        """Whether the response's headers were sent."""
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+        self.ended = False
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The caller's metadata, keys lower-case, `-bin` values as bytes."""
+        return self._metadata
+
+    def peer(self) -> str:
+        """The caller's address, as grpc writes it (`ipv4:127.0.0.1:50000`)."""
+        client = self._scope.get("client")
+        if not client:
+            return "unknown"
+        host, port = client[0], client[1]
+        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the caller's deadline; None without one."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
+        """Metadata to send with the call's status."""
+        self._trailing = list(metadata)
+
+    def add_done_callback(self, callback: Callable[[AsgiCall], None]) -> None:
+        """Run `callback(call)` once the call has ended, however it ended."""
+        self._done_callbacks.append(callback)
+
+    def cancelled(self) -> bool:
+        """Whether the call ended CANCELLED."""
+        return self.ended and self.code == grpc.StatusCode.CANCELLED
+
+    def done(self) -> bool:
+        """Whether the call has ended."""
+        return self.ended
+
+    def set_status(self, code: grpc.StatusCode, details: str) -> None:
+        """The status the call will end with."""
+        self.code, self.details = code, details
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Sequence[tuple[str, str | bytes]] = ()
+    ) -> NoReturn:
+        """End the call with this status (raises grpc.aio.AbortError, as grpc.aio does)."""
+        self.set_status(code, details)
+        if trailing_metadata:
+            self.set_trailing_metadata(trailing_metadata)
+        raise grpc.aio.AbortError(details)
+
+    async def write(self, message: Any) -> None:
+        """Send one response message (a server stream's next one)."""
+        payload = self._serialize(message) if self._serialize is not None else message
+        if len(payload) > self._max_send_bytes:
+            await self.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Sent message larger than max ({len(payload)} vs. {self._max_send_bytes})",
+            )
+        await self._start()
+        await self._send({"type": "http.response.body", "body": framing.frame(payload), "more_body": True})
+
+    async def _start(self) -> None:
+        if not self.started:
+            self.started = True
+            start = {"type": "http.response.start", "status": 200, "headers": RESPONSE_HEADERS, "trailers": True}
+            await self._send(start)
+
+    async def finish(self) -> None:
+        """Send the status (after the headers, if no message went out); then run the done callbacks."""
+        try:
+            await self._start()
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+            trailers = [(b"grpc-status", str(self.code.value[0]).encode())]
+            if self.details:
+                trailers.append((b"grpc-message", framing.status_message(self.details)))
+            trailers += [(key.encode(), _header_value(value)) for key, value in self._trailing]
+            await self._send({"type": "http.response.trailers", "headers": trailers, "more_trailers": False})
+        finally:
+            self.ended_now()
+
+    def ended_now(self) -> None:
+        """The call is over (answered, or its client gone): its done callbacks run once."""
+        if self.ended:
+            return
+        self.ended = True
+        for callback in self._done_callbacks:
+            try:
+                callback(self)
+            except Exception:
+                log.exception("a gRPC call's done callback failed")
+
+
+def _header_value(value: str | bytes) -> bytes:
+    return framing.base64_value(value) if isinstance(value, bytes) else value.encode("latin-1")
+
+
+class GrpcAsgiApp:
+    """gRPC's services as an ASGI application: register handlers as on a grpc.aio server, serve, drain with `stop`.
+
+    `stop_listening`: the server in front's own drain, started when this one's is.
+    """
+
+    def __init__(
+        self,
+        interceptor: ErrorInterceptor,
+        max_receive_bytes: int,
+        max_send_bytes: int,
+        stop_listening: StopListening | None = None,
+    ) -> None:
+        self._interceptor = interceptor
+        self._stop_listening = stop_listening
+        self._max_receive_bytes = max_receive_bytes
+        self._max_send_bytes = max_send_bytes
+        self._services: list[grpc.GenericRpcHandler] = []
+        self._calls: set[asyncio.Task[Any]] = set()
+        self._stopping = False
+
+    def add_generic_rpc_handlers(self, handlers: tuple[grpc.GenericRpcHandler, ...]) -> None:
+        """Serve these services' methods (as grpc.Server.add_generic_rpc_handlers)."""
+        self._services.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        """Ignored: generated code adds the same handlers as a generic handler too."""
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new calls (UNAVAILABLE), close the listener; wait up to grace_s for running calls, then cancel."""
+        self._stopping = True
+        if self._stop_listening is not None:
+            await self._stop_listening()
+        running = set(self._calls)
+        if running:
+            _, late = await asyncio.wait(running, timeout=grace_s)
+            for call in late:
+                call.cancel()
+            if late:
+                await asyncio.wait(late)
+
+    def _handler(self, details: _CallDetails) -> grpc.RpcMethodHandler | None:
+        for service in self._services:
+            handler = service.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one HTTP/2 request as one gRPC call."""
+        if scope["type"] != "http":
+            return
+        headers = {key.decode("latin-1"): value for key, value in scope["headers"]}
+        if scope["method"] != "POST" or not headers.get("content-type", b"").startswith(b"application/grpc"):
+            await _plain_refusal(send, 415, b"this port speaks gRPC (content-type application/grpc)")
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._calls.add(task)
+        try:
+            await self._serve(scope, headers, receive, send)
+        finally:
+            self._calls.discard(task)
+
+    async def _serve(self, scope: Scope, headers: dict[str, bytes], receive: Receive, send: Send) -> None:
+        method = scope["path"]
+        metadata = tuple(
+            (key, framing.metadata_value(key, value))
+            for key, value in ((key.decode("latin-1"), value) for key, value in scope["headers"])
+            if key not in TRANSPORT_HEADERS and not key.startswith(":")
+        )
+        try:
+            deadline, reader = self._transport(headers)
+            handler = await self._method(method, metadata)
+        except _Refused as refusal:
+            call = AsgiCall(scope, send, metadata, deadline=None, serializer=None, max_send_bytes=self._max_send_bytes)
+            call.set_status(refusal.code, refusal.details)
+            await call.finish()
+            return
+        call = AsgiCall(
+            scope,
+            send,
+            metadata,
+            deadline=deadline,
+            serializer=handler.response_serializer,
+            max_send_bytes=self._max_send_bytes,
+        )
+        messages = _Messages(receive, reader, call, self._max_receive_bytes)
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                await self._run(handler, messages, call)
+        except grpc.aio.AbortError:
+            pass
+        except TimeoutError:
+            call.set_status(grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED)
+        except asyncio.CancelledError:
+            if not messages.disconnected:  # the server's drain ran out of time
+                call.set_status(grpc.StatusCode.CANCELLED, "the server stopped before this call ended")
+                await call.finish()
+                raise
+        except Exception:
+            log.exception("unexpected error in gRPC method %s", method)
+            call.set_status(grpc.StatusCode.UNKNOWN, "Unexpected error in RPC handling")
+        finally:
+            messages.stop_watching()
+        if messages.disconnected:
+            call.ended_now()  # nobody left to answer
+        else:
+            await call.finish()
+
+    def _transport(self, headers: dict[str, bytes]) -> tuple[float | None, framing.MessageReader]:
+        """The call's deadline (grpc-timeout) and message reader (grpc-encoding); _Refused for ones it cannot take."""
+        timeout = headers.get("grpc-timeout")
+        try:
+            deadline = time.monotonic() + framing.timeout_s(timeout.decode("latin-1")) if timeout else None
+        except framing.FramingError as error:
+            raise _Refused(grpc.StatusCode.INTERNAL, str(error)) from error
+        try:
+            return deadline, framing.MessageReader(
+                headers.get("grpc-encoding", b"identity").decode("latin-1"), self._max_receive_bytes
+            )
+        except framing.FramingError as error:
+            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, str(error)) from error
+
+    async def _method(self, method: str, metadata: tuple[tuple[str, str | bytes], ...]) -> grpc.RpcMethodHandler:
+        """The method's handler, through the door; _Refused when there is none to run."""
+        if self._stopping:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
+        handler = await self._interceptor.intercept_service(self._continuation, _CallDetails(method, metadata))
+        if handler is None:
+            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, METHOD_NOT_FOUND)
+        return handler
+
+    async def _continuation(self, details: _CallDetails) -> grpc.RpcMethodHandler | None:
+        return self._handler(details)
+
+    async def _run(self, handler: grpc.RpcMethodHandler, messages: _Messages, call: AsgiCall) -> None:
+        """Run the handler of whichever shape it is, sending what it answers."""
+        if handler.stream_stream is not None:
+            responses = handler.stream_stream(messages.stream(), call)
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    await call.write(response)
+            return
+        request = await messages.only_one()
+        if handler.unary_unary is not None:
+            await call.write(await handler.unary_unary(request, call))
+        elif handler.unary_stream is not None:
+            await handler.unary_stream(request, call)
+        else:
+            await call.abort(grpc.StatusCode.UNIMPLEMENTED, "client-streaming methods are not served on this port")
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A monotonic deadline as the event loop's clock reads it."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+
+class _CallDetails(grpc.HandlerCallDetails):
+    """grpc.HandlerCallDetails: the method and the caller's metadata, as the door reads them."""
+
+    def __init__(self, method: str, invocation_metadata: tuple[tuple[str, str | bytes], ...]) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+class _Messages:
+    """A call's request messages read from its ASGI channel; the client going away cancels the call's work.
+
+    pyvoy's `receive` waits for the body's next bytes, answers http.disconnect when the stream is
+    reset, and once the body has ended answers at once (an empty body) until then. So a unary call's
+    body is read, then a watcher asks every DISCONNECT_POLL_S whether its client is gone; a stream's
+    body is read by a pump that keeps one `receive` waiting (and so sees a reset at once) while the
+    messages read and not yet taken by the handler stay under `read_ahead_bytes`. Either cancels the
+    work when the client is gone, as grpc.aio cancels a handler whose call is cancelled.
+    """
+
+    def __init__(self, receive: Receive, reader: framing.MessageReader, call: AsgiCall, read_ahead_bytes: int) -> None:
+        self._receive = receive
+        self._reader = reader
+        self._call = call
+        self._read_ahead_bytes = read_ahead_bytes
+        self._work = asyncio.current_task()
+        self._watcher: asyncio.Task[None] | None = None
+        self._first_look: asyncio.TimerHandle | None = None
+        self._ready: collections.deque[bytes] = collections.deque()
+        self._ready_bytes = 0
+        self._changed = asyncio.Event()
+        self._failure: tuple[grpc.StatusCode, str] | None = None
+        self._ended = False
+        self.disconnected = False
+
+    async def only_one(self) -> bytes:
+        """A unary call's one message (then the watcher starts)."""
+        messages: list[bytes] = []
+        while not self._ended:
+            event = await self._receive()
+            if event["type"] == "http.disconnect":
+                self._gone()
+                raise asyncio.CancelledError
+            self._take(event)
+            messages += self._ready
+            self._ready.clear()
+            if self._failure is not None:
+                await self._call.abort(*self._failure)
+        # A timer, not a task, until the first look: most calls are answered before it fires.
+        self._first_look = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, self._look)
+        if len(messages) != 1:
+            await self._call.abort(
+                grpc.StatusCode.UNIMPLEMENTED, f"a unary method takes exactly one request message, not {len(messages)}"
+            )
+        return messages[0]
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Every message of the request, as the pump reads them."""
+        self._watcher = asyncio.get_running_loop().create_task(self._pump())
+        while True:
+            while not self._ready:
+                if self._failure is not None:
+                    await self._call.abort(*self._failure)
+                if self._ended:
+                    return
+                self._changed.clear()
+                await self._changed.wait()
+            message = self._ready.popleft()
+            self._ready_bytes -= len(message)
+            self._changed.set()
+            yield message
+
+    def _take(self, event: dict[str, Any]) -> None:
+        """A body chunk: its messages ready, the end or a framing failure noted."""
+        try:
+            for message in self._reader.feed(event.get("body", b"")):
+                self._ready.append(message)
+                self._ready_bytes += len(message)
+            if not event.get("more_body", False):
+                self._ended = True
+                self._reader.finish()
+        except framing.MessageTooLarge as error:
+            self._ended, self._failure = True, (grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except framing.FramingError as error:
+            self._ended, self._failure = True, (grpc.StatusCode.INTERNAL, str(error))
+
+    async def _pump(self) -> None:
+        while not self._ended:
+            while self._ready_bytes > self._read_ahead_bytes:
+                self._changed.clear()
+                await self._changed.wait()
+            event = await self._receive()
+            if event["type"] == "http.disconnect":
+                self._gone()
+                return
+            self._take(event)
+            self._changed.set()
+        await self._watch()
+
+    def _look(self) -> None:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(first_wait_s=0.0))
+
+    async def _watch(self, first_wait_s: float = DISCONNECT_POLL_S) -> None:
+        await asyncio.sleep(first_wait_s)
+        while (await self._receive())["type"] != "http.disconnect":
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        self._gone()
+
+    def _gone(self) -> None:
+        self.disconnected = True
+        if self._work is not None and self._work is not asyncio.current_task():
+            self._work.cancel()
+
+    def stop_watching(self) -> None:
+        """The call is over."""
+        if self._first_look is not None:
+            self._first_look.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+
+async def _plain_refusal(send: Send, status: int, body: bytes) -> None:
+    """An HTTP answer to a request that is not a gRPC call."""
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": body})

