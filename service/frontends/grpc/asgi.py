@@ -66,7 +66,7 @@ class AsgiCall:
         self,
         scope: Scope,
         send: Send,
-        metadata: tuple[tuple[str, str | bytes], ...],
+        headers: _Headers,
         *,
         deadline: float | None,
         serializer: Callable[[Any], bytes] | None,
@@ -74,7 +74,7 @@ class AsgiCall:
     ) -> None:
         self._scope = scope
         self._send = send
-        self._metadata = metadata
+        self._headers = headers
         self._deadline = deadline
         self._serialize = serializer
         self._max_send_bytes = max_send_bytes
@@ -82,13 +82,15 @@ class AsgiCall:
         self._done_callbacks: list[Callable[[AsgiCall], None]] = []
         self.started = False
         """Whether the response's headers were sent."""
+        self.body_closed = False
+        """Whether the response's last message was sent (only the status is left)."""
         self.code = grpc.StatusCode.OK
         self.details = ""
         self.ended = False
 
     def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         """The caller's metadata, keys lower-case, `-bin` values as bytes."""
-        return self._metadata
+        return self._headers.metadata
 
     def peer(self) -> str:
         """The caller's address, as grpc writes it (`ipv4:127.0.0.1:50000`)."""
@@ -131,8 +133,12 @@ class AsgiCall:
             self.set_trailing_metadata(trailing_metadata)
         raise grpc.aio.AbortError(details)
 
-    async def write(self, message: Any) -> None:
-        """Send one response message (a server stream's next one)."""
+    async def write(self, message: Any, last: bool = False) -> None:
+        """Send one response message (a server stream's next one; `last`: a unary call's only one).
+
+        The last message closes the body with it: pyvoy then answers at once, where a message with more
+        to follow waits for Envoy to have taken it (a round trip between threads).
+        """
         payload = self._serialize(message) if self._serialize is not None else message
         if len(payload) > self._max_send_bytes:
             await self.abort(
@@ -140,7 +146,8 @@ class AsgiCall:
                 f"Sent message larger than max ({len(payload)} vs. {self._max_send_bytes})",
             )
         await self._start()
-        await self._send({"type": "http.response.body", "body": framing.frame(payload), "more_body": True})
+        self.body_closed = last
+        await self._send({"type": "http.response.body", "body": framing.frame(payload), "more_body": not last})
 
     async def _start(self) -> None:
         if not self.started:
@@ -152,7 +159,8 @@ class AsgiCall:
         """Send the status (after the headers, if no message went out); then run the done callbacks."""
         try:
             await self._start()
-            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not self.body_closed:
+                await self._send({"type": "http.response.body", "body": b"", "more_body": False})
             trailers = [(b"grpc-status", str(self.code.value[0]).encode())]
             if self.details:
                 trailers.append((b"grpc-message", framing.status_message(self.details)))
@@ -229,45 +237,42 @@ class GrpcAsgiApp:
         """Serve one HTTP/2 request as one gRPC call."""
         if scope["type"] != "http":
             return
-        headers = {key.decode("latin-1"): value for key, value in scope["headers"]}
-        if scope["method"] != "POST" or not headers.get("content-type", b"").startswith(b"application/grpc"):
+        headers = _Headers(scope["headers"])
+        if scope["method"] != "POST" or not headers.transport.get("content-type", b"").startswith(b"application/grpc"):
             await _plain_refusal(send, 415, b"this port speaks gRPC (content-type application/grpc)")
             return
         task = asyncio.current_task()
         assert task is not None
         self._calls.add(task)
         try:
-            await self._serve(scope, headers, receive, send)
+            await self._serve(scope, headers, receive, send, task)
         finally:
             self._calls.discard(task)
 
-    async def _serve(self, scope: Scope, headers: dict[str, bytes], receive: Receive, send: Send) -> None:
-        method = scope["path"]
-        metadata = tuple(
-            (key, framing.metadata_value(key, value))
-            for key, value in ((key.decode("latin-1"), value) for key, value in scope["headers"])
-            if key not in TRANSPORT_HEADERS and not key.startswith(":")
-        )
+    async def _serve(self, scope: Scope, headers: _Headers, receive: Receive, send: Send, task: asyncio.Task) -> None:
         try:
-            deadline, reader = self._transport(headers)
-            handler = await self._method(method, metadata)
+            deadline, reader = self._transport(headers.transport)
+            handler = await self._method(scope["path"], headers)
         except _Refused as refusal:
-            call = AsgiCall(scope, send, metadata, deadline=None, serializer=None, max_send_bytes=self._max_send_bytes)
+            call = AsgiCall(scope, send, headers, deadline=None, serializer=None, max_send_bytes=self._max_send_bytes)
             call.set_status(refusal.code, refusal.details)
             await call.finish()
             return
         call = AsgiCall(
             scope,
             send,
-            metadata,
+            headers,
             deadline=deadline,
             serializer=handler.response_serializer,
             max_send_bytes=self._max_send_bytes,
         )
-        messages = _Messages(receive, reader, call, self._max_receive_bytes)
+        messages = _Messages(receive, reader, call, self._max_receive_bytes, task)
         try:
-            async with asyncio.timeout_at(_loop_time(deadline)):
+            if deadline is None:
                 await self._run(handler, messages, call)
+            else:
+                async with asyncio.timeout_at(_loop_time(deadline)):
+                    await self._run(handler, messages, call)
         except grpc.aio.AbortError:
             pass
         except TimeoutError:
@@ -278,7 +283,7 @@ class GrpcAsgiApp:
                 await call.finish()
                 raise
         except Exception:
-            log.exception("unexpected error in gRPC method %s", method)
+            log.exception("unexpected error in gRPC method %s", scope["path"])
             call.set_status(grpc.StatusCode.UNKNOWN, "Unexpected error in RPC handling")
         finally:
             messages.stop_watching()
@@ -301,11 +306,11 @@ class GrpcAsgiApp:
         except framing.FramingError as error:
             raise _Refused(grpc.StatusCode.UNIMPLEMENTED, str(error)) from error
 
-    async def _method(self, method: str, metadata: tuple[tuple[str, str | bytes], ...]) -> grpc.RpcMethodHandler:
+    async def _method(self, method: str, headers: _Headers) -> grpc.RpcMethodHandler:
         """The method's handler, through the door; _Refused when there is none to run."""
         if self._stopping:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
-        handler = await self._interceptor.intercept_service(self._continuation, _CallDetails(method, metadata))
+        handler = await self._interceptor.intercept_service(self._continuation, _CallDetails(method, headers))
         if handler is None:
             raise _Refused(grpc.StatusCode.UNIMPLEMENTED, METHOD_NOT_FOUND)
         return handler
@@ -323,7 +328,7 @@ class GrpcAsgiApp:
             return
         request = await messages.only_one()
         if handler.unary_unary is not None:
-            await call.write(await handler.unary_unary(request, call))
+            await call.write(await handler.unary_unary(request, call), last=True)
         elif handler.unary_stream is not None:
             await handler.unary_stream(request, call)
         else:
@@ -337,12 +342,40 @@ def _loop_time(deadline: float | None) -> float | None:
     return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
+class _Headers:
+    """A call's request headers: gRPC's transport headers, and its metadata (the rest), read when first asked for."""
+
+    __slots__ = ("_metadata", "_raw", "transport")
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._raw = raw
+        self._metadata: tuple[tuple[str, str | bytes], ...] | None = None
+        self.transport = {name: value for key, value in raw if (name := key.decode("latin-1")) in TRANSPORT_HEADERS}
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """Keys lower-case, `-bin` values base64-decoded, as grpc.aio gives them."""
+        if self._metadata is None:
+            pairs = ((key.decode("latin-1"), value) for key, value in self._raw)
+            self._metadata = tuple(
+                (key, framing.metadata_value(key, value))
+                for key, value in pairs
+                if key not in TRANSPORT_HEADERS and not key.startswith(":")
+            )
+        return self._metadata
+
+
 class _CallDetails(grpc.HandlerCallDetails):
     """grpc.HandlerCallDetails: the method and the caller's metadata, as the door reads them."""
 
-    def __init__(self, method: str, invocation_metadata: tuple[tuple[str, str | bytes], ...]) -> None:
+    def __init__(self, method: str, headers: _Headers) -> None:
         self.method = method
-        self.invocation_metadata = invocation_metadata
+        self._headers = headers
+
+    @property
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The caller's metadata."""
+        return self._headers.metadata
 
 
 class _Messages:
@@ -356,12 +389,19 @@ class _Messages:
     work when the client is gone, as grpc.aio cancels a handler whose call is cancelled.
     """
 
-    def __init__(self, receive: Receive, reader: framing.MessageReader, call: AsgiCall, read_ahead_bytes: int) -> None:
+    def __init__(
+        self,
+        receive: Receive,
+        reader: framing.MessageReader,
+        call: AsgiCall,
+        read_ahead_bytes: int,
+        work: asyncio.Task[Any],
+    ) -> None:
         self._receive = receive
         self._reader = reader
         self._call = call
         self._read_ahead_bytes = read_ahead_bytes
-        self._work = asyncio.current_task()
+        self._work = work
         self._watcher: asyncio.Task[None] | None = None
         self._first_look: asyncio.TimerHandle | None = None
         self._ready: collections.deque[bytes] = collections.deque()
