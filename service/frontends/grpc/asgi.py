@@ -112,14 +112,6 @@ class AsgiCall:
         """Run `callback(call)` once the call has ended, however it ended."""
         self._done_callbacks.append(callback)
 
-    def cancelled(self) -> bool:
-        """Whether the call ended CANCELLED."""
-        return self.ended and self.code == grpc.StatusCode.CANCELLED
-
-    def done(self) -> bool:
-        """Whether the call has ended."""
-        return self.ended
-
     def set_status(self, code: grpc.StatusCode, details: str) -> None:
         """The status the call will end with."""
         self.code, self.details = code, details
@@ -226,13 +218,6 @@ class GrpcAsgiApp:
             if late:
                 await asyncio.wait(late)
 
-    def _handler(self, details: _CallDetails) -> grpc.RpcMethodHandler | None:
-        for service in self._services:
-            handler = service.service(details)
-            if handler is not None:
-                return handler
-        return None
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one HTTP/2 request as one gRPC call."""
         if scope["type"] != "http":
@@ -316,7 +301,12 @@ class GrpcAsgiApp:
         return handler
 
     async def _continuation(self, details: _CallDetails) -> grpc.RpcMethodHandler | None:
-        return self._handler(details)
+        """The registered services' handler of the method (the door's continuation)."""
+        for service in self._services:
+            handler = service.service(details)
+            if handler is not None:
+                return handler
+        return None
 
     async def _run(self, handler: grpc.RpcMethodHandler, messages: _Messages, call: AsgiCall) -> None:
         """Run the handler of whichever shape it is, sending what it answers."""
@@ -335,10 +325,8 @@ class GrpcAsgiApp:
             await call.abort(grpc.StatusCode.UNIMPLEMENTED, "client-streaming methods are not served on this port")
 
 
-def _loop_time(deadline: float | None) -> float | None:
+def _loop_time(deadline: float) -> float:
     """A monotonic deadline as the event loop's clock reads it."""
-    if deadline is None:
-        return None
     return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
@@ -486,7 +474,7 @@ class _Messages:
 
     def _gone(self) -> None:
         self.disconnected = True
-        if self._work is not None and self._work is not asyncio.current_task():
+        if self._work is not asyncio.current_task():
             self._work.cancel()
 
     def stop_watching(self) -> None:

@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from service.ops.settings import Settings
+from service.server import CONNECTION_AGE_GRACE_S
 
 APP = "service.frontends.grpc.envoy_app:app"
 """The ASGI application Envoy runs: a front end."""
 ADMIN_SOCKET = "envoy-{index}.admin"
 CONFIG_FILE = "envoy-{index}.json"
-CONNECTION_AGE_GRACE_S = 30
-"""As service.server.CONNECTION_AGE_GRACE_S: how long a connection's calls may go on past its GOAWAY."""
 WORKER_THREADS = 1
 """Envoy's worker threads per front end (its HTTP/2 and TLS work; Python runs on one thread of its own)."""
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -65,7 +64,7 @@ def _app_filter() -> dict[str, Any]:
     }
 
 
-def _connection_manager(settings: Settings, name: str) -> dict[str, Any]:
+def _connection_manager(settings: Settings) -> dict[str, Any]:
     protocol: dict[str, Any] = {"idle_timeout": "0s"}
     if settings.max_connection_age_s > 0:
         protocol["max_connection_duration"] = f"{settings.max_connection_age_s}s"
@@ -74,13 +73,13 @@ def _connection_manager(settings: Settings, name: str) -> dict[str, Any]:
         "typed_config": {
             "@type": HCM,
             "codec_type": "HTTP2",
-            "stat_prefix": name,
+            "stat_prefix": "grpc",
             "generate_request_id": False,
             "stream_idle_timeout": "0s",
             "drain_timeout": f"{CONNECTION_AGE_GRACE_S + settings.max_connection_age_s}s",
             "common_http_protocol_options": protocol,
             "http2_protocol_options": {"max_concurrent_streams": settings.max_concurrent_streams},
-            "route_config": {"virtual_hosts": [{"name": name, "domains": ["*"]}]},
+            "route_config": {"virtual_hosts": [{"name": "grpc", "domains": ["*"]}]},
             "http_filters": [_app_filter()],
         },
     }
@@ -134,7 +133,7 @@ def config(settings: Settings, runtime: Path, index: int) -> dict[str, Any]:
     it holds, and that port must answer NOT_SERVING for as long as the drain lasts. One listener also
     keeps one interpreter thread: pyvoy gives each listener's filter an event loop of its own.
     """
-    chain: dict[str, Any] = {"filters": [_connection_manager(settings, "grpc")]}
+    chain: dict[str, Any] = {"filters": [_connection_manager(settings)]}
     if settings.tls_cert:
         chain["transport_socket"] = _tls(settings, runtime, index)
     listeners = [_listener("grpc", settings.host, settings.grpc_port, chain)]
