@@ -134,7 +134,10 @@ async def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[i
 
 
 def measure(server: RunningServer, protocol: str, seconds: float) -> Load:
-    """A protocol's requests/s and CPU per request of the front ends and of the engine: medians of ROUNDS."""
+    """A protocol's requests/s and CPU per request of the front ends and of the engine: the median of ROUNDS.
+
+    The median round by CPU per request in all processes, kept whole, so its roles add up to its total.
+    """
     rounds = []
     for _ in range(ROUNDS):
         started = time.monotonic()
@@ -142,8 +145,9 @@ def measure(server: RunningServer, protocol: str, seconds: float) -> Load:
         elapsed = time.monotonic() - started
         frontends = sum(used for role, used in cpu.items() if role.startswith("frontend") or role == "server")
         engine, total = cpu.get("engine", 0.0), sum(cpu.values())
-        rounds.append((requests / elapsed, *(used / requests * 1e6 for used in (frontends, engine, total))))
-    return Load(protocol, *(statistics.median(figures) for figures in zip(*rounds, strict=True)))
+        per_request = (used / requests * 1e6 for used in (frontends, engine, total))
+        rounds.append(Load(protocol, requests / elapsed, *per_request))
+    return sorted(rounds, key=lambda load: load.total_us)[len(rounds) // 2]
 
 
 @dataclass(frozen=True)
