@@ -23,7 +23,13 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, cosines
+from service.core.fidelity import (
+    FIDELITY_MIN_COSINE,
+    LOGITS_MAX_ABS_DIFF,
+    VARIANT_MIN_COSINE,
+    FidelityReference,
+    cosines,
+)
 from service.core.repository import ADAPTER_IDS, TASK_VECTORS, TOKEN_VECTORS
 from service.pipeline.tokenizer import TextTokenizer
 
@@ -48,20 +54,31 @@ class Tolerance:
     min_cosine: float
     max_abs_diff: float | None
     """None: the hidden states are reported, not gated."""
+    max_logits_diff: float | None
+    """A classifier's largest logit difference (it has no hidden states); None: not gated, not published."""
     gated_kinds: tuple[str, ...]
     """Case kinds ("tokens", "sentences") the tolerance applies to; others are reported only."""
 
 
 TOLERANCES = {
     "fp32": Tolerance(
-        min_cosine=VARIANT_MIN_COSINE["fp32"], max_abs_diff=1e-4, gated_kinds=("tokens", "sentences", "sentence_masks")
+        min_cosine=VARIANT_MIN_COSINE["fp32"],
+        max_abs_diff=1e-4,
+        max_logits_diff=1e-4,
+        gated_kinds=("tokens", "sentences", "sentence_masks"),
     ),
     # Random token ids are not int8's domain: they are reported for it, not gated.
     "int8": Tolerance(
-        min_cosine=VARIANT_MIN_COSINE["int8"], max_abs_diff=None, gated_kinds=("sentences", "sentence_masks")
+        min_cosine=VARIANT_MIN_COSINE["int8"],
+        max_abs_diff=None,
+        max_logits_diff=None,
+        gated_kinds=("sentences", "sentence_masks"),
     ),
     "fp16": Tolerance(
-        min_cosine=VARIANT_MIN_COSINE["fp16"], max_abs_diff=None, gated_kinds=("tokens", "sentences", "sentence_masks")
+        min_cosine=VARIANT_MIN_COSINE["fp16"],
+        max_abs_diff=None,
+        max_logits_diff=LOGITS_MAX_ABS_DIFF["fp16"],
+        gated_kinds=("tokens", "sentences", "sentence_masks"),
     ),
 }
 
@@ -176,6 +193,7 @@ class GateResult:
             "tolerance": {
                 "min_cosine": tolerance.min_cosine,
                 "max_abs_diff": tolerance.max_abs_diff,
+                "max_logits_diff": tolerance.max_logits_diff,
                 "gated_kinds": list(tolerance.gated_kinds),
             },
             "cases": {kind: figures.to_dict() for kind, figures in self.figures.items()},
@@ -475,10 +493,10 @@ def check_variant(variant: str, session: ort.InferenceSession, references: list[
             failures.append(
                 f"{variant}: {output} cosine {kind.min_cosine:.6f} < {tolerance.min_cosine} at {kind.worst_cosine_case}"
             )
-        if tolerance.max_abs_diff is not None and kind.max_abs_diff > tolerance.max_abs_diff:
+        bound = tolerance.max_logits_diff if kind.compared == "logits" else tolerance.max_abs_diff
+        if bound is not None and kind.max_abs_diff > bound:
             failures.append(
-                f"{variant}: {kind.compared} max |diff| {kind.max_abs_diff:.3g} > {tolerance.max_abs_diff} "
-                f"at {kind.worst_diff_case}"
+                f"{variant}: {kind.compared} max |diff| {kind.max_abs_diff:.3g} > {bound} at {kind.worst_diff_case}"
             )
         failures += _position_failures(variant, tolerance, kind.outputs)
     return GateResult(variant, session.get_providers()[0], figures, failures)

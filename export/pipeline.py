@@ -31,7 +31,14 @@ from export.onnx_export import OPSET, export_onnx, input_names
 from export.publish import ServingDefaults, build_config, publish
 from export.quantize import quantize_int8
 from export.timing import compare_throughput, cpu_session, token_feed
-from service.core.fidelity import FIDELITY_MIN_COSINE, FidelityCheck, FidelityReference, compare, required_cosine
+from service.core.fidelity import (
+    FIDELITY_MIN_COSINE,
+    LOGITS_FIDELITY_MAX_ABS_DIFF,
+    FidelityCheck,
+    FidelityReference,
+    compare,
+    required_bar,
+)
 from service.core.runtime import (
     CPU,
     CUDA,
@@ -116,7 +123,7 @@ class _Gate:
         (embedding,) = session.run([self.fidelity.output], self.fidelity.feed)
         provider = session.get_providers()[0]
         self.load_checks[variant] = compare(
-            self.fidelity, embedding, variant, provider, required_cosine(variant, chosen_by_default=False)
+            self.fidelity, embedding, variant, provider, required_bar(self.fidelity.output, variant, False)
         )
 
     def failures(self, variants: Iterable[str]) -> list[str]:
@@ -173,11 +180,23 @@ def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[st
     }
 
 
-def _fidelity_basis(gate: _Gate, variant: str) -> float:
-    """The figure the fidelity rule is applied to: the served path, or (no tokenizer) every gated case."""
+def _fidelity_basis(gate: _Gate, variant: str) -> tuple[bool, str]:
+    """Whether a variant meets the fidelity rule, and the figure it rests on.
+
+    Embeddings: the served path's least cosine, or (no tokenizer) every gated case's. A classifier:
+    its largest logit difference over every case.
+    """
+    if gate.fidelity.output == "logits":
+        worst = max(kind.max_abs_diff for kind in gate.results[variant].figures.values())
+        meets = worst <= LOGITS_FIDELITY_MAX_ABS_DIFF
+        rule = f"{'<=' if meets else '>'} {LOGITS_FIDELITY_MAX_ABS_DIFF}"
+        return meets, f"{variant} max logit difference from the model {worst:.3g} {rule}"
     if variant in gate.served_figures:
-        return gate.served_figures[variant].min_cosine
-    return min(kind.min_cosine for kind in gate.results[variant].figures.values())
+        measured = gate.served_figures[variant].min_cosine
+    else:
+        measured = min(kind.min_cosine for kind in gate.results[variant].figures.values())
+    meets = measured >= FIDELITY_MIN_COSINE
+    return meets, f"{variant} min cosine to the model {measured:.6f} {'>=' if meets else '<'} {FIDELITY_MIN_COSINE}"
 
 
 def preferred_variants(
@@ -197,15 +216,14 @@ def preferred_variants(
         basis = f"fp16 not published: {withdrawn['fp16']}" if "fp16" in withdrawn else "fp16 not built"
         choices["cuda"] = {"variant": "fp32", "basis": basis}
         return choices
-    measured = _fidelity_basis(gate, "fp16")
+    meets, figure = _fidelity_basis(gate, "fp16")
     provider = gate.results["fp16"].provider
-    meets = measured >= FIDELITY_MIN_COSINE
     where = f"measured on {provider}"
     if provider != CUDA:
         where += f" only, not CUDA ({cuda_problem}); the server re-checks fp16 on CUDA at load"
     choices["cuda"] = {
         "variant": "fp16" if meets else "fp32",
-        "basis": f"fp16 min cosine to the model {measured:.6f} {'>=' if meets else '<'} {FIDELITY_MIN_COSINE}, {where}",
+        "basis": f"{figure}, {where}",
         "fp16_checked_on_cuda": provider == CUDA,
     }
     return choices
@@ -346,10 +364,10 @@ def export_model(
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
-    reason = _fp32_only_reason(checkpoint)
-    if reason is not None and options.variants != ("fp32",):
-        log.warning("%s is %s", checkpoint.name, reason)
-        options = dataclasses.replace(options, variants=("fp32",))
+    ungated = _ungated_variants(checkpoint)
+    if ungated is not None and set(ungated[0]) & set(options.variants):
+        log.warning("%s is %s", checkpoint.name, ungated[1])
+        options = dataclasses.replace(options, variants=tuple(v for v in options.variants if v not in ungated[0]))
     stage = stage or (lambda name: log.info("export stage: %s", name))
     with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
         stage("load checkpoint")
@@ -433,14 +451,22 @@ def _library_checks(build: _Build, gate: _Gate, report: dict[str, object]) -> No
             raise GateRefused("transformers refused: " + "; ".join(masked_lm_failures))
 
 
-def _fp32_only_reason(checkpoint: Checkpoint) -> str | None:
-    """Why a model is published in fp32 only (its other outputs are not gated in int8 and fp16); None: it is not."""
+def _ungated_variants(checkpoint: Checkpoint) -> tuple[tuple[str, ...], str] | None:
+    """The variants a model's outputs are not gated in (never published), and why; None: all are gated."""
+    fp32_only = ("int8", "fp16")
     if checkpoint.bge_m3 is not None:
-        return "bge-m3: published in fp32 only (int8 and fp16 are not gated for token vectors and token weights)"
+        reason = "bge-m3: published in fp32 only (int8 and fp16 are not gated for token vectors and token weights)"
+        return fp32_only, reason
     return {
-        "classify": "a classifier: published in fp32 only (int8 and fp16 are not gated for logits)",
-        "sparse": "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
-        "multivector": "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
+        "classify": (("int8",), "a classifier: published in fp32 and fp16 (int8 is not gated for logits)"),
+        "sparse": (
+            fp32_only,
+            "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
+        ),
+        "multivector": (
+            fp32_only,
+            "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
+        ),
     }.get(checkpoint.task)
 
 

@@ -146,7 +146,7 @@ def exported_tasks(tmp_path_factory: pytest.TempPathFactory) -> ExportedTasks:
     """Every architecture and head, tiny and random with a real tokenizer, exported once for every test that needs it.
 
     Each by the command line (`python -m export --source`), two at a time. The BERT reranker is
-    asked for int8 too: a classifier is published in fp32 only, whatever is asked.
+    asked for every variant: a classifier is published in fp32 and fp16 (int8 is not gated for logits).
     """
     root = tmp_path_factory.mktemp("exported-tasks")
     repository = root / "repository"
@@ -155,7 +155,7 @@ def exported_tasks(tmp_path_factory: pytest.TempPathFactory) -> ExportedTasks:
         sources[name] = tiny_models.save_task_source(name, root / "sources" / name, seed)
         command = [sys.executable, "-m", "export", "--source", str(sources[name]), "--repository", str(repository)]
         command += ["--name", name, "--threads", "1"]
-        command += ["--variants", "fp32,int8" if name == "bert-reranker" else "fp32"]
+        command += ["--variants", "fp32,int8,fp16" if name == "bert-reranker" else "fp32"]
         if source.matryoshka_dimensions:
             command += ["--matryoshka-dimensions", ",".join(map(str, source.matryoshka_dimensions))]
         commands.append(command)

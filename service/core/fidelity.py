@@ -10,10 +10,11 @@ A classifier (a reranker) stores its logits instead and is held to the largest l
 (`LOGITS_MAX_ABS_DIFF`): logits have no meaningful cosine (a reranker's have one value per row).
 
 Two bars, one rule:
-- each variant has its own bar, the export gate's cosine (`VARIANT_MIN_COSINE`); an operator who
-  names a variant (`--variant int8`) is promised that bar;
-- a variant the server picks by default must also meet the fidelity rule
-  (`FIDELITY_MIN_COSINE`): served embeddings equal the model's, as sentence-transformers gives them.
+- each variant has its own bar, the export gate's cosine (`VARIANT_MIN_COSINE`; a classifier's
+  `LOGITS_MAX_ABS_DIFF`); an operator who names a variant (`--variant fp16`) is promised that bar;
+- a variant the server picks by default must also meet the fidelity rule (`FIDELITY_MIN_COSINE`;
+  a classifier's `LOGITS_FIDELITY_MAX_ABS_DIFF`): served answers equal the model's, as the
+  reference library gives them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ FIDELITY_MIN_COSINE = 0.9999
 """The fidelity rule: the least cosine to the model a default (not operator-chosen) variant may give."""
 VARIANT_MIN_COSINE = {"fp32": 0.99999, "fp16": 0.999, "int8": 0.99}
 """Each variant's own bar: the export gate's least embedding cosine, and what naming the variant promises."""
-LOGITS_MAX_ABS_DIFF = {"fp32": 1e-3}
-"""A classifier's bar at load: the largest difference from the model's logits (classifiers publish fp32 only)."""
+LOGITS_MAX_ABS_DIFF = {"fp32": 1e-3, "fp16": 0.05}
+"""A classifier's bar at load per variant: the largest difference from the model's logits (int8 is not published)."""
+LOGITS_FIDELITY_MAX_ABS_DIFF = 0.02
+"""The fidelity rule for a classifier: the largest logit difference a default (not operator-chosen) variant may give."""
 DEFAULT_VARIANTS = ("fp32", "fp16")
 """Variants the server may choose on its own; int8 is only ever the operator's explicit choice."""
 
@@ -41,6 +44,19 @@ def required_cosine(variant: str, chosen_by_default: bool) -> float:
     """The least cosine a variant must show at load: its own bar, and the fidelity rule when chosen by default."""
     bar = VARIANT_MIN_COSINE[variant]
     return max(bar, FIDELITY_MIN_COSINE) if chosen_by_default else bar
+
+
+def required_logits_diff(variant: str, chosen_by_default: bool) -> float:
+    """The largest logit difference a classifier's variant may show at load: its bar, the rule's when by default."""
+    bar = LOGITS_MAX_ABS_DIFF[variant]
+    return min(bar, LOGITS_FIDELITY_MAX_ABS_DIFF) if chosen_by_default else bar
+
+
+def required_bar(output: str, variant: str, chosen_by_default: bool) -> float:
+    """What a variant must show at load for a reference of `output`: a logit difference or a cosine."""
+    if output == "logits":
+        return required_logits_diff(variant, chosen_by_default)
+    return required_cosine(variant, chosen_by_default)
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -126,13 +142,12 @@ def compare(
 ) -> FidelityCheck:
     """Compare a variant's answers for the reference inputs with the model's.
 
-    For a classifier's logits, `required` is replaced by the variant's LOGITS_MAX_ABS_DIFF.
+    `required` is `required_bar`'s: a least cosine, or for a classifier's logits the largest difference.
     """
     if reference.output == "logits":
         row_diffs = np.abs(embedding.astype(np.float64) - reference.embedding).max(axis=1)
         worst = int(np.argmax(row_diffs))
-        bar = LOGITS_MAX_ABS_DIFF.get(variant, 0.0)
-        return FidelityCheck(variant, provider, 1.0, reference.labels[worst], bar, float(row_diffs[worst]))
+        return FidelityCheck(variant, provider, 1.0, reference.labels[worst], required, float(row_diffs[worst]))
     row_cosines = cosines(embedding, reference.embedding)
     worst = int(np.argmin(row_cosines))
     return FidelityCheck(variant, provider, float(row_cosines[worst]), reference.labels[worst], required)

@@ -37,7 +37,7 @@ from service.core.fidelity import (
     FidelityError,
     FidelityReference,
     compare,
-    required_cosine,
+    required_bar,
 )
 from service.core.repository import ModelSpec
 from service.errors import ExecutionError
@@ -327,7 +327,11 @@ class ModelRuntime:
                 f"model {self.spec.name}: the fidelity check could not run {self.variant} on {self.provider}: {error}"
             ) from error
         return compare(
-            reference, embedding, self.variant, self.provider, required_cosine(self.variant, chosen_by_default)
+            reference,
+            embedding,
+            self.variant,
+            self.provider,
+            required_bar(reference.output, self.variant, chosen_by_default),
         )
 
     def pinned_settings(self) -> ExecutionSettings:

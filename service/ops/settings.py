@@ -56,6 +56,7 @@ class Settings:
         default="auto",
         metadata=_doc(
             "model variant. auto: fp32, or fp16 on CUDA where its embeddings measure >= 0.9999 cosine to the model"
+            " (a classifier's logits: within 0.02 of the model's)"
             " (checked again at load on the device itself; fp32 with a warning if not). fp32, fp16, int8: that"
             " variant, which must pass its own bar at load or the server exits; int8 (faster, less exact) runs on"
             " the CPU only",

@@ -30,6 +30,7 @@ from transformers.models.deberta_v2 import modeling_deberta_v2
 from export import deberta
 from export.architecture_error import ArchitectureError
 from export.checkpoint import CheckpointError, load_checkpoint
+from service.core.fidelity import LOGITS_MAX_ABS_DIFF
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
@@ -68,7 +69,8 @@ class Exported:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
-    """The reranker and the classifier as CrossEncoder folders, each exported (fp32) by the command line."""
+    """The reranker and the classifier as CrossEncoder folders, each exported by the command line (the reranker in
+    fp32 and fp16, the classifier in fp32)."""
     root = tmp_path_factory.mktemp("deberta")
     repository, folders, commands = root / "repository", {}, []
     for seed, (name, labels) in enumerate(SOURCES.items()):
@@ -77,7 +79,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
         folders[name] = root / "cross-encoder" / name
         CrossEncoder(str(source), device="cpu").save(str(folders[name]))
         command = [sys.executable, "-m", "export", "--source", str(folders[name]), "--repository", str(repository)]
-        commands.append([*command, "--name", name, "--variants", "fp32", "--threads", "1"])
+        variants = "fp32,fp16" if name == "deberta-reranker" else "fp32"
+        commands.append([*command, "--name", name, "--variants", variants, "--threads", "1"])
 
     def export(command: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
@@ -192,6 +195,11 @@ def test_parity_report_gates_every_form_and_the_cross_encoder(exported: Exported
     assert all(form["passed"] for form in report["cpu_graph_forms"]["fp32"]["gate"].values())
     library = fp32["reference_library"]
     assert library["class"] == "CrossEncoder" and library["passed"] and library["max_abs_diff"] <= 1e-4
+    if name == "deberta-reranker":  # fp16: the fully fused graph, disentangled attention included
+        fp16 = report["variants"]["fp16"]
+        assert fp16["passed"] and fp16["recipe"]["graph_form"] == "fully_fused"
+        assert fp16["reference_library"]["passed"]
+        assert fp16["reference_library"]["max_abs_diff"] <= LOGITS_MAX_ABS_DIFF["fp16"]
 
 
 @pytest.fixture(scope="module")

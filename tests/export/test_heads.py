@@ -19,8 +19,15 @@ from sentence_transformers import CrossEncoder
 
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.heads import HeadError, head_config, is_classifier
-from service.core.fidelity import FidelityReference, compare
+from service.core.fidelity import (
+    LOGITS_FIDELITY_MAX_ABS_DIFF,
+    LOGITS_MAX_ABS_DIFF,
+    FidelityReference,
+    compare,
+    required_bar,
+)
 from service.core.repository import read_model
+from service.core.runtime import ExecutionSettings, ModelRuntime
 from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import ExportedTasks
 from tests.export import tiny_models
@@ -29,6 +36,8 @@ SENTENCES = tiny_models.training_sentences()
 PAIRS = [(SENTENCES[0], text) for text in SENTENCES[1:12]] + [(SENTENCES[3], "A long passage, " * 30)]
 SOURCES = {name: source for name, source in tiny_models.TASK_SOURCES.items() if source.task == "classify"}
 """The shared task repository's classifiers (tests/conftest.py exported_tasks): one per head style."""
+FP16_SOURCE = "bert-reranker"
+"""The classifier exported with every variant asked for."""
 
 
 def _cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndarray:
@@ -70,8 +79,10 @@ def test_parity_report_and_load_check_are_on_logits(exported_tasks: ExportedTask
     spec = read_model(repository / name)
     report = json.loads((spec.directory / "parity.json").read_text())
     assert report["task"] == "classify" and report["head"]["labels"] == list(spec.labels)
-    # A classifier is published in fp32 only, even when more was asked for (bert-reranker asked for int8).
-    assert list(report["variants"]) == list(spec.variants) == ["fp32"]
+    # A classifier is published in fp32 and fp16 only, whatever is asked (bert-reranker asked for every variant).
+    published = {"fp32", "fp16"} if name == FP16_SOURCE else {"fp32"}
+    assert set(report["variants"]) == set(spec.variants) == published
+    assert report["withdrawn"] == {}
     fp32 = report["variants"]["fp32"]
     assert fp32["passed"] and set(fp32["cases"]) == {"tokens", "sentences", "sentence_masks"}
     for figures in fp32["cases"].values():
@@ -81,10 +92,36 @@ def test_parity_report_and_load_check_are_on_logits(exported_tasks: ExportedTask
     assert reference.output == "logits" and reference.embedding.shape[1] == len(spec.labels)
     session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
     (logits,) = session.run(["logits"], reference.feed)
-    check = compare(reference, logits, "fp32", "CPUExecutionProvider", 0.0)
-    assert check.passed and check.max_abs_diff <= 1e-4
-    shifted = compare(reference, logits + 0.01, "fp32", "CPUExecutionProvider", 0.0)
+    required = required_bar(reference.output, "fp32", chosen_by_default=True)
+    check = compare(reference, logits, "fp32", "CPUExecutionProvider", required)
+    assert check.passed and check.max_abs_diff <= 1e-4 and check.required == LOGITS_MAX_ABS_DIFF["fp32"]
+    shifted = compare(reference, logits + 0.01, "fp32", "CPUExecutionProvider", required)
     assert not shifted.passed and "max logit difference" in shifted.describe()
+
+
+def test_fp16_logits_are_gated_checked_at_load_and_preferred_on_cuda(exported_tasks: ExportedTasks) -> None:
+    """fp16 is held to its logit bar by the gate, CrossEncoder and the check at load; CUDA prefers it under the rule."""
+    spec = read_model(exported_tasks.repository / FP16_SOURCE)
+    report = json.loads((spec.directory / "parity.json").read_text())
+    fp16 = report["variants"]["fp16"]
+    bar = LOGITS_MAX_ABS_DIFF["fp16"]
+    assert fp16["passed"] and fp16["tolerance"]["max_logits_diff"] == bar
+    worst = max(figures["max_abs_diff_logits"] for figures in fp16["cases"].values())
+    # fp16 rounds each value to 11 significant bits: its logits move, but by far less than the bar.
+    assert 1e-5 < worst <= LOGITS_FIDELITY_MAX_ABS_DIFF
+    library = fp16["reference_library"]
+    assert library["passed"] and library["required"] == {"max_abs_diff": bar} and library["max_abs_diff"] <= bar
+    assert report["preferred_variants"] == {"cpu": "fp32", "cuda": "fp16"}
+    assert "fp16 max logit difference from the model" in report["preferred_variants_basis"]["cuda"]["basis"]
+    # The server's check at load, as an operator's --variant fp16 runs it on this machine's CPU.
+    runtime = ModelRuntime(spec, ExecutionSettings(device="cpu", intra_op_threads=1, variant="fp16"))
+    check = runtime.fidelity
+    assert check is not None and check.passed and runtime.variant == "fp16"
+    assert check.required == bar and 0 < check.max_abs_diff <= bar
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    logits = runtime.run(tokenizer.encode_pairs(PAIRS).feed(spec.input_names), ("logits",))["logits"]
+    expected = _cross_encoder_logits(exported_tasks.sources[FP16_SOURCE], PAIRS)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=bar)
 
 
 def test_cross_encoder_folder_exports_like_its_source(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from client import EmbeddingClient
 from export.checkpoint import load_checkpoint
 from export.yes_no_reranker import YesNoError, read_head
+from service.core.fidelity import LOGITS_MAX_ABS_DIFF
 from service.core.repository import RepositoryError, read_model
 from service.errors import InvalidArgument
 from service.pipeline.tokenizer import TextTokenizer
@@ -122,12 +123,15 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The tiny reranker's folder, and the repository `python -m export --source` published it in (fp32)."""
+    """The tiny reranker's folder, and the repository `python -m export --source` published it in (fp32, fp16)."""
     root = tmp_path_factory.mktemp("qwen3-reranker")
     _save_reranker(root / "source")
     command = [sys.executable, "-m", "export", "--source", str(root / "source"), "--repository", str(root / "repo")]
     done = subprocess.run(
-        [*command, "--name", MODEL, "--threads", "1", "--variants", "fp32"], capture_output=True, text=True, check=False
+        [*command, "--name", MODEL, "--threads", "1", "--variants", "fp32,fp16"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "source", root / "repo"
@@ -249,6 +253,26 @@ def test_an_instruction_replaces_the_default(server: RunningServer, reference: R
     assert status == 422 and "instruction must be a non-empty string" in answer["error"]
 
 
+def test_fp16_served_scores_keep_the_model_cards_order(
+    folders: tuple[Path, Path], reference: Reference, tmp_path: Path
+) -> None:
+    """--variant fp16 on /rerank: logits within fp16's bar of the card's, so documents further apart than twice
+    the bar keep their order."""
+    documents = [*DOCUMENTS, LONG_DOCUMENT]
+    pairs = [(QUERY, document) for document in documents]
+    expected = reference.logits(pairs)
+    with start_server(folders[1], tmp_path / "server.log", "--variant", "fp16") as fp16:
+        status, answer = post(fp16, "/rerank", {"query": QUERY, "texts": documents, "raw_scores": True})
+        assert "fidelity check passed: fp16 on CPUExecutionProvider: max logit difference" in fp16.log()
+    assert status == 200
+    served = by_index(answer, "score")
+    bar = LOGITS_MAX_ABS_DIFF["fp16"]
+    assert 0 < np.abs(served - expected).max() <= bar
+    apart = np.abs(expected[:, None] - expected[None, :]) > 2 * bar
+    same_order = np.sign(served[:, None] - served[None, :]) == np.sign(expected[:, None] - expected[None, :])
+    assert apart.sum() > len(documents) and same_order[apart].all()
+
+
 def test_truncate_false_refuses_a_pair_the_template_would_cut(server: RunningServer) -> None:
     with pytest.raises(InferenceServerException, match=r"pair 1 has \d+ tokens with its template"):
         grpc_logits(server, [(QUERY, DOCUMENTS[0]), (QUERY, LONG_DOCUMENT)], truncate=False)
@@ -261,9 +285,12 @@ def test_the_repository_declares_and_checks_the_template(folders: tuple[Path, Pa
     assert spec.labels == ("yes",) and spec.pair_template.prefix == PREFIX and spec.pair_template.suffix == SUFFIX
     assert spec.pair_template.default_instruction == DEFAULT_INSTRUCTION
     report = json.loads((folder / "parity.json").read_text())
-    assert report["head"]["style"] == "yes_no" and list(report["variants"]) == ["fp32"]
+    assert report["head"]["style"] == "yes_no" and set(report["variants"]) == {"fp32", "fp16"}
     library = report["variants"]["fp32"]["reference_library"]
     assert library["passed"] and library["class"] == "AutoModelForCausalLM" and library["max_abs_diff"] <= 1e-4
+    fp16 = report["variants"]["fp16"]
+    assert fp16["recipe"]["graph_form"] == "unfused" and fp16["reference_library"]["passed"]
+    assert fp16["reference_library"]["max_abs_diff"] <= LOGITS_MAX_ABS_DIFF["fp16"]
     broken = shutil.copytree(folder, folders[1].parent / "broken" / MODEL)
     (broken / "config.pbtxt").write_text((folder / "config.pbtxt").read_text().replace("{query}", "{question}"))
     with pytest.raises(RepositoryError, match=r"middle must hold \{instruction\}, \{query\}, \{document\} once each"):

@@ -25,7 +25,15 @@ from export import optimize
 from export.checkpoint import random_checkpoint
 from export.onnx_export import export_onnx
 from export.pipeline import ExportOptions, export_model
-from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, FidelityReference, required_cosine
+from service.core.fidelity import (
+    FIDELITY_MIN_COSINE,
+    LOGITS_FIDELITY_MAX_ABS_DIFF,
+    LOGITS_MAX_ABS_DIFF,
+    VARIANT_MIN_COSINE,
+    FidelityReference,
+    required_bar,
+    required_cosine,
+)
 from service.core.repository import CONFIG_FILE, FIDELITY_FILE, RepositoryError, read_model
 from service.core.runtime import (
     CPU,
@@ -231,6 +239,14 @@ def test_required_cosine_is_the_variant_bar_and_the_rule_for_defaults() -> None:
     assert required_cosine("fp16", chosen_by_default=False) == VARIANT_MIN_COSINE["fp16"]
     assert required_cosine("fp32", chosen_by_default=True) == VARIANT_MIN_COSINE["fp32"]
     assert required_cosine("int8", chosen_by_default=False) == VARIANT_MIN_COSINE["int8"]
+
+
+def test_a_classifiers_bar_is_its_variants_logit_difference_and_the_rule_for_defaults() -> None:
+    assert required_bar("logits", "fp16", chosen_by_default=True) == LOGITS_FIDELITY_MAX_ABS_DIFF
+    assert required_bar("logits", "fp16", chosen_by_default=False) == LOGITS_MAX_ABS_DIFF["fp16"]
+    assert required_bar("logits", "fp32", chosen_by_default=True) == LOGITS_MAX_ABS_DIFF["fp32"]
+    assert required_bar("embedding", "fp16", chosen_by_default=True) == FIDELITY_MIN_COSINE
+    assert LOGITS_MAX_ABS_DIFF["fp32"] < LOGITS_FIDELITY_MAX_ABS_DIFF < LOGITS_MAX_ABS_DIFF["fp16"]
 
 
 @pytest.mark.no_gpu
