@@ -7,7 +7,11 @@
 
 With --grpc-transport envoy each front end is an Envoy process running the front end on its embedded
 Python (service.frontends.grpc.envoy); it drains when its standard input closes, as Envoy keeps
-SIGTERM for itself, so the supervisor stops it by closing that pipe.
+SIGTERM for itself, so the supervisor stops it by closing that pipe. With one front end, that Envoy
+process runs the whole server, engine included (no socket, no second process):
+
+    encoder-serve: supervisor      /metrics, signals, the server's life
+     └─ encoder-serve: server      Envoy: the ports, the front end and the models
 
 The supervisor holds the ports and starts every process at once; each front end binds the ports
 (health NOT_SERVING), then connects to the engine, which loads the models once every front end has
@@ -49,7 +53,7 @@ log = logging.getLogger(__name__)
 
 TITLE = "encoder-serve"
 ROLE_VARIABLE = "ENCODER_SERVE_ROLE"
-"""Set for a child process: `engine` or `frontend N`."""
+"""Set for a child process: `engine`, `frontend N`, or `server` (Envoy's whole server)."""
 RUNTIME_VARIABLE = "ENCODER_SERVE_RUNTIME"
 """Set for a child process: the folder of the engine's socket, the metrics and the statistics."""
 SETTINGS_VARIABLE = "ENCODER_SERVE_SETTINGS"
@@ -74,6 +78,18 @@ def frontends(settings: Settings) -> int:
 
         on_cuda = cuda_unavailable_reason(settings.cuda_device_id) is None
     return settings.resolved_frontends(on_cuda)
+
+
+def roles(settings: Settings) -> list[str]:
+    """The children a supervisor starts: the engine and each front end, or (Envoy, one front end) the server."""
+    if settings.grpc_transport == "envoy" and settings.frontends == 1:
+        return ["server"]
+    return ["engine", *(f"frontend {index}" for index in range(1, settings.frontends + 1))]
+
+
+def envoy_index(role: str) -> int:
+    """The Envoy process a role runs in (its admin socket's number): front end N's, or 1 for the whole server."""
+    return 1 if role == "server" else int(role.rsplit(maxsplit=1)[-1])
 
 
 def set_title(role: str) -> None:
@@ -173,9 +189,8 @@ class Supervisor:
             SETTINGS_VARIABLE: json.dumps(values),
             "PROMETHEUS_MULTIPROC_DIR": str(self.runtime / METRICS_FOLDER),
         }
-        if role.startswith("frontend") and settings.grpc_transport == "envoy":
-            index = int(role.rsplit(maxsplit=1)[-1])
-            command = envoy.command(settings, self.runtime, index)
+        if role != "engine" and settings.grpc_transport == "envoy":
+            command = envoy.command(settings, self.runtime, envoy_index(role))
             process = subprocess.Popen(command, env={**env, **envoy.environment()}, stdin=subprocess.PIPE)
         else:
             process = subprocess.Popen([sys.executable, "-m", "service"], env=env)
@@ -221,11 +236,9 @@ class Supervisor:
             except OSError as error:
                 print(f"service: error: {error}", file=sys.stderr)
                 return 2
-            frontends = settings.frontends
-            self._spawn("engine", settings)
-            for index in range(1, frontends + 1):
-                self._spawn(f"frontend {index}", settings)
-            log.info("serving with %d front ends and one engine (supervisor pid %d)", frontends, os.getpid())
+            for role in roles(settings):
+                self._spawn(role, settings)
+            log.info("started %s (supervisor pid %d)", ", ".join(roles(settings)), os.getpid())
             while not self._stop_requested:
                 for child in self._children:
                     if child.exited is not None:

@@ -136,9 +136,11 @@ class InferenceServer:
 
     Alone, it loads the repository's models into its own engine. As a front end (`frontend`) it
     shares its ports with the other front ends and serves the models the engine process announces.
-    `hosted_by`: a front end inside Envoy (service.frontends.grpc.envoy), which holds the gRPC port and
-    hands its calls to `grpc_app`; awaited at the drain, it closes Envoy's listener. Otherwise
-    grpc.aio serves the port. The health port is grpc.aio's either way.
+    `hosted_by`: inside Envoy (service.frontends.grpc.envoy), which holds the gRPC port and hands its
+    calls to `grpc_app`; awaited at the drain, it closes Envoy's listener. Otherwise grpc.aio serves
+    the port. The health port is grpc.aio's either way. Hosted, it runs under the supervisor
+    (service.processes), which holds the ports and serves /metrics, whether it is a front end or
+    (one front end) the whole server, engine included.
     """
 
     def __init__(
@@ -166,14 +168,22 @@ class InferenceServer:
         self._metrics_server = None
         self._background: set[asyncio.Task[None]] = set()
         self._link: EngineLink | None = None
+        self._discovered: list[str] = []
+        """The repository's model folders, found at bind()."""
 
     async def start(self) -> None:
         """Bind the ports (health NOT_SERVING), then serve each model as it is ready: SERVING once all are."""
+        await self.bind()
+        await self.serve_models()
+
+    async def bind(self) -> None:
+        """Bind the ports, every service NOT_SERVING (Envoy opens its listener once this returns)."""
         settings = self.settings
         self._in_background(metrics.watch_event_loop_lag())
         metrics.ANSWER_BYTES_CAPACITY.set(self.pipeline.answers.max_in_flight_bytes)
-        reuse_port = self.frontend is not None
-        names = self.pipeline.discover()
+        supervised = self.frontend is not None or self.hosted_by is not None
+        reuse_port = supervised  # the supervisor holds the ports (SO_REUSEPORT) and lets its children bind them
+        self._discovered = names = self.pipeline.discover()
         files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         self.tls = ReloadingTls(files) if files is not None else None
         # Each front end holds every tenant to its share of the limits (the kernel spreads connections among them).
@@ -199,7 +209,7 @@ class InferenceServer:
             await self._start_health_listener(reuse_port)
         if settings.http_port:
             await self._start_http_listener(files, reuse_port)
-        if self.frontend is None:
+        if not supervised:
             if settings.triton_metrics:
                 REGISTRY.register(TritonMetricsCollector(TABLES))
             self._metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host)
@@ -215,10 +225,13 @@ class InferenceServer:
         )
         if not names:
             log.warning("model repository %s holds no models", settings.model_repository)
+
+    async def serve_models(self) -> None:
+        """Load the repository's models (a front end: connect to the engine), each served once ready."""
         if self.frontend is not None:
             await self._connect(self.frontend)
             return
-        for name in names:
+        for name in self._discovered:
             started = time.perf_counter()
             model = await self.pipeline.load(name)
             log.info(

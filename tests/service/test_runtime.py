@@ -429,10 +429,14 @@ def test_a_warm_up_failure_is_an_execution_error_naming_the_shape(wrong_batch_re
         runtime.warm_up([(1, 1), (4, 16)])
 
 
-def test_a_warm_up_failure_stops_the_server_with_one_line_and_exit_2(wrong_batch_repository: Path) -> None:
+@pytest.mark.parametrize("transport", ["grpcio", "envoy"])
+def test_a_warm_up_failure_stops_the_server_with_one_line_and_exit_2(
+    wrong_batch_repository: Path, transport: str
+) -> None:
+    """Alone, or (Envoy) the whole server in Envoy's process under the supervisor, which then exits 2 too."""
     command = [sys.executable, "-m", "service", "--model-repository", str(wrong_batch_repository)]
     command += ["--device", "cpu", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0"]
-    command += ["--intra-op-threads", "1"]
+    command += ["--intra-op-threads", "1", "--grpc-transport", transport, "--frontends", "1"]
     result = subprocess.run(
         command,
         cwd=ROOT,
@@ -443,5 +447,8 @@ def test_a_warm_up_failure_stops_the_server_with_one_line_and_exit_2(wrong_batch
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"service: error: model {TINY_MODEL}: warm-up at "), result.stderr
+    lines = result.stderr.strip().splitlines()
+    if transport == "envoy":
+        assert lines[-1].endswith("server exited with status 2: stopping the server"), result.stderr
+        lines = [line for line in lines if line.startswith("service: error: ")]
+    assert lines[-1].startswith(f"service: error: model {TINY_MODEL}: warm-up at "), result.stderr

