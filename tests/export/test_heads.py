@@ -40,7 +40,7 @@ FP16_SOURCE = "bert-reranker"
 """The classifier exported with every variant asked for."""
 
 
-def _cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndarray:
+def cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> np.ndarray:
     """CrossEncoder.predict's raw logits, [pairs, labels]."""
     predicted = CrossEncoder(str(folder), device="cpu").predict(pairs, activation_fn=torch.nn.Identity())
     return np.asarray(predicted, dtype=np.float32).reshape(len(pairs), -1)
@@ -67,7 +67,7 @@ def test_published_logits_equal_cross_encoder_on_pairs(exported_tasks: ExportedT
     session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == ["logits"]
     (logits,) = session.run(["logits"], tokenizer.encode_pairs(PAIRS).feed(spec.input_names))
-    expected = _cross_encoder_logits(sources[name], PAIRS)
+    expected = cross_encoder_logits(sources[name], PAIRS)
     assert logits.shape == expected.shape == (len(PAIRS), len(spec.labels))
     np.testing.assert_allclose(logits, expected, atol=1e-4)
     assert (np.argsort(logits[:, 0]) == np.argsort(expected[:, 0])).all()
@@ -123,7 +123,7 @@ def test_fp16_logits_are_gated_checked_at_load_and_preferred_on_cuda(exported_ta
     assert check.required == bar and 0 < check.max_abs_diff <= bar
     tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
     logits = runtime.run(tokenizer.encode_pairs(PAIRS).feed(spec.input_names), ("logits",))["logits"]
-    expected = _cross_encoder_logits(exported_tasks.sources[FP16_SOURCE], PAIRS)
+    expected = cross_encoder_logits(exported_tasks.sources[FP16_SOURCE], PAIRS)
     np.testing.assert_allclose(logits, expected, rtol=0, atol=bar)
 
 

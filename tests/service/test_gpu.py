@@ -4,8 +4,8 @@ Every test here is marked gpu and skipped where ONNX Runtime cannot create a CUD
 (tests/conftest.py). On a CUDA machine they check, end to end and with --require-gpu: the
 provider metric and KIND_GPU for every instance, fp16 (the CUDA default) and fp32 against the
 model over a sweep of rows (1-64), lengths (1-256) and every mask shape, the fidelity check at
-load on CUDA itself, warm-up of the bucketed shapes, two instances under load, and the CPU
-fallback (and the refusal with --require-gpu) when no device is visible.
+load on CUDA itself (a reranker's fp16 too), warm-up of the bucketed shapes, two instances under
+load, and the CPU fallback (and the refusal with --require-gpu) when no device is visible.
 
 "The model" is the PyTorch model, never the server's own CPU session: sentence-transformers on the
 source folder for served texts, and the exporter's encoder on the source checkpoint's weights for
@@ -35,13 +35,15 @@ from export.checkpoint import load_checkpoint
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
-from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
+from service.core.fidelity import FIDELITY_MIN_COSINE, LOGITS_FIDELITY_MAX_ABS_DIFF, VARIANT_MIN_COSINE, cosines
 from service.core.loading import load_model
 from service.core.policy import warm_up_shapes
 from service.core.repository import read_model
 from service.core.runtime import CPU, CUDA, ExecutionSettings, ModelRuntime
 from service.ops.settings import Settings
-from tests.conftest import DEFAULT_MODEL
+from service.pipeline.tokenizer import TextTokenizer
+from tests.conftest import DEFAULT_MODEL, ExportedTasks
+from tests.export.test_heads import FP16_SOURCE, PAIRS, cross_encoder_logits
 from tests.servers import ROOT, RunningServer, start_server
 from tests.vectors import FP32_RELATIVE_DIFF, relative_differences, row_cosines
 
@@ -209,3 +211,16 @@ def test_int8_is_reported_on_the_cpu_even_where_cuda_is_usable(default_repositor
     spec = read_model(default_repository / DEFAULT_MODEL)
     runtime = ModelRuntime(spec, dataclasses.replace(ExecutionSettings(), variant="int8", intra_op_threads=1))
     assert (runtime.provider, runtime.variant) == (CPU, "int8")
+
+
+def test_a_rerankers_fp16_is_the_cuda_default_within_the_logit_rule(exported_tasks: ExportedTasks) -> None:
+    """A reranker on CUDA: fp16 by default, checked at load against the rule for logits, CrossEncoder's order."""
+    spec = read_model(exported_tasks.repository / FP16_SOURCE)
+    runtime = ModelRuntime(spec, ExecutionSettings(require_gpu=True, intra_op_threads=1))
+    assert (runtime.provider, runtime.variant) == (CUDA, "fp16")
+    check = runtime.fidelity
+    assert check is not None and check.passed and check.required == LOGITS_FIDELITY_MAX_ABS_DIFF
+    tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
+    logits = runtime.run(tokenizer.encode_pairs(PAIRS).feed(spec.input_names), ("logits",))["logits"]
+    expected = cross_encoder_logits(exported_tasks.sources[FP16_SOURCE], PAIRS)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_FIDELITY_MAX_ABS_DIFF)
