@@ -38,6 +38,8 @@ from tests.servers import (
 )
 
 KEY = "k-0123456789abcdef"
+RELOAD_S = 10
+"""How long a replaced certificate may take to reach new handshakes."""
 
 
 def text_request(text: str = "a secured sentence") -> pb.ModelInferRequest:
@@ -86,6 +88,20 @@ def infer(target: str, credentials: grpc.ChannelCredentials, metadata: tuple = (
         return pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(text_request(), timeout=10, metadata=metadata)
 
 
+def infer_once_reloaded(target: str, credentials: grpc.ChannelCredentials) -> pb.ModelInferResponse:
+    """infer() once the server presents the certificate these credentials trust (within RELOAD_S).
+
+    grpcio reads the files at the next handshake; Envoy re-reads them when they change, a moment later.
+    """
+    deadline = time.monotonic() + RELOAD_S
+    while True:
+        try:
+            return infer(target, credentials)
+        except grpc.RpcError as error:  # a handshake with the old certificate
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, error
+            time.sleep(0.05)
+
+
 def test_tls_serves_trusting_clients_and_refuses_plaintext(tls_server, pki: Pki) -> None:
     server, _, _ = tls_server
     assert len(infer(server.target, pki.grpc_credentials()).raw_output_contents[0]) == 4 * 32
@@ -131,7 +147,7 @@ def test_a_rotated_certificate_is_used_for_new_connections_and_open_ones_keep_wo
         old_stub.ModelInfer(text_request(), timeout=10)
         rotated = Pki(tmp_path / "rotated")  # a new CA, as a renewal with a new issuer would be
         rotated.write_server_files(cert, key)
-        assert len(infer(server.target, rotated.grpc_credentials()).raw_output_contents) == 1
+        assert len(infer_once_reloaded(server.target, rotated.grpc_credentials()).raw_output_contents) == 1
         with pytest.raises(grpc.RpcError) as refused:  # new handshakes present the new certificate only
             infer(server.target, pki.grpc_credentials())
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # a failed handshake, not a timeout
