@@ -236,9 +236,10 @@ class Supervisor:
             except OSError as error:
                 print(f"service: error: {error}", file=sys.stderr)
                 return 2
-            for role in roles(settings):
+            started = roles(settings)
+            for role in started:
                 self._spawn(role, settings)
-            log.info("started %s (supervisor pid %d)", ", ".join(roles(settings)), os.getpid())
+            log.info("started %s (supervisor pid %d)", ", ".join(started), os.getpid())
             while not self._stop_requested:
                 for child in self._children:
                     if child.exited is not None:
