@@ -25,6 +25,8 @@ _DATA, _HEADERS, _RST_STREAM, _SETTINGS = 0x0, 0x1, 0x3, 0x4
 _END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
 _SETTINGS_INITIAL_WINDOW_SIZE = 0x4
 _FRAME_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 16384
+"""HTTP/2's default SETTINGS_MAX_FRAME_SIZE: the largest frame a client may send before it reads the server's."""
 
 HELD = "HELD"
 """Outcome: response headers came, the message waits on our closed window (what a slow reader causes)."""
@@ -77,7 +79,9 @@ def grpc_request_frames(
     ]
     block = b"".join(_literal(name, value) for name, value in headers)
     body = b"\x00" + _FRAME_HEADER.pack(len(message)) + message
-    return frame(_HEADERS, _END_HEADERS, stream_id, block) + frame(_DATA, _END_STREAM, stream_id, body)
+    chunks = [body[start : start + MAX_FRAME_BYTES] for start in range(0, len(body), MAX_FRAME_BYTES)]
+    data = b"".join(frame(_DATA, 0, stream_id, chunk) for chunk in chunks[:-1])
+    return frame(_HEADERS, _END_HEADERS, stream_id, block) + data + frame(_DATA, _END_STREAM, stream_id, chunks[-1])
 
 
 def split_target(target: str) -> tuple[str, int] | None:
