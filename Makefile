@@ -47,12 +47,15 @@ lint: $(VENV)/.installed
 # a test whose external program (promtool, prometheus, kubectl, locust) is missing fails instead of
 # skipping, so the suite cannot shrink quietly (make setup installs them). The end-to-end suites then
 # run again against servers of two front-end processes and an engine process (ENCODER_FRONTENDS=2),
-# and with the gRPC port on Envoy (ENCODER_GRPC_TRANSPORT=envoy), with the clients we did not write.
+# with the clients we did not write; and every suite that calls the gRPC port runs again with that
+# port on Envoy (ENCODER_GRPC_TRANSPORT=envoy).
 MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py test_http_openai.py \
 	test_http_kserve.py test_http_security.py test_http_lifecycle.py test_security.py test_shutdown.py \
 	test_cancellation.py test_limits.py test_readiness.py test_statistics.py test_metrics.py test_row_batching.py \
 	test_watchdog.py test_embedding_types.py test_long_texts.py test_sparse.py test_multivector.py test_task_grpc.py)
-ENVOY_SUITES := $(MULTIPROCESS_SUITES) tests/client tests/tools/test_perf_analyzer.py
+ENVOY_SUITES := $(MULTIPROCESS_SUITES) tests/client tests/tools/test_perf_analyzer.py tests/tools/test_stress_phases.py \
+	tests/tools/test_locustfile.py tests/test_healthcheck.py tests/deploy/test_kserve.py $(addprefix tests/service/,test_answers.py \
+	test_fuzz.py test_tenants.py test_tracing.py test_prometheus.py test_tasks.py)
 TEST_REPOSITORY := $(abspath .test-cache/default-repository)
 test: setup lint
 	rm -rf .test-cache

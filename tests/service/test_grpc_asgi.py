@@ -34,24 +34,35 @@ class Answer:
 
     status: int | None = None
     messages: list[bytes] = field(default_factory=list)
-    trailers: dict[str, str] = field(default_factory=dict)
+    status_fields: dict[str, str] = field(default_factory=dict)
+    """The gRPC status's fields: the trailers, or the headers of a Trailers-Only response."""
+    trailers_only: bool = False
+    ended: bool = False
+    """Whether the whole response was sent."""
 
     @property
     def grpc_status(self) -> grpc.StatusCode | None:
-        code = self.trailers.get("grpc-status")
+        code = self.status_fields.get("grpc-status")
         return None if code is None else next(c for c in grpc.StatusCode if c.value[0] == int(code))
 
     @property
     def grpc_message(self) -> str:
-        return framing.read_status_message(self.trailers.get("grpc-message", "").encode())
+        return framing.read_status_message(self.status_fields.get("grpc-message", "").encode())
 
 
 class Channel:
-    """One call's ASGI channel as pyvoy gives it: the body, then empty chunks until the client is `gone`."""
+    """One call's ASGI channel as pyvoy gives it: the body, then empty chunks until the stream is over.
 
-    def __init__(self, body: bytes) -> None:
+    It is over when the client is `gone`, or once the status was sent and the client has `taken` the
+    response (at once, unless the channel is made with `reading=False`).
+    """
+
+    def __init__(self, body: bytes, *, reading: bool = True) -> None:
         self._body: bytes | None = body
         self.gone = asyncio.Event()
+        self.taken = asyncio.Event()
+        if reading:
+            self.taken.set()
         self.answer = Answer()
         self.reads_after_body = 0
 
@@ -60,18 +71,24 @@ class Channel:
             body, self._body = self._body, None
             return {"type": "http.request", "body": body, "more_body": False}
         self.reads_after_body += 1
-        if self.gone.is_set():
+        if self.gone.is_set() or (self.answer.ended and self.taken.is_set()):
             return {"type": "http.disconnect"}
         return {"type": "http.request", "body": b"", "more_body": False}
 
     async def send(self, message: dict[str, Any]) -> None:
+        answer = self.answer
         if message["type"] == "http.response.start":
-            self.answer.status = message["status"]
-        elif message["type"] == "http.response.body" and message.get("body"):
-            body = message["body"]
-            self.answer.messages.append(body[framing.PREFIX_BYTES :])
+            answer.status = message["status"]
+            answer.trailers_only = not message.get("trailers", False)
+            if answer.trailers_only:
+                answer.status_fields = {key.decode(): value.decode() for key, value in message["headers"]}
+        elif message["type"] == "http.response.body":
+            if message.get("body"):
+                answer.messages.append(message["body"][framing.PREFIX_BYTES :])
+            answer.ended = answer.trailers_only and not message.get("more_body", False)
         elif message["type"] == "http.response.trailers":
-            self.answer.trailers = {key.decode(): value.decode() for key, value in message["headers"]}
+            answer.status_fields = {key.decode(): value.decode() for key, value in message["headers"]}
+            answer.ended = not message.get("more_trailers", False)
 
 
 def scope(path: str, *headers: tuple[bytes, bytes], content_type: bytes = b"application/grpc") -> dict[str, Any]:
@@ -109,10 +126,29 @@ async def test_a_unary_call_is_answered_with_its_message_and_an_ok_status(app: G
     assert [health_pb2.HealthCheckResponse.FromString(message).status for message in answer.messages] == [SERVING]
 
 
+async def test_a_call_ends_only_once_its_client_has_taken_the_response(app: GrpcAsgiApp) -> None:
+    channel = Channel(check_request(), reading=False)
+    unary = asyncio.create_task(call(app, channel, CHECK))
+
+    async def asked_again(times: int) -> None:  # whether Envoy has sent it all
+        while not channel.answer.ended:
+            await asyncio.sleep(0.01)
+        reads = channel.reads_after_body
+        while channel.reads_after_body < reads + times and not unary.done():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(asked_again(3), 5)
+    assert not unary.done()  # so the answer's bytes stay in the answer budget (released when the call ends)
+    channel.taken.set()
+    answer = await asyncio.wait_for(unary, 5)
+    assert answer.grpc_status == grpc.StatusCode.OK
+
+
 async def test_a_handlers_error_becomes_its_status_and_message(app: GrpcAsgiApp) -> None:
     answer = await call(app, Channel(check_request("nope")), CHECK)
     assert answer.grpc_status == grpc.StatusCode.NOT_FOUND and answer.grpc_message == "unknown service 'nope'"
     assert answer.messages == []
+    assert answer.trailers_only  # the status alone, in the response's headers, as grpc answers it
 
 
 async def test_unknown_methods_undecodable_bodies_and_oversized_messages(app: GrpcAsgiApp) -> None:
@@ -149,7 +185,7 @@ async def test_a_client_gone_cancels_the_call_and_nothing_more_is_sent(app: Grpc
         await asyncio.sleep(0.01)
     channel.gone.set()
     answer = await asyncio.wait_for(watch, 5)
-    assert answer.trailers == {}  # no status for a client that is gone
+    assert answer.status_fields == {}  # no status for a client that is gone
     assert channel.reads_after_body >= 1
 
 

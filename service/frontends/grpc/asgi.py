@@ -49,6 +49,8 @@ DISCONNECT_POLL_S = 0.1
 """How often a call whose request was read looks whether its client is still there. pyvoy answers `receive`
 at once after the body's end (an empty body) and http.disconnect once the stream is reset, so a reset is
 seen by asking; a call answered sooner never asks."""
+DELIVERY_FIRST_POLL_S = 0.001
+"""After a call's status was sent and its response not yet all delivered, the first wait before asking again."""
 
 
 class _Refused(Exception):
@@ -148,21 +150,23 @@ class AsgiCall:
             await self._send(start)
 
     async def finish(self) -> None:
-        """Send the status (after the headers, if no message went out); then run the done callbacks."""
-        try:
-            await self._start()
-            if not self.body_closed:
-                await self._send({"type": "http.response.body", "body": b"", "more_body": False})
-            trailers = [(b"grpc-status", str(self.code.value[0]).encode())]
-            if self.details:
-                trailers.append((b"grpc-message", framing.status_message(self.details)))
-            trailers += [(key.encode(), _header_value(value)) for key, value in self._trailing]
-            await self._send({"type": "http.response.trailers", "headers": trailers, "more_trailers": False})
-        finally:
-            self.ended_now()
+        """Send the status: as trailers after the messages, or alone (Trailers-Only) when no message went out."""
+        status = [(b"grpc-status", str(self.code.value[0]).encode())]
+        if self.details:
+            status.append((b"grpc-message", framing.status_message(self.details)))
+        status += [(key.encode(), _header_value(value)) for key, value in self._trailing]
+        if not self.started:  # one HEADERS frame ending the stream, as grpc sends a status without a message
+            self.started = True
+            start = {"type": "http.response.start", "status": 200, "headers": RESPONSE_HEADERS + status}
+            await self._send(start)
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if not self.body_closed:
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._send({"type": "http.response.trailers", "headers": status, "more_trailers": False})
 
     def ended_now(self) -> None:
-        """The call is over (answered, or its client gone): its done callbacks run once."""
+        """The call is over (its answer delivered, or its client gone): its done callbacks run once."""
         if self.ended:
             return
         self.ended = True
@@ -241,7 +245,7 @@ class GrpcAsgiApp:
         except _Refused as refusal:
             call = AsgiCall(scope, send, headers, deadline=None, serializer=None, max_send_bytes=self._max_send_bytes)
             call.set_status(refusal.code, refusal.details)
-            await call.finish()
+            await call.finish()  # no handler ran: nothing waits for the call's end
             return
         call = AsgiCall(
             scope,
@@ -265,17 +269,24 @@ class GrpcAsgiApp:
         except asyncio.CancelledError:
             if not messages.disconnected:  # the server's drain ran out of time
                 call.set_status(grpc.StatusCode.CANCELLED, "the server stopped before this call ended")
-                await call.finish()
+                try:
+                    await call.finish()
+                finally:
+                    call.ended_now()
                 raise
         except Exception:
             log.exception("unexpected error in gRPC method %s", scope["path"])
             call.set_status(grpc.StatusCode.UNKNOWN, "Unexpected error in RPC handling")
         finally:
             messages.stop_watching()
-        if messages.disconnected:
-            call.ended_now()  # nobody left to answer
-        else:
-            await call.finish()
+        try:
+            if not messages.disconnected:  # else nobody is left to answer
+                await call.finish()
+                # The answer's bytes are the server's until Envoy has sent them (a client that does not read
+                # holds them there): the call ends, and its done callbacks release them, only then.
+                await messages.delivered()
+        finally:
+            call.ended_now()
 
     def _transport(self, headers: dict[str, bytes]) -> tuple[float | None, framing.MessageReader]:
         """The call's deadline (grpc-timeout) and message reader (grpc-encoding); _Refused for ones it cannot take."""
@@ -476,6 +487,18 @@ class _Messages:
         self.disconnected = True
         if self._work is not asyncio.current_task():
             self._work.cancel()
+
+    async def delivered(self) -> None:
+        """Wait until the server in front has sent the whole response (or the client went away).
+
+        pyvoy answers http.disconnect once Envoy's stream is complete, which is when the response's
+        last bytes were written to the connection: at once, unless the client's flow-control window
+        holds them back. So ask at once, then at growing intervals up to DISCONNECT_POLL_S.
+        """
+        wait_s = DELIVERY_FIRST_POLL_S
+        while (await self._receive())["type"] != "http.disconnect":
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, DISCONNECT_POLL_S)
 
     def stop_watching(self) -> None:
         """The call is over."""
