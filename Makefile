@@ -48,14 +48,14 @@ lint: $(VENV)/.installed
 # skipping, so the suite cannot shrink quietly (make setup installs them). The end-to-end suites then
 # run again against servers of two front-end processes and an engine process (ENCODER_FRONTENDS=2),
 # with the clients we did not write; and every suite that calls the gRPC port runs again with that
-# port on Envoy (ENCODER_GRPC_TRANSPORT=envoy).
+# port on grpcio (ENCODER_GRPC_TRANSPORT=grpcio: the main pass serves it on Envoy, auto's choice here).
 MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py test_http_openai.py \
 	test_http_kserve.py test_http_security.py test_http_lifecycle.py test_security.py test_shutdown.py \
 	test_cancellation.py test_limits.py test_readiness.py test_statistics.py test_metrics.py test_row_batching.py \
 	test_watchdog.py test_embedding_types.py test_long_texts.py test_sparse.py test_multivector.py test_task_grpc.py)
-ENVOY_SUITES := $(MULTIPROCESS_SUITES) tests/client tests/tools/test_perf_analyzer.py tests/tools/test_stress_phases.py \
+GRPC_SUITES := $(MULTIPROCESS_SUITES) tests/client tests/tools/test_perf_analyzer.py tests/tools/test_stress_phases.py \
 	tests/tools/test_locustfile.py tests/test_healthcheck.py tests/deploy/test_kserve.py $(addprefix tests/service/,test_answers.py \
-	test_fuzz.py test_tenants.py test_tracing.py test_prometheus.py test_tasks.py)
+	test_fuzz.py test_tenants.py test_tracing.py test_prometheus.py test_tasks.py test_processes.py)
 TEST_REPOSITORY := $(abspath .test-cache/default-repository)
 test: setup lint
 	rm -rf .test-cache
@@ -64,7 +64,7 @@ test: setup lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
 		ENCODER_FRONTENDS=2 $(PY) -m pytest $(MULTIPROCESS_SUITES)
 	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
-		ENCODER_GRPC_TRANSPORT=envoy $(PY) -m pytest $(ENVOY_SUITES)
+		ENCODER_GRPC_TRANSPORT=grpcio $(PY) -m pytest $(GRPC_SUITES)
 
 protos: $(VENV)/.installed
 	$(PY) protos/generate.py

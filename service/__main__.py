@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import sys
 
 import uvloop
@@ -17,6 +18,8 @@ from service.ops import tracing
 from service.ops.security import SecurityError, check_files
 from service.ops.settings import Settings, SettingsError, load_settings
 from service.server import FrontendRole, serve
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,13 +35,17 @@ def main(argv: list[str] | None = None) -> int:
         except SettingsError as error:
             print(f"service: error: {error}", file=sys.stderr)
             return 2
-        settings = dataclasses.replace(settings, frontends=processes.frontends(settings))
+        transport, fallback_reason = envoy.chosen_transport(settings.grpc_transport)
+        settings = dataclasses.replace(settings, frontends=processes.frontends(settings), grpc_transport=transport)
         several = settings.frontends > 1 or settings.grpc_transport == "envoy"
         role = "supervisor" if several else "server"
     else:
         role, settings, runtime = child
         processes.prepare_child(role, runtime)
+        fallback_reason = None
     processes.configure_logging(settings, role)
+    if fallback_reason is not None:
+        log.warning("the gRPC port is served by grpcio: Envoy cannot be used here (%s)", fallback_reason)
     if role == "supervisor":
         try:
             check_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca, settings.api_key_file)

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.core.runtime import cuda_unavailable_reason
+from service.frontends.grpc.envoy import chosen_transport
 from service.processes import children
 from tools.local_server import RunningServer, free_port, health_status
 from tools.local_server import launch_server as launch_local_server
@@ -41,8 +42,8 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
-GRPC_TRANSPORT = os.environ.get("ENCODER_GRPC_TRANSPORT", "grpcio")
-"""The transport the suite's servers serve gRPC with (the suite runs again on Envoy: see the Makefile)."""
+GRPC_TRANSPORT, _ = chosen_transport(os.environ.get("ENCODER_GRPC_TRANSPORT", "auto"))
+"""The transport the suite's servers serve gRPC with (the gRPC suites run again on grpcio: see the Makefile)."""
 
 
 def server_pids(server: RunningServer) -> list[int]:

@@ -198,13 +198,14 @@ class Settings:
         ),
     )
     grpc_transport: str = field(
-        default="grpcio",
+        default="auto",
         metadata=_doc(
-            "what serves the gRPC and health ports: grpcio (grpc.aio in each front end), or envoy (each front end"
-            " an Envoy process running the front end on its embedded Python: HTTP/2 and TLS in compiled code;"
-            " always under a supervisor: with one front end Envoy's process is the whole server, models"
-            " included; with several, an engine process and --frontends Envoy front ends)",
-            choices=("grpcio", "envoy"),
+            "what serves the gRPC and health ports: envoy (each front end an Envoy process running the front end"
+            " on its embedded Python: HTTP/2 and TLS in compiled code; always under a supervisor: with one front"
+            " end Envoy's process is the whole server, models included; with several, an engine process and"
+            " --frontends Envoy front ends), grpcio (grpc.aio in each front end), or auto: envoy where it can run"
+            " here (pyvoy, Envoy and a shared libpython), else grpcio, saying why",
+            choices=("auto", "envoy", "grpcio"),
         ),
     )
     max_concurrent_streams: int = field(

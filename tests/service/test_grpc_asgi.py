@@ -2,7 +2,7 @@
 
 The health service stands in for every method: a unary Check and a server-streaming Watch, through
 the real door (interceptor.ErrorInterceptor). The whole port on Envoy runs in the end-to-end suites
-(make test's ENCODER_GRPC_TRANSPORT=envoy pass).
+(Envoy is the transport make test's main pass serves gRPC with).
 """
 
 from __future__ import annotations

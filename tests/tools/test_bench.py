@@ -26,7 +26,7 @@ from tools.bench import (
     target_lines,
 )
 from tools.loadtest import LevelResult, Workload
-from tools.local_server import process_cpu_seconds, rows_per_run
+from tools.local_server import rows_per_run, server_cpu_seconds
 
 CALLS = 320
 WARM_UP_CALLS = 100
@@ -37,11 +37,11 @@ def test_server_cpu_per_call_is_read_from_the_kernel_for_both_methods(tiny_serve
     pid = tiny_server.process.pid
     labels = {"model": TINY_MODEL, "version": "1", "code": "OK"}
     answered_before = metric_value(metric_samples(tiny_server), "encoder_requests_total", **labels)
-    cpu_before_s = process_cpu_seconds(pid)
+    cpu_before_s = server_cpu_seconds(pid)
     ready_us = asyncio.run(_cpu_per_call(tiny_server.target, pid, "ModelReady", CALLS))
     batches_before = tiny_server.batch_totals(TINY_MODEL)
     infer_us = asyncio.run(_cpu_per_call(tiny_server.target, pid, "ModelInfer", CALLS))
-    cpu_spent_us = (process_cpu_seconds(pid) - cpu_before_s) * 1e6
+    cpu_spent_us = (server_cpu_seconds(pid) - cpu_before_s) * 1e6
     # The server answered exactly the inferences sent (the warm-up's and the measured ones).
     answered = metric_value(metric_samples(tiny_server), "encoder_requests_total", **labels) - answered_before
     assert answered == WARM_UP_CALLS + CALLS // CALL_CPU_CONCURRENCY * CALL_CPU_CONCURRENCY

