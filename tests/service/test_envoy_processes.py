@@ -66,6 +66,8 @@ def test_each_role_runs_where_it_should_and_the_server_drains_to_exit_0(
         by_role = roles(server)
         found = {role: (executable(pid) == ENVOY, maps_onnx_runtime(pid)) for role, pid in by_role.items()}
         assert found == layout
+        # Envoy's hot restart is off: no shared memory of its own, which would be left in /dev/shm after it.
+        assert not [pid for pid in by_role.values() if "envoy_shared_memory" in Path(f"/proc/{pid}/maps").read_text()]
         labels = {"model": TINY_MODEL, "version": "1"}
         before = metric_value(metric_samples(server), "encoder_requests_total", code="OK", **labels)
         infer_one(server)

