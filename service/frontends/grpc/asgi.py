@@ -50,7 +50,10 @@ DISCONNECT_POLL_S = 0.1
 at once after the body's end (an empty body) and http.disconnect once the stream is reset, so a reset is
 seen by asking; a call answered sooner never asks."""
 DELIVERY_FIRST_POLL_S = 0.001
-"""After a call's status was sent and its response not yet all delivered, the first wait before asking again."""
+DELIVERY_LAST_POLL_S = 1.0
+"""After a call's status was sent, whether Envoy has sent the whole response is asked at once, then after
+waits doubling from the first to the last, which then repeats: a client that does not read costs one
+`receive` a second for each of its calls (--max-concurrent-streams of them on a connection at most)."""
 
 
 class _Refused(Exception):
@@ -493,12 +496,13 @@ class _Messages:
 
         pyvoy answers http.disconnect once Envoy's stream is complete, which is when the response's
         last bytes were written to the connection: at once, unless the client's flow-control window
-        holds them back. So ask at once, then at growing intervals up to DISCONNECT_POLL_S.
+        holds them back. So ask at once, then at growing intervals (DELIVERY_FIRST_POLL_S up to
+        DELIVERY_LAST_POLL_S).
         """
         wait_s = DELIVERY_FIRST_POLL_S
         while (await self._receive())["type"] != "http.disconnect":
             await asyncio.sleep(wait_s)
-            wait_s = min(2 * wait_s, DISCONNECT_POLL_S)
+            wait_s = min(2 * wait_s, DELIVERY_LAST_POLL_S)
 
     def stop_watching(self) -> None:
         """The call is over."""
