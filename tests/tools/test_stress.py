@@ -29,6 +29,9 @@ from tests.onnx_graphs import WIDTH, constant, save_token_graph
 from tests.servers import ROOT, MetricSamples, RunningServer, free_port, metric_samples, server_pids, start_server
 from tools.stress import PHASE_NAMES
 from tools.stress.__main__ import main
+from tools.stress.monitor import RssSample
+from tools.stress.result import RssStats
+from tools.stress.suite import samples_around
 
 QUEUE_BOUND = 16
 BATCH_DELAY_US = 200_000
@@ -211,3 +214,10 @@ def test_bad_arguments_and_an_unreachable_target_exit_2(capsys: pytest.CaptureFi
     assert "--tls-key" in capsys.readouterr().err
     assert main(["--target", f"127.0.0.1:{free_port()}", "--quick"]) == 2
     assert capsys.readouterr().err.startswith("stress: error: cannot use")
+
+
+def test_a_phase_shorter_than_the_sampling_interval_has_the_memory_around_it() -> None:
+    samples = [RssSample(at, rss_bytes=mib * 2**20) for at, mib in ((0.0, 100), (0.1, 130), (0.2, 120), (0.3, 110))]
+    assert samples_around(samples, 0.13, 0.16) == samples[1:3]  # no sample inside: the one before, the one after
+    assert samples_around(samples, 0.05, 0.25) == samples
+    assert RssStats.of(samples_around(samples, 0.13, 0.16)) == RssStats(130.0, 130.0, 120.0)

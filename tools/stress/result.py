@@ -57,7 +57,7 @@ class ProbeStats:
 
 @dataclass(frozen=True)
 class RssStats:
-    """The server's resident memory during one phase, in MiB."""
+    """The server's resident memory around one phase (the samples in it, the one before and the one after), MiB."""
 
     start_mib: float
     max_mib: float

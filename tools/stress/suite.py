@@ -241,6 +241,16 @@ async def _run_phases(
     return windows
 
 
+def samples_around(samples: list[RssSample], started: float, ended: float) -> list[RssSample]:
+    """The memory samples of a window: those taken in it, with the last before it and the first after it.
+
+    So a phase shorter than the sampling interval still has its figures.
+    """
+    before = [sample for sample in samples if sample.at < started][-1:]
+    after = [sample for sample in samples if sample.at > ended][:1]
+    return [*before, *(sample for sample in samples if started <= sample.at <= ended), *after]
+
+
 def _selected(config: StressConfig) -> tuple[Phase, ...]:
     if config.phases is None:
         return (*PHASES, FINAL)
@@ -267,7 +277,6 @@ async def run_suite(config: StressConfig) -> SuiteResult:
     for window in windows:
         inside_probes = [p for p in probes if window.started <= p.sent_at < window.ended]
         inside_checks = [c for c in checks if window.started <= c.sent_at < window.ended]
-        inside_samples = [s for s in samples if window.started <= s.at <= window.ended]
         results.append(
             PhaseResult(
                 name=window.phase.name,
@@ -279,7 +288,7 @@ async def run_suite(config: StressConfig) -> SuiteResult:
                 notes=tuple(window.tally.notes),
                 probe=ProbeStats.of(inside_probes),
                 health=ProbeStats.of(inside_checks),
-                rss=RssStats.of(inside_samples),
+                rss=RssStats.of(samples_around(samples, window.started, window.ended)),
                 loop_lag_max_s=window.loop_lag_max_s,
                 refusals=window.refusals,
                 leftover=window.leftover,
