@@ -57,8 +57,11 @@ class Channel:
     response (at once, unless the channel is made with `reading=False`).
     """
 
-    def __init__(self, body: bytes, *, reading: bool = True) -> None:
+    def __init__(self, body: bytes, *, reading: bool = True, holding_sends: bool = False) -> None:
         self._body: bytes | None = body
+        self._holding_sends = holding_sends
+        self.held_sends: list[asyncio.Future[None]] = []
+        """With `holding_sends`: each send of a message with more to follow waits here, as pyvoy's waits for Envoy."""
         self.gone = asyncio.Event()
         self.taken = asyncio.Event()
         if reading:
@@ -77,6 +80,9 @@ class Channel:
 
     async def send(self, message: dict[str, Any]) -> None:
         answer = self.answer
+        if self._holding_sends and message.get("more_body", False):
+            self.held_sends.append(asyncio.get_running_loop().create_future())
+            await self.held_sends[-1]
         if message["type"] == "http.response.start":
             answer.status = message["status"]
             answer.trailers_only = not message.get("trailers", False)
@@ -187,6 +193,18 @@ async def test_a_client_gone_cancels_the_call_and_nothing_more_is_sent(app: Grpc
     answer = await asyncio.wait_for(watch, 5)
     assert answer.status_fields == {}  # no status for a client that is gone
     assert channel.reads_after_body >= 1
+
+
+async def test_a_call_cancelled_while_a_send_waits_leaves_pyvoys_future_to_pyvoy(app: GrpcAsgiApp) -> None:
+    channel = Channel(check_request(), holding_sends=True)
+    watch = asyncio.create_task(call(app, channel, WATCH))
+    while not channel.held_sends:  # the current status waits for Envoy to take it
+        await asyncio.sleep(0.01)
+    channel.gone.set()
+    await asyncio.wait_for(watch, 5)  # the client's going cancels the call
+    (held,) = channel.held_sends
+    assert not held.cancelled()
+    held.set_exception(ConnectionResetError("the stream ended"))  # pyvoy's own end of it: no InvalidStateError
 
 
 async def test_after_stop_new_calls_are_unavailable_and_running_ones_end(app: GrpcAsgiApp) -> None:

@@ -144,7 +144,11 @@ class AsgiCall:
             )
         await self._start()
         self.body_closed = last
-        await self._send({"type": "http.response.body", "body": framing.frame(payload), "more_body": not last})
+        message = {"type": "http.response.body", "body": framing.frame(payload), "more_body": not last}
+        if last:
+            await self._send(message)
+        else:
+            await _waiting_send(self._send, message)
 
     async def _start(self) -> None:
         if not self.started:
@@ -178,6 +182,23 @@ class AsgiCall:
                 callback(self)
             except Exception:
                 log.exception("a gRPC call's done callback failed")
+
+
+async def _waiting_send(send: Send, message: dict[str, Any]) -> None:
+    """Send a message pyvoy answers once Envoy has taken it; cancelling the caller leaves pyvoy's future alone.
+
+    pyvoy fails such a future itself when the stream ends first (the client gone); had the caller's
+    cancellation already cancelled it, that would raise InvalidStateError on the event loop.
+    """
+    sending = asyncio.ensure_future(send(message))
+    sending.add_done_callback(_read_outcome)
+    await asyncio.shield(sending)
+
+
+def _read_outcome(sending: asyncio.Future[None]) -> None:
+    """Read a send's failure, so one that comes after its caller left is not reported as never retrieved."""
+    if not sending.cancelled():
+        sending.exception()
 
 
 def _header_value(value: str | bytes) -> bytes:
