@@ -3,10 +3,16 @@
     python -m tools.capacity_bench [--frontends 2] [--seconds 8] [--transports grpcio,envoy] [--output FILE]
 
 A tiny random encoder (exported here by the real exporter) served by `--frontends N` front-end
-processes and one engine process. For one-text requests over gRPC (ModelInfer) and over HTTP
-(OpenAI /v1/embeddings), clients in this process keep 32 requests in flight over 16 connections
-(the kernel spreads them over the front ends); each server process's CPU time as the kernel counts
-it (user + system, every thread, /proc) over the requests answered gives:
+processes and one engine process. One-text requests over gRPC (ModelInfer, 32 in flight over 16
+HTTP/2 connections) and over HTTP (OpenAI /v1/embeddings, 32 HTTP/1.1 connections) come from one
+client for both protocols: h2load (nghttp2's load generator, in C; Debian's nghttp2-client), whose
+own CPU per request is small and alike for both, so neither protocol's figures carry its client's
+cost (a Python gRPC client beside the server took so much of this machine that gRPC ran at half
+OpenAI's rate, and a front end's CPU per request rises as its rate falls: fewer requests share
+each wake-up of its threads). The kernel spreads the connections over the front ends; requests are
+counted by the server (encoder_requests_total, status OK; any other status stops the bench), and
+each server process's CPU time as the kernel counts it (user + system, every thread, /proc) over
+them gives:
 
 - F: the front ends' CPU per request (all front ends together, per request);
 - E: the engine's CPU per request, at that load and at saturation (this process then connects to
@@ -29,38 +35,42 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
+import struct
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import grpc
 import uvloop
 
 from export.checkpoint import default_model_folder, random_checkpoint
 from export.pipeline import ExportOptions, export_model
-from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.core.repository import read_model
 from service.core.wire import EngineLink
 from service.pipeline.tokenizer import TextTokenizer
 from service.processes import ENGINE_SOCKET, TITLE, children
 from tools.bench import TINY_CONFIG, TINY_MODEL
 from tools.local_server import RunningServer, process_cpu_seconds, start_server
-from tools.protocols_bench import SENTENCE, HttpConnection, closed_loop, grpc_request, http_requests
+from tools.protocols_bench import SENTENCE, grpc_request
 
 ROUNDS = 3
 """Each figure is the median of this many rounds (a shared machine's speed drifts from second to second)."""
 CONNECTIONS = 16
+"""gRPC's HTTP/2 connections (IN_FLIGHT streams over them); HTTP/1.1 takes one connection per request in flight."""
 IN_FLIGHT = 32
+WARM_UP_REQUESTS = 256
+"""Sent before each round is counted: every connection open, every front end warm."""
 SATURATION_IN_FLIGHT = 256
 SATURATION_RAMP_S = 0.5
 """Time for every caller to get its request in flight before the engine's CPU is counted."""
 NODE_CORES = 16
 TARGET_CAPACITY = 15_000
 TARGET_ENGINE_US = 60.0
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+H2LOAD = "h2load"
 
 
 @dataclass(frozen=True)
@@ -106,31 +116,62 @@ def _cpu(pids: dict[str, int]) -> dict[str, float]:
     return {role: process_cpu_seconds(pid) for role, pid in pids.items()}
 
 
-async def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[int, dict[str, float]]:
-    """IN_FLIGHT one-text requests over CONNECTIONS connections: requests answered, CPU seconds per role."""
+def load_command(
+    server: RunningServer, protocol: str, bodies: Path, *, seconds: float = 0, requests: int = 0
+) -> list[str]:
+    """h2load's command line for one-text requests of `protocol` (grpc, openai), for `seconds` or `requests`.
+
+    `bodies` is the folder write_bodies wrote.
+    """
+    executable = shutil.which(H2LOAD)
+    if executable is None:
+        raise RuntimeError("h2load is not installed: install Debian's nghttp2-client (make setup does, as root)")
+    length = ["--duration", f"{round(seconds * 1000)}ms"] if seconds else ["--requests", str(requests)]
     if protocol == "grpc":
-        channels = [grpc.aio.insecure_channel(server.target, OWN_CONNECTION) for _ in range(CONNECTIONS)]
-        stubs = [pb_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
-        request = grpc_request(TINY_MODEL)
-        calls = [lambda stub=stubs[i % CONNECTIONS]: stub.ModelInfer(request) for i in range(IN_FLIGHT)]
+        streams = ["--clients", str(CONNECTIONS), "--max-concurrent-streams", str(IN_FLIGHT // CONNECTIONS)]
+        headers = ["--header", "content-type: application/grpc", "--header", "te: trailers"]
+        target = f"http://{server.target}/inference.GRPCInferenceService/ModelInfer"
     else:
-        payload = http_requests(TINY_MODEL)["openai-float"]
-        connections = [await HttpConnection.open(server.http_port) for _ in range(IN_FLIGHT)]
-        calls = [lambda connection=connection: connection.post(payload) for connection in connections]
-    try:
-        await asyncio.gather(*(call() for call in calls))
+        streams = ["--h1", "--clients", str(IN_FLIGHT)]
+        headers = ["--header", "content-type: application/json"]
+        target = f"{server.http_url}/v1/embeddings"
+    return [executable, *length, *streams, "--data", str(bodies / protocol), *headers, target]
+
+
+def write_bodies(folder: Path) -> Path:
+    """The one-text request body of each protocol, as files named after it; the folder."""
+    message = grpc_request(TINY_MODEL).SerializeToString()
+    (folder / "grpc").write_bytes(b"\0" + struct.pack(">I", len(message)) + message)  # gRPC's message prefix
+    (folder / "openai").write_text(json.dumps({"model": TINY_MODEL, "input": SENTENCE, "encoding_format": "float"}))
+    return folder
+
+
+def _run(command: list[str]) -> None:
+    finished = subprocess.run(command, capture_output=True, text=True, check=False)
+    if finished.returncode != 0:
+        said = finished.stderr.strip() or finished.stdout[-500:]
+        raise RuntimeError(f"h2load failed ({finished.returncode}): {said}")
+
+
+def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[int, float, dict[str, float]]:
+    """IN_FLIGHT one-text requests for `seconds`: requests answered (status OK), seconds taken, CPU seconds per role.
+
+    h2load leaves the requests in flight when its time is up (the server counts them CANCELLED);
+    RuntimeError when any other request got a status other than OK.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        bodies = write_bodies(Path(scratch))
+        _run(load_command(server, protocol, bodies, requests=WARM_UP_REQUESTS))
         pids = roles(server)
-        before = _cpu(pids)
-        requests, _, _ = await closed_loop(calls, seconds)
-        after = _cpu(pids)
-    finally:
-        if protocol == "grpc":
-            for channel in channels:
-                await channel.close()
-        else:
-            for connection in connections:
-                connection.close()
-    return requests, {role: after[role] - before[role] for role in pids}
+        answered, before, started = server.answered(TINY_MODEL), _cpu(pids), time.monotonic()
+        _run(load_command(server, protocol, bodies, seconds=seconds))
+        elapsed, after, answered_after = time.monotonic() - started, _cpu(pids), server.answered(TINY_MODEL)
+    codes = {code: count - answered.get(code, 0) for code, count in answered_after.items()}
+    codes["CANCELLED"] = max(0.0, codes.get("CANCELLED", 0.0) - IN_FLIGHT)
+    failed = {code: count for code, count in codes.items() if code != "OK" and count}
+    if failed:
+        raise RuntimeError(f"{protocol} requests failed: {failed}")
+    return round(codes.get("OK", 0)), elapsed, {role: after[role] - before[role] for role in pids}
 
 
 def measure(server: RunningServer, protocol: str, seconds: float) -> Load:
@@ -140,9 +181,7 @@ def measure(server: RunningServer, protocol: str, seconds: float) -> Load:
     """
     rounds = []
     for _ in range(ROUNDS):
-        started = time.monotonic()
-        requests, cpu = uvloop.run(drive(server, protocol, seconds / ROUNDS))
-        elapsed = time.monotonic() - started
+        requests, elapsed, cpu = drive(server, protocol, seconds / ROUNDS)
         frontends = sum(used for role, used in cpu.items() if role.startswith("frontend") or role == "server")
         engine, total = cpu.get("engine", 0.0), sum(cpu.values())
         per_request = (used / requests * 1e6 for used in (frontends, engine, total))

@@ -21,6 +21,7 @@ from service.processes import children
 
 START_TIMEOUT_S = 180
 BATCH_ROWS, BATCHES_RUN = "encoder_batch_size_sum", "encoder_batch_size_count"
+ANSWERED = "encoder_requests_total"
 
 
 def rows_per_run(before: tuple[float, float], after: tuple[float, float]) -> float | None:
@@ -114,6 +115,16 @@ class RunningServer:
                 if sample.name in totals and sample.labels.get("model") == model:
                     totals[sample.name] += sample.value
         return totals[BATCH_ROWS], totals[BATCHES_RUN]
+
+    def answered(self, model: str) -> dict[str, float]:
+        """Requests for the model answered so far, by status code (encoder_requests_total), from /metrics."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        codes: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == ANSWERED and sample.labels.get("model") == model:
+                    codes[sample.labels["code"]] = codes.get(sample.labels["code"], 0.0) + sample.value
+        return codes
 
     def log(self) -> str:
         """Everything the server wrote so far."""
