@@ -35,10 +35,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +50,7 @@ from service.core.repository import read_model
 from service.core.wire import EngineLink
 from service.pipeline.tokenizer import TextTokenizer
 from service.processes import ENGINE_SOCKET, TITLE, children
+from tools import h2load
 from tools.bench import TINY_CONFIG, TINY_MODEL
 from tools.local_server import RunningServer, process_cpu_seconds, start_server
 from tools.protocols_bench import SENTENCE, grpc_request
@@ -70,7 +68,6 @@ SATURATION_RAMP_S = 0.5
 NODE_CORES = 16
 TARGET_CAPACITY = 15_000
 TARGET_ENGINE_US = 60.0
-H2LOAD = "h2load"
 
 
 @dataclass(frozen=True)
@@ -123,55 +120,40 @@ def load_command(
 
     `bodies` is the folder write_bodies wrote.
     """
-    executable = shutil.which(H2LOAD)
-    if executable is None:
-        raise RuntimeError("h2load is not installed: install Debian's nghttp2-client (make setup does, as root)")
-    length = ["--duration", f"{round(seconds * 1000)}ms"] if seconds else ["--requests", str(requests)]
+    length = {"seconds": seconds, "requests": requests}
     if protocol == "grpc":
-        streams = ["--clients", str(CONNECTIONS), "--max-concurrent-streams", str(IN_FLIGHT // CONNECTIONS)]
-        headers = ["--header", "content-type: application/grpc", "--header", "te: trailers"]
-        target = f"http://{server.target}/inference.GRPCInferenceService/ModelInfer"
-    else:
-        streams = ["--h1", "--clients", str(IN_FLIGHT)]
-        headers = ["--header", "content-type: application/json"]
-        target = f"{server.http_url}/v1/embeddings"
-    return [executable, *length, *streams, "--data", str(bodies / protocol), *headers, target]
+        url = f"http://{server.target}/inference.GRPCInferenceService/ModelInfer"
+        streams = IN_FLIGHT // CONNECTIONS
+        return h2load.command(
+            url, bodies / protocol, h2load.GRPC_HEADERS, connections=CONNECTIONS, streams=streams, **length
+        )
+    url = f"{server.http_url}/v1/embeddings"
+    return h2load.command(
+        url, bodies / protocol, ("content-type: application/json",), connections=IN_FLIGHT, streams=0, **length
+    )
 
 
 def write_bodies(folder: Path) -> Path:
     """The one-text request body of each protocol, as files named after it; the folder."""
-    message = grpc_request(TINY_MODEL).SerializeToString()
-    (folder / "grpc").write_bytes(b"\0" + struct.pack(">I", len(message)) + message)  # gRPC's message prefix
+    (folder / "grpc").write_bytes(h2load.grpc_body(grpc_request(TINY_MODEL)))
     (folder / "openai").write_text(json.dumps({"model": TINY_MODEL, "input": SENTENCE, "encoding_format": "float"}))
     return folder
-
-
-def _run(command: list[str]) -> None:
-    finished = subprocess.run(command, capture_output=True, text=True, check=False)
-    if finished.returncode != 0:
-        said = finished.stderr.strip() or finished.stdout[-500:]
-        raise RuntimeError(f"h2load failed ({finished.returncode}): {said}")
 
 
 def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[int, float, dict[str, float]]:
     """IN_FLIGHT one-text requests for `seconds`: requests answered (status OK), seconds taken, CPU seconds per role.
 
-    h2load leaves the requests in flight when its time is up (the server counts them CANCELLED);
-    RuntimeError when any other request got a status other than OK.
+    RuntimeError when requests fail (h2load.answered_ok).
     """
     with tempfile.TemporaryDirectory() as scratch:
         bodies = write_bodies(Path(scratch))
-        _run(load_command(server, protocol, bodies, requests=WARM_UP_REQUESTS))
+        h2load.run(load_command(server, protocol, bodies, requests=WARM_UP_REQUESTS))
         pids = roles(server)
         answered, before, started = server.answered(TINY_MODEL), _cpu(pids), time.monotonic()
-        _run(load_command(server, protocol, bodies, seconds=seconds))
+        h2load.run(load_command(server, protocol, bodies, seconds=seconds))
         elapsed, after, answered_after = time.monotonic() - started, _cpu(pids), server.answered(TINY_MODEL)
-    codes = {code: count - answered.get(code, 0) for code, count in answered_after.items()}
-    codes["CANCELLED"] = max(0.0, codes.get("CANCELLED", 0.0) - IN_FLIGHT)
-    failed = {code: count for code, count in codes.items() if code != "OK" and count}
-    if failed:
-        raise RuntimeError(f"{protocol} requests failed: {failed}")
-    return round(codes.get("OK", 0)), elapsed, {role: after[role] - before[role] for role in pids}
+    requests = h2load.answered_ok(answered, answered_after, IN_FLIGHT)
+    return requests, elapsed, {role: after[role] - before[role] for role in pids}
 
 
 def measure(server: RunningServer, protocol: str, seconds: float) -> Load:
