@@ -29,6 +29,7 @@ def test_each_role_is_found_and_the_engine_socket_is_the_one_it_listens_on(serve
         engine_socket(by_role["frontend 1"])
 
 
+@pytest.mark.usefixtures("h2load_installed")
 @pytest.mark.parametrize("protocol", ["grpc", "openai"])
 def test_the_cpu_of_each_role_is_read_per_request(server: RunningServer, protocol: str) -> None:
     load = measure(server, protocol, seconds=1.5)

@@ -11,6 +11,7 @@ from tools.bench import TINY_MODEL
 from tools.served_bench import line, measure
 
 
+@pytest.mark.usefixtures("h2load_installed")
 def test_one_round_measures_the_server_and_the_model_in_process(tiny_repository: Path) -> None:
     result = measure(tiny_repository, TINY_MODEL, "fp32", "auto", threads=1, seconds=0.5)
     # Every figure comes from something that ran: the server's own counters, h2load's log, this process.
@@ -30,6 +31,7 @@ def test_answers_other_than_ok_stop_a_measurement() -> None:
         h2load.answered_ok(before, {"OK": 110.0, "RESOURCE_EXHAUSTED": 3.0}, in_flight=32)
 
 
+@pytest.mark.usefixtures("h2load_installed")
 def test_a_failing_h2load_run_says_why(tmp_path: Path) -> None:
     body = tmp_path / "body"
     body.write_bytes(b"")
