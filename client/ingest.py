@@ -201,7 +201,7 @@ class Ingestion:
                 await window.acquire()
                 batch = await work.take()
                 if batch is None:
-                    await call.done_writing()
+                    await _half_close(call)
                     return
                 pending[str(batch.number)] = batch  # before any wait: a cancelled send never loses it
                 await call.write(self.request(batch))
@@ -260,6 +260,18 @@ class Ingestion:
         while True:
             await asyncio.sleep(CHECKPOINT_INTERVAL_S)
             self.checkpoint.save()
+
+
+async def _half_close(call: grpc.aio.StreamStreamCall) -> None:
+    """Close the stream's sending side, which the server may have ended first (a drain): that is no failure.
+
+    grpcio's asyncio client turns a write that meets the stream's end into a status (see
+    _stream_end), but lets a half-close that meets it raise grpc.aio.InternalError (its
+    ExecuteBatchError). Nothing is left to send then, and the stream's status, read by the
+    receiving side, says how the stream ended.
+    """
+    with contextlib.suppress(grpc.aio.InternalError):
+        await call.done_writing()
 
 
 def _stream_end(error: EmbeddingError) -> EmbeddingError:

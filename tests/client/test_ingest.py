@@ -8,6 +8,7 @@ at all still shows: each row must equal its own text's vector.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from client import EmbeddingClient
 from client.__main__ import main
 from client.checkpoint import Checkpoint
 from client.errors import error_of
-from client.ingest import GRPC_WRITE_RACE_DETAILS, IngestSettings, _stream_end, embed_file
+from client.ingest import GRPC_WRITE_RACE_DETAILS, IngestSettings, _half_close, _stream_end, embed_file
 from tests.conftest import TINY_MODEL
 from tests.servers import ROOT, RunningServer, free_port, launch_server, metric_samples, metric_value, start_server
 from tools.loadtest.corpus import load_corpus
@@ -280,3 +281,24 @@ def test_grpcios_write_race_is_a_stream_the_server_ended() -> None:
     assert raced.code == grpc.StatusCode.UNAVAILABLE and GRPC_WRITE_RACE_DETAILS in raced.message
     other = _stream_end(error_of(grpc.StatusCode.INTERNAL, "the model failed"))
     assert other.code == grpc.StatusCode.INTERNAL and other.message == "the model failed"
+
+
+class _EndedStream:
+    """The sending side of a stream the server ended as the client closed it: done_writing raises `error`.
+
+    grpcio's asyncio call raises its ExecuteBatchError (a grpc.aio.InternalError) there when the
+    connection closes as the half-close is sent (seen once in a drain mid-ingestion). That race
+    cannot be forced against a real server, so this stands in for the call.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    async def done_writing(self) -> None:
+        raise self._error
+
+
+def test_a_half_close_that_meets_the_streams_end_is_no_failure() -> None:
+    asyncio.run(_half_close(_EndedStream(grpc.aio.InternalError("SendCloseFromClientOperation failed"))))
+    with pytest.raises(asyncio.CancelledError):  # anything else still ends the stream's sender
+        asyncio.run(_half_close(_EndedStream(asyncio.CancelledError())))
