@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Debian packages (need root): prometheus (promtool and a server) for the monitoring tests,
-# libb64-0d, which perf_analyzer links, and nghttp2-client (h2load, tools.capacity_bench's client).
+# libb64-0d, which perf_analyzer links, and nghttp2-client (h2load, the capacity and served benches' client).
 system-packages:
 	@missing=""; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
@@ -24,7 +24,7 @@ system-packages:
 	command -v h2load >/dev/null 2>&1 || missing="$$missing nghttp2-client"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
-		else echo "install Debian's$$missing packages: promtool for the monitoring tests, libb64 for perf_analyzer, h2load for the capacity bench" >&2; fi; \
+		else echo "install Debian's$$missing packages: promtool for the monitoring tests, libb64 for perf_analyzer, h2load for the benches" >&2; fi; \
 	fi
 
 setup: $(VENV)/.installed system-packages
