@@ -57,11 +57,6 @@ from tools.protocols_bench import SENTENCE, grpc_request
 
 ROUNDS = 3
 """Each figure is the median of this many rounds (a shared machine's speed drifts from second to second)."""
-CONNECTIONS = 16
-"""gRPC's HTTP/2 connections (IN_FLIGHT streams over them); HTTP/1.1 takes one connection per request in flight."""
-IN_FLIGHT = 32
-WARM_UP_REQUESTS = 256
-"""Sent before each round is counted: every connection open, every front end warm."""
 SATURATION_IN_FLIGHT = 256
 SATURATION_RAMP_S = 0.5
 """Time for every caller to get its request in flight before the engine's CPU is counted."""
@@ -120,16 +115,12 @@ def load_command(
 
     `bodies` is the folder write_bodies wrote.
     """
-    length = {"seconds": seconds, "requests": requests}
     if protocol == "grpc":
-        url = f"http://{server.target}/inference.GRPCInferenceService/ModelInfer"
-        streams = IN_FLIGHT // CONNECTIONS
-        return h2load.command(
-            url, bodies / protocol, h2load.GRPC_HEADERS, connections=CONNECTIONS, streams=streams, **length
-        )
+        return h2load.model_infer(server.target, bodies / protocol, seconds=seconds, requests=requests)
     url = f"{server.http_url}/v1/embeddings"
+    json_type = ("content-type: application/json",)
     return h2load.command(
-        url, bodies / protocol, ("content-type: application/json",), connections=IN_FLIGHT, streams=0, **length
+        url, bodies / protocol, json_type, connections=h2load.IN_FLIGHT, streams=0, seconds=seconds, requests=requests
     )
 
 
@@ -141,18 +132,18 @@ def write_bodies(folder: Path) -> Path:
 
 
 def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[int, float, dict[str, float]]:
-    """IN_FLIGHT one-text requests for `seconds`: requests answered (status OK), seconds taken, CPU seconds per role.
+    """h2load.IN_FLIGHT one-text requests for `seconds`: requests answered (OK), seconds taken, CPU seconds per role.
 
     RuntimeError when requests fail (h2load.answered_ok).
     """
     with tempfile.TemporaryDirectory() as scratch:
         bodies = write_bodies(Path(scratch))
-        h2load.run(load_command(server, protocol, bodies, requests=WARM_UP_REQUESTS))
+        h2load.run(load_command(server, protocol, bodies, requests=h2load.WARM_UP_REQUESTS))
         pids = roles(server)
         answered, before, started = server.answered(TINY_MODEL), _cpu(pids), time.monotonic()
         h2load.run(load_command(server, protocol, bodies, seconds=seconds))
         elapsed, after, answered_after = time.monotonic() - started, _cpu(pids), server.answered(TINY_MODEL)
-    requests = h2load.answered_ok(answered, answered_after, IN_FLIGHT)
+    requests = h2load.answered_ok(answered, answered_after, h2load.IN_FLIGHT)
     return requests, elapsed, {role: after[role] - before[role] for role in pids}
 
 
@@ -262,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     for transport in transports:
         lines.append(
             f"gRPC on {transport}: {arguments.frontends} front ends + engine, tiny model, one-text requests,"
-            f" {IN_FLIGHT} in flight:"
+            f" {h2load.IN_FLIGHT} in flight:"
         )
         protocols = figures["transports"][transport] = {}
         for load, lone in zip(loads[transport], alone[transport], strict=True):

@@ -18,6 +18,13 @@ from protocol import grpc_service_pb2 as pb
 
 EXECUTABLE = "h2load"
 GRPC_HEADERS = ("content-type: application/grpc", "te: trailers")
+MODEL_INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
+IN_FLIGHT = 32
+"""The benches' load: requests in flight at once."""
+GRPC_CONNECTIONS = 16
+"""The HTTP/2 connections gRPC's requests in flight share (HTTP/1.1 takes a connection per request)."""
+WARM_UP_REQUESTS = 256
+"""Sent before a measurement counts: every connection open, every front end warm."""
 
 
 def executable() -> str:
@@ -66,6 +73,22 @@ def command(
         *header_flags,
         url,
     ]
+
+
+def model_infer(
+    target: str,
+    body: Path,
+    *,
+    connections: int = GRPC_CONNECTIONS,
+    streams: int = IN_FLIGHT // GRPC_CONNECTIONS,
+    seconds: float = 0,
+    requests: int = 0,
+    log: Path | None = None,
+) -> list[str]:
+    """ModelInfer calls of `body` (grpc_body) to the gRPC port at `target` (host:port); as `command`."""
+    url = f"http://{target}{MODEL_INFER_PATH}"
+    length = {"seconds": seconds, "requests": requests, "log": log}
+    return command(url, body, GRPC_HEADERS, connections=connections, streams=streams, **length)
 
 
 def run(arguments: list[str]) -> None:

@@ -10,12 +10,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from service.processes import children
 
@@ -106,24 +108,26 @@ class RunningServer:
         """The /metrics endpoint."""
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
+    def _samples(self, model: str) -> Iterator[Sample]:
+        """The model's samples on /metrics now (every version)."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        for family in text_string_to_metric_families(text):
+            yield from (sample for sample in family.samples if sample.labels.get("model") == model)
+
     def batch_totals(self, model: str) -> tuple[float, float]:
         """(rows, batches) the model has run so far, every version, from /metrics (encoder_batch_size)."""
-        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
         totals = {BATCH_ROWS: 0.0, BATCHES_RUN: 0.0}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in totals and sample.labels.get("model") == model:
-                    totals[sample.name] += sample.value
+        for sample in self._samples(model):
+            if sample.name in totals:
+                totals[sample.name] += sample.value
         return totals[BATCH_ROWS], totals[BATCHES_RUN]
 
     def answered(self, model: str) -> dict[str, float]:
         """Requests for the model answered so far, by status code (encoder_requests_total), from /metrics."""
-        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
         codes: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == ANSWERED and sample.labels.get("model") == model:
-                    codes[sample.labels["code"]] = codes.get(sample.labels["code"], 0.0) + sample.value
+        for sample in self._samples(model):
+            if sample.name == ANSWERED:
+                codes[sample.labels["code"]] = codes.get(sample.labels["code"], 0.0) + sample.value
         return codes
 
     def log(self) -> str:

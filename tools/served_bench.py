@@ -39,9 +39,6 @@ from tools.bench import CEILING_BATCH
 from tools.local_server import RunningServer, start_server
 from tools.protocols_bench import SENTENCE, grpc_request
 
-IN_FLIGHT = 32
-CONNECTIONS = 16
-WARM_UP_REQUESTS = 256
 LATENCY_REQUESTS = 1000
 BATCH_ONE_RUNS = 300
 TARGET_SHARE = {"fp32": 0.9, "int8": 0.8}
@@ -106,20 +103,16 @@ class InProcess:
 
 
 def _served(server: RunningServer, model: str, body: Path, seconds: float, scratch: Path) -> tuple[float, float, float]:
-    """(requests/s at IN_FLIGHT, rows per model run meanwhile, one call at a time's median ms)."""
-    url = f"http://{server.target}/inference.GRPCInferenceService/ModelInfer"
-    concurrent = {"connections": CONNECTIONS, "streams": IN_FLIGHT // CONNECTIONS}
-    h2load.run(h2load.command(url, body, h2load.GRPC_HEADERS, requests=WARM_UP_REQUESTS, **concurrent))
+    """(requests/s at h2load.IN_FLIGHT, rows per model run meanwhile, one call at a time's median ms)."""
+    h2load.run(h2load.model_infer(server.target, body, requests=h2load.WARM_UP_REQUESTS))
     answered, batches, started = server.answered(model), server.batch_totals(model), time.monotonic()
-    h2load.run(h2load.command(url, body, h2load.GRPC_HEADERS, seconds=seconds, **concurrent))
+    h2load.run(h2load.model_infer(server.target, body, seconds=seconds))
     elapsed = time.monotonic() - started
-    requests = h2load.answered_ok(answered, server.answered(model), IN_FLIGHT)
+    requests = h2load.answered_ok(answered, server.answered(model), h2load.IN_FLIGHT)
     rows, runs = (after - before for after, before in zip(server.batch_totals(model), batches, strict=True))
     log = scratch / "single.log"
     answered = server.answered(model)
-    h2load.run(
-        h2load.command(url, body, h2load.GRPC_HEADERS, requests=LATENCY_REQUESTS, connections=1, streams=1, log=log)
-    )
+    h2load.run(h2load.model_infer(server.target, body, requests=LATENCY_REQUESTS, connections=1, streams=1, log=log))
     h2load.answered_ok(answered, server.answered(model), 0)
     return requests / elapsed, rows / runs, statistics.median(h2load.latencies_ms(log))
 
