@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,17 @@ def metric_samples(server: RunningServer) -> MetricSamples:
 def metric_value(samples: MetricSamples, name: str, **labels: str) -> float:
     """One sample's value (0 when absent: counters and gauges start there)."""
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    """Ask `condition` until it holds: how a test waits for something the server does in its own time.
+
+    The timeout only bounds a wait for something that should happen; it is never what a test asserts.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never {what} within {timeout_s} s"
+        time.sleep(0.05)
 
 
 def wait_for_metric(server: RunningServer, name: str, value: float, timeout_s: float = 30, **labels: str) -> None:

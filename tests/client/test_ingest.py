@@ -13,7 +13,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -28,7 +27,16 @@ from client.checkpoint import Checkpoint
 from client.errors import error_of
 from client.ingest import GRPC_WRITE_RACE_DETAILS, IngestSettings, _half_close, _stream_end, embed_file
 from tests.conftest import TINY_MODEL
-from tests.servers import ROOT, RunningServer, free_port, launch_server, metric_samples, metric_value, start_server
+from tests.servers import (
+    ROOT,
+    RunningServer,
+    free_port,
+    launch_server,
+    metric_samples,
+    metric_value,
+    start_server,
+    wait_until,
+)
 from tools.loadtest.corpus import load_corpus
 
 DISTINCT = 2000
@@ -82,13 +90,6 @@ def answered(server: RunningServer) -> float:
     return metric_value(metric_samples(server), "encoder_requests_total", model=TINY_MODEL, version="1", code="OK")
 
 
-def wait_for(condition: object, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"never {what} within {timeout_s} s"
-        time.sleep(0.05)
-
-
 def serve_on(port: int, repository: Path, log_path: Path) -> RunningServer:
     """A server on a given gRPC port (the same address again after a restart)."""
     server = launch_server(repository, log_path, "--grpc-port", str(port))
@@ -110,7 +111,7 @@ def test_a_server_drained_and_restarted_mid_run_loses_and_repeats_nothing(
     output = tmp_path / "vectors.npy"
     run = cli("embed", str(input_file), "--output", str(output), "--target", f"127.0.0.1:{port}", "--model", TINY_MODEL)
     try:
-        wait_for(lambda: answered(first) >= 40, "40 requests answered")  # of 313
+        wait_until(lambda: answered(first) >= 40, "40 requests answered")  # of 313
         assert first.stop() == 0  # SIGTERM: a drain that ends the open streams; exit 0
         with serve_on(port, tiny_repository, tmp_path / "second.log") as second:
             summary = finished(run)
@@ -137,7 +138,7 @@ def test_resume_after_sigkill_does_only_the_rest(
         return record.is_file() and json.loads(record.read_text())["finished"] != []
 
     try:
-        wait_for(some_rows_recorded, "a checkpoint with finished rows")
+        wait_until(some_rows_recorded, "a checkpoint with finished rows")
     finally:
         killed.send_signal(signal.SIGKILL)
         killed.wait()
