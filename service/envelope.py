@@ -108,7 +108,7 @@ class _CountedInference:
         try:
             if context.tenant is not None:
                 context.tenant.admit()
-            result = await self._engine.infer(self._request, context.deadline, context.trace)
+            result = await self._engine.infer(self._request, context.deadline, context.trace, context.tenant)
             tracked.inferred(result.rows, result.queue_s, result.compute_s)
             if context.tenant is not None:
                 context.tenant.charge(result.prompt_tokens)

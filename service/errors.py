@@ -82,14 +82,17 @@ class Overloaded(ServiceError):
 
     kind = Kind.OVERLOADED
 
+    def __init__(self, message: str, reason: str | None = None, retry_after_s: int | None = None) -> None:
+        super().__init__(message, reason)
+        self.retry_after_s = retry_after_s
+        """Whole seconds until a retry may be let in (HTTP's Retry-After, gRPC's retry-after), where known."""
+
 
 class OverLimit(Overloaded):
     """A tenant over one of its limits (service.ops.tenants): refused until its bucket has refilled."""
 
     def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
-        super().__init__(message, reason)
-        self.retry_after_s = retry_after_s
-        """Whole seconds until the limit lets a request of the tenant in again (HTTP's Retry-After)."""
+        super().__init__(message, reason, retry_after_s)
 
 
 class TooLarge(ServiceError):

@@ -3,14 +3,16 @@
 Callers `submit` a request's token rows (admitted there, or refused at once when the queue is full)
 and await them back, in their own order; `check_room` refuses early what `submit` would. The queue
 holds requests, the batches hold rows: whenever a request arrives or an instance finishes, and an
-instance is idle, a batch is formed from the waiting rows of every queued request — the longest
-waiting row of the request at the head of the queue, then the waiting rows nearest its length (older
-requests first among equals), up to `max_batch_size` rows and `max_batch_tokens` padded tokens (rows
-x the batch's longest), none of them padded far past its own length (the policy's padding factor and
-slack), waiting no longer than `max_queue_delay` after the oldest request arrived. Each batch is
-padded to its own longest row. A request larger than one batch (over `max_batch_size` rows) goes to
-the back of the queue after each batch it leads, so it is spread over batches by length while others
-are served between them; smaller requests lead in the order they came.
+instance is idle, a batch is formed from the waiting rows of the level whose turn it is
+(service.core.schedule: priorities, tenants' fair shares) — the longest waiting row of the request
+that leads, then the waiting rows nearest its length (earlier turns first among equals), up to
+`max_batch_size` rows and `max_batch_tokens` padded tokens (rows x the batch's longest), none of them
+padded far past its own length (the policy's padding factor and slack), waiting no longer than
+`max_queue_delay` after the oldest request arrived. Each batch is padded to its own longest row.
+
+A request is refused at once when the queue at its priority or above holds `max_queue_size`
+requests, `max_queue_rows` rows or `max_queue_tokens` tokens: a bulk backlog never refuses a query
+of a higher priority.
 
 Cancelled and expired requests leave the queue at once and their waiting rows never run; rows of
 theirs already in a running batch are discarded when it returns. Every batch resolves every one
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -36,8 +39,9 @@ import numpy as np
 
 from service.core.layout import Group, padded_feed, place_outputs, request_outputs
 from service.core.policy import SELECTION_WINDOW_BATCHES, BatchingPolicy, select_rows
-from service.core.rows import Done, TokenRows, WorkItem, WorkResult
-from service.errors import DeadlineExceeded, ModelFailure, Overloaded, Unavailable, past_deadline
+from service.core.rows import DEFAULT_SHARE, Done, Share, TokenRows, WorkItem, WorkResult
+from service.core.schedule import RunQueue
+from service.errors import DeadlineExceeded, InvalidArgument, ModelFailure, Overloaded, Unavailable, past_deadline
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
 
@@ -130,9 +134,10 @@ class Batcher:
         self._statistics = statistics.TABLES.of(*self._labels, policy.max_batch_size)
         self._output_names = output_names
         self._runners = list(runners)
-        self._pending: list[WorkItem] = []
-        """Requests with rows waiting for a batch, in the order they get to lead one."""
-        self._waiting_rows = 0
+        self._pending = RunQueue(policy.priority_levels, policy.min_lower_priority_share)
+        """Requests with rows waiting for a batch, by priority level and turn."""
+        self._tokens_per_s = 0.0
+        """The model's recent rate (real tokens per second of run), for how long a full queue takes to clear."""
         self._idle: list[_Instance] = []
         self._instances: list[_Instance] = []
         self._running: set[_Batch] = set()
@@ -168,21 +173,33 @@ class Batcher:
         """Whether at least one instance is in service (not stuck in an overlong run)."""
         return self._stuck < len(self._runners)
 
-    def check_room(self) -> None:
-        """Refuse at once (ServiceError) a new request now: closing, no instance in service, or the queue full."""
+    def check_room(self, priority: int = 0) -> None:
+        """Refuse at once (ServiceError) a new request now: closing, no instance in service, or the queue full.
+
+        `priority`: the request's level (0: the lowest, which every queued row is ahead of).
+        """
         if self._closing:
             raise Unavailable("the model is shutting down")
-        self._check_capacity()
+        self._check_capacity(priority or self.policy.priority_levels)
 
-    def _check_capacity(self) -> None:
+    def _check_capacity(self, priority: int) -> None:
         if not self.serving:
             raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
-        waiting = len(self._pending)
-        if waiting >= self.policy.max_queue_size:
-            raise Overloaded(
-                f"queue full: {waiting} requests waiting (--max-queue-size {self.policy.max_queue_size}); retry later",
-                "queue_full",
-            )
+        requests, rows, tokens = self._pending.ahead(priority)
+        policy = self.policy
+        for held, bound, what, setting in (
+            (requests, policy.max_queue_size, "requests", "--max-queue-size"),
+            (rows, policy.max_queue_rows, "rows", "--max-queue-rows"),
+            (tokens, policy.max_queue_tokens, "tokens", "--max-queue-tokens"),
+        ):
+            if bound and held >= bound:
+                at = f" at priority {priority} or higher" if policy.priority_levels > 1 else ""
+                retry_after_s = max(1, math.ceil(tokens / self._tokens_per_s)) if self._tokens_per_s else 1
+                raise Overloaded(
+                    f"queue full: {held} {what} waiting{at} ({setting} {bound}); retry in {retry_after_s} s",
+                    "queue_full",
+                    retry_after_s,
+                )
 
     def enqueue(
         self,
@@ -192,6 +209,7 @@ class Batcher:
         on_done: Done | None = None,
         *,
         trace: SpanContext | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> WorkItem:
         """Admit a request's rows into the queue, or refuse them (no instance in service, queue full, stopped).
 
@@ -199,17 +217,22 @@ class Batcher:
         began to close (their callers were told nothing else), until it stops. `on_done` is told the
         WorkResult once all rows are back, or the error; without it the item has a `future` to await
         instead. A caller that goes away calls `cancel`. `trace`: the request's span context, for its
-        batches' spans.
+        batches' spans. `share`: its priority and tenant (service.core.schedule).
         """
-        self._check_capacity()
+        if not 1 <= share.priority <= self.policy.priority_levels:
+            raise InvalidArgument(
+                f"priority {share.priority} is not a level of this model (1, the highest, to"
+                f" {self.policy.priority_levels})"
+            )
+        self._check_capacity(share.priority)
         if self._stopped:
             raise Unavailable("the model is shutting down")
         loop = self._loop
-        item = WorkItem(rows, outputs, None if on_done is not None else loop.create_future(), deadline, trace)
+        future = None if on_done is not None else loop.create_future()
+        item = WorkItem(rows, outputs, future, deadline, trace, share=share)
         item.on_done = on_done
-        self._pending.append(item)
+        self._pending.add(item)
         self._statistics.set_pending(len(self._pending))
-        self._waiting_rows += len(item.waiting)
         if not self._dispatch_scheduled:
             # After the callbacks ready now: requests arriving in the same loop step batch together.
             self._dispatch_scheduled = True
@@ -229,9 +252,10 @@ class Batcher:
         outputs: tuple[str, ...],
         deadline: float | None,
         trace: SpanContext | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> WorkResult:
         """Queue a request's rows and wait for all of them (see `enqueue`)."""
-        item = self.enqueue(rows, outputs, deadline, trace=trace)
+        item = self.enqueue(rows, outputs, deadline, trace=trace, share=share)
         try:
             return await item.future
         except asyncio.CancelledError:
@@ -258,9 +282,8 @@ class Batcher:
         """Take a request's waiting rows out of the queue; False if none were waiting."""
         if not item.waiting:
             return False
-        self._waiting_rows -= len(item.waiting)
-        item.waiting = []
         self._pending.remove(item)
+        item.waiting = []
         self._statistics.set_pending(len(self._pending))
         return True
 
@@ -301,18 +324,18 @@ class Batcher:
                     if wait_s > 0:
                         self._delay_timer = self._loop.call_later(wait_s, self._dispatch)
                         return
-                self._start(self._idle.pop(0), self._take(select_rows(self._pending, self.policy)))
+                leading = self._pending.leading()
+                self._start(self._idle.pop(0), self._take(leading, select_rows(leading, self.policy)))
         except Exception:
             # Never die quietly: fail what is queued and keep serving.
             log.exception("batch formation failed")
             self._fail(list(self._pending), ModelFailure("batch formation failed; see the server log"))
 
-    def _take(self, chosen: list[tuple[WorkItem, int]]) -> list[Group]:
-        """Take the chosen rows out of the queue: each request's rows together, in its order.
+    def _take(self, leading: list[WorkItem], chosen: list[tuple[WorkItem, int]]) -> list[Group]:
+        """Take the chosen rows (of the `leading` requests) out of the queue: each request's rows together, in order.
 
-        A leading request larger than one batch (more than max_batch_size rows) goes to the back of
-        the queue if it still has rows waiting; a smaller one keeps its place, so requests finish
-        in the order they came. Requests left with no waiting rows leave the queue.
+        The queue then moves on (service.core.schedule): requests left with no waiting rows leave it,
+        a leader larger than one batch waits behind its tenant's later requests.
         """
         by_item: dict[WorkItem, list[int]] = {}
         for item, row in chosen:
@@ -324,17 +347,9 @@ class Batcher:
             else:
                 taken = set(rows)
                 item.waiting = [row for row in item.waiting if row not in taken]
-            rows.sort()
-            groups.append(Group(item, rows, start))
+            groups.append(Group(item, sorted(rows), start))
             start += len(rows)
-        self._waiting_rows -= start
-        leader = self._pending[0]
-        if leader.waiting and len(leader.lengths) > self.policy.max_batch_size:
-            # More than a batch's worth of rows: the rest waits its turn behind the requests queued after it.
-            self._pending = [item for item in self._pending if item.waiting and item is not leader]
-            self._pending.append(leader)
-        else:
-            self._pending = [item for item in self._pending if item.waiting]
+        self._pending.taken(leading, by_item, self.policy.max_batch_size)
         self._statistics.set_pending(len(self._pending))
         return groups
 
@@ -359,10 +374,11 @@ class Batcher:
 
     def _full(self) -> bool:
         """Whether the waiting rows fill a batch (its rows, or its tokens at the longest waiting row)."""
-        if self._waiting_rows >= self.policy.max_batch_size:
+        waiting_rows = self._pending.waiting_rows
+        if waiting_rows >= self.policy.max_batch_size:
             return True
         longest = max(item.next_length for item in self._pending)
-        return self._waiting_rows * longest >= self.policy.max_batch_tokens
+        return waiting_rows * longest >= self.policy.max_batch_tokens
 
     def _drop_dead(self) -> None:
         """Remove cancelled requests and fail expired ones among those the next batch is chosen from, counting both.
@@ -372,7 +388,7 @@ class Batcher:
         closes the gap until those run, for the requests a batch could take now.
         """
         now = time.monotonic()
-        readable = self._pending[: self.policy.max_batch_size * SELECTION_WINDOW_BATCHES + 1]
+        readable = self._pending.leading()[: self.policy.max_batch_size * SELECTION_WINDOW_BATCHES + 1]
         dead = [item for item in readable if item.settled or (item.deadline is not None and item.deadline <= now)]
         for item in dead:
             self._abandon(item)
@@ -438,6 +454,9 @@ class Batcher:
         model_metrics.padding_ratio.observe(1.0 - batch.real_tokens / (rows * length))
         model_metrics.sequences.inc(rows)
         model_metrics.tokens.inc(batch.real_tokens)
+        if compute_s > 0:
+            rate = batch.real_tokens / compute_s
+            self._tokens_per_s = rate if not self._tokens_per_s else 0.8 * self._tokens_per_s + 0.2 * rate
         self._statistics.record_execution(rows, compute_s)
 
     def _overran(self, batch: _Batch) -> None:

@@ -53,7 +53,9 @@ class EngineProcess:
         try:
             queue = self.host.batcher(message.model, message.version)
             trace = None if message.trace is None else tracing.from_wire(message.trace)
-            item = queue.enqueue(rows, message.outputs, message.deadline, on_done=self._on_done, trace=trace)
+            item = queue.enqueue(
+                rows, message.outputs, message.deadline, on_done=self._on_done, trace=trace, share=message.share
+            )
         except ServiceError as error:
             connection.fail(message.id, error)
             return

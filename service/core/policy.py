@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.core.repository import ModelSpec
+from service.core.repository import ModelSpec, RepositoryError
 from service.core.rows import WorkItem
 from service.ops.settings import Settings
 
@@ -32,7 +32,17 @@ class BatchingPolicy:
     max_queue_delay_s: float
     """Longest the oldest request waits for a fuller batch."""
     max_queue_size: int
-    """Requests waiting before new ones are rejected."""
+    """Requests waiting (at a new request's priority or higher) before it is rejected."""
+    max_queue_rows: int = 0
+    """Rows waiting (at a new request's priority or higher) before it is rejected; 0 = no such bound."""
+    max_queue_tokens: int = 0
+    """Tokens of the rows waiting (at a new request's priority or higher) before it is rejected; 0 = no such bound."""
+    priority_levels: int = 1
+    """Priorities a request may wait at, 1 the highest (Triton's priority_levels)."""
+    default_priority: int = 1
+    """The priority of a request that names none and whose tenant sets none."""
+    min_lower_priority_share: float = 0.1
+    """While a lower priority has rows waiting, at least this share of batches is its (0: strict priority)."""
     length_bucket: int = 1
     """Batch length is rounded up to a multiple of this (bounds the shapes a GPU sees)."""
     pad_token_id: int = 0
@@ -109,6 +119,10 @@ def select_rows(pending: Sequence[WorkItem], policy: BatchingPolicy) -> list[tup
     return chosen
 
 
+DEFAULT_PRIORITY_LEVELS = 2
+"""Priorities of a model whose settings and config.pbtxt name none: 1 for interactive requests (the default),
+2 for bulk work (the ingestion client's default)."""
+
 # Defaults that depend on the device (settings of 0 mean "auto").
 CUDA_LENGTH_BUCKET = 32
 CPU_MAX_BATCH_TOKENS = 4096
@@ -129,12 +143,24 @@ def batching_policy(spec: ModelSpec, settings: Settings, device: str) -> Batchin
         settings.max_queue_delay_us if settings.max_queue_delay_us >= 0 else batching.max_queue_delay_microseconds
     )
     padding = CUDA_PADDING if device == "cuda" else CPU_PADDING
+    levels = settings.priority_levels or batching.priority_levels or DEFAULT_PRIORITY_LEVELS
+    default_priority = settings.default_priority or batching.default_priority_level or 1
+    if default_priority > levels:
+        raise RepositoryError(
+            f"{spec.name}: the default priority {default_priority} is not one of its {levels} priority levels"
+            " (--default-priority, or default_priority_level in config.pbtxt)"
+        )
     return BatchingPolicy(
         max_batch_size=settings.max_batch_size or spec.max_batch_size,
         max_batch_tokens=settings.max_batch_tokens
         or (CUDA_MAX_BATCH_TOKENS if device == "cuda" else CPU_MAX_BATCH_TOKENS),
         max_queue_delay_s=delay_us / 1e6,
         max_queue_size=settings.max_queue_size or batching.default_queue_policy.max_queue_size or 1024,
+        max_queue_rows=settings.max_queue_rows,
+        max_queue_tokens=settings.max_queue_tokens,
+        priority_levels=levels,
+        default_priority=default_priority,
+        min_lower_priority_share=settings.min_lower_priority_share,
         length_bucket=settings.length_bucket or (CUDA_LENGTH_BUCKET if device == "cuda" else 1),
         pad_token_id=spec.pad_token_id,
         max_batch_run_s=settings.max_batch_run_s,

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from service.core.rows import TokenRows, WorkResult
+from service.core.rows import DEFAULT_SHARE, Share, TokenRows, WorkResult
 from service.core.wire import EngineLink
 from service.errors import Unavailable
 from service.ops.tracing import to_wire
@@ -51,8 +51,8 @@ class RemoteQueue:
             if self.on_serving_change is not None:
                 self.on_serving_change(serving)
 
-    def check_room(self) -> None:
-        """Refuse at once while draining or with no instance in service; takes no place."""
+    def check_room(self, priority: int = 0) -> None:
+        """Refuse at once while draining or with no instance in service; takes no place (the engine's queue decides)."""
         if self._closing:
             raise Unavailable("the model is shutting down")
         if not self._serving:
@@ -64,6 +64,7 @@ class RemoteQueue:
         outputs: tuple[str, ...],
         deadline: float | None,
         trace: SpanContext | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> WorkResult:
         """Send the rows to the engine, whose batcher admits or refuses them, and wait for their outputs.
 
@@ -72,7 +73,9 @@ class RemoteQueue:
         `trace` (the request's span context) goes with them, for the span of the batch they run in.
         """
         wire = to_wire(trace)
-        request_id, future = self._link.submit(self._model, self._version, rows, outputs, deadline, trace=wire)
+        request_id, future = self._link.submit(
+            self._model, self._version, rows, outputs, deadline, trace=wire, share=share
+        )
         self._inflight += 1
         try:
             return await future

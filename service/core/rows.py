@@ -168,6 +168,21 @@ class WorkResult(msgspec.Struct, gc=False):
     """Rows of the largest batch it rode in."""
 
 
+class Share(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Whose rows a request's are, and the priority they wait at: what orders them in the queue."""
+
+    priority: int = 1
+    """1 the highest, up to the model's priority levels."""
+    tenant: str = ""
+    """Whose request it is ("" without API keys): tenants of one priority share the engine by weight."""
+    weight: float = 1.0
+    """The tenant's weight in that share."""
+
+
+DEFAULT_SHARE = Share()
+"""A request with no priority, tenant or weight of its own."""
+
+
 Done = Callable[["WorkItem", "WorkResult | None", "Exception | None"], None]
 """Told a settled request: its result, or its error."""
 
@@ -189,6 +204,9 @@ class WorkItem:
         "owner",
         "results",
         "rows",
+        "sequence",
+        "share",
+        "start_tag",
         "starts",
         "trace",
         "unanswered",
@@ -202,8 +220,16 @@ class WorkItem:
         future: asyncio.Future[WorkResult] | None,
         deadline: float | None,
         trace: SpanContext | None = None,
+        *,
+        share: Share = DEFAULT_SHARE,
     ) -> None:
         self.rows = rows
+        self.share = share
+        """Its priority and whose it is: where it waits in the queue (service.core.schedule)."""
+        self.start_tag = 0.0
+        """Its turn among its level's tenants (service.core.schedule)."""
+        self.sequence = 0
+        """Its place in arrival order, among equal turns."""
         self.trace = trace
         """The request's span context (while tracing is on): its batches' spans link to it."""
         self.outputs = outputs

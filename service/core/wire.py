@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from service import errors
-from service.core.rows import TokenRows, WorkResult
+from service.core.rows import DEFAULT_SHARE, Share, TokenRows, WorkResult
 from service.errors import ServiceError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     """The request's span context (service.ops.tracing.to_wire) while tracing is on: 25 bytes."""
     adapted: bool = False
     """The rows carry adapter ids (a model with task adapters, a task asked for)."""
+    share: Share = DEFAULT_SHARE
+    """Its priority and tenant: where it waits in the engine's queue."""
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -81,6 +83,8 @@ class Failure(msgspec.Struct, array_like=True):
     kind: str
     message: str
     reason: str | None
+    retry_after_s: int | None = None
+    """An Overloaded error's hint: whole seconds before a retry may be let in."""
 
 
 class Answers(msgspec.Struct, tag=True, array_like=True):
@@ -138,12 +142,15 @@ _ERRORS = {
 
 def failure_of(error: ServiceError) -> Failure:
     """A typed error as it travels."""
-    return Failure(type(error).__name__, str(error), error.reason)
+    return Failure(type(error).__name__, str(error), error.reason, getattr(error, "retry_after_s", None))
 
 
 def error_of(failure: Failure) -> ServiceError:
     """The typed error a failure stands for."""
-    return _ERRORS.get(failure.kind, ServiceError)(failure.message, failure.reason)
+    kind = _ERRORS.get(failure.kind, ServiceError)
+    if issubclass(kind, errors.Overloaded):
+        return kind(failure.message, failure.reason, failure.retry_after_s)
+    return kind(failure.message, failure.reason)
 
 
 class _Outbox:
@@ -242,6 +249,7 @@ def submit_message(
     *,
     deadline: float | None,
     trace: bytes | None = None,
+    share: Share = DEFAULT_SHARE,
 ) -> tuple[Submit, list[memoryview]]:
     """A request's rows as they travel: the message and its arrays."""
     buffers = [
@@ -264,6 +272,7 @@ def submit_message(
         rows.token_type_ids is not None,
         trace,
         rows.adapter_ids is not None,
+        share,
     )
     return message, buffers
 
@@ -490,15 +499,18 @@ class EngineLink(_Frames):
         deadline: float | None,
         *,
         trace: bytes | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> tuple[int, asyncio.Future[WorkResult]]:
-        """Send a request's rows (and its span context); the future resolves with its outputs or its typed error."""
+        """Send a request's rows (its span context, its share); the future resolves with its outputs or its error."""
         if not self.connected:
             raise Unavailable("the engine process is gone; this server is stopping")
         self._next_id += 1
         request_id = self._next_id
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        message, buffers = submit_message(request_id, model, version, rows, outputs, deadline=deadline, trace=trace)
+        message, buffers = submit_message(
+            request_id, model, version, rows, outputs, deadline=deadline, trace=trace, share=share
+        )
         self._outbox.put(message, *buffers)
         return request_id, future
 

@@ -97,7 +97,46 @@ class Settings:
         default=-1, metadata=_doc("longest wait for a fuller batch, microseconds; -1 = the model's config.pbtxt")
     )
     max_queue_size: int = field(
-        default=0, metadata=_doc("queued requests per model before RESOURCE_EXHAUSTED; 0 = config.pbtxt")
+        default=0,
+        metadata=_doc(
+            "queued requests per model (at a new request's priority or higher) before RESOURCE_EXHAUSTED;"
+            " 0 = config.pbtxt, else 1024"
+        ),
+    )
+    max_queue_rows: int = field(
+        default=0,
+        metadata=_doc(
+            "queued rows (texts, pairs or sequences) per model at a new request's priority or higher before it is"
+            " refused RESOURCE_EXHAUSTED (HTTP 429) with a retry-after; 0 = no bound but --max-queue-size"
+        ),
+    )
+    max_queue_tokens: int = field(
+        default=0,
+        metadata=_doc(
+            "tokens of the rows queued per model at a new request's priority or higher before it is refused"
+            " RESOURCE_EXHAUSTED (HTTP 429) with a retry-after; 0 = no such bound"
+        ),
+    )
+    priority_levels: int = field(
+        default=0,
+        metadata=_doc(
+            "priorities a request may ask for (parameter or body field `priority`: 1 the highest), as Triton's"
+            " priority_levels; 0 = the model's config.pbtxt, else 2 (1 interactive, 2 bulk)"
+        ),
+    )
+    default_priority: int = field(
+        default=0,
+        metadata=_doc(
+            "priority of a request that names none and whose tenant sets none; 0 = the model's config.pbtxt"
+            " default_priority_level, else 1 (the highest)"
+        ),
+    )
+    min_lower_priority_share: float = field(
+        default=0.1,
+        metadata=_doc(
+            "while rows of a lower priority wait behind higher ones, at least this share of the model's batches is"
+            " theirs (0.1: one in ten), so no priority starves; 0 = strict priority"
+        ),
     )
     length_bucket: int = field(
         default=0,
@@ -304,6 +343,10 @@ class Settings:
             "gpu_mem_limit_bytes",
             "max_batch_size",
             "max_queue_size",
+            "max_queue_rows",
+            "max_queue_tokens",
+            "priority_levels",
+            "default_priority",
             "length_bucket",
             "inline_tokenize_chars",
             "chunk_overlap_tokens",
@@ -329,6 +372,12 @@ class Settings:
             raise SettingsError(
                 f"max_connection_age_s must be at most {MAX_CONNECTION_AGE_S} (gRPC takes it, and the age plus its"
                 f" grace, as 32-bit milliseconds), got {self.max_connection_age_s}"
+            )
+        if not 0 <= self.min_lower_priority_share <= 1:
+            raise SettingsError(f"min_lower_priority_share must be from 0 to 1, got {self.min_lower_priority_share}")
+        if self.priority_levels and self.default_priority > self.priority_levels:
+            raise SettingsError(
+                f"default_priority {self.default_priority} is not one of the {self.priority_levels} priority_levels"
             )
         if self.max_queue_delay_us < -1:
             raise SettingsError(

@@ -9,6 +9,8 @@ unlimited tenant named `default`, or a TOML file naming each tenant, its keys an
     requests_burst = 100
     tokens_per_minute = 200000     # optional; tokens_burst defaults to one minute's worth
     tokens_burst = 50000
+    weight = 3                     # optional (default 1): its share of a full engine against others of its priority
+    priority = 1                   # optional: the priority its requests wait at when they name none
 
 Limits are token buckets, one per tenant and limit, in each front-end process (each takes its share,
 1/--frontends, of every rate and burst). A request is refused at the engine's door when its tenant's
@@ -96,6 +98,10 @@ class TenantLimits:
     tokens_per_minute: float | None = None
     tokens_burst: float | None = None
     """Prompt tokens that may be used at once after a quiet spell; default one minute's worth."""
+    weight: float | None = None
+    """Its share of a full engine against the other tenants queued at the same priority; default 1."""
+    priority: float | None = None
+    """The priority (1 the highest) its requests wait at when they name none; default the model's."""
 
 
 def _retry_after_s(seconds: float) -> int:
@@ -110,6 +116,10 @@ class Tenant:
         self.name = name
         self.limits = limits
         self.metrics = metrics.of_tenant(name)
+        self.priority = int(limits.priority or 0)
+        """The priority its requests wait at when they name none (0: the model's default)."""
+        self.weight = limits.weight or 1.0
+        """Its share of a full engine against the other tenants queued at the same priority."""
         self._requests: TokenBucket | None = None
         self._tokens: TokenBucket | None = None
         if limits.requests_per_second is not None:
@@ -227,6 +237,8 @@ def _tenant_limits(tenant: str, table: object) -> TenantLimits:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
             raise ValueError(f"tenant {tenant!r}: {name} must be a positive number")
+        if name == "priority" and not isinstance(value, int):
+            raise ValueError(f"tenant {tenant!r}: priority must be a whole number, 1 (the highest) or more")
         values[name] = float(value)
     for burst, rate in (("requests_burst", "requests_per_second"), ("tokens_burst", "tokens_per_minute")):
         if burst in values and rate not in values:

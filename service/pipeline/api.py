@@ -30,6 +30,7 @@ from service.errors import ExecutionError, NotFound, TooLarge, Unavailable
 from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
+from service.ops.tenants import Tenant
 from service.pipeline.answers import RAW, AnswerBudget, HeldAnswer, value_bytes
 from service.pipeline.long_texts import combined, late_chunked
 from service.pipeline.models import ModelInfo, ServedModel
@@ -227,8 +228,8 @@ class Pipeline:
         return model
 
     def check_room(self, name: str, version: str = "") -> None:
-        """Refuse at once, before a request is read, what its model's queue would refuse now (ServiceError)."""
-        self.served(name, version).queue.check_room()
+        """Refuse at once, before a request is read, what its model's queue would refuse now at any priority."""
+        self.served(name, version).queue.check_room(1)
 
     def counters(self, name: str, version: str = "") -> tuple[metrics.ModelMetrics, StatisticsTable | None]:
         """Where a request for this model is counted: its metrics and Triton's statistics table.
@@ -242,12 +243,17 @@ class Pipeline:
         return metrics.of(metrics.UNKNOWN_MODEL), None
 
     async def infer(
-        self, request: InferenceRequest, deadline: float | None = None, trace: tracing.RequestTrace | None = None
+        self,
+        request: InferenceRequest,
+        deadline: float | None = None,
+        trace: tracing.RequestTrace | None = None,
+        tenant: Tenant | None = None,
     ) -> InferenceResult:
         """Check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError.
 
         `deadline`: the caller's (time.monotonic), if any. `trace`: the request's span (while tracing is
-        on), which gets the stages from here on. Counting and tenants are the envelope's (service.envelope).
+        on), which gets the stages from here on. `tenant`: whose request it is, for its place in the queue
+        (its priority and fair share); counting and tenants' limits are the envelope's (service.envelope).
         """
         model = self.served(request.model, request.version)
         with tracing.stage(trace, "validate"):
@@ -264,7 +270,7 @@ class Pipeline:
             return InferenceResult(
                 model.spec.name, model.spec.version, request.id, outputs, prompt_tokens, answer_bytes, valid.rows
             )
-        answered = await model.run(valid, deadline, request.encodings, self.answers, trace)
+        answered = await model.run(valid, deadline, request.encodings, self.answers, trace, tenant=tenant)
         work = answered.work
         if trace is not None:
             trace.answered(valid.rows, answered.prompt_tokens, work.batch_rows)

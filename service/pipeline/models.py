@@ -16,11 +16,12 @@ import numpy as np
 from service.core.placement import InstanceInfo
 from service.core.policy import BatchingPolicy
 from service.core.repository import ModelSpec
-from service.core.rows import TokenRows, WorkResult
+from service.core.rows import DEFAULT_SHARE, Share, TokenRows, WorkResult
 from service.errors import InvalidArgument, RequestTooLarge, Unavailable
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
+from service.ops.tenants import Tenant
 from service.pipeline import multivector
 from service.pipeline.answers import RAW, AnswerBudget, value_bytes
 from service.pipeline.embedding_types import TOKEN_STATES
@@ -60,8 +61,8 @@ class ModelQueue(Protocol):
         """Whether the model can run rows now (an instance in service)."""
         ...
 
-    def check_room(self) -> None:
-        """Refuse at once (ServiceError) what `submit` would refuse now, or any new request while closing."""
+    def check_room(self, priority: int = 0) -> None:
+        """Refuse at once (ServiceError) what `submit` would refuse now at `priority` (0: the lowest)."""
         ...
 
     async def submit(
@@ -70,12 +71,13 @@ class ModelQueue(Protocol):
         outputs: tuple[str, ...],
         deadline: float | None,
         trace: SpanContext | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> WorkResult:
         """Admit a request's rows (the one admission point, or a ServiceError), run them, return each requested output.
 
         Rows come back in the request's order. A closing queue still admits the rows of requests
         accepted before it began to close. `trace`: the request's span context (while tracing is on):
-        the span of a batch its rows run in links to it.
+        the span of a batch its rows run in links to it. `share`: its priority and tenant.
         """
         ...
 
@@ -136,6 +138,7 @@ class ServedModel:
             self.tokenizer is not None,
             policy.max_batch_size,
             TextLimits(settings.max_text_bytes, settings.max_request_text_bytes),
+            policy.priority_levels,
         )
         self.info = ModelInfo(spec, self.signature, policy, instances)
 
@@ -146,20 +149,23 @@ class ServedModel:
         encodings: dict[str, str],
         answers: AnswerBudget,
         trace: tracing.RequestTrace | None = None,
+        *,
+        tenant: Tenant | None = None,
     ) -> RowsAnswered:
         """Accept (or refuse at once), tokenise if needed, budget the answer, submit the rows and wait for them.
 
         `encodings`: how the front end sends each output (answers.RAW when absent). The answer's bytes as sent
         stay counted in `answers` until the front end releases them. Small
         texts are tokenised inline, larger ones on a worker. `trace`: the request's span (while tracing
-        is on), for the tokenize and queue stages.
+        is on), for the tokenize and queue stages. `tenant`: whose request it is (its share of the queue).
         """
         if request.timeout_s is not None:
             own_deadline = time.monotonic() + request.timeout_s
             deadline = own_deadline if deadline is None else min(deadline, own_deadline)
         if self._closing:
             raise Unavailable("the model is shutting down")
-        self.queue.check_room()
+        share = self.share(request.priority, tenant)
+        self.queue.check_room(share.priority)
         self.accepted += 1
         try:
             windows = spans = None
@@ -186,15 +192,26 @@ class ServedModel:
                 graph = (TOKEN_STATES,)
             try:
                 if trace is None:
-                    work = await self.queue.submit(rows, graph, deadline)
+                    work = await self.queue.submit(rows, graph, deadline, share=share)
                 else:
-                    work = await trace.queued(self.queue.submit(rows, graph, deadline, trace=trace.span_context))
+                    submitted = self.queue.submit(rows, graph, deadline, trace=trace.span_context, share=share)
+                    work = await trace.queued(submitted)
             except BaseException:
                 answers.release(answer_bytes)
                 raise
         finally:
             self.accepted -= 1
         return RowsAnswered(work, rows.real_tokens, answer_bytes, rows, windows, spans)
+
+    def share(self, priority: int, tenant: Tenant | None) -> Share:
+        """Where a request's rows wait, and its tenant's share among those of that priority.
+
+        The priority it asked for, else its tenant's (at most the model's lowest), else the model's default.
+        """
+        if tenant is None:
+            return Share(priority or self.policy.default_priority)
+        chosen = priority or min(tenant.priority, self.policy.priority_levels) or self.policy.default_priority
+        return Share(chosen, tenant.name, tenant.weight)
 
     async def tokens(
         self,

@@ -44,6 +44,12 @@ LATE_CHUNKING = "late_chunking"
 INSTRUCTION = "instruction"
 """A reranker's instruction for its pair template (Qwen3-Reranker's <Instruct>), in place of its default."""
 ADD_SPECIAL_TOKENS = "add_special_tokens"
+PRIORITY = "priority"
+"""The priority a request's rows wait at, 1 the highest (Triton's `priority` parameter; 0: the default)."""
+TIMEOUT = "timeout"
+"""How long a request may wait in the queue, microseconds (Triton's `timeout` parameter; 0: no bound)."""
+SCHEDULING = (PRIORITY, TIMEOUT)
+"""The parameters that place a request in the queue: every protocol takes them (JSON bodies as fields)."""
 """Whether the token outputs hold the special tokens the model adds (default true), as TEI's /tokenize asks."""
 REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
 """Token inputs a token request must carry; token_type_ids defaults to zeros."""
@@ -93,6 +99,8 @@ class ModelSignature:
     accepts_text: bool
     max_batch_size: int
     text_limits: TextLimits = TextLimits()
+    priority_levels: int = 1
+    """Priorities a request may ask for (1 the highest)."""
 
     @functools.cached_property
     def input_datatypes(self) -> dict[str, str]:
@@ -141,6 +149,8 @@ class ValidRequest:
     request's own adapter_ids)."""
     add_special_tokens: bool = True
     """Whether the token outputs hold the model's special tokens."""
+    priority: int = 0
+    """The priority asked for (1 the highest); 0: its tenant's, else the model's default."""
 
     @property
     def tokens_only(self) -> bool:
@@ -321,13 +331,29 @@ def add_special_tokens_choice(
     return special
 
 
+def scheduling_parameters(fields: dict[str, object]) -> dict[str, object]:
+    """The scheduling parameters (priority, timeout) among a JSON body's fields, where given."""
+    return {name: fields[name] for name in SCHEDULING if fields.get(name) is not None}
+
+
+def priority_choice(parameters: dict[str, object], levels: int) -> int:
+    """Triton's `priority` parameter: 1 (the highest) to the model's levels; 0 or absent: the default."""
+    value = parameters.get(PRIORITY, 0)
+    if type(value) is not int or not 0 <= value <= levels:
+        raise InvalidArgument(
+            f"parameter {PRIORITY} must be an integer from 1 (the highest) to {levels} (this model's priority levels),"
+            f" or 0 for the default; got {value!r}"
+        )
+    return value
+
+
 def timeout_s(parameters: dict[str, object]) -> float | None:
     """Triton's `timeout` parameter (microseconds, a non-negative integer; 0 = none) in seconds."""
-    if "timeout" not in parameters:
+    if TIMEOUT not in parameters:
         return None
-    value = parameters["timeout"]
+    value = parameters[TIMEOUT]
     if type(value) is not int or value < 0:
-        raise InvalidArgument("parameter timeout must be a non-negative integer (microseconds)")
+        raise InvalidArgument(f"parameter {TIMEOUT} must be a non-negative integer (microseconds)")
     return value / 1e6 if value else None
 
 
@@ -547,6 +573,7 @@ def validate(
         instruction=instruction_choice(parameters, spec, pairs),
         adapter_id=adapter_id if tokens is None or ADAPTER_IDS not in decoded else 0,
         add_special_tokens=add_special_tokens_choice(parameters, requested, texts, pairs),
+        priority=priority_choice(parameters, signature.priority_levels),
     )
 
 

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from protocol.retry_hint import RETRY_AFTER_METADATA
 from service import envelope
 from service.envelope import Envelope
-from service.errors import InvalidArgument, OverLimit, Unauthenticated
+from service.errors import InvalidArgument, Overloaded, Unauthenticated
 from service.frontends.grpc.status import status_of
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -44,7 +44,7 @@ def _parsed(raw: bytes, deserializer: Deserializer) -> Any:
 async def _abort_with_status(error: Exception, behaviour: object, context: grpc.aio.ServicerContext) -> None:
     """End the call with the status of the error it ends with (Envelope.failed: counted, or logged as INTERNAL)."""
     failure = Envelope.failed(error, getattr(behaviour, "__qualname__", str(behaviour)), context.peer())
-    if isinstance(failure, OverLimit):  # when the tenant's bucket lets it in again, as HTTP's Retry-After
+    if isinstance(failure, Overloaded) and failure.retry_after_s is not None:  # as HTTP's Retry-After
         context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(failure.retry_after_s)),))
     await context.abort(status_of(failure), str(failure))
 

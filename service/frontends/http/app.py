@@ -24,7 +24,7 @@ from typing import Any
 from protocol import grpc_service_pb2 as pb
 from service import envelope
 from service.envelope import Envelope, RequestContext
-from service.errors import InvalidArgument, NotFound, OverLimit, Overloaded, RequestTooLarge, ServiceError
+from service.errors import InvalidArgument, NotFound, Overloaded, RequestTooLarge, ServiceError
 from service.frontends import codec
 from service.frontends.http import cohere, kserve, openai, tei
 from service.frontends.http.errors import (
@@ -383,8 +383,8 @@ class HttpApp:
             headers.append((b"allow", ", ".join(error.allowed).encode()))
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
-        if isinstance(error, OverLimit):
-            # A tenant over its limit: when its bucket lets it in again.
+        if isinstance(error, Overloaded) and error.retry_after_s is not None:
+            # A tenant over its limit, or a full queue: when a retry may be let in.
             headers.append((b"retry-after", str(error.retry_after_s).encode()))
         elif status in (429, 503):
             # Queue full or draining: worth another try soon (on this pod or, behind a Service, another).

@@ -29,7 +29,15 @@ from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor,
 from service.pipeline.embedding_types import EMBEDDING_TYPES
 from service.pipeline.models import ModelInfo
 from service.pipeline.outputs import type_output
-from service.pipeline.validation import DIMENSIONS, INSTRUCTION, PROMPT_NAME, TEXT_INPUT, TRUNCATE
+from service.pipeline.validation import (
+    DIMENSIONS,
+    INSTRUCTION,
+    PROMPT_NAME,
+    SCHEDULING,
+    TEXT_INPUT,
+    TRUNCATE,
+    scheduling_parameters,
+)
 
 V2_ROUTES = frozenset({"/v2/embed"})
 """Cohere's v2 routes: their errors are Cohere's {"message"}."""
@@ -42,8 +50,9 @@ FIELDS = (
     "max_chunks_per_doc",
     "rank_fields",
     "instruction",
+    *SCHEDULING,
 )
-EMBED_FIELDS = ("model", "texts", "input_type", "embedding_types", "output_dimension", "truncate")
+EMBED_FIELDS = ("model", "texts", "input_type", "embedding_types", "output_dimension", "truncate", *SCHEDULING)
 EMBED_TYPES = (*EMBEDDING_TYPES, "base64")
 """Cohere's embedding_types: the served forms, and base64 (the float embedding's bytes)."""
 INPUT_TYPE_PROMPTS = {
@@ -118,7 +127,9 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
 
         return body
 
-    parameters = {INSTRUCTION: payload[INSTRUCTION]} if payload.get(INSTRUCTION) is not None else {}
+    parameters = scheduling_parameters(payload)
+    if payload.get(INSTRUCTION) is not None:
+        parameters[INSTRUCTION] = payload[INSTRUCTION]
     return await reranked(call, model, query, documents, parameters, body_of=body_of)
 
 
@@ -173,7 +184,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
     outputs = {
         kind: type_output("float" if kind == "base64" else kind, model.signature, "embedding_types") for kind in kinds
     }
-    parameters: dict[str, bool | int | float | str] = {TRUNCATE: _truncate(payload.get("truncate", "END"))}
+    parameters = scheduling_parameters(payload) | {TRUNCATE: _truncate(payload.get("truncate", "END"))}
     prompt_name = _prompt_name(payload.get("input_type"), model)
     if prompt_name is not None:
         parameters[PROMPT_NAME] = prompt_name

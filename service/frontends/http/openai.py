@@ -29,7 +29,7 @@ from service.frontends.codec import output_array
 from service.pipeline.answers import BASE64, JSON, json_values
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, Pipeline, RowLimit
 from service.pipeline.embedding_types import EMBEDDING_TYPES, OUTPUT_OF_TYPE, embedding_types
-from service.pipeline.validation import TEXT_INPUT
+from service.pipeline.validation import SCHEDULING, TEXT_INPUT, scheduling_parameters
 
 ENCODINGS = ("float", "base64")
 FIELDS = (
@@ -43,10 +43,11 @@ FIELDS = (
     "truncate",
     "late_chunking",
     "task",
+    *SCHEDULING,
 )
 """OpenAI's fields, and the extensions prompt_name (sentence-transformers'), embedding_type, truncate,
-late_chunking and task (as Jina's API: the inputs are chunks of one document; the task adapter; the SDK sends
-them with extra_body)."""
+late_chunking and task (as Jina's API: the inputs are chunks of one document; the task adapter), priority and
+timeout (Triton's: where the request waits in the queue, and for how long; the SDK sends them with extra_body)."""
 OWNER = "encoder-serve"
 TOKEN_ARRAYS_REFUSED = (
     "input must be a string or a list of strings: token arrays are not accepted, this server tokenises with"
@@ -69,6 +70,8 @@ class EmbeddingsRequest:
     late_chunking: bool = False
     task: str | None = None
     """The model's task adapter to embed with (checked against the model by the engine's rules)."""
+    scheduling: dict[str, object] | None = None
+    """priority and timeout, where given (checked by the engine's rules)."""
 
 
 def _texts(value: object) -> list[str]:
@@ -114,9 +117,11 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
             f"{'truncate' if not isinstance(truncate, bool) else 'late_chunking'} must be true or false"
         )
     texts = _texts(payload["input"])
+    scheduling = scheduling_parameters(payload)
     return EmbeddingsRequest(
-        model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate, late_chunking, task
-    )
+        model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate, late_chunking, task,
+        scheduling or None,
+    )  # fmt: skip
 
 
 def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tokens: int) -> bytes:
@@ -154,7 +159,8 @@ async def embeddings(
         parameters={"truncate": request.truncate}
         | ({"late_chunking": True} if request.late_chunking else {})
         | ({} if request.prompt_name is None else {"prompt_name": request.prompt_name})
-        | ({} if request.task is None else {"task": request.task}),
+        | ({} if request.task is None else {"task": request.task})
+        | (request.scheduling or {}),
         encodings={output: BASE64 if request.encoding_format == "base64" else JSON},
     )
     async with door.inference(context, inference_request) as inference:

@@ -37,18 +37,20 @@ from service.pipeline.validation import (
     INSTRUCTION,
     PROMPT_NAME,
     QUERY_INPUT,
+    SCHEDULING,
     TEXT_INPUT,
     TRUNCATE,
     check_rows,
     prompt_prefix,
+    scheduling_parameters,
     valid_texts,
 )
 
 TEI_ROUTES = frozenset(
     {"/embed", "/embed_all", "/embed_sparse", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"}
 )
-EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "input_type", "model")
-SPARSE_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "top_k", "model")
+EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "input_type", "model", *SCHEDULING)
+SPARSE_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "top_k", "model", *SCHEDULING)
 EMBED_FIELDS = (
     "inputs",
     "normalize",
@@ -58,6 +60,7 @@ EMBED_FIELDS = (
     "dimensions",
     "embedding_type",
     "model",
+    *SCHEDULING,
 )
 RERANK_FIELDS = (
     "query",
@@ -68,10 +71,11 @@ RERANK_FIELDS = (
     "truncation_direction",
     "model",
     "instruction",
+    *SCHEDULING,
 )
-PREDICT_FIELDS = ("inputs", "raw_scores", "truncate", "truncation_direction", "model")
+PREDICT_FIELDS = ("inputs", "raw_scores", "truncate", "truncation_direction", "model", *SCHEDULING)
 TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model")
-SIMILARITY_FIELDS = ("inputs", "parameters", "model")
+SIMILARITY_FIELDS = ("inputs", "parameters", "model", *SCHEDULING)
 SIMILARITY_INPUTS = ("source_sentence", "sentences")
 SIMILARITY_PARAMETERS = ("truncate", "truncation_direction", "prompt_name")
 """TEI's SimilarityParameters: they go in the body's `parameters` object, as Hugging Face's sentence-similarity task
@@ -177,8 +181,8 @@ def _bytes_tensor(name: str, texts: list[str]) -> InputTensor:
 
 
 def _parameters(payload: dict, *names: str) -> dict[str, bool | int | float | str]:
-    """The engine's request parameters from the body's fields of the same names (absent ones left out)."""
-    return {name: payload[name] for name in names if payload.get(name) is not None}
+    """The engine's request parameters from the body's fields of these names and its scheduling fields, where given."""
+    return {name: payload[name] for name in names if payload.get(name) is not None} | scheduling_parameters(payload)
 
 
 @dataclass(frozen=True)
@@ -392,7 +396,7 @@ async def similarity(call: TaskCall, payload: object) -> Answer:
         model,
         (_bytes_tensor(TEXT_INPUT, [source, *sentences]),),
         "embedding",
-        _parameters(options, TRUNCATE, PROMPT_NAME),
+        _parameters(options, TRUNCATE, PROMPT_NAME) | _parameters(fields),
         body_of=body_of,
         encoding=RAW,
     )
