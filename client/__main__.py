@@ -51,7 +51,18 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--quiet", action="store_true", help="no progress and no summary")
     embed.add_argument("--prompt-name", help="one of the model's prompts, put before each text")
     embed.add_argument("--dimensions", type=int, help="a Matryoshka width the model declares")
-    embed.add_argument("--in-flight", type=int, default=16, help="requests unanswered per connection (default: 16)")
+    embed.add_argument(
+        "--in-flight",
+        type=int,
+        default=16,
+        help="requests unanswered per connection at most; below it as many as keep the server busy (default: 16)",
+    )
+    embed.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="the priority the rows wait at, 1 the highest (default: the model's lowest, so queries go first)",
+    )
     embed.add_argument("--transport", choices=TRANSPORTS, default="stream", help="(default: %(default)s)")
     rerank.add_argument("--query", required=True, help="the query the texts are ranked for")
     rerank.add_argument("--top-n", type=int, help="print only the best n")
@@ -71,7 +82,9 @@ async def _embed(args: argparse.Namespace) -> None:
         column=args.column,
         resume=args.resume,
         options=EmbedOptions(args.prompt_name, args.dimensions, truncate),
-        settings=IngestSettings(args.batch_size, args.connections, args.in_flight, args.transport),
+        settings=IngestSettings(
+            args.batch_size, args.connections, args.in_flight, args.transport, priority=args.priority
+        ),
         security=security_from_args(args),
         progress_stream=None if args.quiet else sys.stderr,
     )

@@ -36,12 +36,15 @@ class AsyncEmbeddingClient(ClientSettings):
         truncate: bool | None = None,
         embedding_type: str = "float",
         task: str | None = None,
+        priority: int | None = None,
     ) -> np.ndarray:
         """Embeddings of the texts, in order: float32 [n, d], or the int8/uint8/binary/ubinary form asked.
 
         task: one of the model's task adapters (`model_info(...).tasks`), with its prompt of that name.
+        priority: where the texts wait in the server's queue, 1 the highest (bulk work: the lowest,
+        `model_info(...).priority_levels`); None: the server's default for the caller.
         """
-        options = tasks.EmbedOptions(prompt_name, dimensions, truncate, task=task)
+        options = tasks.EmbedOptions(prompt_name, dimensions, truncate, task=task, priority=priority)
         requests = self._embed_requests(texts, model, embedding_type, options)
         return self._embeddings(await self._infer_all(requests), embedding_type)
 

@@ -1,13 +1,14 @@
 """Bulk ingestion: every text of a file embedded once, written in input order, through restarts and crashes.
 
-Rows are sent in batches, a bounded number in flight, over `ModelStreamInfer` streams (one per
-connection) or concurrent `ModelInfer` calls. A batch the server refuses for a while
-(RESOURCE_EXHAUSTED, UNAVAILABLE: a full queue, a drain, a restart) is sent again after a jittered
-backoff; a stream the server ends (a drain, the stream's age) is opened again and the batches it
-had not answered are sent again; a batch a stream answered with an error is sent once more as a
-ModelInfer call, whose status says whether it can be retried. Each answer is written at its rows'
-places (client.checkpoint), so nothing is written twice and a gap is impossible at the end; the
-checkpoint lets `resume` do only the rows not yet written.
+Rows are sent in batches over `ModelStreamInfer` streams (one per connection) or concurrent
+`ModelInfer` calls, at the model's lowest priority by default (bulk work: interactive requests go
+first), as many in flight as keep the server busy (client.window) and at most `in_flight`. A batch
+the server refuses for a while (RESOURCE_EXHAUSTED, UNAVAILABLE: a full queue, a drain, a restart)
+is sent again after a jittered backoff; a stream the server ends (a drain, the stream's age) is
+opened again and the batches it had not answered are sent again; a batch a stream answered with an
+error is sent once more as a ModelInfer call, whose status says whether it can be retried. Each
+answer is written at its rows' places (client.checkpoint), so nothing is written twice and a gap is
+impossible at the end; the checkpoint lets `resume` do only the rows not yet written.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import collections
 import contextlib
 import importlib.util
 import sys
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from client.progress import Progress
 from client.protocol import output_array, prompt_tokens, text_request
 from client.retry import RetryPolicy
 from client.tasks import EmbedOptions
+from client.window import AdaptiveWindow
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol.channel_security import ClientSecurity
@@ -56,17 +59,22 @@ class IngestSettings:
     connections: int = 2
     """Connections to the server (to each address of a dns:/// target)."""
     in_flight: int = 16
-    """Requests unanswered per connection (a stream's window; the server holds up to --max-stream-inflight, 32)."""
+    """Requests unanswered per connection at most (the server holds up to --max-stream-inflight, 32); below it the
+    window follows the server's queue (client.window)."""
     transport: str = "stream"
     """stream (ModelStreamInfer) or unary (ModelInfer)."""
     timeout_s: float = 60.0
     """Each ModelInfer call's deadline."""
+    priority: int = 0
+    """The priority the rows wait at, 1 the highest; 0: the model's lowest (bulk work)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if min(self.batch_size, self.connections, self.in_flight) < 1:
             raise ValueError("batch_size, connections and in_flight must be at least 1")
+        if self.priority < 0:
+            raise ValueError("priority must be 1 (the highest) or more, or 0 for the model's lowest")
 
 
 @dataclass(frozen=True)
@@ -145,10 +153,12 @@ class Ingestion:
     settings: IngestSettings
     checkpoint: Checkpoint
     progress: Progress
+    priority: int
+    """The priority its rows wait at."""
 
     def request(self, batch: Batch) -> pb.ModelInferRequest:
         """The batch's request, with its number as id."""
-        parameters = self.options.parameters()
+        parameters = self.options.parameters() | {"priority": self.priority}
         return text_request(self.model, batch.texts, ["embedding"], parameters=parameters, request_id=str(batch.number))
 
     def store(self, batch: Batch, response: pb.ModelInferResponse) -> None:
@@ -167,10 +177,21 @@ class Ingestion:
             raise type(error)(error.code, f"{batch.where()}: {error.message}") from error
         self.store(batch, response)
 
-    async def unary_worker(self, work: WorkQueue) -> None:
-        """Send batches one at a time until the work is done."""
-        while (batch := await work.take()) is not None:
-            await self.unary(batch)
+    async def unary_worker(self, work: WorkQueue, window: AdaptiveWindow) -> None:
+        """Send batches one at a time, while the window has room, until the work is done."""
+        while True:
+            await window.acquire()
+            batch = await work.take()
+            if batch is None:
+                window.release()
+                return
+            sent = time.monotonic()
+            try:
+                await self.unary(batch)
+            except BaseException:
+                window.release()
+                raise
+            window.release(time.monotonic() - sent)
             work.answered()
 
     async def stream_worker(self, stub: pb_grpc.GRPCInferenceServiceStub, work: WorkQueue) -> None:
@@ -192,7 +213,8 @@ class Ingestion:
     ) -> tuple[EmbeddingError | None, bool]:
         """One stream until the work is done (None) or it ends (its error); and whether it answered any batch."""
         pending: dict[str, Batch] = {}
-        window = asyncio.Semaphore(self.settings.in_flight)
+        sent: dict[str, float] = {}
+        window = AdaptiveWindow(self.settings.in_flight)
         call = stub.ModelStreamInfer(metadata=self.client.call_metadata)
         answered_any = False
 
@@ -204,19 +226,22 @@ class Ingestion:
                     await _half_close(call)
                     return
                 pending[str(batch.number)] = batch  # before any wait: a cancelled send never loses it
+                sent[str(batch.number)] = time.monotonic()
                 await call.write(self.request(batch))
 
         sender = asyncio.create_task(send())
         try:
             async for answer in call:
                 batch = pending.pop(answer.infer_response.id)
+                latency_s = time.monotonic() - sent.pop(answer.infer_response.id)
                 if answer.error_message:  # a stream carries no status: ask again alone, where there is one
                     self.progress.resent += 1
                     await self.unary(batch)
+                    latency_s = None
                 else:
                     self.store(batch, answer.infer_response)
                 work.answered()
-                window.release()
+                window.release(latency_s)
                 answered_any = True
             code = await call.code()
             if code != grpc.StatusCode.OK:
@@ -248,7 +273,8 @@ class Ingestion:
             stubs = self.client.connections.stubs
             workers = [self.stream_worker(stub, work) for stub in stubs]
         else:
-            workers = [self.unary_worker(work) for _ in range(self.settings.in_flight * self.settings.connections)]
+            window = AdaptiveWindow(self.settings.in_flight * self.settings.connections)
+            workers = [self.unary_worker(work, window) for _ in range(window.limit)]
         saver = asyncio.create_task(self._save_periodically())
         try:
             await _all_or_none(workers)
@@ -367,7 +393,8 @@ async def embed_file_async(
         checkpoint = Checkpoint(output, identity, rows, width, resume)
         batch_size = min(settings.batch_size, info.max_batch_size or settings.batch_size)
         progress = Progress(rows, checkpoint.finished.count, progress_stream, lambda: client.retries)
-        ingestion = Ingestion(client, model, options, settings, checkpoint, progress)
+        priority = settings.priority or info.priority_levels
+        ingestion = Ingestion(client, model, options, settings, checkpoint, progress, priority)
         await ingestion.run(WorkQueue(batches_of(texts.texts(), checkpoint, batch_size)))
     if not checkpoint.complete():
         raise RuntimeError(f"rows left unwritten: finished {checkpoint.finished.spans} of {rows}")  # never expected

@@ -42,11 +42,13 @@ class EmbedOptions:
     """Sparse embeddings: keep each text's k largest terms."""
     task: str | None = None
     """One of the model's task adapters (jina-embeddings-v3's `retrieval.query`...), with its prompt of that name."""
+    priority: int | None = None
+    """The priority the rows wait at, 1 the highest (`model_info(...).priority_levels`); None: the server's default."""
 
     def parameters(self) -> dict[str, Parameter]:
         """The request parameters these options set."""
         named = {"prompt_name": self.prompt_name, "dimensions": self.dimensions, "truncate": self.truncate}
-        named |= {"top_k": self.top_k, "task": self.task}
+        named |= {"top_k": self.top_k, "task": self.task, "priority": self.priority}
         return {key: value for key, value in named.items() if value is not None}
 
 
@@ -160,6 +162,8 @@ class ModelInfo:
     max_sequence_length: int | None = None
     max_batch_size: int = 0
     """Texts one request may carry (0: no limit)."""
+    priority_levels: int = 1
+    """Priorities a request may ask for: 1 (the highest) to this (the lowest: bulk work)."""
 
     @property
     def embedding_types(self) -> tuple[str, ...]:
@@ -187,6 +191,7 @@ def model_info(metadata: pb.ModelMetadataResponse, config: pb.ModelConfigRespons
         tasks=tuple(json.loads(parameters.get("adapter_tasks") or "[]")),
         max_sequence_length=int(length) if length else None,
         max_batch_size=config.config.max_batch_size,
+        priority_levels=max(1, config.config.dynamic_batching.priority_levels),
     )
 
 

@@ -14,6 +14,11 @@ A request is refused at once when the queue at its priority or above holds `max_
 requests, `max_queue_rows` rows or `max_queue_tokens` tokens: a bulk backlog never refuses a query
 of a higher priority.
 
+With priorities, the express lane keeps a query from waiting for bulk work: when rows of the
+highest priority wait and every instance runs rows of a lower one, they run at once on another
+thread over the first instance's session (ONNX Runtime runs concurrent calls of one session),
+sharing the CPUs (or GPU) with the bulk run for the short time theirs takes.
+
 Cancelled and expired requests leave the queue at once and their waiting rows never run; rows of
 theirs already in a running batch are discarded when it returns. Every batch resolves every one
 of its futures, with results or with an error; a run that does not return within
@@ -77,6 +82,11 @@ class _Batch:
     overran: bool = False
     """Set when the run exceeded max_batch_run_s (its requests were failed, its instance retired)."""
 
+    @property
+    def priority(self) -> int:
+        """The priority of its rows (a batch holds one level's)."""
+        return self.groups[0].item.share.priority
+
 
 Finished = Callable[[_Batch, "dict[str, np.ndarray] | None", "Exception | None"], None]
 
@@ -88,8 +98,12 @@ class _Instance:
     no executor, future or task per batch.
     """
 
-    def __init__(self, runner: Runner, name: str, loop: asyncio.AbstractEventLoop, finished: Finished) -> None:
+    def __init__(
+        self, runner: Runner, name: str, loop: asyncio.AbstractEventLoop, finished: Finished, *, express: bool = False
+    ) -> None:
         self.runner = runner
+        self.express = express
+        """The express lane: another thread over the first instance's runner, for the highest priority only."""
         self._loop = loop
         self._finished = finished
         self._inbox: queue.SimpleQueue[tuple[_Batch, tuple[str, ...]] | None] = queue.SimpleQueue()
@@ -140,6 +154,8 @@ class Batcher:
         """The model's recent rate (real tokens per second of run), for how long a full queue takes to clear."""
         self._idle: list[_Instance] = []
         self._instances: list[_Instance] = []
+        self._express: _Instance | None = None
+        self._express_busy = False
         self._running: set[_Batch] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dispatch_scheduled = False
@@ -162,6 +178,9 @@ class Batcher:
             for index, runner in enumerate(self._runners)
         ]
         self._idle = list(self._instances)
+        if self.policy.express_lane:
+            name = f"model-{self._labels[0]}_express"
+            self._express = _Instance(self._runners[0], name, self._loop, self._finished, express=True)
 
     @property
     def queue_depth(self) -> int:
@@ -300,6 +319,8 @@ class Batcher:
         self._fail(list(self._pending), Unavailable("the server shut down before this request ran"))
         for instance in self._instances:
             instance.stop()
+        if self._express is not None:
+            self._express.stop()
 
     def flush(self) -> None:
         """From now on, run queued rows without waiting out max_queue_delay for fuller batches (a drain)."""
@@ -314,7 +335,7 @@ class Batcher:
             self._delay_timer.cancel()
             self._delay_timer = None
         try:
-            while self._idle and self._pending and not self._stopped:
+            while (self._idle or self._express_free()) and self._pending and not self._stopped:
                 self._drop_dead()
                 if not self._pending:
                     return
@@ -324,14 +345,27 @@ class Batcher:
                     if wait_s > 0:
                         self._delay_timer = self._loop.call_later(wait_s, self._dispatch)
                         return
-                leading = self._pending.leading()
-                self._start(self._idle.pop(0), self._take(leading, select_rows(leading, self.policy)))
+                if self._idle:
+                    leading = self._pending.leading()
+                    self._start(self._idle.pop(0), self._take(leading, select_rows(leading, self.policy)))
+                elif self._pending.top() and all(batch.priority > 1 for batch in self._running):
+                    leading = self._pending.top()
+                    self._express_busy = True
+                    self._start(self._express, self._take(leading, select_rows(leading, self.policy), beside=True))
+                else:
+                    return
         except Exception:
             # Never die quietly: fail what is queued and keep serving.
             log.exception("batch formation failed")
             self._fail(list(self._pending), ModelFailure("batch formation failed; see the server log"))
 
-    def _take(self, leading: list[WorkItem], chosen: list[tuple[WorkItem, int]]) -> list[Group]:
+    def _express_free(self) -> bool:
+        """Whether the express lane exists and runs nothing now."""
+        return self._express is not None and not self._express_busy
+
+    def _take(
+        self, leading: list[WorkItem], chosen: list[tuple[WorkItem, int]], *, beside: bool = False
+    ) -> list[Group]:
         """Take the chosen rows (of the `leading` requests) out of the queue: each request's rows together, in order.
 
         The queue then moves on (service.core.schedule): requests left with no waiting rows leave it,
@@ -349,7 +383,7 @@ class Batcher:
                 item.waiting = [row for row in item.waiting if row not in taken]
             groups.append(Group(item, sorted(rows), start))
             start += len(rows)
-        self._pending.taken(leading, by_item, self.policy.max_batch_size)
+        self._pending.taken(leading, by_item, self.policy.max_batch_size, beside=beside)
         self._statistics.set_pending(len(self._pending))
         return groups
 
@@ -360,7 +394,7 @@ class Batcher:
         except Exception:
             log.exception("padding a batch of %d requests failed", len(groups))
             self._fail([group.item for group in groups], ModelFailure(EXECUTION_FAILED))
-            self._idle.append(instance)
+            self._release(instance)
             return
         batch = _Batch(groups, instance, feed, time.monotonic(), real_tokens)
         if tracing.ON:
@@ -404,10 +438,10 @@ class Batcher:
         batch.watchdog.cancel()
         if batch.span is not None:
             tracing.end_batch(batch.span, error)
-        if batch.overran:
+        if batch.overran and not batch.instance.express:
             self._returned(batch.instance)
         else:
-            self._idle.append(batch.instance)
+            self._release(batch.instance)
         if self._pending:
             self._dispatch()  # the model starts its next batch before this one's answers are handed back
         items = [group.item for group in batch.groups]
@@ -459,13 +493,25 @@ class Batcher:
             self._tokens_per_s = rate if not self._tokens_per_s else 0.8 * self._tokens_per_s + 0.2 * rate
         self._statistics.record_execution(rows, compute_s)
 
+    def _release(self, instance: _Instance) -> None:
+        """An instance (or the express lane) is free for the next batch."""
+        if instance.express:
+            self._express_busy = False
+        else:
+            self._idle.append(instance)
+
     def _overran(self, batch: _Batch) -> None:
-        """A run exceeded max_batch_run_s: fail its requests; the instance is out until the run returns."""
+        """A run exceeded max_batch_run_s: fail its requests; the instance is out until the run returns.
+
+        The express lane, stuck, only stays busy until its run returns: it is no instance of its own.
+        """
         limit = self.policy.max_batch_run_s
         items = [group.item for group in batch.groups]
         log.error("model instance stuck: a batch of %d requests has run for over %.0f s", len(items), limit)
         self._fail(items, Unavailable(f"the model did not finish this request's batch within {limit:g} s"))
         batch.overran = True
+        if batch.instance.express:
+            return
         self._stuck += 1
         metrics.STUCK_INSTANCES.labels(*self._labels).set(self._stuck)
         if not self.serving:

@@ -43,6 +43,8 @@ class BatchingPolicy:
     """The priority of a request that names none and whose tenant sets none."""
     min_lower_priority_share: float = 0.1
     """While a lower priority has rows waiting, at least this share of batches is its (0: strict priority)."""
+    express_lane: bool = False
+    """A batch of the highest priority starts at once beside lower-priority batches that hold every instance."""
     length_bucket: int = 1
     """Batch length is rounded up to a multiple of this (bounds the shapes a GPU sees)."""
     pad_token_id: int = 0
@@ -161,6 +163,7 @@ def batching_policy(spec: ModelSpec, settings: Settings, device: str) -> Batchin
         priority_levels=levels,
         default_priority=default_priority,
         min_lower_priority_share=settings.min_lower_priority_share,
+        express_lane=settings.express_lane and levels > 1,
         length_bucket=settings.length_bucket or (CUDA_LENGTH_BUCKET if device == "cuda" else 1),
         pad_token_id=spec.pad_token_id,
         max_batch_run_s=settings.max_batch_run_s,

@@ -99,6 +99,10 @@ class RunQueue:
         level.items.remove(item)
         self._forget(level, item.waiting, item)
 
+    def top(self) -> list[WorkItem]:
+        """The highest priority's requests, in their order (empty when none wait)."""
+        return self._levels[0].items
+
     def leading(self) -> list[WorkItem]:
         """The requests the next batch is chosen from, in their order: the level whose turn it is."""
         waiting = [level for level in self._levels if level.items]
@@ -107,12 +111,15 @@ class RunQueue:
         owed = [level for level in waiting[1:] if level.passed_over >= self._skips_allowed]
         return (owed[0] if owed else waiting[0]).items
 
-    def taken(self, items: list[WorkItem], rows: dict[WorkItem, list[int]], max_batch_size: int) -> None:
+    def taken(
+        self, items: list[WorkItem], rows: dict[WorkItem, list[int]], max_batch_size: int, *, beside: bool = False
+    ) -> None:
         """A batch took these rows from `items` (one level's, their leader first): the queue follows.
 
         The level's virtual time moves to its leader's start tag; requests left with no waiting rows
         leave; a leader larger than one batch goes behind its tenant's later requests. Every other
-        level with rows waiting was passed over once more.
+        level with rows waiting was passed over once more, unless the batch runs `beside` the
+        others (the express lane), taking no instance from them.
         """
         leader = items[0]
         level = self._levels[leader.share.priority - 1]
@@ -125,6 +132,8 @@ class RunQueue:
             bisect.insort(level.items, leader, key=_order)
         level.items[:] = [item for item in level.items if item.waiting]
         level.passed_over = 0
+        if beside:
+            return
         for other in self._levels:
             if other is not level and other.items:
                 other.passed_over += 1

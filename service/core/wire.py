@@ -125,7 +125,7 @@ class ModelUpdate(msgspec.Struct, tag=True, array_like=True):
     state: str
     reason: str
     serving: bool
-    policy: dict[str, int | float] | None
+    policy: dict[str, bool | int | float] | None
     """BatchingPolicy's fields, once READY."""
     instances: tuple[Instance, ...]
 

@@ -227,6 +227,8 @@ def effective_config(model: ModelInfo) -> mc.ModelConfig:
     config.max_batch_size = model.policy.max_batch_size
     config.dynamic_batching.max_queue_delay_microseconds = round(model.policy.max_queue_delay_s * 1e6)
     config.dynamic_batching.default_queue_policy.max_queue_size = model.policy.max_queue_size
+    config.dynamic_batching.priority_levels = model.policy.priority_levels
+    config.dynamic_batching.default_priority_level = model.policy.default_priority
     del config.instance_group[:]
     on_gpu = [instance for instance in model.instances if instance.provider == "CUDAExecutionProvider"]
     if on_gpu:

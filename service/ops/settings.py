@@ -103,6 +103,14 @@ class Settings:
             " 0 = config.pbtxt, else 1024"
         ),
     )
+    express_lane: bool = field(
+        default=True,
+        metadata=_doc(
+            "with priorities, a batch of the highest priority that finds every instance running lower-priority rows"
+            " starts at once on the express lane (another thread running the first instance's session beside them,"
+            " sharing their CPUs or GPU for its run) instead of waiting for a run of bulk work to end"
+        ),
+    )
     max_queue_rows: int = field(
         default=0,
         metadata=_doc(

@@ -157,3 +157,54 @@ async def test_a_priority_outside_the_levels_is_refused_and_nothing_queued() -> 
 def test_a_queue_needs_a_level() -> None:
     with pytest.raises(ValueError, match="at least one priority level"):
         RunQueue(0, 0.1)
+
+
+class LaneRunner(FakeRunner):
+    """A fake runner that holds only the batches led by id 1 (two threads may run it at once)."""
+
+    def run(self, feed: dict[str, np.ndarray], outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        if feed["input_ids"][0, 0] == 1:
+            return super().run(feed, outputs)
+        return FakeRunner().run(feed, outputs)
+
+
+async def lane_batcher(name: str, **changes: float) -> tuple[Batcher, LaneRunner]:
+    runner = LaneRunner()
+    runner.release.clear()
+    changes = {"max_queue_delay_s": 0, "priority_levels": 2, "express_lane": True, **changes}
+    batcher = Batcher([runner], policy(**changes), ModelLabels(name, "1"), OUTPUTS)
+    batcher.start()
+    return batcher, runner
+
+
+async def test_a_query_runs_beside_bulk_work_that_holds_every_instance() -> None:
+    batcher, runner = await lane_batcher("express")
+    bulk = send(batcher, 1, Share(2), rows=3)
+    await runner.started()
+    query = await batcher.submit(tokens([[5, 6]]), OUTPUTS, None, share=Share(1))
+    assert query.outputs["embedding"].tolist() == [[11, 2]]
+    assert not bulk.done()  # the query was answered while the bulk run still held the only instance
+    runner.release.set()
+    assert (await bulk).outputs["embedding"].shape == (3, 2)
+
+
+async def test_without_the_express_lane_a_query_waits_for_the_bulk_run() -> None:
+    batcher, runner = await lane_batcher("no-express", express_lane=False)
+    bulk = send(batcher, 1, Share(2))
+    await runner.started()
+    query = send(batcher, 5, Share(1))
+    await queued("no-express", 1)
+    assert not query.done()
+    runner.release.set()
+    await asyncio.gather(bulk, query)
+
+
+async def test_the_express_lane_never_doubles_the_highest_priority() -> None:
+    batcher, runner = await lane_batcher("express-top")
+    first = send(batcher, 1, Share(1))
+    await runner.started()
+    second = send(batcher, 5, Share(1))
+    await queued("express-top", 1)  # it waits for the instance: only bulk work is run beside
+    assert not second.done()
+    runner.release.set()
+    await asyncio.gather(first, second)
