@@ -148,7 +148,7 @@ class Batcher:
         self._statistics = statistics.TABLES.of(*self._labels, policy.max_batch_size)
         self._output_names = output_names
         self._runners = list(runners)
-        self._pending = RunQueue(policy.priority_levels, policy.min_lower_priority_share)
+        self._pending = RunQueue(policy.priority_levels, policy.min_lower_priority_share, self._labels)
         """Requests with rows waiting for a batch, by priority level and turn."""
         self._tokens_per_s = 0.0
         """The model's recent rate (real tokens per second of run), for how long a full queue takes to clear."""

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from service.core.rows import WorkItem
+from service.ops import metrics
 
 
 @dataclass(slots=True)
@@ -52,9 +53,12 @@ class _Level:
 class RunQueue:
     """A model's queued requests, by priority level and, within a level, by their tenants' fair shares."""
 
-    def __init__(self, levels: int, min_lower_share: float) -> None:
+    def __init__(self, levels: int, min_lower_share: float, labels: tuple[str, str] = ("", "")) -> None:
         if levels < 1:
             raise ValueError("a queue needs at least one priority level")
+        self._labels = labels
+        self._gauges: dict[tuple[int, str], metrics.Gauge] = {}
+        """encoder_queue_rows of each priority and tenant seen, resolved once."""
         self._levels = [_Level([], finish_tags={}) for _ in range(levels)]
         self._sequence = itertools.count()
         self._skips_allowed = math.inf if min_lower_share <= 0 else max(0, math.ceil(1 / min_lower_share) - 1)
@@ -92,6 +96,7 @@ class RunQueue:
         bisect.insort(level.items, item, key=_order)
         level.rows += len(item.waiting)
         level.tokens += sum(item.lengths[row] for row in item.waiting)
+        self._gauge(item).inc(len(item.waiting))
 
     def remove(self, item: WorkItem) -> None:
         """Take a request's waiting rows out of the queue (it was answered, failed, cancelled or expired)."""
@@ -151,10 +156,17 @@ class RunQueue:
                 name: tag for name, tag in level.finish_tags.items() if tag > level.virtual_time or name == tenant
             }
 
-    @staticmethod
-    def _forget(level: _Level, rows: list[int], item: WorkItem) -> None:
+    def _forget(self, level: _Level, rows: list[int], item: WorkItem) -> None:
         level.rows -= len(rows)
         level.tokens -= sum(item.lengths[row] for row in rows)
+        self._gauge(item).dec(len(rows))
+
+    def _gauge(self, item: WorkItem) -> metrics.Gauge:
+        key = (item.share.priority, item.share.tenant)
+        gauge = self._gauges.get(key)
+        if gauge is None:
+            gauge = self._gauges[key] = metrics.QUEUE_ROWS.labels(*self._labels, str(key[0]), key[1])
+        return gauge
 
 
 def _order(item: WorkItem) -> tuple[float, int]:

@@ -78,6 +78,12 @@ TENANT_PROMPT_TOKENS = Counter(
     " included, no padding): what its tokens_per_minute limit is charged.",
     ("tenant",),
 )
+TENANT_QUEUE_DURATION = Histogram(
+    f"{PREFIX}_tenant_queue_duration_seconds",
+    "Time each tenant's inference requests waited in the batching queue (as encoder_queue_duration_seconds).",
+    ("tenant",),
+    buckets=LATENCY_BUCKETS,
+)
 TENANT_REJECTED = Counter(
     f"{PREFIX}_tenant_requests_rejected",
     "Inference requests refused because their tenant was over one of its limits, by limit (requests_per_second,"
@@ -136,6 +142,12 @@ QUEUE_CAPACITY = Gauge(
     f"{PREFIX}_queue_capacity",
     "Requests the batching queue holds before rejecting.",
     MODEL_LABELS,
+    multiprocess_mode="max",
+)
+QUEUE_ROWS = Gauge(
+    f"{PREFIX}_queue_rows",
+    "Rows waiting in the batching queue, by priority (1 the highest) and tenant (empty without API keys).",
+    (*MODEL_LABELS, "priority", "tenant"),
     multiprocess_mode="max",
 )
 STUCK_INSTANCES = Gauge(
@@ -283,6 +295,7 @@ class TenantMetrics:
     def __init__(self, tenant: str) -> None:
         self.tenant = tenant
         self.prompt_tokens = TENANT_PROMPT_TOKENS.labels(tenant)
+        self.queue_duration = TENANT_QUEUE_DURATION.labels(tenant)
         self._answered: dict[str, Any] = {}
         self._rejected: dict[str, Any] = {}
 
@@ -363,6 +376,8 @@ class TrackedRequest:
         self._inferred = time.perf_counter()
         self._rows, self._queue_s, self._compute_s = rows, queue_s, compute_s
         self._metrics.queue_duration.observe(queue_s)
+        if self._tenant is not None:
+            self._tenant.queue_duration.observe(queue_s)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
         answered = time.perf_counter()

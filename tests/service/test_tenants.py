@@ -215,6 +215,10 @@ def test_a_tenants_file_names_each_keys_tenant_and_its_limits() -> None:
         ("[tenants.a]\nkeys = ['s3cret-1'\n", "is not valid TOML"),
         ("[tenant.a]\nkeys = ['s3cret-1']\n", "only [tenants.<name>] tables"),
         ("[tenants]\n", "names no tenant"),
+        ("[tenants.a]\nkeys = ['s3cret-1']\nweight = 'high'\n", "weight must be a positive number"),
+        ("[tenants.a]\nkeys = ['s3cret-1']\nweight = 0\n", "weight must be a positive number"),
+        ("[tenants.a]\nkeys = ['s3cret-1']\npriority = 1.5\n", "priority must be a whole number"),
+        ("[tenants.a]\nkeys = ['s3cret-1']\npriority = 0\n", "priority must be a positive number"),
         ("# nothing\n", "holds no key"),
     ],
 )
