@@ -303,3 +303,15 @@ def test_a_half_close_that_meets_the_streams_end_is_no_failure() -> None:
     asyncio.run(_half_close(_EndedStream(grpc.aio.InternalError("SendCloseFromClientOperation failed"))))
     with pytest.raises(asyncio.CancelledError):  # anything else still ends the stream's sender
         asyncio.run(_half_close(_EndedStream(asyncio.CancelledError())))
+
+
+def test_the_command_line_sends_the_priority_asked_for(
+    tiny_server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "lines.txt"
+    path.write_text("one text\nanother text\n")
+    arguments = ["embed", str(path), "--target", tiny_server.target, "--model", TINY_MODEL, "--quiet"]
+    assert main([*arguments, "--output", str(tmp_path / "bad.npy"), "--priority", "9"]) == 1
+    assert "priority must be an integer from 1 (the highest) to 2" in capsys.readouterr().err
+    assert main([*arguments, "--output", str(tmp_path / "out.npy"), "--priority", "1"]) == 0
+    assert np.load(tmp_path / "out.npy").shape[0] == 2

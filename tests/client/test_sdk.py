@@ -210,3 +210,12 @@ def test_each_connection_is_its_own_tcp_connection(server: RunningServer, connec
         for _ in range(2 * connections):  # round-robin: every channel gets calls
             client.embed(TEXTS[:1])
         assert established_connections_to(server.grpc_port) - before == connections
+
+
+def test_a_priority_is_sent_and_checked_by_the_server(server: RunningServer) -> None:
+    with EmbeddingClient(server.target, model=EMBEDDER) as client:
+        levels = client.model_info().priority_levels
+        assert levels == 2  # the server's default: 1 for queries, 2 for bulk work
+        assert client.embed(TEXTS, priority=levels).shape[0] == len(TEXTS)
+        with pytest.raises(InvalidRequest, match="priority must be an integer from 1 \\(the highest\\) to 2"):
+            client.embed(TEXTS, priority=levels + 1)
