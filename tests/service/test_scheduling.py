@@ -106,22 +106,22 @@ async def test_a_tenant_that_was_idle_saves_no_credit() -> None:
     assert [sorted(order[i : i + 2]) for i in range(0, 8, 2)] == [[300 + i, 700 + i] for i in range(4)]
 
 
-async def test_a_lower_priority_leads_a_batch_once_passed_over_as_often_as_its_share_allows() -> None:
-    batcher, runner, first = await held_batcher("min-share", max_batch_size=1, min_lower_priority_share=0.25)
+@pytest.mark.parametrize(
+    ("share", "order"),
+    [
+        (0.25, [100, 101, 102, 900, 103, 104, 105, 106, 107]),  # one batch in four is the waiting lower level's
+        (0.0, [*range(100, 108), 900]),  # strict: the lower level runs once nothing higher waits
+    ],
+)
+async def test_a_lower_priority_leads_a_batch_once_passed_over_as_often_as_its_share_allows(
+    share: float, order: list[int]
+) -> None:
+    name = f"min-share-{share}"
+    batcher, runner, first = await held_batcher(name, max_batch_size=1, min_lower_priority_share=share)
     low = send(batcher, 900, Share(2))
     high = [send(batcher, 100 + i, Share(1)) for i in range(8)]
-    await queued("min-share", 9)
-    order = [batch[0] for batch in await run_all(runner, first, [low, *high])]
-    assert order == [100, 101, 102, 900, 103, 104, 105, 106, 107]  # one batch in four while it waits
-
-
-async def test_strict_priority_runs_a_lower_one_only_when_nothing_higher_waits() -> None:
-    batcher, runner, first = await held_batcher("strict", max_batch_size=1, min_lower_priority_share=0)
-    low = send(batcher, 900, Share(2))
-    high = [send(batcher, 100 + i, Share(1)) for i in range(8)]
-    await queued("strict", 9)
-    order = [batch[0] for batch in await run_all(runner, first, [low, *high])]
-    assert order == [*range(100, 108), 900]
+    await queued(name, 9)
+    assert [batch[0] for batch in await run_all(runner, first, [low, *high])] == order
 
 
 async def test_a_bulk_backlog_refuses_bulk_but_not_a_higher_priority() -> None:
