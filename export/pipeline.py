@@ -39,6 +39,7 @@ from service.core.fidelity import (
     compare,
     required_bar,
 )
+from service.core.repository import VARIANT_FILES
 from service.core.runtime import (
     CPU,
     CUDA,
@@ -49,7 +50,8 @@ from service.core.runtime import (
 )
 from service.pipeline.tokenizer import TextTokenizer
 
-VARIANTS = ("fp32", "int8", "fp16")
+VARIANTS = tuple(VARIANT_FILES)
+"""Every variant: fp32 (always built), int8 (CPU), fp16 (CUDA)."""
 CALIBRATION_FILE = Path(__file__).resolve().parent / "data" / "calibration.txt"
 SPEEDUP_SHAPE = (8, 128)
 
@@ -358,6 +360,35 @@ class _Build:
         return speedup
 
 
+def _gated_options(checkpoint: Checkpoint, options: ExportOptions) -> ExportOptions:
+    """The options without the variants the checkpoint's outputs are not gated in (warned about)."""
+    ungated = _ungated_variants(checkpoint)
+    if ungated is not None and set(ungated[0]) & set(options.variants):
+        log.warning("%s is %s", checkpoint.name, ungated[1])
+        return dataclasses.replace(options, variants=tuple(v for v in options.variants if v not in ungated[0]))
+    return options
+
+
+def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
+    """How many stages export_model announces for this checkpoint and these options (when every gate passes)."""
+    variants = options.variants
+    ungated = _ungated_variants(checkpoint)
+    if ungated is not None:
+        variants = tuple(v for v in variants if v not in ungated[0])
+    with_tokenizer = bool(checkpoint.tokenizer_files)
+    return (
+        4  # load checkpoint, export to ONNX, PyTorch references, publish
+        + len(optimize.cpu_forms(checkpoint.config))
+        + 2 * len({"fp32", "int8"} & set(variants))  # each CPU variant: gate, measure
+        + ("int8" in variants) * 2  # quantisation, speed bar
+        + ("fp16" in variants)
+        + 1  # the reference library
+        + (checkpoint.bge_m3 is not None)
+        + (checkpoint.task == "sparse" and with_tokenizer)
+        + (checkpoint.task == "embed" and with_tokenizer)  # embedding ranges
+    )
+
+
 def export_model(
     checkpoint: Checkpoint, repository: Path, options: ExportOptions, stage: Stage | None = None
 ) -> dict[str, object]:
@@ -368,10 +399,7 @@ def export_model(
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
-    ungated = _ungated_variants(checkpoint)
-    if ungated is not None and set(ungated[0]) & set(options.variants):
-        log.warning("%s is %s", checkpoint.name, ungated[1])
-        options = dataclasses.replace(options, variants=tuple(v for v in options.variants if v not in ungated[0]))
+    options = _gated_options(checkpoint, options)
     stage = stage or (lambda name: log.info("export stage: %s", name))
     with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
         stage("load checkpoint")
