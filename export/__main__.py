@@ -101,6 +101,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--variants", type=_variants, default=VARIANTS, help="comma-separated, fp32 always")
     parser.add_argument("--threads", type=_positive, default=2, help="threads for the measurements")
+    parser.add_argument(
+        "--gate-forms",
+        choices=("all", "fastest-first"),
+        default="all",
+        help="gate every CPU graph form (all), or measure them and gate the fastest first until one passes"
+        " (the same gate on what is published, in less time: python -m service --model uses it)",
+    )
     parser.add_argument("--int8-min-speedup", type=float, default=1.6, help="int8 speed bar over fp32")
     parser.add_argument("--max-batch-size", type=_positive, help="config.pbtxt's (default 64)")
     parser.add_argument("--max-queue-delay-us", type=int, help="config.pbtxt's (default 0)")
@@ -177,6 +184,7 @@ def _options(arguments: argparse.Namespace) -> dict[str, object]:
     return {
         "variants": list(arguments.variants),
         "int8_min_speedup": arguments.int8_min_speedup,
+        "gate_forms": arguments.gate_forms,
         "embedding_calibration": str(arguments.embedding_calibration or ""),
         "matryoshka_dimensions": list(arguments.matryoshka_dimensions),
         "serving": {flag: getattr(arguments, flag) for flag in SERVING_FLAGS if getattr(arguments, flag) is not None},
@@ -193,6 +201,7 @@ def _export(arguments: argparse.Namespace, source: ResolvedSource | None, name: 
         variants=arguments.variants,
         threads=arguments.threads,
         int8_min_speedup=arguments.int8_min_speedup,
+        gate_forms=arguments.gate_forms,
         serving=ServingDefaults(**settings["serving"]),
     )
     if arguments.embedding_calibration is not None:

@@ -80,6 +80,9 @@ class ExportOptions:
     """Texts the int8 graph's activations are calibrated on."""
     embedding_calibration: Path = parity.SENTENCES_FILE
     """Texts the embedding's ranges (int8/uint8 embeddings) are measured on."""
+    gate_forms: str = "all"
+    """all: gate every CPU graph form, then choose the fastest that passed; fastest-first: measure every form, then
+    gate them fastest first and choose the first that passes (the same gate on what is published, less time)."""
 
 
 @dataclass
@@ -102,14 +105,15 @@ class _Gate:
     def check(self, variant: str, session: ort.InferenceSession) -> parity.GateResult:
         return parity.check_variant(variant, session, self.references)
 
-    def publishable(self, variant: str, candidates: dict[str, Path]) -> dict[str, Path]:
-        """Gate every candidate form of a variant; the ones that pass."""
-        self.forms[variant] = {
+    def publishable(self, variant: str, candidates: dict[str, Path], keep: bool = False) -> dict[str, Path]:
+        """Gate every candidate form of a variant; the ones that pass (keep: add to the variant's earlier verdicts)."""
+        verdicts = {
             form: self.check(variant, cpu_session(str(path), self.threads, optimize.cpu_graph_optimization(variant)))
             for form, path in candidates.items()
         }
-        passing = {form: path for form, path in candidates.items() if self.forms[variant][form].passed}
-        for form, result in self.forms[variant].items():
+        self.forms[variant] = (self.forms.get(variant, {}) if keep else {}) | verdicts
+        passing = {form: path for form, path in candidates.items() if verdicts[form].passed}
+        for form, result in verdicts.items():
             if not result.passed:
                 log.warning(
                     "%s graph form %s refused by the parity gate: %s", variant, form, "; ".join(result.failures)
@@ -296,14 +300,14 @@ class _Build:
                 int8_recipes[form] = quantize_int8(path, candidates["int8"][form], calibration)
         threads = self.options.threads
         for variant, paths in candidates.items():
-            self.stage(f"{variant}: parity gate on every graph form")
-            passing = gate.publishable(variant, paths)
-            if not passing:
+            level = optimize.cpu_graph_optimization(variant)
+            if self.options.gate_forms == "fastest-first":
+                choice = self._fastest_passing(gate, variant, paths, level)
+            else:
+                choice = self._fastest_of_passing(gate, variant, paths, level)
+            if choice is None:
                 self.refusals += [failure for result in gate.forms[variant].values() for failure in result.failures]
                 continue
-            self.stage(f"{variant}: measuring graph forms")
-            level = optimize.cpu_graph_optimization(variant)
-            choice = optimize.choose_fastest(passing, self.checkpoint.config, self.names, threads, level)
             gate.record(variant, choice.form, cpu_session(str(choice.path), threads, level))
             self.choices[variant], self.files[variant] = choice, choice.path
             self.recipes[variant] = {
@@ -311,6 +315,33 @@ class _Build:
                 "graph_optimization": level,
                 **int8_recipes.get(choice.form, {}),
             }
+
+    def _fastest_of_passing(
+        self, gate: _Gate, variant: str, paths: dict[str, Path], level: str
+    ) -> optimize.FormChoice | None:
+        """Gate every form, then measure those that passed: the fastest is chosen (None: none passes)."""
+        self.stage(f"{variant}: parity gate on every graph form")
+        passing = gate.publishable(variant, paths)
+        if not passing:
+            return None
+        self.stage(f"{variant}: measuring graph forms")
+        return optimize.choose_fastest(passing, self.checkpoint.config, self.names, self.options.threads, level)
+
+    def _fastest_passing(
+        self, gate: _Gate, variant: str, paths: dict[str, Path], level: str
+    ) -> optimize.FormChoice | None:
+        """Measure every form, then gate them fastest first: the first that passes is chosen (None: none passes).
+
+        What is published is gated exactly as with every form gated; forms slower than the chosen one are
+        not gated (parity.json lists the forms that were).
+        """
+        self.stage(f"{variant}: measuring graph forms")
+        figures = optimize.measure_forms(paths, self.checkpoint.config, self.names, self.options.threads, level)
+        self.stage(f"{variant}: parity gate, fastest graph form first")
+        for form in sorted(paths, key=lambda name: -optimize.geometric_mean(list(figures[name].values()))):
+            if gate.publishable(variant, {form: paths[form]}, keep=True):
+                return optimize.FormChoice(form, paths[form], figures)
+        return None
 
     def withdraw(self, variant: str, reason: str) -> None:
         """Leave a built variant out of what is published, with a warning; the reason goes into parity.json."""

@@ -74,6 +74,7 @@ def export_command(model: NamedSource, settings: Settings) -> list[str]:
         "--export-cache", str(cache_folder(settings)),
         "--variants", export_variants(settings),
         "--threads", str(settings.resolved_intra_op_threads()),
+        "--gate-forms", "fastest-first",
     ]  # fmt: skip
 
 
