@@ -191,8 +191,14 @@ def _options(arguments: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def _export(arguments: argparse.Namespace, source: ResolvedSource | None, name: str, repository: Path) -> int:
-    """Load, export, gate and publish into a repository; the exit status (1: the gate refused)."""
+def _export(
+    arguments: argparse.Namespace, source: ResolvedSource | None, name: str, repository: Path, in_cache: bool = False
+) -> int:
+    """Load, export, gate and publish into a repository; the exit status (1: the gate refused).
+
+    in_cache: the repository is a partial cache entry, which holds the intermediate graphs too (the cache's
+    volume is sized for them; /tmp in a pod is not).
+    """
     from export.pipeline import ExportOptions, GateRefused, export_model, planned_stages  # noqa: PLC0415
     from export.publish import ServingDefaults  # noqa: PLC0415
 
@@ -208,7 +214,8 @@ def _export(arguments: argparse.Namespace, source: ResolvedSource | None, name: 
         options = dataclasses.replace(options, embedding_calibration=arguments.embedding_calibration)
     checkpoint = _checkpoint(arguments, source, name)
     try:
-        report = export_model(checkpoint, repository, options, StageDisplay(planned_stages(checkpoint, options)))
+        display = StageDisplay(planned_stages(checkpoint, options))
+        report = export_model(checkpoint, repository, options, display, scratch=repository if in_cache else None)
     except GateRefused as error:
         print(f"export: {error}", file=sys.stderr)
         return 1
@@ -238,7 +245,7 @@ def _export_cached(arguments: argparse.Namespace, source: ResolvedSource | None,
             else:
                 _say(f"cache miss: exporting {source.describe()} into {cache.entry(key)}")
                 with cache.writing(key) as partial:
-                    status = _export(arguments, source, name, partial)
+                    status = _export(arguments, source, name, partial, in_cache=True)
                     if status != 0:
                         raise _Refused(status)
     print(cache.model_folder(key))

@@ -421,20 +421,25 @@ def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
 
 
 def export_model(
-    checkpoint: Checkpoint, repository: Path, options: ExportOptions, stage: Stage | None = None
+    checkpoint: Checkpoint,
+    repository: Path,
+    options: ExportOptions,
+    stage: Stage | None = None,
+    scratch: Path | None = None,
 ) -> dict[str, object]:
     """Build every requested variant, gate it, and publish the model; return the parity report.
 
-    stage is told each export stage as it starts (the command line shows progress with it).
+    stage is told each export stage as it starts (the command line shows progress with it). scratch: the
+    folder the intermediate graphs are written in (a temporary folder inside it; default: the system's).
     Raises GateRefused (repository untouched) when fp32 or int8 misses its tolerance (a refused fp16 is withdrawn).
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
     options = _gated_options(checkpoint, options)
     stage = stage or (lambda name: log.info("export stage: %s", name))
-    with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="encoder-export-", dir=scratch) as workdir:
         stage("load checkpoint")
-        build = _Build(checkpoint, options, Path(scratch), stage)
+        build = _Build(checkpoint, options, Path(workdir), stage)
         stage("export to ONNX")
         export_onnx(build.model, build.raw)
         forms = optimize.write_cpu_forms(build.raw, build.workdir, checkpoint.config, stage)
