@@ -141,7 +141,12 @@ def test_a_killed_export_leaves_no_entry_and_two_servers_then_export_once(
         os.killpg(first.process.pid, signal.SIGKILL)  # the server and its exporter, mid-export
         first.process.wait()
     assert cache_listing(cache)[0] == []
-    servers = [launch_server(no_repository, tmp_path / f"{i}.log", *arguments, env=environment) for i in (1, 2)]
+    # The second a server of several processes: its engine process exports, its front ends hear where the model is.
+    layouts = [(), ("--frontends", "2")]
+    servers = [
+        launch_server(no_repository, tmp_path / f"{i}.log", *arguments, *layout, env=environment)
+        for i, layout in enumerate(layouts)
+    ]
     try:
         for server in servers:
             server.wait_until_serving()
