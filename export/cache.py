@@ -40,14 +40,6 @@ LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "sentence-transf
 EXPORTER_FOLDER = Path(__file__).resolve().parent
 
 
-def default_cache_folder(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
-    """$ENCODER_EXPORT_CACHE, else $XDG_CACHE_HOME/encoder-serve, else ~/.cache/encoder-serve."""
-    if environ.get("ENCODER_EXPORT_CACHE"):
-        return Path(environ["ENCODER_EXPORT_CACHE"]).expanduser()
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "encoder-serve"
-
-
 def exporter_version() -> str:
     """A digest of the exporter's own files (code and data) and the versions of the libraries it runs."""
     digest = hashlib.sha256()

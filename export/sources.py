@@ -12,7 +12,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,4 +160,4 @@ def _download(source: Source, say: Callable[[str], None]) -> ResolvedSource:
 def _token_set() -> bool:
     from huggingface_hub import get_token  # noqa: PLC0415
 
-    return bool(get_token()) or bool(os.environ.get("HF_TOKEN"))
+    return bool(get_token())

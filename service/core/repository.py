@@ -27,6 +27,7 @@ import numpy as np
 from google.protobuf import text_format
 
 from protocol import model_config_pb2 as mc
+from service.core.sources import parse_model_argument
 
 if TYPE_CHECKING:
     from service.ops.settings import Settings
@@ -606,8 +607,6 @@ def served_names(settings: Settings) -> list[str]:
 
     RepositoryError when a name is both.
     """
-    from service.core.sources import parse_model_argument  # noqa: PLC0415 - the exporter reads this module too
-
     names = [d.name for d in model_directories(settings.model_repository)] if settings.serves_repository else []
     for text in settings.model:
         name = parse_model_argument(text).name
