@@ -36,8 +36,15 @@ export: $(VENV)/.installed
 	$(PY) -m export --repository $(REPOSITORY)
 
 SERVE_FLAGS ?=
+# MODEL=org/name[@REVISION] (or a folder: a path with a /) is served by its name: exported at start behind the
+# parity gate into the export cache (~/.cache/encoder-serve), once; a plain name is served from $(REPOSITORY).
+ifneq ($(findstring /,$(MODEL)),)
+serve: $(VENV)/.installed
+	$(PY) -m service --model $(MODEL) --health-port 8003 $(SERVE_FLAGS)
+else
 serve: $(VENV)/.installed $(MODEL_FILE)
 	$(PY) -m service --model-repository $(REPOSITORY) --health-port 8003 $(SERVE_FLAGS)
+endif
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -31,6 +31,7 @@ from export.qwen3 import Qwen3Config, Qwen3Encoder
 from export.rotary_bert import RotaryBertConfig, RotaryBertEncoder
 from export.rotary_bert_formats import jina_adapter_targets
 from export.sentence_transformers_folder import Declarations, FolderError, folder_task, read_declarations, read_object
+from export.sources import UnusableSource
 from export.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
 from export.splade import rename_head_weights as rename_masked_lm_weights
 from export.task_adapters import adapter_folders, read_task_adapters
@@ -52,7 +53,7 @@ AnyEncoderConfig = (
 """The configuration of any encoder here."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UnusableSource):
     """A checkpoint folder that cannot be loaded; the message names the problem."""
 
 

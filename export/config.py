@@ -12,13 +12,14 @@ from typing import Literal
 
 from export.architecture_error import ArchitectureError
 from export.pooling import POOLING_MODES, Pooling
+from export.sources import UnusableSource
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
 PositionEmbedding = Literal["learned", "sinusoidal"]
 PositionIds = Literal["sequential", "after_padding"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UnusableSource):
     """An encoder configuration that cannot describe a working model."""
 
 

@@ -153,6 +153,24 @@ def write_cpu_forms(
     return paths
 
 
+def measure_forms(
+    candidates: dict[str, Path],
+    config: EncoderConfig,
+    input_names: list[str],
+    threads: int,
+    graph_optimization: str = "all",
+) -> dict[str, dict[str, float]]:
+    """Each candidate graph's sequences/s on the CPU shapes, side by side: form -> "batch x tokens" -> seq/s."""
+    sessions = {form: cpu_session(str(path), threads, graph_optimization) for form, path in candidates.items()}
+    figures: dict[str, dict[str, float]] = {form: {} for form in candidates}
+    for batch, wanted_tokens in CPU_MEASURE_SHAPES:
+        tokens = min(wanted_tokens, config.max_sequence_positions)
+        feed = token_feed(input_names, batch, tokens, config.vocab_size)
+        for form, rate in compare_throughput(sessions, feed).items():
+            figures[form][f"{batch}x{tokens}"] = round(rate, 1)
+    return figures
+
+
 def choose_fastest(
     candidates: dict[str, Path],
     config: EncoderConfig,
@@ -164,13 +182,7 @@ def choose_fastest(
 
     `graph_optimization`: the online optimisation the chosen graph will be served at.
     """
-    sessions = {form: cpu_session(str(path), threads, graph_optimization) for form, path in candidates.items()}
-    figures: dict[str, dict[str, float]] = {form: {} for form in candidates}
-    for batch, wanted_tokens in CPU_MEASURE_SHAPES:
-        tokens = min(wanted_tokens, config.max_sequence_positions)
-        feed = token_feed(input_names, batch, tokens, config.vocab_size)
-        for form, rate in compare_throughput(sessions, feed).items():
-            figures[form][f"{batch}x{tokens}"] = round(rate, 1)
+    figures = measure_forms(candidates, config, input_names, threads, graph_optimization)
     best = max(candidates, key=lambda form: geometric_mean(list(figures[form].values())))
     log.info("graph forms (seq/s): %s; chose %s", figures, best)
     return FormChoice(form=best, path=candidates[best], sequences_per_second=figures)

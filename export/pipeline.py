@@ -39,6 +39,7 @@ from service.core.fidelity import (
     compare,
     required_bar,
 )
+from service.core.repository import VARIANT_FILES
 from service.core.runtime import (
     CPU,
     CUDA,
@@ -49,7 +50,8 @@ from service.core.runtime import (
 )
 from service.pipeline.tokenizer import TextTokenizer
 
-VARIANTS = ("fp32", "int8", "fp16")
+VARIANTS = tuple(VARIANT_FILES)
+"""Every variant: fp32 (always built), int8 (CPU), fp16 (CUDA)."""
 CALIBRATION_FILE = Path(__file__).resolve().parent / "data" / "calibration.txt"
 SPEEDUP_SHAPE = (8, 128)
 
@@ -78,6 +80,9 @@ class ExportOptions:
     """Texts the int8 graph's activations are calibrated on."""
     embedding_calibration: Path = parity.SENTENCES_FILE
     """Texts the embedding's ranges (int8/uint8 embeddings) are measured on."""
+    gate_forms: str = "all"
+    """all: gate every CPU graph form, then choose the fastest that passed; fastest-first: measure every form, then
+    gate them fastest first and choose the first that passes (the same gate on what is published, less time)."""
 
 
 @dataclass
@@ -100,14 +105,15 @@ class _Gate:
     def check(self, variant: str, session: ort.InferenceSession) -> parity.GateResult:
         return parity.check_variant(variant, session, self.references)
 
-    def publishable(self, variant: str, candidates: dict[str, Path]) -> dict[str, Path]:
-        """Gate every candidate form of a variant; the ones that pass."""
-        self.forms[variant] = {
+    def publishable(self, variant: str, candidates: dict[str, Path], keep: bool = False) -> dict[str, Path]:
+        """Gate every candidate form of a variant; the ones that pass (keep: add to the variant's earlier verdicts)."""
+        verdicts = {
             form: self.check(variant, cpu_session(str(path), self.threads, optimize.cpu_graph_optimization(variant)))
             for form, path in candidates.items()
         }
-        passing = {form: path for form, path in candidates.items() if self.forms[variant][form].passed}
-        for form, result in self.forms[variant].items():
+        self.forms[variant] = (self.forms.get(variant, {}) if keep else {}) | verdicts
+        passing = {form: path for form, path in candidates.items() if verdicts[form].passed}
+        for form, result in verdicts.items():
             if not result.passed:
                 log.warning(
                     "%s graph form %s refused by the parity gate: %s", variant, form, "; ".join(result.failures)
@@ -294,14 +300,14 @@ class _Build:
                 int8_recipes[form] = quantize_int8(path, candidates["int8"][form], calibration)
         threads = self.options.threads
         for variant, paths in candidates.items():
-            self.stage(f"{variant}: parity gate on every graph form")
-            passing = gate.publishable(variant, paths)
-            if not passing:
+            level = optimize.cpu_graph_optimization(variant)
+            if self.options.gate_forms == "fastest-first":
+                choice = self._fastest_passing(gate, variant, paths, level)
+            else:
+                choice = self._fastest_of_passing(gate, variant, paths, level)
+            if choice is None:
                 self.refusals += [failure for result in gate.forms[variant].values() for failure in result.failures]
                 continue
-            self.stage(f"{variant}: measuring graph forms")
-            level = optimize.cpu_graph_optimization(variant)
-            choice = optimize.choose_fastest(passing, self.checkpoint.config, self.names, threads, level)
             gate.record(variant, choice.form, cpu_session(str(choice.path), threads, level))
             self.choices[variant], self.files[variant] = choice, choice.path
             self.recipes[variant] = {
@@ -309,6 +315,33 @@ class _Build:
                 "graph_optimization": level,
                 **int8_recipes.get(choice.form, {}),
             }
+
+    def _fastest_of_passing(
+        self, gate: _Gate, variant: str, paths: dict[str, Path], level: str
+    ) -> optimize.FormChoice | None:
+        """Gate every form, then measure those that passed: the fastest is chosen (None: none passes)."""
+        self.stage(f"{variant}: parity gate on every graph form")
+        passing = gate.publishable(variant, paths)
+        if not passing:
+            return None
+        self.stage(f"{variant}: measuring graph forms")
+        return optimize.choose_fastest(passing, self.checkpoint.config, self.names, self.options.threads, level)
+
+    def _fastest_passing(
+        self, gate: _Gate, variant: str, paths: dict[str, Path], level: str
+    ) -> optimize.FormChoice | None:
+        """Measure every form, then gate them fastest first: the first that passes is chosen (None: none passes).
+
+        What is published is gated exactly as with every form gated; forms slower than the chosen one are
+        not gated (parity.json lists the forms that were).
+        """
+        self.stage(f"{variant}: measuring graph forms")
+        figures = optimize.measure_forms(paths, self.checkpoint.config, self.names, self.options.threads, level)
+        self.stage(f"{variant}: parity gate, fastest graph form first")
+        for form in sorted(paths, key=lambda name: -optimize.geometric_mean(list(figures[name].values()))):
+            if gate.publishable(variant, {form: paths[form]}, keep=True):
+                return optimize.FormChoice(form, paths[form], figures)
+        return None
 
     def withdraw(self, variant: str, reason: str) -> None:
         """Leave a built variant out of what is published, with a warning; the reason goes into parity.json."""
@@ -358,24 +391,55 @@ class _Build:
         return speedup
 
 
+def _gated_options(checkpoint: Checkpoint, options: ExportOptions) -> ExportOptions:
+    """The options without the variants the checkpoint's outputs are not gated in (warned about)."""
+    ungated = _ungated_variants(checkpoint)
+    if ungated is not None and set(ungated[0]) & set(options.variants):
+        log.warning("%s is %s", checkpoint.name, ungated[1])
+        return dataclasses.replace(options, variants=tuple(v for v in options.variants if v not in ungated[0]))
+    return options
+
+
+def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
+    """How many stages export_model announces for this checkpoint and these options (when every gate passes)."""
+    variants = options.variants
+    ungated = _ungated_variants(checkpoint)
+    if ungated is not None:
+        variants = tuple(v for v in variants if v not in ungated[0])
+    with_tokenizer = bool(checkpoint.tokenizer_files)
+    return (
+        4  # load checkpoint, export to ONNX, PyTorch references, publish
+        + len(optimize.cpu_forms(checkpoint.config))
+        + 2 * len({"fp32", "int8"} & set(variants))  # each CPU variant: gate, measure
+        + ("int8" in variants) * 2  # quantisation, speed bar
+        + ("fp16" in variants)
+        + 1  # the reference library
+        + (checkpoint.bge_m3 is not None)
+        + (checkpoint.task == "sparse" and with_tokenizer)
+        + (checkpoint.task == "embed" and with_tokenizer)  # embedding ranges
+    )
+
+
 def export_model(
-    checkpoint: Checkpoint, repository: Path, options: ExportOptions, stage: Stage | None = None
+    checkpoint: Checkpoint,
+    repository: Path,
+    options: ExportOptions,
+    stage: Stage | None = None,
+    scratch: Path | None = None,
 ) -> dict[str, object]:
     """Build every requested variant, gate it, and publish the model; return the parity report.
 
-    stage is told each export stage as it starts (the command line shows progress with it).
+    stage is told each export stage as it starts (the command line shows progress with it). scratch: the
+    folder the intermediate graphs are written in (a temporary folder inside it; default: the system's).
     Raises GateRefused (repository untouched) when fp32 or int8 misses its tolerance (a refused fp16 is withdrawn).
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
-    ungated = _ungated_variants(checkpoint)
-    if ungated is not None and set(ungated[0]) & set(options.variants):
-        log.warning("%s is %s", checkpoint.name, ungated[1])
-        options = dataclasses.replace(options, variants=tuple(v for v in options.variants if v not in ungated[0]))
+    options = _gated_options(checkpoint, options)
     stage = stage or (lambda name: log.info("export stage: %s", name))
-    with tempfile.TemporaryDirectory(prefix="encoder-export-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="encoder-export-", dir=scratch) as workdir:
         stage("load checkpoint")
-        build = _Build(checkpoint, options, Path(scratch), stage)
+        build = _Build(checkpoint, options, Path(workdir), stage)
         stage("export to ONNX")
         export_onnx(build.model, build.raw)
         forms = optimize.write_cpu_forms(build.raw, build.workdir, checkpoint.config, stage)

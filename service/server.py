@@ -19,6 +19,8 @@ from prometheus_client import REGISTRY, start_http_server
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
+from service.core.named_models import ExportFailed, export, named_models
+from service.core.sources import NamedSource
 from service.core.wire import EngineLink
 from service.envelope import Envelope
 from service.frontends.grpc.asgi import GrpcAsgiApp, StopListening
@@ -225,14 +227,19 @@ class InferenceServer:
         )
         if not names:
             log.warning("model repository %s holds no models", settings.model_repository)
+        elif not settings.serves_repository:
+            log.info("serving the models given by --model only (%s is absent)", settings.model_repository)
 
     async def serve_models(self) -> None:
         """Load the repository's models (a front end: connect to the engine), each served once ready."""
         if self.frontend is not None:
             await self._connect(self.frontend)
             return
+        by_name = {model.name: model for model in named_models(self.settings)}
         for name in self._discovered:
             started = time.perf_counter()
+            if name in by_name:
+                await self._export(by_name[name])
             model = await self.pipeline.load(name)
             log.info(
                 "model %s version %s ready in %.1f s (%s, %s, batch <= %d rows / %d tokens, delay %d us)",
@@ -246,6 +253,15 @@ class InferenceServer:
                 model.policy.max_queue_delay_s * 1e6,
             )
             self._model_ready(name)
+
+    async def _export(self, model: NamedSource) -> None:
+        """Export a model given by name into the cache (or find it there); its export's stages are its state."""
+        try:
+            folder = await export(model, self.settings, lambda why: self.pipeline.set_state(model.name, "LOADING", why))
+        except ExportFailed as error:
+            self.pipeline.set_state(model.name, "UNAVAILABLE", str(error))
+            raise
+        self.pipeline.set_folder(model.name, folder)
 
     def _grpc_transport(self, interceptor: ErrorInterceptor, reuse_port: bool) -> GenericHandlersOnly | GrpcAsgiApp:
         """Where the gRPC services are registered: Envoy's application (hosted), or a grpc.aio server."""

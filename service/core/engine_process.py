@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service.core.host import ModelHost
+from service.core.named_models import export, named_models
 from service.core.repository import RepositoryError
 from service.core.rows import TokenRows, WorkItem, WorkResult
 from service.core.wire import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
@@ -96,7 +97,8 @@ class EngineProcess:
         instances = tuple(Instance(i.provider, i.variant, i.cuda_device_id) for i in model.instances)
         policy = dataclasses.asdict(model.policy)
         serving = self.host.serving(name)
-        self.server.publish(ModelUpdate(name, model.spec.version, state, reason, serving, policy, instances))
+        folder = str(self.host.folder(name))
+        self.server.publish(ModelUpdate(name, model.spec.version, state, reason, serving, policy, instances, folder))
 
     def serving_listener(self, name: str, model: LoadedModel) -> Callable[[bool], None]:
         """What to do when a model loses, or gets back, its last working instance: tell the front ends."""
@@ -121,15 +123,16 @@ async def run_engine(settings: Settings, socket_path: str) -> int:
     waiting = asyncio.ensure_future(role.server.all_connected(settings.frontends))
     await asyncio.wait((waiting, asyncio.ensure_future(stop.wait())), return_when=asyncio.FIRST_COMPLETED)
     waiting.cancel()
-    for name in names if not stop.is_set() else ():
-        try:
-            model = await host.load(name)
-        except (RepositoryError, ExecutionError) as error:
-            role.announce(name, "UNAVAILABLE", str(error))
-            raise
-        host.on_serving_change(name, role.serving_listener(name, model))
-        role.announce(name, "READY", model=model)
-        log.info("model %s version %s ready (%s, %s)", name, model.spec.version, *_placement(model))
+    if not stop.is_set():
+        # Exports take minutes: a SIGTERM meanwhile stops them (and the server) rather than waiting for them.
+        loading = asyncio.ensure_future(_load_models(host, role, names))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((loading, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            loading.cancel()
+        await asyncio.gather(loading, return_exceptions=True)
+        if not loading.cancelled() and loading.exception() is not None:
+            raise loading.exception()
     await stop.wait()
     log.info("draining (up to %.0f s)", settings.drain_timeout_s)
     await host.close(settings.drain_timeout_s)
@@ -137,6 +140,24 @@ async def run_engine(settings: Settings, socket_path: str) -> int:
     lag.cancel()
     log.info("stopped")
     return 0
+
+
+async def _load_models(host: ModelHost, role: EngineProcess, names: list[str]) -> None:
+    """Load each model (exporting those given by name first), telling the front ends each one's state."""
+    by_name = {model.name: model for model in named_models(host.settings)}
+    for name in names:
+        try:
+            if name in by_name:
+                host.folders[name] = await export(
+                    by_name[name], host.settings, lambda why, name=name: role.announce(name, "LOADING", why)
+                )
+            model = await host.load(name)
+        except (RepositoryError, ExecutionError) as error:
+            role.announce(name, "UNAVAILABLE", str(error))
+            raise
+        host.on_serving_change(name, role.serving_listener(name, model))
+        role.announce(name, "READY", model=model)
+        log.info("model %s version %s ready (%s, %s)", name, model.spec.version, *_placement(model))
 
 
 def _placement(model: LoadedModel) -> tuple[str, str]:

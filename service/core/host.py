@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.core.batcher import Batcher
-from service.core.repository import model_directories
+from service.core.repository import served_names
 from service.errors import NotFound
 from service.ops import metrics
 from service.ops.metrics import ModelLabels
@@ -27,10 +28,16 @@ class ModelHost:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._models: dict[str, LoadedModel] = {}
+        self.folders: dict[str, Path] = {}
+        """Folders of models not in the repository (served by name), by name."""
 
     def discover(self) -> list[str]:
-        """The model folders of the repository, by name."""
-        return [directory.name for directory in model_directories(self.settings.model_repository)]
+        """The models to serve: the repository's folders, by name, then those given by name (--model)."""
+        return served_names(self.settings)
+
+    def folder(self, name: str) -> Path:
+        """A model's folder: in the repository, or (a model served by name) its export cache entry once exported."""
+        return self.folders.get(name, self.settings.model_repository / name)
 
     async def load(self, name: str) -> LoadedModel:
         """Load and warm one model off the event loop, and start its batcher here (RepositoryError, ExecutionError)."""
@@ -38,9 +45,7 @@ class ModelHost:
         # process that loads models maps ONNX Runtime (~18 MB each).
         from service.core.loading import load_model  # noqa: PLC0415
 
-        model = await asyncio.get_running_loop().run_in_executor(
-            None, load_model, self.settings.model_repository / name, self.settings
-        )
+        model = await asyncio.get_running_loop().run_in_executor(None, load_model, self.folder(name), self.settings)
         model.batcher.start()
         self._models[name] = model
         labels = ModelLabels(model.spec.name, model.spec.version)

@@ -21,11 +21,16 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf import text_format
 
 from protocol import model_config_pb2 as mc
+from service.core.sources import parse_model_argument
+
+if TYPE_CHECKING:
+    from service.ops.settings import Settings
 
 CONFIG_FILE = "config.pbtxt"
 PARITY_FILE = "parity.json"
@@ -595,3 +600,17 @@ def model_directories(root: Path) -> list[Path]:
     if not root.is_dir():
         raise RepositoryError(f"model repository {root} is not a directory")
     return sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / CONFIG_FILE).is_file())
+
+
+def served_names(settings: Settings) -> list[str]:
+    """The models a server serves: its repository's folders (when it serves one), then those given by name (--model).
+
+    RepositoryError when a name is both.
+    """
+    names = [d.name for d in model_directories(settings.model_repository)] if settings.serves_repository else []
+    for text in settings.model:
+        name = parse_model_argument(text).name
+        if name in names:
+            raise RepositoryError(f"model {name} is in {settings.model_repository} and given by --model: rename one")
+        names.append(name)
+    return names

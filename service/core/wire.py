@@ -128,6 +128,8 @@ class ModelUpdate(msgspec.Struct, tag=True, array_like=True):
     policy: dict[str, bool | int | float] | None
     """BatchingPolicy's fields, once READY."""
     instances: tuple[Instance, ...]
+    folder: str = ""
+    """The model's folder, once READY (a repository's, or a model served by name's entry in the export cache)."""
 
 
 ToEngine = Hello | Submit | Cancel | Drain

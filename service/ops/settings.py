@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service.core.sources import SourceSyntaxError, parse_model_argument
+
 ENV_PREFIX = "ENCODER_"
 CPUS_PER_FRONTEND_ON_CPU = 8
 """--frontends 0 with the model on the CPU: one front end per this many CPUs (one process below twice
@@ -22,6 +24,9 @@ that): the front end's share of a one-sentence request's CPU is about 1/8
 (docs/decisions.md#front-ends-per-cpu)."""
 MAX_CONNECTION_AGE_S = 2_000_000
 """gRPC takes the connection age and its grace (the age + 30 s) as 32-bit milliseconds: ~2.1 million s at most."""
+DEFAULT_REPOSITORY = Path("model_repository")
+EXPORT_VARIANTS = ("fp32", "int8", "fp16")
+"""What --export-variants may name (the exporter's variants)."""
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
 
@@ -38,7 +43,32 @@ def _doc(text: str, **extra: Any) -> dict[str, Any]:
 class Settings:
     """Everything the server can be told; see each field's help."""
 
-    model_repository: Path = field(default=Path("model_repository"), metadata=_doc("model repository to serve"))
+    model_repository: Path = field(default=DEFAULT_REPOSITORY, metadata=_doc("model repository to serve"))
+    model: tuple[str, ...] = field(
+        default=(),
+        metadata=_doc(
+            "a model to serve by its name, [NAME=]SOURCE: SOURCE a Hugging Face id (org/name, org/name@REVISION,"
+            " hf://org/name) or a model folder, NAME the name it is served under (default: the id's last part, or the"
+            " folder's name); exported at start behind the parity gate into --export-cache, once per source and"
+            " options (docs/operations.md#serving-a-model-by-name). Repeatable (in the environment: comma-separated);"
+            " beside --model-repository, which is then optional"
+        ),
+    )
+    export_cache: str = field(
+        default="",
+        metadata=_doc(
+            "the export cache --model exports into and serves from (a volume shared by replicas is safe: a lock"
+            " makes one export and the others wait for it); '' = $XDG_CACHE_HOME/encoder-serve, else"
+            " ~/.cache/encoder-serve"
+        ),
+    )
+    export_variants: str = field(
+        default="auto",
+        metadata=_doc(
+            "the variants --model exports, comma-separated (fp32 always); auto = what this server can serve: fp32,"
+            " fp16 too where CUDA is usable (--device auto), int8 only with --variant int8"
+        ),
+    )
     host: str = field(default="0.0.0.0", metadata=_doc("address the gRPC, HTTP and metrics ports bind to"))
     grpc_port: int = field(default=8001, metadata=_doc("gRPC port (KServe v2, health, reflection)"))
     http_port: int = field(
@@ -316,6 +346,8 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model", tuple(self.model))  # a list, when the settings came as JSON
+        self._check_models()
         for item in dataclasses.fields(self):
             value = getattr(self, item.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -392,6 +424,30 @@ class Settings:
                 f"max_queue_delay_us must be >= 0 (or -1 for the model's), got {self.max_queue_delay_us}"
             )
 
+    def _check_models(self) -> None:
+        """Each --model readable, no name given twice, --export-variants from the exporter's variants."""
+        names = set()
+        for text in self.model:
+            try:
+                name = parse_model_argument(text).name
+            except SourceSyntaxError as error:
+                raise SettingsError(f"model: {error}") from error
+            if name in names:
+                raise SettingsError(f"model: two models are named {name!r}: name one of them (--model NAME=SOURCE)")
+            names.add(name)
+        if self.export_variants != "auto":
+            variants = [variant.strip() for variant in self.export_variants.split(",")]
+            if "fp32" not in variants or not set(variants) <= set(EXPORT_VARIANTS):
+                raise SettingsError(
+                    f"export_variants must be auto or a comma-separated list of {', '.join(EXPORT_VARIANTS)} with"
+                    f" fp32, got {self.export_variants!r}"
+                )
+
+    @property
+    def serves_repository(self) -> bool:
+        """Whether --model-repository is served: always, but when only --model was given (the default folder absent)."""
+        return not self.model or self.model_repository != DEFAULT_REPOSITORY or self.model_repository.is_dir()
+
     def _check_device(self) -> None:
         """Refuse device settings that contradict each other rather than quietly serve on the CPU."""
         if self.require_gpu and self.device == "cpu":
@@ -450,6 +506,8 @@ def _env_name(name: str) -> str:
 
 
 def _convert(kind: type, name: str, text: str) -> Any:
+    if kind is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
     if kind is bool:
         word = text.strip().lower()
         if word in TRUE_WORDS | FALSE_WORDS:
@@ -462,7 +520,7 @@ def _convert(kind: type, name: str, text: str) -> Any:
 
 
 def _field_types() -> dict[str, type]:
-    kinds = {"Path": Path, "str": str, "int": int, "float": float, "bool": bool}
+    kinds = {"Path": Path, "str": str, "int": int, "float": float, "bool": bool, "tuple[str, ...]": tuple}
     return {f.name: kinds[str(f.type)] for f in dataclasses.fields(Settings)}
 
 
@@ -479,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f"{item.metadata['help']} [env {_env_name(item.name)}, default {item.default}]"
         if kinds[item.name] is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        elif kinds[item.name] is tuple:
+            parser.add_argument(flag, action="append", help=help_text, metavar=item.name.upper())
         else:
             parser.add_argument(flag, type=str, help=help_text, metavar=item.name.upper())
     return parser
@@ -492,7 +552,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
     for name, kind in _field_types().items():
         if name in flags:
             raw = flags[name]
-            values[name] = raw if isinstance(raw, bool) else _convert(kind, name, raw)
+            values[name] = raw if isinstance(raw, bool) else tuple(raw) if kind is tuple else _convert(kind, name, raw)
         elif _env_name(name) in environ:
             values[name] = _convert(kind, name, environ[_env_name(name)])
     return Settings(**values)

@@ -45,7 +45,7 @@ def _default(item: dataclasses.Field) -> str:
     value = item.default
     if isinstance(value, bool):
         return "on" if value else "off"
-    if value == "":
+    if value in ("", ()):
         return "(none)"
     return f"`{value}`"
 

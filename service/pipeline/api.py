@@ -21,11 +21,12 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from service.core.placement import InstanceInfo
-from service.core.repository import RepositoryError, model_directories
+from service.core.repository import RepositoryError, served_names
 from service.errors import ExecutionError, NotFound, TooLarge, Unavailable
 from service.ops import metrics, tracing
 from service.ops.settings import Settings
@@ -116,6 +117,7 @@ class Pipeline:
         self.settings = settings
         self._models: dict[str, ServedModel] = {}
         self._states: dict[str, ModelState] = {}
+        self._folders: dict[str, Path] = {}
         self.draining = False
         self.answers = AnswerBudget(
             settings.max_response_bytes, settings.max_answer_bytes_in_flight // max(1, settings.frontends)
@@ -126,11 +128,19 @@ class Pipeline:
         )
 
     def discover(self) -> list[str]:
-        """Model folders in the repository; each starts LOADING."""
-        names = [directory.name for directory in model_directories(self.settings.model_repository)]
+        """The models to serve: the repository's folders, then those given by name (--model); each starts LOADING."""
+        names = served_names(self.settings)
         for name in names:
             self.set_state(name, "LOADING")
         return names
+
+    def set_folder(self, name: str, folder: Path) -> None:
+        """Where a model's folder is, when not in the repository (a model served by name: its export cache entry)."""
+        self._folders[name] = folder
+
+    def folder(self, name: str) -> Path:
+        """A model's folder: in the repository, or where set_folder said."""
+        return self._folders.get(name, self.settings.model_repository / name)
 
     async def load(self, name: str) -> ModelInfo:
         """Load and warm one model off the event loop and serve it; a failure marks it UNAVAILABLE and re-raises."""
@@ -147,7 +157,7 @@ class Pipeline:
         # Here, not at the top: front-end processes use this module and never load ONNX Runtime (~18 MB each).
         from service.core.loading import load_model  # noqa: PLC0415
 
-        loaded = load_model(self.settings.model_repository / name, self.settings)
+        loaded = load_model(self.folder(name), self.settings)
         return ServedModel(
             loaded.spec,
             loaded.policy,
@@ -218,7 +228,9 @@ class Pipeline:
         if model is None:
             state = self._states.get(name)
             if state is not None and state.state == "LOADING":
-                raise Unavailable(f"model {name} is loading")
+                # A model served by name says how far its export is ("exporting: stage 7 of 16, ...").
+                why = f"is not ready: {state.reason}" if state.reason else "is loading"
+                raise Unavailable(f"model {name} {why}")
             if state is not None:
                 # The reason (paths, library messages) is the log's and the repository index's, not every caller's.
                 raise Unavailable(f"model {name} failed to load; see the server log or the repository index")

@@ -9,6 +9,7 @@ the engine through a `RemoteQueue` (service.core.remote).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from service.core.placement import InstanceInfo
 from service.core.policy import BatchingPolicy
@@ -38,7 +39,7 @@ class RemoteModels:
             self._engine.set_state(update.name, update.state, update.reason, update.version)
             return
         settings = self._engine.settings
-        spec = read_model(settings.model_repository / update.name)
+        spec = read_model(Path(update.folder) if update.folder else settings.model_repository / update.name)
         policy = BatchingPolicy(**update.policy)
         instances = tuple(InstanceInfo(i.provider, i.variant, i.cuda_device_id) for i in update.instances)
         queue = self._queues[update.name] = RemoteQueue(self.link, spec.name, spec.version)

@@ -38,8 +38,18 @@ Manifest = dict[str, Any]
 
 KSERVE = DEPLOY / "kserve"
 RUNTIME = "encoder-serve"
-# The example InferenceServices, by the device they serve on.
-INFERENCE_SERVICES = {"cpu": "all-minilm-l6-v2-cpu", "gpu": "all-minilm-l6-v2-gpu"}
+# The example InferenceServices, by their kustomization (deploy/kserve/<example>): on CPUs from an exported
+# repository (the default, deploy/kserve itself), on a GPU, and on CPUs from a raw model folder exported in the pod.
+INFERENCE_SERVICES = {
+    "cpu": "all-minilm-l6-v2-cpu",
+    "gpu": "all-minilm-l6-v2-gpu",
+    "from-folder": "all-minilm-l6-v2-from-folder",
+}
+EXAMPLE_DEVICES = {"cpu": "cpu", "gpu": "gpu", "from-folder": "cpu"}
+"""The device each example serves on (the overlay of the plain Deployment it matches)."""
+EXPORT_CACHE = "/var/cache/encoder-serve"
+HUGGING_FACE_ENVIRONMENT = {"HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE"}
+"""huggingface_hub's variables, which the exporter a model served by name runs reads (docs/operations.md)."""
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 # --- KServe's facts (kserve/kserve pkg/constants/constants.go unless said otherwise) ---
@@ -171,9 +181,37 @@ def _resource(api_version: str, kind: str, spec: dict[str, Any]) -> dict[str, An
     )
 
 
+# The Prometheus Operator's monitoring.coreos.com/v1 PodMonitorSpec and PodMetricsEndpoint (the fields used, and
+# their neighbours; required as its CRD requires them).
+POD_METRICS_ENDPOINT = _struct(
+    {
+        "port": _STRING,
+        "portNumber": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "targetPort": {"type": ["integer", "string"]},
+        "path": _STRING,
+        "scheme": {"enum": ["http", "https"]},
+        "interval": _STRING,
+        "scrapeTimeout": _STRING,
+        "honorLabels": _BOOLEAN,
+        "relabelings": _OBJECTS,
+        "metricRelabelings": _OBJECTS,
+    }
+)
+POD_MONITOR_SPEC = _struct(
+    {
+        "selector": _OBJECT,
+        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": POD_METRICS_ENDPOINT},
+        "namespaceSelector": _OBJECT,
+        "jobLabel": _STRING,
+        "podTargetLabels": {"type": "array", "items": _STRING},
+        "sampleLimit": _COUNT,
+    },
+    required=("selector", "podMetricsEndpoints"),
+)
 SCHEMAS = {
     "ServingRuntime": _resource("serving.kserve.io/v1alpha1", "ServingRuntime", SERVING_RUNTIME_SPEC),
     "InferenceService": _resource("serving.kserve.io/v1beta1", "InferenceService", INFERENCE_SERVICE_SPEC),
+    "PodMonitor": _resource("monitoring.coreos.com/v1", "PodMonitor", POD_MONITOR_SPEC),
 }
 
 # --- The pod KServe makes (Standard mode): what of the runtime's pod fields MergePodSpec keeps, and
@@ -335,7 +373,8 @@ def _server_errors(pod: Manifest) -> list[str]:
     repository other than KServe's mount, ports and probes other than the server's."""
     (container,) = [item for item in pod["spec"]["containers"] if item["name"] == KSERVE_CONTAINER]
     env = {item["name"]: item for item in container.get("env", [])}
-    errors = [f"{name} is not a server setting" for name in sorted(set(env) - SERVER_SETTINGS)]
+    known = SERVER_SETTINGS | HUGGING_FACE_ENVIRONMENT
+    errors = [f"{name} is not a server setting" for name in sorted(set(env) - known)]
     errors += [
         f"{name} has both value and valueFrom" for name, item in env.items() if {"value", "valueFrom"} <= set(item)
     ]
@@ -365,9 +404,19 @@ def _server_errors(pod: Manifest) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def objects() -> list[Manifest]:
-    """deploy/kserve rendered with `kubectl kustomize`."""
-    return _kustomize(_kubectl(), KSERVE)
+def renders() -> dict[str, list[Manifest]]:
+    """deploy/kserve (the CPU example) and each other example's kustomization, rendered with `kubectl kustomize`."""
+    kubectl = _kubectl()
+    return {
+        example: _kustomize(kubectl, KSERVE / ("" if example == "cpu" else example)) for example in INFERENCE_SERVICES
+    }
+
+
+@pytest.fixture(scope="module")
+def objects(renders: dict[str, list[Manifest]]) -> list[Manifest]:
+    """The runtime, its PodMonitor and every example InferenceService (each kustomization's, once)."""
+    found = {(item["kind"], item["metadata"]["name"]): item for render in renders.values() for item in render}
+    return list(found.values())
 
 
 @pytest.fixture(scope="module")
@@ -414,13 +463,18 @@ def _overlay_image(overlay: str) -> str:
     return f"{image['newName']}:{image['newTag']}"
 
 
-def test_objects(objects: list[Manifest]) -> None:
+def test_objects(objects: list[Manifest], renders: dict[str, list[Manifest]]) -> None:
     kinds = sorted((item["kind"], item["metadata"]["name"]) for item in objects)
     assert kinds == [
-        ("InferenceService", INFERENCE_SERVICES["cpu"]),
-        ("InferenceService", INFERENCE_SERVICES["gpu"]),
+        *sorted(("InferenceService", name) for name in INFERENCE_SERVICES.values()),
+        ("PodMonitor", RUNTIME),
         ("ServingRuntime", RUNTIME),
     ]
+    # Each kustomization applies the runtime, its PodMonitor and one InferenceService: its own example.
+    for example, render in renders.items():
+        services = [item["metadata"]["name"] for item in render if item["kind"] == "InferenceService"]
+        assert services == [INFERENCE_SERVICES[example]], example
+        assert sorted(item["kind"] for item in render) == ["InferenceService", "PodMonitor", "ServingRuntime"]
     # No namespace: `kubectl apply -n <namespace> -k` puts them where the user says, together, as an
     # InferenceService finds a ServingRuntime only in its own namespace.
     assert all("namespace" not in item["metadata"] for item in objects)
@@ -506,6 +560,10 @@ BREAKAGES: dict[str, tuple[Callable[[list[Manifest]], object], str]] = {
         lambda objects: _rename(_cpu_predictor(objects), "enableServiceLinks", "enableServiceLink"),
         "'enableServiceLink' was unexpected",
     ),
+    "gRPC asked of the HTTP port": (
+        lambda objects: _cpu_model(objects).update(protocolVersion="grpc-v2"),
+        "does not speak grpc-v2",
+    ),
     "storage the initializer cannot fetch": (
         lambda objects: _cpu_model(objects).update(storageUri="ftp://example/model_repository"),
         "storageUri 'ftp://example/model_repository' is not one",
@@ -588,7 +646,34 @@ def test_runtime_is_chosen_by_name_only(runtime: Manifest) -> None:
     formats = runtime["spec"]["supportedModelFormats"]
     assert {entry["name"] for entry in formats} == {"onnx"}
     assert not any(entry.get("autoSelect", False) for entry in formats)
-    assert set(runtime["spec"]["protocolVersions"]) == {"v2", "grpc-v2"}
+    # v2 only: KServe routes to the one declared port, HTTP 8000, so a grpc-v2 InferenceService must be refused.
+    assert runtime["spec"]["protocolVersions"] == ["v2"]
+
+
+def test_metrics_are_scraped_by_a_pod_monitor(objects: list[Manifest], runtime: Manifest) -> None:
+    """KServe's prometheus.kserve.io annotations make nothing scrape in Standard mode: a PodMonitor does."""
+    assert not any(key.startswith("prometheus.kserve.io/") for key in runtime["spec"].get("annotations", {}))
+    (monitor,) = [item for item in objects if item["kind"] == "PodMonitor"]
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= runtime["spec"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["targetPort"], endpoint["path"]) == (METRICS_PORT, "/metrics")
+
+
+def test_a_raw_folder_is_exported_into_the_cache_volume(objects: list[Manifest], runtime: Manifest) -> None:
+    """The from-folder example serves /mnt/models by name: exported at start into the runtime's cache volume."""
+    (service,) = [item for item in objects if item["metadata"]["name"] == INFERENCE_SERVICES["from-folder"]]
+    pod = _effective_pod(runtime, service)
+    (container,) = [item for item in pod["spec"]["containers"] if item["name"] == KSERVE_CONTAINER]
+    environ = {item["name"]: item["value"] for item in container["env"] if "value" in item}
+    settings = load_settings(container["args"], environ)
+    assert [text.split("=", 1)[1] for text in settings.model] == [MODEL_MOUNT_PATH]
+    assert settings.export_cache == EXPORT_CACHE
+    (mount,) = [item for item in container["volumeMounts"] if item["mountPath"] == EXPORT_CACHE]
+    assert not mount.get("readOnly", False)
+    volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
+    assert "emptyDir" in volumes[mount["name"]]
+    assert service["spec"]["predictor"]["model"]["storageUri"].startswith("hf://")
 
 
 def test_standard_deployment_mode(inference_service: Manifest) -> None:
@@ -598,7 +683,7 @@ def test_standard_deployment_mode(inference_service: Manifest) -> None:
 
 def test_probes_and_shutdown(pod: Manifest, container: Manifest) -> None:
     startup = container["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120  # model load and warm-up
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # an export at start (docs/kserve.md)
     for probe in PROBES:
         assert set(container[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}
         assert container[probe]["grpc"].get("service", "") == ""
@@ -658,7 +743,10 @@ def test_device_and_image(device: str, pod: Manifest, container: Manifest) -> No
     """Each example runs the image and takes the node an overlay of the plain Deployment would."""
     env = {item["name"]: item["value"] for item in container["env"]}
     limits = container["resources"]["limits"]
-    assert container["image"] == _overlay_image(device)
+    if device == "from-folder":  # the image with the exporter: the CPU image's tag, -export
+        assert container["image"] == _overlay_image("cpu") + "-export"
+    else:
+        assert container["image"] == _overlay_image(device)
     if device == "gpu":
         assert env["ENCODER_REQUIRE_GPU"] == "true"
         assert env.get("ENCODER_DEVICE", "auto") == "auto"

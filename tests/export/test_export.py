@@ -319,6 +319,8 @@ def test_cli_exports_a_random_model_without_tokenizer(tmp_path: Path) -> None:
     assert "default on cpu: fp32" in result.stdout and "default on cuda: " in result.stdout
     stages = [line for line in result.stderr.splitlines() if line.startswith("export [")]
     assert any(line.endswith("publish") for line in stages) and len(stages) >= 8
+    # Each stage says how many there are, and the count planned is the count run (the server shows it).
+    assert all(f"stage {index + 1:2d} of {len(stages)}: " in line for index, line in enumerate(stages)), stages
     # Library chatter (optimiser and quantiser logs) stays out of the default output.
     assert " INFO " not in result.stderr and "onnx_model" not in result.stderr
     if not cuda_usable():
