@@ -86,9 +86,8 @@ class Outcomes:
                     elif client == "stream":
                         total += count * (outcome != "OK")
                     elif client != RSS:
-                        total += count * (
-                            outcome in LOST_STATUSES or outcome.startswith("HTTP 5") or "Error" in outcome
-                        )
+                        status = outcome.partition(":")[0]
+                        total += count * (status in LOST_STATUSES or status.startswith("HTTP 5") or "Error" in status)
         return total
 
     def report(self) -> dict[str, object]:
@@ -109,6 +108,12 @@ def _status(error: triton.InferenceServerException) -> str:
     return str(error.status() or "UNKNOWN").removeprefix("StatusCode.")
 
 
+def _outcome(error: triton.InferenceServerException) -> str:
+    """A failed call's status; with its message when it may have been lost (the message says why)."""
+    status = _status(error)
+    return f"{status}: {' '.join(error.message().split())[:120]}" if status in LOST_STATUSES else status
+
+
 def unary_client(
     name: str, target: str, model: str, stop: threading.Event, outcomes: Outcomes, *, deadline_s: float = 0.0
 ) -> None:
@@ -122,7 +127,7 @@ def unary_client(
                 client.infer(model, [_texts_input(chunk)], client_timeout=deadline_s or None)
                 outcomes.add(name, "OK")
             except triton.InferenceServerException as error:
-                outcomes.add(name, _status(error))
+                outcomes.add(name, _outcome(error))
     finally:
         client.close()
 
@@ -242,7 +247,11 @@ def malformed_client(target: str, model: str, stop: threading.Event, outcomes: O
                 stub.ModelInfer(nonsense_request(rng, model), timeout=30)
                 outcomes.add("malformed", "OK")
             except grpc.RpcError as error:
-                outcomes.add("malformed", error.code().name)
+                code = error.code().name
+                lost = code in LOST_STATUSES
+                outcomes.add(
+                    "malformed", f"{code}: {' '.join((error.details() or '').split())[:120]}" if lost else code
+                )
 
 
 def clients(
