@@ -214,6 +214,15 @@ class Settings:
             f"close client connections after this long so they rebalance; 0 = never; at most {MAX_CONNECTION_AGE_S}"
         ),
     )
+    envoy_reset_flood_streams: int = field(
+        default=0,
+        metadata=_doc(
+            "Envoy only: once a connection has carried this many streams, close it (abruptly: every call on it fails"
+            " UNAVAILABLE) when half of them were reset by the client within 1 s, before an answer (Envoy's HTTP/2"
+            " rapid-reset protection); 0 = never. gRPC cancels a call past its deadline with such a reset, so a"
+            " client with short deadlines on a busy server looks like that attack (grpcio closes nothing for it)"
+        ),
+    )
     max_message_bytes: int = field(
         default=2 * 1024 * 1024,
         metadata=_doc(
@@ -392,6 +401,7 @@ class Settings:
             "chunk_overlap_tokens",
             "drain_timeout_s",
             "max_connection_age_s",
+            "envoy_reset_flood_streams",
         )
         for name in non_negative:
             if getattr(self, name) < 0:

@@ -8,8 +8,9 @@ command and environment built here; Envoy's admin interface answers on a Unix so
 server's runtime folder, for the front end to ask for its own drain and exit.
 
 Envoy's own limits follow the server's settings: streams per connection (--max-concurrent-streams),
-connection age (--max-connection-age-s, then a grace for the calls under way), no idle timeout on
-a stream (a Watch or a ModelStreamInfer may stay quiet for long).
+connection age (--max-connection-age-s, with gRPC's jitter, then a grace for the calls under way), no
+idle timeout on a stream (a Watch or a ModelStreamInfer may stay quiet for long), and its HTTP/2
+rapid-reset protection (--envoy-reset-flood-streams).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from service.ops.settings import Settings
-from service.server import CONNECTION_AGE_GRACE_S
 
 APP = "service.frontends.grpc.envoy_app:app"
 """The ASGI application Envoy runs: a front end."""
@@ -35,6 +37,28 @@ DYNAMIC_MODULE = "type.googleapis.com/envoy.extensions.filters.http.dynamic_modu
 DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
 SECRET = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 SECRET_FILE = "envoy-{index}-{name}.json"
+AGE_JITTER = 0.1
+"""A connection's age is drawn from (1 +- this) x --max-connection-age-s, as gRPC draws it (grpcio's own), so the
+connections one client opened together do not all recycle at once."""
+GOAWAY_GRACE_S = 2
+"""Between a connection's first GOAWAY (no new streams: the last stream id 2^31-1) and its final one (the last
+stream it will answer): calls a client sent before the first arrived still reach the server. Envoy then closes
+the connection once its last call has ended; it cuts none (Envoy's drain_timeout)."""
+DELAYED_CLOSE_S = 1
+"""Envoy's delayed_close_timeout (its default): how long it waits for a client to close a connection it closes."""
+OPEN_CONNECTIONS_STAT = "http.grpc.downstream_cx_active"
+DRAIN_POLL_S = 0.05
+"""How often a drain asks Envoy whether client connections are still open."""
+RELEASE_BYTES = 8 * 2**20
+RELEASE_EVERY_S = 1
+"""Envoy's tcmalloc, the allocator of its whole process (Python, the front end and ONNX Runtime included), hands
+RELEASE_BYTES of the memory it keeps free back to the system every RELEASE_EVERY_S: 18 MB less RSS idle, with the
+default model (docs/architecture.md, the gRPC port)."""
+RESET_FLOOD_RUNTIME_KEY = "overload.premature_reset_total_stream_count"
+"""Envoy's runtime key: streams on a connection after which it is closed if half were reset early (default 500)."""
+RESET_FLOOD_NEVER = 2**62
+"""The key's value for --envoy-reset-flood-streams 0: Envoy also closes a connection that reached half this many early
+resets before this many streams, so it must be out of reach, not merely large."""
 SERVER_SECRET = "server"
 CLIENT_CA_SECRET = "client-ca"
 
@@ -64,10 +88,22 @@ def _app_filter() -> dict[str, Any]:
     }
 
 
+def connection_age(max_connection_age_s: float) -> dict[str, Any]:
+    """Envoy's `max_connection_duration` and its jitter: each connection's age uniform in (1 +- AGE_JITTER) x the age.
+
+    Envoy adds random(0, jitter% x duration) to the duration it is given, so it is given the low end.
+    """
+    low_s = max_connection_age_s * (1 - AGE_JITTER)
+    return {
+        "max_connection_duration": f"{low_s:.3f}s",
+        "max_connection_duration_jitter": {"value": 100 * 2 * AGE_JITTER / (1 - AGE_JITTER)},
+    }
+
+
 def _connection_manager(settings: Settings) -> dict[str, Any]:
     protocol: dict[str, Any] = {"idle_timeout": "0s"}
     if settings.max_connection_age_s > 0:
-        protocol["max_connection_duration"] = f"{settings.max_connection_age_s}s"
+        protocol.update(connection_age(settings.max_connection_age_s))
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
@@ -76,7 +112,7 @@ def _connection_manager(settings: Settings) -> dict[str, Any]:
             "stat_prefix": "grpc",
             "generate_request_id": False,
             "stream_idle_timeout": "0s",
-            "drain_timeout": f"{CONNECTION_AGE_GRACE_S + settings.max_connection_age_s}s",
+            "drain_timeout": f"{GOAWAY_GRACE_S}s",
             "common_http_protocol_options": protocol,
             "http2_protocol_options": {"max_concurrent_streams": settings.max_concurrent_streams},
             "route_config": {"virtual_hosts": [{"name": "grpc", "domains": ["*"]}]},
@@ -137,10 +173,18 @@ def config(settings: Settings, runtime: Path, index: int) -> dict[str, Any]:
     if settings.tls_cert:
         chain["transport_socket"] = _tls(settings, runtime, index)
     listeners = [_listener("grpc", settings.host, settings.grpc_port, chain)]
+    reset_flood_streams = settings.envoy_reset_flood_streams or RESET_FLOOD_NEVER
     return {
         "node": {"id": f"frontend-{index}", "cluster": "encoder-serve"},  # SDS asks for a node's name
         "admin": {"address": {"pipe": {"path": str(admin_socket(runtime, index))}}},
         "static_resources": {"listeners": listeners},
+        "memory_allocator_manager": {
+            "bytes_to_release": RELEASE_BYTES,
+            "memory_release_interval": f"{RELEASE_EVERY_S}s",
+        },
+        "layered_runtime": {
+            "layers": [{"name": "settings", "static_layer": {RESET_FLOOD_RUNTIME_KEY: reset_flood_streams}}]
+        },
     }
 
 
@@ -202,12 +246,46 @@ def environment() -> dict[str, str]:
     return env
 
 
-async def admin(runtime: Path, index: int, path: str) -> None:
-    """POST to this front end's Envoy admin interface (`/drain_listeners`, `/quitquitquit`)."""
+async def admin(runtime: Path, index: int, path: str, method: str = "POST") -> str:
+    """Ask this front end's Envoy admin interface (`/drain_listeners`, `/quitquitquit`, `/stats`): the answer's body."""
     reader, writer = await asyncio.open_unix_connection(str(admin_socket(runtime, index)))
     try:
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: envoy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+        writer.write(
+            f"{method} {path} HTTP/1.1\r\nHost: envoy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
+        )
         await writer.drain()
-        await reader.read()
+        answer = await reader.read()
     finally:
         writer.close()
+    return answer.partition(b"\r\n\r\n")[2].decode(errors="replace")
+
+
+async def stop_listening(runtime: Path, index: int) -> None:
+    """Envoy's part of a drain: GOAWAY on each connection, the listener closed.
+
+    Each connection is sent GOAWAY with its next answer (the app refuses the calls that follow, UNAVAILABLE),
+    then its final GOAWAY GOAWAY_GRACE_S later; the listener takes no new connection.
+
+    A connection that carries no call during the drain gets no GOAWAY (envoyproxy/envoy#14350): it is closed
+    when Envoy exits.
+    """
+    await admin(runtime, index, "/drain_listeners?graceful")
+    await admin(runtime, index, "/drain_listeners")
+
+
+async def open_connections(runtime: Path, index: int) -> int:
+    """Client connections Envoy holds open on the gRPC port now."""
+    stats = await admin(runtime, index, f"/stats?filter=^{OPEN_CONNECTIONS_STAT}$", method="GET")
+    found = re.search(rf"{OPEN_CONNECTIONS_STAT}: (\d+)", stats)
+    return int(found.group(1)) if found else 0
+
+
+async def connections_closed(runtime: Path, index: int, goaways_by: float, deadline: float) -> None:
+    """Wait until Envoy holds no client connection, or `goaways_by`, or the drain's `deadline` (monotonic times).
+
+    By `goaways_by` every connection sent GOAWAY has had its final one: a call sent on it after is refused by
+    that GOAWAY (never run, safe to send again), not cut off by Envoy's exit.
+    """
+    until = min(goaways_by, deadline)
+    while time.monotonic() < until and await open_connections(runtime, index) > 0:
+        await asyncio.sleep(DRAIN_POLL_S)

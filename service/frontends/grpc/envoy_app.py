@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -67,7 +68,7 @@ async def _start() -> None:
     try:
         tracing.configure(settings, role)
         frontend = FrontendRole(index, str(runtime / processes.ENGINE_SOCKET)) if role != "server" else None
-        stop_listening = partial(envoy.admin, runtime, index, "/drain_listeners")
+        stop_listening = partial(envoy.stop_listening, runtime, index)
         _front_end = InferenceServer(settings, frontend, hosted_by=stop_listening)
         await _front_end.bind()
     except Exception as error:
@@ -97,13 +98,19 @@ def _wait_for_stop(loop: asyncio.AbstractEventLoop, index: int, runtime: Path) -
 
 
 async def _drain(index: int, runtime: Path) -> None:
-    """The front end's drain (Envoy's listener closed, GOAWAY on every connection), then Envoy's exit."""
+    """The front end's drain, then Envoy's exit once its connections are closed or had their final GOAWAY.
+
+    Envoy's listener closes and every connection that carries a call is sent GOAWAY (envoy.stop_listening).
+    """
     assert _front_end is not None and _serving is not None
+    started = time.monotonic()
     try:
         if not _serving.done():
             _serving.cancel()
             await asyncio.gather(_serving, return_exceptions=True)
         await _front_end.stop()
+        goaways_by = started + envoy.GOAWAY_GRACE_S + envoy.DELAYED_CLOSE_S
+        await envoy.connections_closed(runtime, index, goaways_by, started + _front_end.settings.drain_timeout_s)
     except Exception:
         log.exception("the drain failed")
     finally:
