@@ -150,11 +150,16 @@ def wait_for_queue_depth(server: RunningServer, depth: int, model: str, version:
     wait_for_metric(server, "encoder_queue_depth", depth, model=model, version=version)
 
 
-def post_json(server: RunningServer, route: str, body: object) -> tuple[int, object]:
-    """POST JSON (or raw bytes) to a server's HTTP port: the status and the decoded answer."""
+def post_json(
+    server: RunningServer, route: str, body: object, headers: dict[str, str] | None = None
+) -> tuple[int, object]:
+    """POST JSON (or raw bytes) to a server's HTTP port (with `headers`, e.g. a key): the status and the answer."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(
-        server.http_url + route, data=data, headers={"content-type": "application/json"}, method="POST"
+        server.http_url + route,
+        data=data,
+        headers={"content-type": "application/json", **(headers or {})},
+        method="POST",
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as answer:

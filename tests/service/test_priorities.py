@@ -10,11 +10,8 @@ statistics, and releases what it held by filling the batch.
 
 from __future__ import annotations
 
-import json
 import queue
 import struct
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +24,7 @@ import tritonclient.grpc as triton_grpc
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import TINY_MODEL
-from tests.servers import RunningServer, metric_samples, metric_value, start_server, wait_for_queue_depth
+from tests.servers import RunningServer, metric_samples, metric_value, post_json, start_server, wait_for_queue_depth
 
 TENANTS = """
 [tenants.search]
@@ -156,24 +153,11 @@ def test_the_openai_sdk_sends_a_priority_in_extra_body(server: RunningServer) ->
         answer = client.embeddings.create(model=TINY_MODEL, input=["urgent"], extra_body={"priority": 1})
         assert len(answer.data) == 1
         wait_for_queue_depth(server, 2, TINY_MODEL)
-        status, _ = post_json_with(server, "/embed", {"inputs": "bulk three", "priority": 2}, BULK)
+        status, _ = post_json(server, "/embed", {"inputs": "bulk three", "priority": 2}, BULK)
         assert status == 200
         assert sorted(answers.next()[0] for _ in range(2)) == ["bulk one", "bulk two"]
     finally:
         triton.close()
-
-
-def post_json_with(server: RunningServer, route: str, body: dict, headers: dict) -> tuple[int, object]:
-    """post_json with the tenant's key."""
-
-    request = urllib.request.Request(
-        server.http_url + route, data=json.dumps(body).encode(), headers={"content-type": "application/json", **headers}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=ANSWER_TIMEOUT_S) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 @pytest.mark.parametrize(
@@ -189,7 +173,7 @@ def post_json_with(server: RunningServer, route: str, body: dict, headers: dict)
 def test_a_bad_priority_or_timeout_is_refused_by_name_and_nothing_queued(
     server: RunningServer, route: str, body: dict, message: str
 ) -> None:
-    status, answer = post_json_with(server, route, body, SEARCH)
+    status, answer = post_json(server, route, body, SEARCH)
     assert status in (400, 422), answer
     assert message in str(answer)
     assert metric_value(metric_samples(server), "encoder_queue_depth", model=TINY_MODEL, version="1") == 0
@@ -218,5 +202,5 @@ def test_kserve_rest_takes_priority_as_a_parameter(server: RunningServer) -> Non
         "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
         "parameters": {"priority": 5},
     }
-    status, answer = post_json_with(server, f"/v2/models/{TINY_MODEL}/infer", body, SEARCH)
+    status, answer = post_json(server, f"/v2/models/{TINY_MODEL}/infer", body, SEARCH)
     assert status == 400 and "parameter priority must be an integer from 1" in str(answer)

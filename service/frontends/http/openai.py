@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import orjson
@@ -70,7 +70,7 @@ class EmbeddingsRequest:
     late_chunking: bool = False
     task: str | None = None
     """The model's task adapter to embed with (checked against the model by the engine's rules)."""
-    scheduling: dict[str, object] | None = None
+    scheduling: dict[str, object] = field(default_factory=dict)
     """priority and timeout, where given (checked by the engine's rules)."""
 
 
@@ -117,10 +117,9 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
             f"{'truncate' if not isinstance(truncate, bool) else 'late_chunking'} must be true or false"
         )
     texts = _texts(payload["input"])
-    scheduling = scheduling_parameters(payload)
     return EmbeddingsRequest(
         model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate, late_chunking, task,
-        scheduling or None,
+        scheduling_parameters(payload),
     )  # fmt: skip
 
 
@@ -160,7 +159,7 @@ async def embeddings(
         | ({"late_chunking": True} if request.late_chunking else {})
         | ({} if request.prompt_name is None else {"prompt_name": request.prompt_name})
         | ({} if request.task is None else {"task": request.task})
-        | (request.scheduling or {}),
+        | request.scheduling,
         encodings={output: BASE64 if request.encoding_format == "base64" else JSON},
     )
     async with door.inference(context, inference_request) as inference:
