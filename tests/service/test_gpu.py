@@ -224,3 +224,38 @@ def test_a_rerankers_fp16_is_the_cuda_default_within_the_logit_rule(exported_tas
     logits = runtime.run(tokenizer.encode_pairs(PAIRS).feed(spec.input_names), ("logits",))["logits"]
     expected = cross_encoder_logits(exported_tasks.sources[FP16_SOURCE], PAIRS)
     np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_FIDELITY_MAX_ABS_DIFF)
+
+
+def test_queries_on_the_express_lane_beside_bulk_work_on_cuda(
+    default_repository: Path, default_folder: Path, tmp_path: Path
+) -> None:
+    """Priority-1 queries while lowest-priority bulk requests fill the instance: every answer is the model's.
+
+    With two priority levels the express lane runs the queries on a second thread over the first
+    instance's CUDA session, beside the bulk run (ONNX Runtime's concurrent Run on one session).
+    """
+    server = start_server(default_repository, tmp_path / "server.log", "--require-gpu")
+    words = " ".join(TEXTS).split()
+    bulk_texts = [" ".join(words[(i + j) % len(words)] for j in range(120)) for i in range(2048)]
+    queries = [f"query {i}: {TEXTS[i % len(TEXTS)]}" for i in range(40)]
+    try:
+        with EmbeddingClient(server.target) as client, ThreadPoolExecutor(4) as pool:
+            bulk = [
+                pool.submit(client.embed, bulk_texts[start : start + 512], priority=2) for start in (0, 512, 1024, 1536)
+            ]
+            answered, beside_bulk = [], 0
+            for query in queries:
+                answered.append(client.embed([query], priority=1)[0])
+                beside_bulk += not all(future.done() for future in bulk)
+            bulk_answers = np.concatenate([future.result() for future in bulk])
+        reference = SentenceTransformer(str(default_folder), device="cpu")
+        expected_queries = reference.encode(queries, convert_to_numpy=True)
+        assert row_cosines(np.stack(answered), expected_queries).min() >= FIDELITY_MIN_COSINE, (
+            f"{beside_bulk} beside bulk"
+        )
+        sample = list(range(0, 2048, 97))
+        expected_bulk = reference.encode([bulk_texts[i] for i in sample], convert_to_numpy=True)
+        assert row_cosines(bulk_answers[sample], expected_bulk).min() >= FIDELITY_MIN_COSINE
+        assert beside_bulk > 0, "no query was answered while bulk requests were under way"
+    finally:
+        server.stop()
