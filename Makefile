@@ -69,11 +69,11 @@ TEST_REPOSITORY := $(abspath .test-cache/default-repository)
 test: setup lint
 	rm -rf .test-cache
 	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
-		$(PY) -m pytest
+		$(PY) -m pytest --durations=25
 	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
-		ENCODER_FRONTENDS=2 $(PY) -m pytest $(MULTIPROCESS_SUITES)
+		ENCODER_FRONTENDS=2 $(PY) -m pytest --durations=10 $(MULTIPROCESS_SUITES)
 	PATH="$(abspath $(VENV))/bin:$$PATH" ENCODER_TEST_DEFAULT_REPOSITORY=$(TEST_REPOSITORY) ENCODER_TEST_REQUIRE_TOOLS=1 \
-		ENCODER_GRPC_TRANSPORT=grpcio $(PY) -m pytest $(GRPC_SUITES)
+		ENCODER_GRPC_TRANSPORT=grpcio $(PY) -m pytest --durations=10 $(GRPC_SUITES)
 
 protos: $(VENV)/.installed
 	$(PY) protos/generate.py
