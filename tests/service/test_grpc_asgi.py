@@ -57,11 +57,16 @@ class Channel:
     response (at once, unless the channel is made with `reading=False`).
     """
 
-    def __init__(self, body: bytes, *, reading: bool = True, holding_sends: bool = False) -> None:
+    def __init__(
+        self, body: bytes, *, reading: bool = True, holding_sends: bool = False, holding_receives: bool = False
+    ) -> None:
         self._body: bytes | None = body
         self._holding_sends = holding_sends
         self.held_sends: list[asyncio.Future[None]] = []
         """With `holding_sends`: each send of a message with more to follow waits here, as pyvoy's waits for Envoy."""
+        self._holding_receives = holding_receives
+        self.held_receives: list[asyncio.Future[dict[str, Any]]] = []
+        """With `holding_receives`: each receive after the body waits here for its event, as pyvoy's does."""
         self.gone = asyncio.Event()
         self.taken = asyncio.Event()
         if reading:
@@ -74,6 +79,9 @@ class Channel:
             body, self._body = self._body, None
             return {"type": "http.request", "body": body, "more_body": False}
         self.reads_after_body += 1
+        if self._holding_receives:
+            self.held_receives.append(asyncio.get_running_loop().create_future())
+            return await self.held_receives[-1]
         if self.gone.is_set() or (self.answer.ended and self.taken.is_set()):
             return {"type": "http.disconnect"}
         return {"type": "http.request", "body": b"", "more_body": False}
@@ -205,6 +213,23 @@ async def test_a_call_cancelled_while_a_send_waits_leaves_pyvoys_future_to_pyvoy
     (held,) = channel.held_sends
     assert not held.cancelled()
     held.set_exception(ConnectionResetError("the stream ended"))  # pyvoy's own end of it: no InvalidStateError
+
+
+async def test_a_call_ended_while_a_receive_waits_leaves_pyvoys_future_to_pyvoy(app: GrpcAsgiApp) -> None:
+    channel = Channel(check_request(), holding_receives=True)
+    watch = asyncio.create_task(call(app, channel, WATCH, (b"grpc-timeout", b"300m")))
+    while not channel.held_receives:  # the watch for a reset asks pyvoy for the stream's next event
+        await asyncio.sleep(0.01)
+    while not channel.answer.ended:  # the deadline ends the call while that receive waits
+        await asyncio.sleep(0.01)
+    assert channel.answer.grpc_status == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not any(held.cancelled() for held in channel.held_receives)
+    async with asyncio.timeout(5):
+        while not watch.done():  # pyvoy answers each wait itself once the stream is over: no InvalidStateError
+            for held in channel.held_receives:
+                if not held.done():
+                    held.set_result({"type": "http.disconnect"})
+            await asyncio.sleep(0.01)
 
 
 async def test_after_stop_new_calls_are_unavailable_and_running_ones_end(app: GrpcAsgiApp) -> None:

@@ -434,11 +434,21 @@ class _Messages:
         self._ended = False
         self.disconnected = False
 
+    async def _next_event(self) -> dict[str, Any]:
+        """The call's next ASGI event; cancelling the caller (deadline, drain, stop_watching) leaves pyvoy's future be.
+
+        pyvoy sets the future's result itself when the event comes: one cancelled by then made it log
+        InvalidStateError as an error on the event loop (see _waiting_send).
+        """
+        receiving = asyncio.ensure_future(self._receive())
+        receiving.add_done_callback(_read_outcome)
+        return await asyncio.shield(receiving)
+
     async def only_one(self) -> bytes:
         """A unary call's one message (then the watcher starts)."""
         messages: list[bytes] = []
         while not self._ended:
-            event = await self._receive()
+            event = await self._next_event()
             if event["type"] == "http.disconnect":
                 self._gone()
                 raise asyncio.CancelledError
@@ -490,7 +500,7 @@ class _Messages:
             while self._ready_bytes > self._read_ahead_bytes:
                 self._changed.clear()
                 await self._changed.wait()
-            event = await self._receive()
+            event = await self._next_event()
             if event["type"] == "http.disconnect":
                 self._gone()
                 return
@@ -503,7 +513,7 @@ class _Messages:
 
     async def _watch(self, first_wait_s: float = DISCONNECT_POLL_S) -> None:
         await asyncio.sleep(first_wait_s)
-        while (await self._receive())["type"] != "http.disconnect":
+        while (await self._next_event())["type"] != "http.disconnect":
             await asyncio.sleep(DISCONNECT_POLL_S)
         self._gone()
 
@@ -521,7 +531,7 @@ class _Messages:
         DELIVERY_LAST_POLL_S).
         """
         wait_s = DELIVERY_FIRST_POLL_S
-        while (await self._receive())["type"] != "http.disconnect":
+        while (await self._next_event())["type"] != "http.disconnect":
             await asyncio.sleep(wait_s)
             wait_s = min(2 * wait_s, DELIVERY_LAST_POLL_S)
 
