@@ -9,15 +9,14 @@ import sys
 
 import uvloop
 
-from service import processes
 from service.core.engine_process import run_engine
 from service.core.repository import RepositoryError
 from service.errors import ExecutionError
-from service.frontends.grpc import envoy
+from service.launch import envoy, processes
+from service.launch.server import FrontendRole, serve
 from service.ops import tracing
 from service.ops.security import SecurityError, check_files
 from service.ops.settings import Settings, SettingsError, load_settings
-from service.server import FrontendRole, serve
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +24,7 @@ log = logging.getLogger(__name__)
 def main(argv: list[str] | None = None) -> int:
     """Parse settings, serve until signalled; configuration problems are one line and exit 2.
 
-    With more than one front end this process supervises the others (service.processes); each of
+    With more than one front end this process supervises the others (service.launch.processes); each of
     them comes back here and runs its role.
     """
     child = processes.child_settings()

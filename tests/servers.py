@@ -19,8 +19,8 @@ from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.core.runtime import cuda_unavailable_reason
-from service.frontends.grpc.envoy import chosen_transport
-from service.processes import children
+from service.launch.envoy import chosen_transport
+from service.launch.processes import children
 from tools.local_server import RunningServer, free_port, health_status
 from tools.local_server import launch_server as launch_local_server
 from tools.local_server import start_server as start_local_server

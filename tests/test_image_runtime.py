@@ -31,7 +31,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from client import EmbeddingClient
-from service.frontends.grpc.envoy import chosen_transport
+from service.launch.envoy import chosen_transport
 from tests.conftest import DEFAULT_MODEL
 from tests.deploy.test_dockerfile import DOCKERFILE, Stage, _command, _parse
 from tests.installs import copy_project_source, fresh_environment, pip_install
@@ -309,6 +309,6 @@ def test_the_image_runtime_serves_as_its_user_from_read_only_paths_without_torch
     for failure in (*WRITE_FAILURES, TELEMETRY_WRITE):
         assert failure not in messages, messages
     modules = imported_modules(log)
-    assert {"service.server", "onnxruntime", "tokenizers"} <= modules, "no import log: nothing below is checked"
+    assert {"service.launch.server", "onnxruntime", "tokenizers"} <= modules, "no import log: nothing below is checked"
     for package in ("torch", "export", "client", "tools"):
         assert not of_package(modules, package), f"the server imported {sorted(of_package(modules, package))}"

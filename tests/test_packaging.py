@@ -27,12 +27,12 @@ def loaded_modules(statement: str) -> set[str]:
 
 
 def test_serving_code_imports_no_torch() -> None:
-    loaded = loaded_modules("import service.__main__, service.server, service.ops.healthcheck, client")
+    loaded = loaded_modules("import service.__main__, service.launch.server, service.ops.healthcheck, client")
     assert not {m for m in loaded if m == "torch" or m.startswith(("torch.", "export"))}
 
 
 def test_serving_runtime_imports_neither_the_sdk_nor_the_tools() -> None:
-    loaded = loaded_modules("import service.__main__, service.server, service.ops.healthcheck")
+    loaded = loaded_modules("import service.__main__, service.launch.server, service.ops.healthcheck")
     assert not {m for m in loaded if m.split(".")[0] in ("client", "tools")}
 
 

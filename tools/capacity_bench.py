@@ -48,8 +48,8 @@ from export.checkpoint import default_model_folder, random_checkpoint
 from export.pipeline import ExportOptions, export_model
 from service.core.repository import read_model
 from service.core.wire import EngineLink
+from service.launch.processes import ENGINE_SOCKET, TITLE, children
 from service.pipeline.tokenizer import TextTokenizer
-from service.processes import ENGINE_SOCKET, TITLE, children
 from tools import h2load
 from tools.bench import TINY_CONFIG, TINY_MODEL
 from tools.local_server import RunningServer, process_cpu_seconds, start_server

@@ -41,7 +41,7 @@ from sentence_transformers.sentence_transformer import modules as st_models
 from torch import nn
 
 from service.core.repository import read_model
-from service.processes import children
+from service.launch.processes import children
 from tests.export import family_tokenizers, tiny_models
 from tools.local_server import start_server
 from tools.stress.monitor import read_rss_bytes

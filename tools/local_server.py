@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from service.processes import children
+from service.launch.processes import children
 
 START_TIMEOUT_S = 180
 BATCH_ROWS, BATCHES_RUN = "encoder_batch_size_sum", "encoder_batch_size_count"

@@ -37,7 +37,7 @@ import tritonclient.grpc as triton
 
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.frontends.grpc.streaming import STREAM_ENDED_MESSAGE, UNANSWERED_MESSAGE
-from service.processes import children
+from service.launch.processes import children
 from tools.loadtest.corpus import load_corpus
 from tools.stress.monitor import read_rss_bytes
 from tools.stress.nonsense import nonsense_request

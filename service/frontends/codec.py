@@ -17,10 +17,20 @@ from protocol import model_config_pb2 as mc
 from service.core.repository import PLATFORM
 from service.errors import InvalidArgument, Unimplemented
 from service.ops.statistics import Duration, ModelStatistics
-from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, ModelState
-from service.pipeline.multivector import MULTIVECTOR
-from service.pipeline.outputs import TOKENS, output_width
-from service.pipeline.validation import QUERY_INPUT, REQUIRED_TOKEN_INPUTS, TEXT_INPUT, ModelSignature
+from service.pipeline.api import (
+    MULTIVECTOR,
+    QUERY_INPUT,
+    REQUIRED_TOKEN_INPUTS,
+    TEXT_INPUT,
+    TOKENS,
+    InferenceRequest,
+    InferenceResult,
+    InputTensor,
+    ModelInfo,
+    ModelSignature,
+    ModelState,
+    output_width,
+)
 
 SERVER_NAME = "encoder-serve"
 EXTENSIONS = ("model_configuration", "parameters", "statistics")

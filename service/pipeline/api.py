@@ -9,7 +9,7 @@ request or a gRPC context: requests and results are numpy arrays, strings and sm
 Inside `infer`, in one place for every protocol: the request is checked against its model
 (service.pipeline.validation), admitted or refused at once, tokenised when it carries text, its
 answer budgeted, and its rows batched with everyone's (service.core.batcher, here or in the engine
-process). A request for its texts' tokens alone (service.pipeline.outputs.TOKEN_OUTPUTS) is answered by
+process). A request for its texts' tokens alone (service.pipeline.vocabulary.TOKEN_OUTPUTS) is answered by
 the tokenizer and never reaches the batcher. Counting, tenants and failures are the envelope's.
 """
 
@@ -35,20 +35,38 @@ from service.ops.tenants import Tenant
 from service.pipeline.answers import RAW, AnswerBudget, HeldAnswer, value_bytes
 from service.pipeline.long_texts import combined, late_chunked
 from service.pipeline.models import ModelInfo, ServedModel
-from service.pipeline.outputs import CHUNK_COUNTS, CHUNKS, answer_outputs, output_width
-from service.pipeline.validation import InputTensor, RowLimit, validate
+from service.pipeline.outputs import output_width
+from service.pipeline.requests import InputTensor, ModelSignature, RowLimit
+from service.pipeline.shaping import answer_outputs
+from service.pipeline.validation import validate
+from service.pipeline.vocabulary import (
+    CHUNK_COUNTS,
+    CHUNKS,
+    MULTIVECTOR,
+    QUERY_INPUT,
+    REQUIRED_TOKEN_INPUTS,
+    TEXT_INPUT,
+    TOKENS,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "MULTIVECTOR",
+    "QUERY_INPUT",
+    "REQUIRED_TOKEN_INPUTS",
+    "TEXT_INPUT",
+    "TOKENS",
     "InferenceRequest",
     "InferenceResult",
     "InputTensor",
     "InstanceInfo",
     "ModelInfo",
+    "ModelSignature",
     "ModelState",
     "Pipeline",
     "RowLimit",
+    "output_width",
 ]
 
 

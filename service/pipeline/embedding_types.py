@@ -14,33 +14,30 @@ holds the same codes:
   dimensions takes ceil(d / 8) bytes.
 
 A request that names no outputs gets the graph's own; compact ones are answered when named
-(docs/decisions.md#compact-embeddings-as-named-outputs); service.pipeline.outputs makes them.
+(docs/decisions.md#compact-embeddings-as-named-outputs); service.pipeline.shaping makes them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from service.pipeline.validation import ModelSignature
-
-EMBEDDING = "embedding"
-TOKEN_STATES = "last_hidden_state"
-EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary")
-"""Every form of the embedding, as Cohere's `embedding_types` and sentence-transformers' `precision` name them."""
-OUTPUT_OF_TYPE = {"float": EMBEDDING, **{kind: f"{EMBEDDING}_{kind}" for kind in EMBEDDING_TYPES[1:]}}
-"""Each form's served output name."""
-CALIBRATED_TYPES = ("int8", "uint8")
-"""Forms that need the model's calibrated ranges."""
-DATATYPES = {"float": "FP32", "int8": "INT8", "uint8": "UINT8", "binary": "INT8", "ubinary": "UINT8"}
-"""Each form's KServe datatype."""
+from service.errors import InvalidArgument
+from service.pipeline.outputs import check_output
+from service.pipeline.requests import ModelSignature
+from service.pipeline.vocabulary import EMBEDDING_TYPES, OUTPUT_OF_TYPE
 
 
 def embedding_types(signature: ModelSignature) -> list[str]:
     """The forms of its embedding a model gives ([] for a model without one)."""
     return [kind for kind in EMBEDDING_TYPES if OUTPUT_OF_TYPE[kind] in signature.outputs]
+
+
+def type_output(kind: object, signature: ModelSignature, field: str) -> str:
+    """The output serving an embedding type a request names in `field`; a precise refusal if the model has none."""
+    if kind not in EMBEDDING_TYPES:
+        raise InvalidArgument(f"{field} must be one of {', '.join(EMBEDDING_TYPES)}, got {kind!r}")
+    check_output(OUTPUT_OF_TYPE[kind], signature.spec, signature.outputs)
+    return OUTPUT_OF_TYPE[kind]
 
 
 def shortened(embeddings: np.ndarray, width: int, normalize: bool) -> np.ndarray:

@@ -24,11 +24,20 @@ from service.ops.settings import Settings
 from service.ops.tenants import Tenant
 from service.pipeline import multivector
 from service.pipeline.answers import RAW, AnswerBudget, value_bytes
-from service.pipeline.embedding_types import TOKEN_STATES
 from service.pipeline.long_texts import Windows
-from service.pipeline.outputs import CHUNKS, TOKEN_COUNTS, TOKEN_IDS, TOKEN_OFFSETS, output_width
+from service.pipeline.outputs import output_width
+from service.pipeline.requests import ModelSignature, TextLimits, ValidRequest
 from service.pipeline.tokenizer import TextTokenizer
-from service.pipeline.validation import ModelSignature, TextLimits, ValidRequest
+from service.pipeline.vocabulary import (
+    CHUNKS,
+    MULTIVECTOR,
+    MULTIVECTOR_LENGTHS,
+    SCORE,
+    TOKEN_COUNTS,
+    TOKEN_IDS,
+    TOKEN_OFFSETS,
+    TOKEN_STATES,
+)
 
 T = TypeVar("T")
 
@@ -260,10 +269,10 @@ class ServedModel:
                 values = rows.rows * (request.dimensions or self.spec.hidden_size)
             elif output.source == "embedding":
                 values = request.rows * output_width(output, request.dimensions or self.spec.hidden_size)
-            elif output.form == multivector.MULTIVECTOR:
+            elif output.form == MULTIVECTOR:
                 # At most a vector a token; the answer as sent is checked once the rows' vectors are known.
                 values = math.prod(self.spec.output_shape(output.source, rows.rows, rows.width))
-            elif output.form in (multivector.LENGTHS, multivector.SCORE):
+            elif output.form in (MULTIVECTOR_LENGTHS, SCORE):
                 values = request.rows
             elif output.form is not None:
                 # Sparse terms: indices and values together count as a dense row of the vocabulary (what a SPLADE

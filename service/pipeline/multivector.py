@@ -25,11 +25,8 @@ from service.core.repository import ModelSpec, MultiVectorSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument
 from service.pipeline.tokenizer import TextTokenizer
+from service.pipeline.vocabulary import INPUT_TYPE
 
-MULTIVECTOR = "multivector"
-LENGTHS = "multivector_lengths"
-SCORE = "score"
-INPUT_TYPE = "input_type"
 QUERY = "query"
 DOCUMENT = "document"
 INPUT_TYPES = (QUERY, DOCUMENT)

@@ -22,11 +22,7 @@ import numpy as np
 
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument
-
-SPARSE = "sparse_embedding"
-INDICES = "sparse_indices"
-VALUES = "sparse_values"
-TOP_K = "top_k"
+from service.pipeline.vocabulary import TOP_K
 
 
 def top_k_choice(parameters: dict[str, object], sparse: bool, model: str) -> int | None:

@@ -7,160 +7,45 @@ once for every protocol, and become a `ValidRequest`: texts, or token rows.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from service.core.repository import ADAPTER_IDS, ModelSpec
 from service.core.rows import TokenRows
 from service.errors import InvalidArgument, RequestTooLarge
-from service.pipeline.multivector import DOCUMENT, SCORE, input_type_choice
-from service.pipeline.outputs import (
+from service.pipeline.multivector import input_type_choice
+from service.pipeline.outputs import asks_for_tokens, check_output, default_outputs
+from service.pipeline.requests import InputTensor, ModelSignature, RowLimit, TextLimits, ValidRequest
+from service.pipeline.sparse import top_k_choice
+from service.pipeline.vocabulary import (
+    ADD_SPECIAL_TOKENS,
     CHUNK_COUNTS,
     CHUNKS,
+    DIMENSIONS,
+    INDICES,
+    INSTRUCTION,
+    LATE_CHUNKING,
+    PRIORITY,
+    PROMPT_NAME,
+    QUERY_INPUT,
+    REQUIRED_TOKEN_INPUTS,
+    SCHEDULING,
+    SCORE,
+    TASK,
+    TEXT_INPUT,
+    TIMEOUT,
     TOKEN_OUTPUTS,
     TOKENS,
-    ServedOutput,
-    asks_for_tokens,
-    check_output,
-    default_outputs,
-    served_outputs,
+    TRUNCATE,
 )
-from service.pipeline.sparse import INDICES, top_k_choice
 
-TEXT_INPUT = "text"
-QUERY_INPUT = "query"
-"""The optional first member of each pair, for a classifier or a multi-vector model: row i is (query[i], text[i])."""
-PROMPT_NAME = "prompt_name"
-TASK = "task"
-"""A model's task adapter (jina-embeddings-v3's retrieval.query …), as Jina's API names the choice."""
-TRUNCATE = "truncate"
-DIMENSIONS = "dimensions"
-LATE_CHUNKING = "late_chunking"
-INSTRUCTION = "instruction"
-"""A reranker's instruction for its pair template (Qwen3-Reranker's <Instruct>), in place of its default."""
-ADD_SPECIAL_TOKENS = "add_special_tokens"
-PRIORITY = "priority"
-"""The priority a request's rows wait at, 1 the highest (Triton's `priority` parameter; 0: the default)."""
-TIMEOUT = "timeout"
-"""How long a request may wait in the queue, microseconds (Triton's `timeout` parameter; 0: no bound)."""
-SCHEDULING = (PRIORITY, TIMEOUT)
-"""The parameters that place a request in the queue: every protocol takes them (JSON bodies as fields)."""
-"""Whether the token outputs hold the special tokens the model adds (default true), as TEI's /tokenize asks."""
-REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
-"""Token inputs a token request must carry; token_type_ids defaults to zeros."""
 ELEMENT_BYTES = {"INT64": 8}
 """Bytes per element of the fixed-size datatypes the models take."""
 _LENGTH_PREFIX = struct.Struct("<I")
 _INT64 = np.dtype("<i8")
-
-
-@dataclass(slots=True)
-class InputTensor:
-    """One input as a front end received it: declared name, datatype and shape, and its data, unchecked."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    data: bytes | Sequence[bytes] | Sequence[int]
-    """Raw contents (`raw`: little-endian; BYTES as a 4-byte length then the bytes, per element), or the
-    typed values themselves."""
-    raw: bool
-
-
-@dataclass(frozen=True)
-class RowLimit:
-    """A front end's own bound on the rows of one request (without one, the model's max_batch_size)."""
-
-    rows: int
-    setting: str
-    """The flag that sets it, named in the refusal."""
-
-
-@dataclass(frozen=True)
-class TextLimits:
-    """Bounds on the text one request may carry, checked before any tokenisation."""
-
-    max_text_bytes: int = 64 * 1024
-    """One text, UTF-8 bytes (--max-text-bytes)."""
-    max_request_text_bytes: int = 1024 * 1024
-    """All texts of a request together, UTF-8 bytes (--max-request-text-bytes)."""
-
-
-@dataclass(frozen=True)
-class ModelSignature:
-    """What a model accepts, as requests are checked against it."""
-
-    spec: ModelSpec
-    accepts_text: bool
-    max_batch_size: int
-    text_limits: TextLimits = TextLimits()
-    priority_levels: int = 1
-    """Priorities a request may ask for (1 the highest)."""
-
-    @functools.cached_property
-    def input_datatypes(self) -> dict[str, str]:
-        """Accepted input name -> KServe datatype (built once: every request is checked against it)."""
-        names = {name: "INT64" for name in self.spec.input_names}
-        if self.accepts_text:
-            names[TEXT_INPUT] = "BYTES"
-            if self.spec.task == "classify" or self.spec.multivector is not None:
-                names[QUERY_INPUT] = "BYTES"
-        return names
-
-    @functools.cached_property
-    def outputs(self) -> dict[str, ServedOutput]:
-        """Every output the model answers, by name: the graph's and the forms made from them (built once)."""
-        return served_outputs(self.spec, self.accepts_text)
-
-
-@dataclass(slots=True)
-class ValidRequest:
-    """A request checked against its model: texts to tokenise, or token rows; what to answer with."""
-
-    texts: list[str] | None
-    """Texts, each with the prompt's prefix already put before it."""
-    tokens: TokenRows | None
-    outputs: tuple[str, ...]
-    """Requested outputs, in the order they are to be returned."""
-    timeout_s: float | None
-    """Triton's per-request `timeout` parameter, when given."""
-    queries: list[str] | None = None
-    """The pairs' first members (row i is (queries[i], texts[i])); None: single texts."""
-    truncate: bool = True
-    """False: a sequence longer than the model's maximum is not cut: an embedder's text is embedded in windows
-    (service.pipeline.long_texts), a classifier's refused."""
-    dimensions: int | None = None
-    """The embedding width to answer with (a Matryoshka width); None: the model's own."""
-    top_k: int | None = None
-    """A sparse embedding's terms to keep per row, the largest; None: every non-zero term."""
-    input_type: str = DOCUMENT
-    """Whether a multi-vector model's texts are queries or documents (service.pipeline.multivector)."""
-    late_chunking: bool = False
-    """The texts are consecutive chunks of one document, embedded in its context (service.pipeline.long_texts)."""
-    instruction: str | None = None
-    """The pair template's instruction for these pairs; None: the template's default."""
-    adapter_id: int = 0
-    """The task adapter every row runs with (1 + its place in the model's adapter_tasks; 0: none, or the token
-    request's own adapter_ids)."""
-    add_special_tokens: bool = True
-    """Whether the token outputs hold the model's special tokens."""
-    priority: int = 0
-    """The priority asked for (1 the highest); 0: its tenant's, else the model's default."""
-
-    @property
-    def tokens_only(self) -> bool:
-        """The request asks for the texts' tokens (service.pipeline.outputs.TOKEN_OUTPUTS): the model does not run."""
-        return asks_for_tokens(self.outputs)
-
-    @property
-    def rows(self) -> int:
-        """Sequences in the request."""
-        return len(self.texts) if self.texts is not None else self.tokens.rows
 
 
 def shape_text(shape: Sequence[int]) -> str:

@@ -16,7 +16,8 @@ from service.core.repository import read_model
 from service.errors import InvalidArgument
 from service.frontends import codec
 from service.pipeline.api import InferenceResult
-from service.pipeline.validation import ModelSignature, ValidRequest, validate
+from service.pipeline.requests import ModelSignature, ValidRequest
+from service.pipeline.validation import validate
 from tests.conftest import TINY_MODEL
 
 

@@ -23,7 +23,7 @@ from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
 from service.core.repository import CONFIG_FILE, read_model
 from service.frontends.codec import served_inputs
-from service.pipeline.validation import ModelSignature
+from service.pipeline.requests import ModelSignature
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer
 

@@ -24,8 +24,8 @@ import tritonclient.grpc as triton
 
 from client.protocol import text_request
 from protocol import grpc_service_pb2_grpc as pb_grpc
-from service.frontends.grpc import envoy
 from service.frontends.grpc.asgi import SHUTTING_DOWN_MESSAGE
+from service.launch import envoy
 from service.ops.settings import Settings
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, start_server, wait_for_queue_depth, wait_until

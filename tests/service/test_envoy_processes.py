@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from service.frontends.grpc.envoy import chosen_transport
+from service.launch.envoy import chosen_transport
 from tests.conftest import TINY_MODEL
 from tests.servers import ROOT, RunningServer, metric_samples, metric_value, server_pids, start_server
 from tests.service.test_processes import roles

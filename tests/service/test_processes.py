@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.launch.processes import children
 from service.ops.statistics import TABLE_SUFFIX, table_snapshot
-from service.processes import children
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, health_status, metric_samples, metric_value, start_server
 

@@ -154,7 +154,7 @@ def test_a_rotated_certificate_is_used_for_new_connections_and_open_ones_keep_wo
         old_stub.ModelInfer(text_request(), timeout=10)  # the connection made before still works
     finally:
         old_channel.close()
-    if GRPC_TRANSPORT == "grpcio":  # Envoy re-reads the files itself (service.frontends.grpc.envoy), saying nothing
+    if GRPC_TRANSPORT == "grpcio":  # Envoy re-reads the files itself (service.launch.envoy), saying nothing
         assert "TLS certificate reloaded" in server.log()
 
 

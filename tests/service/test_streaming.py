@@ -26,9 +26,9 @@ from service.frontends.grpc.streaming import (
     UNANSWERED_MESSAGE,
     InferenceStreams,
 )
+from service.frontends.grpc.transport import STREAM_AGE_SHARE, grpc_options
 from service.ops.settings import Settings
 from service.pipeline.api import Pipeline
-from service.server import STREAM_AGE_SHARE, grpc_options
 from tests.conftest import TINY_MODEL
 from tests.servers import (
     RunningServer,

@@ -16,7 +16,7 @@ import pytest
 
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
-from service.pipeline.validation import TEXT_INPUT
+from service.pipeline.vocabulary import TEXT_INPUT
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer
 from tools.loadtest.corpus import load_corpus

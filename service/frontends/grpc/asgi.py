@@ -1,4 +1,4 @@
-"""The gRPC port as an ASGI application, for a compiled HTTP/2 server in front (Envoy: service.frontends.grpc.envoy).
+"""The gRPC port as an ASGI application, for a compiled HTTP/2 server in front (Envoy: service.launch.envoy).
 
 It runs the same method handlers a grpc.aio server runs (the servicer, health, reflection, behind
 the same door: interceptor.ErrorInterceptor), giving each call a context with the part of

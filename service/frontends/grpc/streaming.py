@@ -19,11 +19,11 @@ End: the server ends a stream in two cases, and in both it stops reading, answer
 it had accepted (read from the wire), then ends it UNAVAILABLE with STREAM_ENDED_MESSAGE: the
 client resends what was not answered on a new stream.
 - Drain: `close()` stops every open stream.
-- Age (`max_age_s`, 0.8 x --max-connection-age-s: service.server.STREAM_AGE_SHARE says why): a stream
+- Age (`max_age_s`, 0.8 x --max-connection-age-s: service.frontends.grpc.transport.STREAM_AGE_SHARE says why): a stream
   stops reading that long after it began.
   gRPC sends a connection GOAWAY at its age and closes it hard a grace period later; a stream
   begins no later than the GOAWAY, so the server sets that grace above `max_age_s` plus
-  `answer_window_s` (service.server), and the stream is over before its connection is. An
+  `answer_window_s` (service.frontends.grpc.transport), and the stream is over before its connection is. An
   accepted request still unanswered `answer_window_s` after the stream stopped reading is
   cancelled and answered with UNANSWERED_MESSAGE, so the stream ends in time whatever the load.
 """

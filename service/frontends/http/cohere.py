@@ -26,17 +26,17 @@ from service.frontends.codec import output_array
 from service.frontends.http.tei import EMBEDDER, RERANKER, Answer, TaskCall, choose_model, pair_scores, reranked
 from service.pipeline.answers import BASE64, JSON, json_values
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, RowLimit
-from service.pipeline.embedding_types import EMBEDDING_TYPES
+from service.pipeline.embedding_types import type_output
 from service.pipeline.models import ModelInfo
-from service.pipeline.outputs import type_output
-from service.pipeline.validation import (
+from service.pipeline.validation import scheduling_parameters
+from service.pipeline.vocabulary import (
     DIMENSIONS,
+    EMBEDDING_TYPES,
     INSTRUCTION,
     PROMPT_NAME,
     SCHEDULING,
     TEXT_INPUT,
     TRUNCATE,
-    scheduling_parameters,
 )
 
 V2_ROUTES = frozenset({"/v2/embed"})

@@ -28,8 +28,9 @@ from service.errors import InvalidArgument
 from service.frontends.codec import output_array
 from service.pipeline.answers import BASE64, JSON, json_values
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, Pipeline, RowLimit
-from service.pipeline.embedding_types import EMBEDDING_TYPES, OUTPUT_OF_TYPE, embedding_types
-from service.pipeline.validation import SCHEDULING, TEXT_INPUT, scheduling_parameters
+from service.pipeline.embedding_types import embedding_types
+from service.pipeline.validation import scheduling_parameters
+from service.pipeline.vocabulary import EMBEDDING_TYPES, OUTPUT_OF_TYPE, SCHEDULING, TEXT_INPUT
 
 ENCODINGS = ("float", "base64")
 FIELDS = (

@@ -25,25 +25,27 @@ from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound, TooLarge
 from service.pipeline.answers import JSON, RAW, HeldAnswer
 from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
-from service.pipeline.embedding_types import EMBEDDING, TOKEN_STATES
+from service.pipeline.embedding_types import type_output
 from service.pipeline.models import ModelInfo, ServedModel
-from service.pipeline.multivector import INPUT_TYPE, MULTIVECTOR, SCORE
-from service.pipeline.multivector import LENGTHS as MULTIVECTOR_LENGTHS
-from service.pipeline.outputs import type_output
-from service.pipeline.sparse import INDICES, TOP_K, VALUES
 from service.pipeline.tokenizer import TextTokenizer, Token
-from service.pipeline.validation import (
+from service.pipeline.validation import check_rows, prompt_prefix, scheduling_parameters, valid_texts
+from service.pipeline.vocabulary import (
     DIMENSIONS,
+    EMBEDDING,
+    INDICES,
+    INPUT_TYPE,
     INSTRUCTION,
+    MULTIVECTOR,
+    MULTIVECTOR_LENGTHS,
     PROMPT_NAME,
     QUERY_INPUT,
     SCHEDULING,
+    SCORE,
     TEXT_INPUT,
+    TOKEN_STATES,
+    TOP_K,
     TRUNCATE,
-    check_rows,
-    prompt_prefix,
-    scheduling_parameters,
-    valid_texts,
+    VALUES,
 )
 
 TEI_ROUTES = frozenset(

@@ -11,14 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import REGISTRY, start_http_server
 
-from protocol import grpc_service_pb2 as pb
-from protocol import grpc_service_pb2_grpc as pb_grpc
-from protocol import model_config_pb2 as mc
 from service.core.named_models import ExportFailed, export, named_models
 from service.core.sources import NamedSource
 from service.core.wire import EngineLink
@@ -27,6 +22,13 @@ from service.frontends.grpc.asgi import GrpcAsgiApp, StopListening
 from service.frontends.grpc.health import NOT_SERVING, SERVING, HealthService
 from service.frontends.grpc.interceptor import ErrorInterceptor
 from service.frontends.grpc.servicer import InferenceServicer
+from service.frontends.grpc.transport import (
+    STREAM_AGE_SHARE,
+    GenericHandlersOnly,
+    add_services,
+    grpc_options,
+    max_send_bytes,
+)
 from service.frontends.http.app import HttpApp
 from service.frontends.http.listener import HttpListener
 from service.ops import metrics
@@ -38,87 +40,9 @@ from service.pipeline.remote_models import RemoteModels
 
 log = logging.getLogger(__name__)
 
-INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 OVERALL = ""
-CONNECTION_AGE_GRACE_S = 30
-"""After a connection's GOAWAY, how long its calls may go on beyond --max-connection-age-s (more than a
-ModelStreamInfer stream lasts): more than streaming.ANSWER_WINDOW_S, so a stream begun just before its
-connection's GOAWAY sends its last answers before gRPC closes the connection."""
-STREAM_AGE_SHARE = 0.8
-"""A ModelStreamInfer stream ends this share of --max-connection-age-s after it began. gRPC sends GOAWAY at
-0.9-1.1 times the age (its jitter), and closes a connection past GOAWAY as soon as its last stream ends:
-a client still writing then gets a reset and may lose the stream's status and last answers. A stream begun
-as its connection opened (as clients do) thus ends a tenth of the age before that, on a healthy connection."""
-RESPONSE_FRAMING_BYTES = 64 * 1024
-"""Room for a response's protobuf fields around its output tensors (--max-response-bytes counts the tensors)."""
 ENGINE_CONNECT_RETRY_S = 0.05
 """A front end started before the engine's socket was open tries again this often."""
-UNREQUESTED_CALL_TIMEOUT_S = 30
-"""gRPC cancels a call its handlers have not picked up within this long (its own default, made explicit)."""
-
-
-def reflection_pool() -> descriptor_pool.DescriptorPool:
-    """A descriptor pool holding every service served, for the reflection service.
-
-    Our stubs live in a private pool (see protocol/pool.py); health and reflection in the
-    default one. Reflection answers from a single pool, so this one gathers all four files.
-    """
-    pool = descriptor_pool.DescriptorPool()
-    for file in (mc.DESCRIPTOR, pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
-        proto = descriptor_pb2.FileDescriptorProto()
-        file.CopyToProto(proto)
-        pool.Add(proto)
-    return pool
-
-
-def grpc_options(settings: Settings, reuse_port: bool = False) -> list[tuple[str, int]]:
-    """Channel arguments: every limit gRPC itself enforces, set on purpose.
-
-    gRPC core keeps calls that arrived before a handler could take them in its own queue, and
-    past `grpc.server.max_pending_requests` (default 1000, hard limit 3000) it cancels them at
-    random: a burst then gets CANCELLED, which clients do not retry. That queue is sized far above
-    the model queue, so `--max-queue-size` is the bound that answers (RESOURCE_EXHAUSTED); streams
-    per connection are capped so one client cannot fill it. `reuse_port`: several front-end
-    processes listen on the port, and the kernel spreads new connections among them.
-    """
-    options = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_response_bytes + RESPONSE_FRAMING_BYTES),
-        ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
-        ("grpc.server.max_pending_requests", settings.max_pending_rpcs),
-        ("grpc.server.max_pending_requests_hard_limit", settings.max_pending_rpcs),
-        ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_TIMEOUT_S),
-        ("grpc.so_reuseport", 1 if reuse_port else 0),
-    ]
-    if settings.max_connection_age_s > 0:
-        options += [
-            ("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
-            (
-                "grpc.max_connection_age_grace_ms",
-                int((settings.max_connection_age_s + CONNECTION_AGE_GRACE_S) * 1000),
-            ),
-        ]
-    return options
-
-
-class GenericHandlersOnly:
-    """Stands in for a server while generated code adds a service: its handlers become generic handlers only.
-
-    Generated `add_*_to_server` functions also register every method with gRPC core. grpc.aio's
-    accept loop then keeps one pending call per registered method (about 30 here) and waits on all
-    of them with `asyncio.wait` for every RPC it accepts; with generic handlers it waits on one, for
-    less server CPU per call (docs/decisions.md#generic-grpc-handlers-only).
-    """
-
-    def __init__(self, server: grpc.aio.Server) -> None:
-        self._server = server
-
-    def add_generic_rpc_handlers(self, handlers: tuple[grpc.GenericRpcHandler, ...]) -> None:
-        """Added as they are."""
-        self._server.add_generic_rpc_handlers(handlers)
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        """Ignored: the same handlers were just added as a generic handler."""
 
 
 def _status(serving: bool) -> int:
@@ -138,10 +62,10 @@ class InferenceServer:
 
     Alone, it loads the repository's models into its own engine. As a front end (`frontend`) it
     shares its ports with the other front ends and serves the models the engine process announces.
-    `hosted_by`: inside Envoy (service.frontends.grpc.envoy), which holds the gRPC port and hands its
+    `hosted_by`: inside Envoy (service.launch.envoy), which holds the gRPC port and hands its
     calls to `grpc_app`; awaited at the drain, it closes Envoy's listener. Otherwise grpc.aio serves
     the port. The health port is grpc.aio's either way. Hosted, it runs under the supervisor
-    (service.processes), which holds the ports and serves /metrics, whether it is a front end or
+    (service.launch.processes), which holds the ports and serves /metrics, whether it is a front end or
     (one front end) the whole server, engine included.
     """
 
@@ -190,17 +114,7 @@ class InferenceServer:
         self.tls = ReloadingTls(files) if files is not None else None
         # Each front end holds every tenant to its share of the limits (the kernel spreads connections among them).
         self.envelope.api_keys = api_keys(settings.api_key_file, 1 / max(1, settings.frontends))
-        services = self._grpc_transport(ErrorInterceptor(self.envelope), reuse_port)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, services)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, services)
-        reflected = (
-            INFERENCE_SERVICE,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            reflection.aio.ReflectionServicer(reflected, pool=reflection_pool()), services
-        )
+        add_services(self._servicer, self.health, self._grpc_transport(ErrorInterceptor(self.envelope), reuse_port))
         for service in (OVERALL, *names):
             await self.health.set(service, NOT_SERVING)
         if self.grpc_app is not None:  # Envoy holds the port
@@ -270,7 +184,7 @@ class InferenceServer:
             self.grpc_app = GrpcAsgiApp(
                 interceptor,
                 settings.max_message_bytes,
-                settings.max_response_bytes + RESPONSE_FRAMING_BYTES,
+                max_send_bytes(settings),
                 stop_listening=self.hosted_by,
             )
             return self.grpc_app

@@ -6,7 +6,7 @@
      └─ encoder-serve: frontend N  validation, tokenising; rows to the engine, outputs back
 
 With --grpc-transport envoy each front end is an Envoy process running the front end on its embedded
-Python (service.frontends.grpc.envoy); it drains when its standard input closes, as Envoy keeps
+Python (service.launch.envoy); it drains when its standard input closes, as Envoy keeps
 SIGTERM for itself, so the supervisor stops it by closing that pipe. With one front end, that Envoy
 process runs the whole server, engine included (no socket, no second process):
 
@@ -44,7 +44,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from service.frontends.grpc import envoy
+from service.launch import envoy
 from service.ops.metrics import LiveGauges
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, StatisticsTables, TritonMetricsCollector

@@ -1,7 +1,7 @@
-"""The ASGI application Envoy runs (service.frontends.grpc.envoy): a front end, or the whole server.
+"""The ASGI application Envoy runs (service.launch.envoy): a front end, or the whole server.
 
-Its lifespan starts service.server.InferenceServer (hosted: Envoy holds the gRPC port) with the role
-and settings the supervisor gave it (service.processes): `frontend N` of a server of several, or
+Its lifespan starts service.launch.server.InferenceServer (hosted: Envoy holds the gRPC port) with the role
+and settings the supervisor gave it (service.launch.processes): `frontend N` of a server of several, or
 `server` (one front end: the engine in this process too, no socket between them). Every call to
 that port goes to its gRPC application. When its standard input closes (the supervisor asks it to
 stop, or died) it drains: Envoy sends every connection GOAWAY, the server answers what it accepted,
@@ -19,11 +19,10 @@ import time
 from functools import partial
 from pathlib import Path
 
-from service import processes
-from service.frontends.grpc import envoy
 from service.frontends.grpc.asgi import Receive, Scope, Send
+from service.launch import envoy, processes
+from service.launch.server import FrontendRole, InferenceServer
 from service.ops import tracing
-from service.server import FrontendRole, InferenceServer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,9 @@ async def _start() -> None:
     global _front_end, _serving  # noqa: PLW0603 - Envoy imports one application per process
     child = processes.child_settings()
     if child is None:
-        sys.stderr.write("service: error: Envoy runs this application only as a front end of service.processes\n")
+        sys.stderr.write(
+            "service: error: Envoy runs this application only as a front end of service.launch.processes\n"
+        )
         os._exit(2)
     role, settings, runtime = child
     processes.prepare_child(role, runtime)

@@ -1,9 +1,9 @@
 """A front-end process on Envoy: Envoy holds the gRPC port, our front end runs inside it (pyvoy).
 
 Envoy speaks HTTP/2 and TLS in compiled code and hands each call to the ASGI application
-`service.frontends.grpc.envoy_app:app` on the Python interpreter pyvoy embeds in Envoy's process:
-that application is a whole front end (service.server.InferenceServer, hosted), with the gRPC port
-served by service.frontends.grpc.asgi. The supervisor (service.processes) starts it with the
+`service.launch.envoy_app:app` on the Python interpreter pyvoy embeds in Envoy's process:
+that application is a whole front end (service.launch.server.InferenceServer, hosted), with the gRPC port
+served by service.frontends.grpc.asgi. The supervisor (service.launch.processes) starts it with the
 command and environment built here; Envoy's admin interface answers on a Unix socket in the
 server's runtime folder, for the front end to ask for its own drain and exit.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from service.ops.settings import Settings
 
-APP = "service.frontends.grpc.envoy_app:app"
+APP = "service.launch.envoy_app:app"
 """The ASGI application Envoy runs: a front end."""
 ADMIN_SOCKET = "envoy-{index}.admin"
 CONFIG_FILE = "envoy-{index}.json"
@@ -235,7 +235,7 @@ def environment() -> dict[str, str]:
     """What Envoy's embedded Python needs: this interpreter's home, its import path, libpython preloaded."""
     import find_libpython  # noqa: PLC0415 - a dependency of pyvoy
 
-    project = str(Path(__file__).resolve().parents[3])
+    project = str(Path(__file__).resolve().parents[2])
     env = {
         "PYTHONHOME": os.pathsep.join((sys.base_prefix, sys.base_exec_prefix)),
         "PYTHONPATH": os.pathsep.join([project, *(entry for entry in sys.path if entry)]),
