@@ -9,7 +9,10 @@ first. `model` may be left out when exactly one reranker is served.
 ubinary, base64: little-endian float32 in base64), `input_type` (search_query, search_document,
 classification, clustering: the model's prompt of that meaning where it declares one, else its
 default prompt), `output_dimension` (a Matryoshka width) and `truncate` (END, the default, or NONE;
-START is refused: this server keeps the start of long inputs). Errors come as Cohere's {"message"}.
+START is refused: this server keeps the start of long inputs).
+
+Errors on both routes come as Cohere's {"message"} (Cohere's own clients, and Jina's, read the status and show
+the body).
 """
 
 from __future__ import annotations
@@ -39,8 +42,6 @@ from service.pipeline.validation import (
     scheduling_parameters,
 )
 
-V2_ROUTES = frozenset({"/v2/embed"})
-"""Cohere's v2 routes: their errors are Cohere's {"message"}."""
 FIELDS = (
     "model",
     "query",

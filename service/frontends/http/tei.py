@@ -46,9 +46,6 @@ from service.pipeline.validation import (
     valid_texts,
 )
 
-TEI_ROUTES = frozenset(
-    {"/embed", "/embed_all", "/embed_sparse", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"}
-)
 EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "input_type", "model", *SCHEDULING)
 SPARSE_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "top_k", "model", *SCHEDULING)
 EMBED_FIELDS = (
