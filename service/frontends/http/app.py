@@ -30,8 +30,7 @@ from service.frontends.http import cohere, kserve, openai, tei
 from service.frontends.http.errors import Dialect, MethodNotAllowed, UnsupportedMediaType, error_answer
 from service.frontends.http.routes import Route, RouteTable
 from service.ops import metrics, tracing
-from service.pipeline.answers import HeldAnswer
-from service.pipeline.api import InferenceResult
+from service.pipeline.api import PipelineResult
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ class Response:
     body: bytes = b""
     content_type: str | None = JSON
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    answer: InferenceResult | HeldAnswer | None = None
+    answer: PipelineResult | None = None
     """The answer whose bytes the envelope counts in flight until the body is sent."""
 
 

@@ -22,16 +22,25 @@ import numpy as np
 import orjson
 
 from service.envelope import Envelope, RequestContext
-from service.errors import InvalidArgument, NotFound, TooLarge
-from service.pipeline.answers import JSON, RAW, HeldAnswer
-from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
+from service.errors import InvalidArgument, NotFound
+from service.pipeline.answers import JSON, RAW
+from service.pipeline.api import (
+    DecodeRequest,
+    InferenceRequest,
+    InferenceResult,
+    InputTensor,
+    Pipeline,
+    PipelineResult,
+    RowLimit,
+    TokenizeRequest,
+)
 from service.pipeline.embedding_types import EMBEDDING, TOKEN_STATES
-from service.pipeline.models import ModelInfo, ServedModel
+from service.pipeline.models import ModelInfo
 from service.pipeline.multivector import INPUT_TYPE, MULTIVECTOR, SCORE
 from service.pipeline.multivector import LENGTHS as MULTIVECTOR_LENGTHS
 from service.pipeline.outputs import type_output
 from service.pipeline.sparse import INDICES, TOP_K, VALUES
-from service.pipeline.tokenizer import TextTokenizer, Token
+from service.pipeline.tokenizer import Token
 from service.pipeline.validation import (
     DIMENSIONS,
     INSTRUCTION,
@@ -40,10 +49,7 @@ from service.pipeline.validation import (
     SCHEDULING,
     TEXT_INPUT,
     TRUNCATE,
-    check_rows,
-    prompt_prefix,
     scheduling_parameters,
-    valid_texts,
 )
 
 EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "input_type", "model", *SCHEDULING)
@@ -199,13 +205,10 @@ class TaskCall:
 
 @dataclass(frozen=True)
 class Answer:
-    """A route's JSON body, with what its bytes are counted under in the answer budget until sent.
-
-    The inference it came from, or (for /tokenize, which runs none) the answer held on its own.
-    """
+    """A route's JSON body, with the pipeline's result its bytes are counted under in the answer budget until sent."""
 
     body: bytes
-    result: InferenceResult | HeldAnswer
+    result: PipelineResult
 
 
 async def answered(
@@ -498,8 +501,9 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
     """POST /tokenize: {"inputs", "add_special_tokens", "prompt_name"} -> a list of tokens per text.
 
     Each token is {"id", "text", "special", "start", "stop"}: its place in the text (truncated at
-    the model's maximum); special tokens have none. The texts are held to the limits of /embed
-    (--max-embedding-inputs, --max-text-bytes, --max-request-text-bytes), the answer to
+    the model's maximum); special tokens have none. Run inside the envelope as an inference is
+    (admitted, charged its tokens, counted), no model runs: the texts are held to the limits of
+    /embed (--max-embedding-inputs, --max-text-bytes, --max-request-text-bytes), the answer to
     --max-response-bytes and, until sent, to --max-answer-bytes-in-flight; a large request is
     tokenised and written on a worker, as inference is.
     """
@@ -508,39 +512,41 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
         raise InvalidArgument("inputs is required: a string or a list of strings")
     texts = _strings(fields["inputs"], "inputs")
     special = _flag(fields, "add_special_tokens", True)
-    served, tokenizer = _tokenizer_of(call.pipeline, fields.get("model"))
-    parameters = _parameters(fields, PROMPT_NAME)
-    prefix = prompt_prefix(parameters, served.spec)
-    row_limit = RowLimit(call.max_inputs, "--max-embedding-inputs")
-    texts = valid_texts({"inputs": _utf8(texts)}, prefix, served.signature, row_limit)
-
-    def answer() -> bytes:
-        return orjson.dumps([[_token(token) for token in tokenizer.tokens(text, special)] for text in texts])
-
-    body = await served.tokenizer_work(sum(map(len, texts)), answer)
-    return _held(call, body, "the tokens of these texts", "texts")
+    model = _tokenizing_model(call.pipeline, fields.get("model"))
+    request = TokenizeRequest(
+        model.spec.name,
+        _utf8(texts),
+        add_special_tokens=special,
+        parameters=_parameters(fields, PROMPT_NAME),
+        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+    )
+    async with call.envelope.inference(call.context, request) as tokenized:
+        tokens = tokenized.result.tokens
+        body = await tokenized.write(lambda: orjson.dumps([[_token(token) for token in row] for row in tokens]))
+    return Answer(body, tokenized.result)
 
 
 async def decode(call: TaskCall, payload: object) -> Answer:
     """POST /decode: {"ids": [int] | [[int]], "skip_special_tokens": true} -> [str], one text per sequence.
 
-    Through the tokenizer /tokenize uses. The sequences are held to --max-embedding-inputs (413),
-    every id to the tokenizer's vocabulary (422), the answer to --max-response-bytes and, until
-    sent, to --max-answer-bytes-in-flight; a large request is decoded on a worker, as /tokenize's.
+    Through the tokenizer /tokenize uses, inside the envelope as /tokenize. The sequences are held to
+    --max-embedding-inputs (413), every id to the tokenizer's vocabulary (422), the answer to
+    --max-response-bytes and, until sent, to --max-answer-bytes-in-flight; a large request is
+    decoded on a worker, as /tokenize's.
     """
     fields = _object(payload, DECODE_FIELDS)
     if "ids" not in fields:
         raise InvalidArgument("ids is required: a list of token ids, or a list of such lists")
     sequences = _id_sequences(fields["ids"])
     skip = _flag(fields, "skip_special_tokens", True)
-    served, tokenizer = _tokenizer_of(call.pipeline, fields.get("model"))
-    check_rows(len(sequences), served.signature, RowLimit(call.max_inputs, "--max-embedding-inputs"))
-
-    def answer() -> bytes:
-        return orjson.dumps(tokenizer.decode(sequences, skip))
-
-    body = await served.tokenizer_work(sum(map(len, sequences)), answer)
-    return _held(call, body, "the texts of these ids", "sequences")
+    model = _tokenizing_model(call.pipeline, fields.get("model"))
+    request = DecodeRequest(
+        model.spec.name, sequences, skip, row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs")
+    )
+    async with call.envelope.inference(call.context, request) as decoded:
+        texts = decoded.result.texts
+        body = await decoded.write(lambda: orjson.dumps(texts))
+    return Answer(body, decoded.result)
 
 
 def _id_sequences(value: object) -> list[list[int]]:
@@ -554,28 +560,6 @@ def _id_sequences(value: object) -> list[list[int]]:
             where = f"ids[{row}][{place}]" if sequences is value else f"ids[{place}]"
             raise InvalidArgument(f"{where} must be a token id (an integer), got {orjson.dumps(bad).decode()}")
     return sequences
-
-
-def _tokenizer_of(pipeline: Pipeline, name: object) -> tuple[ServedModel, TextTokenizer]:
-    """The model /tokenize and /decode use (`_tokenizing_model`) and its tokenizer; a model without one is refused."""
-    model = _tokenizing_model(pipeline, name)
-    served = pipeline.served(model.spec.name)
-    if served.tokenizer is None:
-        raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
-    return served, served.tokenizer
-
-
-def _held(call: TaskCall, body: bytes, what: str, fewer: str) -> Answer:
-    """An answer made without an inference, held to --max-response-bytes and counted in flight until sent."""
-    limit = call.pipeline.answers.max_response_bytes
-    if len(body) > limit:
-        raise TooLarge(
-            f"{what} take {len(body)} bytes as JSON, over the limit of {limit} bytes per response"
-            f" (--max-response-bytes); send fewer {fewer}",
-            "response_too_large",
-        )
-    # In the answers in flight, as an inference's answer is, until the transport has taken it.
-    return Answer(body, call.envelope.hold(len(body)))
 
 
 def _tokenizing_model(pipeline: Pipeline, name: object) -> ModelInfo:
