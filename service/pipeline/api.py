@@ -34,16 +34,28 @@ from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
 from service.ops.tenants import Tenant
-from service.pipeline.answers import RAW, AnswerBudget, value_bytes
+from service.pipeline.answers import BASE64, JSON, RAW, AnswerBudget, json_values, value_bytes
+from service.pipeline.embedding_types import EMBEDDING, EMBEDDING_TYPES, OUTPUT_OF_TYPE, TOKEN_STATES, embedding_types
 from service.pipeline.long_texts import combined, late_chunked
 from service.pipeline.models import ModelInfo, ServedModel
-from service.pipeline.outputs import CHUNK_COUNTS, CHUNKS, answer_outputs, output_width
+from service.pipeline.multivector import INPUT_TYPE, MULTIVECTOR, SCORE
+from service.pipeline.multivector import LENGTHS as MULTIVECTOR_LENGTHS
+from service.pipeline.outputs import CHUNK_COUNTS, CHUNKS, DEFAULT_NAMES, answer_outputs, output_width, type_output
+from service.pipeline.sparse import INDICES, TOP_K, VALUES
 from service.pipeline.tokenizer import TextTokenizer, Token
 from service.pipeline.validation import (
+    DIMENSIONS,
+    INSTRUCTION,
+    PROMPT_NAME,
+    QUERY_INPUT,
+    SCHEDULING,
+    TEXT_INPUT,
+    TRUNCATE,
     InputTensor,
     RowLimit,
     check_rows,
     prompt_prefix,
+    scheduling_parameters,
     valid_texts,
     validate,
 )
@@ -51,6 +63,30 @@ from service.pipeline.validation import (
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BASE64",
+    "DEFAULT_NAMES",
+    "DIMENSIONS",
+    "EMBEDDING",
+    "EMBEDDING_TYPES",
+    "INDICES",
+    "INPUT_TYPE",
+    "INSTRUCTION",
+    "JSON",
+    "MULTIVECTOR",
+    "MULTIVECTOR_LENGTHS",
+    "OUTPUT_OF_TYPE",
+    "PROMPT_NAME",
+    "QUERY_INPUT",
+    "RAW",
+    "SCHEDULING",
+    "SCORE",
+    "TEXT_INPUT",
+    "TOKEN_STATES",
+    "TOP_K",
+    "TRUNCATE",
+    "VALUES",
+    "DecodeRequest",
+    "DecodeResult",
     "InferenceRequest",
     "InferenceResult",
     "InputTensor",
@@ -58,8 +94,18 @@ __all__ = [
     "ModelInfo",
     "ModelState",
     "Pipeline",
+    "PipelineResult",
     "RowLimit",
+    "Token",
+    "TokenizeRequest",
+    "TokenizeResult",
+    "embedding_types",
+    "json_values",
+    "scheduling_parameters",
+    "type_output",
 ]
+"""The front ends' one door: the engine's API and request types, and the vocabulary their wire formats are written
+in (the names of inputs, outputs and parameters, answer encodings, and the forms of an embedding), re-exported."""
 
 
 @dataclass(slots=True)

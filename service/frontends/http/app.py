@@ -26,7 +26,7 @@ from service import envelope
 from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound, Overloaded, RequestTooLarge, ServiceError
 from service.frontends import codec
-from service.frontends.http import cohere, kserve, openai, tei
+from service.frontends.http import cohere, kserve, openai, tasks, tei
 from service.frontends.http.errors import Dialect, MethodNotAllowed, UnsupportedMediaType, error_answer
 from service.frontends.http.routes import Route, RouteTable
 from service.ops import metrics, tracing
@@ -354,7 +354,7 @@ class HttpApp:
         body, result = await openai.embeddings(self.envelope, call.context, request, self.max_embedding_inputs)
         return Response(200, body, answer=result)
 
-    def _task(self, route: Callable[[tei.TaskCall, object], Awaitable[tei.Answer]]) -> Handler:
+    def _task(self, route: Callable[[tasks.TaskCall, object], Awaitable[tasks.Answer]]) -> Handler:
         """A handler for a task route (TEI's, /v1/rerank): a JSON body in, the route's JSON answer out."""
 
         async def handler(call: Call) -> Response:
@@ -363,7 +363,7 @@ class HttpApp:
                 return _json(call.body)
 
             payload = self.envelope.decode(call.context, parse)
-            answer = await route(tei.TaskCall(self.envelope, call.context, self.max_embedding_inputs), payload)
+            answer = await route(tasks.TaskCall(self.envelope, call.context, self.max_embedding_inputs), payload)
             return Response(200, answer.body, answer=answer.result)
 
         return handler

@@ -26,20 +26,32 @@ import orjson
 
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
-from service.frontends.http.tei import EMBEDDER, RERANKER, Answer, TaskCall, choose_model, pair_scores, reranked
-from service.pipeline.answers import BASE64, JSON, json_values
-from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, RowLimit
-from service.pipeline.embedding_types import EMBEDDING_TYPES
-from service.pipeline.models import ModelInfo
-from service.pipeline.outputs import type_output
-from service.pipeline.validation import (
+from service.frontends.http.tasks import (
+    EMBEDDER,
+    RERANKER,
+    Answer,
+    TaskCall,
+    bytes_tensor,
+    choose_model,
+    pair_scores,
+    reranked,
+)
+from service.pipeline.api import (
+    BASE64,
     DIMENSIONS,
+    EMBEDDING_TYPES,
     INSTRUCTION,
+    JSON,
     PROMPT_NAME,
     SCHEDULING,
     TEXT_INPUT,
     TRUNCATE,
+    InferenceRequest,
+    InferenceResult,
+    ModelInfo,
+    json_values,
     scheduling_parameters,
+    type_output,
 )
 
 FIELDS = (
@@ -191,14 +203,13 @@ async def embed(call: TaskCall, payload: object) -> Answer:
         parameters[PROMPT_NAME] = prompt_name
     if payload.get("output_dimension") is not None:
         parameters[DIMENSIONS] = payload["output_dimension"]
-    elements = [text.encode("utf-8", "surrogatepass") for text in texts]
     names = tuple(dict.fromkeys(outputs.values()))
     request = InferenceRequest(
         model=model.spec.name,
-        inputs=(InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False),),
+        inputs=(bytes_tensor(TEXT_INPUT, texts),),
         outputs=names,
         parameters=parameters,
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        row_limit=call.row_limit,
         encodings={name: BASE64 if kinds == ["base64"] else JSON for name in names},
     )
     async with call.envelope.inference(call.context, request) as inference:

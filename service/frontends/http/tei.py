@@ -4,7 +4,8 @@ Request and answer shapes are TEI's, so its clients (LangChain's HuggingFaceEndp
 huggingface_hub's InferenceClient, TEI's own examples) work unchanged. These routes name no model:
 each goes to the one served model of the task it needs (an embedder for /embed, /similarity,
 /tokenize and /decode, a reranker, a classifier of one label, for /rerank, any classifier for
-/predict); an optional `model` field chooses when several are served.
+/predict); an optional `model` field chooses when several are served (the choice, and the one
+inference a route runs, are shared with Cohere's routes: tasks.py).
 
 Where this server differs from TEI: `truncate` defaults to true (as sentence-transformers and the
 server's other routes; false refuses over-long inputs with 422, where TEI answers 413), and
@@ -21,35 +22,51 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound
-from service.pipeline.answers import JSON, RAW
+from service.frontends.http.tasks import (
+    CLASSIFIER,
+    EMBEDDER,
+    RERANKER,
+    SPARSE_EMBEDDER,
+    TOKEN_VECTORS,
+    Answer,
+    Need,
+    TaskCall,
+    answered,
+    bytes_tensor,
+    choose_model,
+    pair_scores,
+    reranked,
+    scores,
+    utf8,
+)
 from service.pipeline.api import (
+    DIMENSIONS,
+    EMBEDDING,
+    INDICES,
+    INPUT_TYPE,
+    INSTRUCTION,
+    JSON,
+    MULTIVECTOR,
+    MULTIVECTOR_LENGTHS,
+    PROMPT_NAME,
+    QUERY_INPUT,
+    RAW,
+    SCHEDULING,
+    TEXT_INPUT,
+    TOKEN_STATES,
+    TOP_K,
+    TRUNCATE,
+    VALUES,
     DecodeRequest,
     InferenceRequest,
     InferenceResult,
-    InputTensor,
+    ModelInfo,
     Pipeline,
-    PipelineResult,
-    RowLimit,
+    Token,
     TokenizeRequest,
-)
-from service.pipeline.embedding_types import EMBEDDING, TOKEN_STATES
-from service.pipeline.models import ModelInfo
-from service.pipeline.multivector import INPUT_TYPE, MULTIVECTOR, SCORE
-from service.pipeline.multivector import LENGTHS as MULTIVECTOR_LENGTHS
-from service.pipeline.outputs import type_output
-from service.pipeline.sparse import INDICES, TOP_K, VALUES
-from service.pipeline.tokenizer import Token
-from service.pipeline.validation import (
-    DIMENSIONS,
-    INSTRUCTION,
-    PROMPT_NAME,
-    QUERY_INPUT,
-    SCHEDULING,
-    TEXT_INPUT,
-    TRUNCATE,
     scheduling_parameters,
+    type_output,
 )
 
 EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "input_type", "model", *SCHEDULING)
@@ -86,65 +103,6 @@ sends them."""
 DECODE_FIELDS = ("ids", "skip_special_tokens", "model")
 
 
-@dataclass(frozen=True)
-class Need:
-    """What a route needs of its model, and how its refusals name that."""
-
-    singular: str
-    plural: str
-    serves: Callable[[ModelInfo], bool]
-
-
-EMBEDDER = Need("embed model", "embed models", lambda model: EMBEDDING in model.signature.outputs)
-TOKEN_VECTORS = Need(
-    "embed or multi-vector model",
-    "embed or multi-vector models",
-    lambda model: TOKEN_STATES in model.signature.outputs or MULTIVECTOR in model.signature.outputs,
-)
-SPARSE_EMBEDDER = Need("sparse model", "sparse models", lambda model: INDICES in model.signature.outputs)
-CLASSIFIER = Need("classify model", "classify models", lambda model: model.spec.task == "classify")
-RERANKER = Need(
-    "reranker (a classify model of one label, or a multi-vector model)",
-    "rerankers (classify models of one label, or multi-vector models)",
-    lambda model: SCORE in model.signature.outputs or (model.spec.task == "classify" and len(model.spec.labels) == 1),
-)
-
-
-def choose_model(pipeline: Pipeline, need: Need, name: object) -> ModelInfo:
-    """The model a route serves: the one `name` picks, else the one served that meets its need; a precise refusal."""
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument("model must be the name of a served model")
-        model = pipeline.model(name)
-        if not need.serves(model) and not (need is RERANKER and model.spec.task == "classify"):
-            raise InvalidArgument(f"model {name} is a {model.spec.task} model; this route needs a {need.singular}")
-        return model
-    candidates = [model for model in pipeline.models() if need.serves(model)]
-    if not candidates:
-        raise NotFound(f"no {need.singular} is served here (served: {', '.join(pipeline.served_names()) or 'none'})")
-    if len(candidates) > 1:
-        names = ", ".join(model.spec.name for model in candidates)
-        raise InvalidArgument(f"several {need.plural} are served ({names}): name one in the model field")
-    return candidates[0]
-
-
-def pair_scores(result: InferenceResult, raw: bool) -> np.ndarray:
-    """One score per pair: a multi-vector model's MaxSim as it is; a reranker's logit, its sigmoid unless raw."""
-    if SCORE in result.outputs:
-        return result.outputs[SCORE][:, 0]
-    return scores(result.outputs["logits"], raw)[:, 0]
-
-
-def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
-    """Scores from logits [rows, labels]: raw, or sigmoid for one label and softmax over several (as TEI does)."""
-    if raw:
-        return logits
-    if logits.shape[1] == 1:
-        return 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
-
-
 def _object(payload: object, fields: tuple[str, ...], name: str = "") -> dict:
     """A JSON object of only these fields (`name`: where it is in the body; the body itself when empty)."""
     if not isinstance(payload, dict):
@@ -173,70 +131,9 @@ def _strings(value: object, name: str) -> list[str]:
     raise InvalidArgument(f"{name} must be a string or a non-empty list of strings")
 
 
-def _utf8(texts: list[str]) -> list[bytes]:
-    # surrogatepass: a lone surrogate (legal in JSON) reaches the UTF-8 check and its message.
-    return [text.encode("utf-8", "surrogatepass") for text in texts]
-
-
-def _bytes_tensor(name: str, texts: list[str]) -> InputTensor:
-    elements = _utf8(texts)
-    return InputTensor(name, "BYTES", (len(elements),), elements, raw=False)
-
-
 def _parameters(payload: dict, *names: str) -> dict[str, bool | int | float | str]:
     """The engine's request parameters from the body's fields of these names and its scheduling fields, where given."""
     return {name: payload[name] for name in names if payload.get(name) is not None} | scheduling_parameters(payload)
-
-
-@dataclass(frozen=True)
-class TaskCall:
-    """What every task route runs with: the envelope, the request's context, the front end's bound on inputs."""
-
-    envelope: Envelope
-    context: RequestContext
-    max_inputs: int
-    """--max-embedding-inputs: the most texts (or pairs) one request may carry."""
-
-    @property
-    def pipeline(self) -> Pipeline:
-        """The engine the envelope runs inferences on."""
-        return self.envelope.pipeline
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A route's JSON body, with the pipeline's result its bytes are counted under in the answer budget until sent."""
-
-    body: bytes
-    result: PipelineResult
-
-
-async def answered(
-    call: TaskCall,
-    model: ModelInfo,
-    inputs: tuple[InputTensor, ...],
-    output: str,
-    parameters: dict,
-    *,
-    body_of: Callable[[InferenceResult], Callable[[], object]],
-    encoding: str = JSON,
-) -> Answer:
-    """One inference of a task route, answered: `body_of(result)` gives what the JSON answer is made from.
-
-    `encoding`: what the answer budget counts the output's values as (answers.JSON: the output is the answer).
-    """
-    request = InferenceRequest(
-        model=model.spec.name,
-        inputs=inputs,
-        outputs=(output,),
-        parameters=parameters,
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
-        encodings={output: encoding},
-    )
-    async with call.envelope.inference(call.context, request) as inference:
-        make = body_of(inference.result)
-        body = await inference.encode(lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
-    return Answer(body, inference.result)
 
 
 def _text_route(
@@ -273,7 +170,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
             vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return lambda: vectors
 
-    return await answered(call, model, (_bytes_tensor(TEXT_INPUT, texts),), output, parameters, body_of=body_of)
+    return await answered(call, model, (bytes_tensor(TEXT_INPUT, texts),), output, parameters, body_of=body_of)
 
 
 async def embed_all(call: TaskCall, payload: object) -> Answer:
@@ -295,7 +192,7 @@ async def embed_all(call: TaskCall, payload: object) -> Answer:
         states = result.outputs[TOKEN_STATES]
         return lambda: [states[row, :tokens] for row, tokens in enumerate(result.row_tokens)]
 
-    inputs = (_bytes_tensor(TEXT_INPUT, texts),)
+    inputs = (bytes_tensor(TEXT_INPUT, texts),)
     return await answered(call, model, inputs, TOKEN_STATES, parameters, body_of=body_of)
 
 
@@ -304,10 +201,10 @@ async def _multivectors(call: TaskCall, model: ModelInfo, texts: list[str], para
     outputs = (MULTIVECTOR, MULTIVECTOR_LENGTHS)
     request = InferenceRequest(
         model=model.spec.name,
-        inputs=(_bytes_tensor(TEXT_INPUT, texts),),
+        inputs=(bytes_tensor(TEXT_INPUT, texts),),
         outputs=outputs,
         parameters=parameters,
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        row_limit=call.row_limit,
         encodings=dict.fromkeys(outputs, JSON),
     )
     async with call.envelope.inference(call.context, request) as inference:
@@ -343,10 +240,10 @@ async def embed_sparse(call: TaskCall, payload: object) -> Answer:
     outputs = (INDICES, VALUES)
     request = InferenceRequest(
         model=model.spec.name,
-        inputs=(_bytes_tensor(TEXT_INPUT, texts),),
+        inputs=(bytes_tensor(TEXT_INPUT, texts),),
         outputs=outputs,
         parameters=_parameters(fields, TRUNCATE, PROMPT_NAME, TOP_K),
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        row_limit=call.row_limit,
         encodings=dict.fromkeys(outputs, JSON),
     )
     async with call.envelope.inference(call.context, request) as inference:
@@ -394,7 +291,7 @@ async def similarity(call: TaskCall, payload: object) -> Answer:
     return await answered(
         call,
         model,
-        (_bytes_tensor(TEXT_INPUT, [source, *sentences]),),
+        (bytes_tensor(TEXT_INPUT, [source, *sentences]),),
         "embedding",
         _parameters(options, TRUNCATE, PROMPT_NAME) | _parameters(fields),
         body_of=body_of,
@@ -429,28 +326,6 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     return await reranked(call, model, query, texts, _parameters(fields, TRUNCATE, INSTRUCTION), body_of=body_of)
 
 
-async def reranked(
-    call: TaskCall,
-    model: ModelInfo,
-    query: str,
-    documents: list[str],
-    parameters: dict,
-    *,
-    body_of: Callable[[InferenceResult], Callable[[], object]],
-) -> Answer:
-    """The reranker run on (query, document) pairs, answered; it must give one score per pair (one label, or MaxSim)."""
-    if SCORE in model.signature.outputs:
-        inputs = (_bytes_tensor(QUERY_INPUT, [query] * len(documents)), _bytes_tensor(TEXT_INPUT, documents))
-        return await answered(call, model, inputs, SCORE, parameters, body_of=body_of)
-    if len(model.spec.labels) != 1:
-        raise InvalidArgument(
-            f"model {model.spec.name} is a classifier of {len(model.spec.labels)} labels, not a reranker"
-            " (one score per pair): use /predict"
-        )
-    inputs = (_bytes_tensor(QUERY_INPUT, [query] * len(documents)), _bytes_tensor(TEXT_INPUT, documents))
-    return await answered(call, model, inputs, "logits", parameters, body_of=body_of)
-
-
 def _predict_inputs(value: object) -> tuple[list[list[str]], bool]:
     """TEI's predict inputs: a text, a pair ([a, b]), or a batch of those; and whether it was a batch."""
     if isinstance(value, str):
@@ -478,9 +353,9 @@ async def predict(call: TaskCall, payload: object) -> Answer:
     raw = _flag(fields, "raw_scores", False)
     _flag(fields, TRUNCATE, True)
     model = choose_model(call.pipeline, CLASSIFIER, fields.get("model"))
-    inputs = (_bytes_tensor(TEXT_INPUT, [item[-1] for item in items]),)
+    inputs = (bytes_tensor(TEXT_INPUT, [item[-1] for item in items]),)
     if len(items[0]) == 2:
-        inputs = (_bytes_tensor(QUERY_INPUT, [item[0] for item in items]), *inputs)
+        inputs = (bytes_tensor(QUERY_INPUT, [item[0] for item in items]), *inputs)
     labels = model.spec.labels
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
@@ -515,10 +390,10 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
     model = _tokenizing_model(call.pipeline, fields.get("model"))
     request = TokenizeRequest(
         model.spec.name,
-        _utf8(texts),
+        utf8(texts),
         add_special_tokens=special,
         parameters=_parameters(fields, PROMPT_NAME),
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        row_limit=call.row_limit,
     )
     async with call.envelope.inference(call.context, request) as tokenized:
         tokens = tokenized.result.tokens
@@ -540,9 +415,7 @@ async def decode(call: TaskCall, payload: object) -> Answer:
     sequences = _id_sequences(fields["ids"])
     skip = _flag(fields, "skip_special_tokens", True)
     model = _tokenizing_model(call.pipeline, fields.get("model"))
-    request = DecodeRequest(
-        model.spec.name, sequences, skip, row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs")
-    )
+    request = DecodeRequest(model.spec.name, sequences, skip, row_limit=call.row_limit)
     async with call.envelope.inference(call.context, request) as decoded:
         texts = decoded.result.texts
         body = await decoded.write(lambda: orjson.dumps(texts))
