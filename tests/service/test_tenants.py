@@ -197,6 +197,7 @@ def test_a_tenants_file_names_each_keys_tenant_and_its_limits() -> None:
         "k-metered": "metered",
         "k-usage-1": "usage",
         "k-usage-2": "usage",
+        "k-tokenizing": "tokenizing",
         "k-free": "free",
     }
     assert described.tenants["capped"] == TenantLimits(requests_per_second=0.001, requests_burst=3)
