@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,21 @@ def test_the_dialects_bodies_and_statuses() -> None:
         401,
         {"message": "missing or unknown API key"},
     )
+
+
+def test_the_api_document_gives_each_route_its_error_body(table: RouteTable) -> None:
+    """docs/api.md's table of routes names each route of the table, with its family's error body."""
+    families = {
+        "OpenAI": Dialect.OPENAI,
+        "Cohere (and Jina's rerank)": Dialect.COHERE,
+        "text-embeddings-inference": Dialect.TEI,
+        "KServe v2 REST": Dialect.KSERVE,
+    }
+    documented = {}
+    for line in (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if len(cells) == 3 and cells[1] in families:
+            documented |= dict.fromkeys(re.findall(r"`(/[^`]*)`", cells[0]), families[cells[1]])
+    served = {route.template: route.dialect for route in table.routes if route.template in documented}
+    assert served == documented  # every documented route is served, in the documented body
+    assert {route.template for route in table.routes if not route.pattern} <= set(documented)
