@@ -6,9 +6,9 @@ and /v1/rerank as Cohere and Jina answer it), text-embeddings-inference's (/embe
 of the route table (routes.py): its handlers, its error dialect, whether it is traced and whether
 it is open without a key. Each request gets its context where it is received, its key checked by
 the envelope (service.envelope), and its inferences run inside the envelope, as the gRPC port's
-are; errors map to statuses and, by the route's dialect, bodies in one table (errors.py). Metadata, configuration,
-statistics and the repository index are the gRPC port's own messages (service.frontends.codec)
-written in Triton's JSON.
+are; errors map to statuses and, by the route's dialect, bodies in one table (errors.py).
+Metadata, configuration, statistics and the repository index are the gRPC port's own messages
+(service.frontends.codec) written in Triton's JSON.
 """
 
 from __future__ import annotations
