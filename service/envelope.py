@@ -5,8 +5,9 @@ was received, its deadline, its trace, and (once `Envelope.authenticate` has che
 key) its tenant. Every front end then goes through the same `Envelope`:
 
 - `authenticate`: the API key, its tenant, or Unauthenticated;
-- `inference`: the request's tenant admitted, the pipeline's one call (service.pipeline.api),
-  the answer encoded, and the request counted once its answer is encoded (encoder_requests_total,
+- `inference`: the request's tenant admitted, the pipeline's one call (service.pipeline.api:
+  `infer`, or `tokenize` and `decode`, which run no model), the tenant charged its tokens, the
+  answer encoded, and the request counted once its answer is encoded (encoder_requests_total,
   Triton's statistics, the tenant's figures), from the moment it was received;
 - `answered`: the answer's bytes leave the answer budget once the transport has taken them;
 - `failed`: the error a request ends with, counted once in encoder_requests_rejected_total when
@@ -24,18 +25,30 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar, overload
 
 from service.errors import INTERNAL_MESSAGE, ServiceError, Unauthenticated
 from service.ops import metrics, tracing
 from service.ops.security import ApiKeys
 from service.ops.tenants import Tenant
-from service.pipeline.answers import INLINE_ENCODE_BYTES, HeldAnswer
-from service.pipeline.api import InferenceRequest, InferenceResult, Pipeline
+from service.pipeline.answers import INLINE_ENCODE_BYTES
+from service.pipeline.api import (
+    DecodeRequest,
+    DecodeResult,
+    InferenceRequest,
+    InferenceResult,
+    Pipeline,
+    PipelineResult,
+    TokenizeRequest,
+    TokenizeResult,
+)
 
 log = logging.getLogger(__name__)
 Encoded = TypeVar("Encoded")
 Decoded = TypeVar("Decoded")
+Result = TypeVar("Result", InferenceResult, TokenizeResult, DecodeResult)
+PipelineRequest = InferenceRequest | TokenizeRequest | DecodeRequest
+"""What a front end asks the pipeline inside the envelope: an inference, or its tokenizer's work alone."""
 
 
 @dataclass(slots=True)
@@ -62,12 +75,12 @@ CURRENT: ContextVar[RequestContext | None] = ContextVar("request", default=None)
 in the call's task before the handler runs, as gRPC gives a handler no other way to receive it."""
 
 
-class Inference:
-    """One inference inside the envelope: the pipeline's result, and its answer encoded by the front end."""
+class Inference(Generic[Result]):
+    """One pipeline call inside the envelope: the pipeline's result, and its answer encoded by the front end."""
 
     __slots__ = ("_engine", "context", "result")
 
-    def __init__(self, pipeline: Pipeline, context: RequestContext, result: InferenceResult) -> None:
+    def __init__(self, pipeline: Pipeline, context: RequestContext, result: Result) -> None:
         self._engine = pipeline
         self.context = context
         self.result = result
@@ -79,20 +92,36 @@ class Inference:
         """
         with tracing.stage(self.context.trace, "encode"):
             try:
-                if self.result.answer_bytes <= INLINE_ENCODE_BYTES:
+                if _encodes_inline(self.result):
                     return render()
                 return await asyncio.to_thread(render)
             except BaseException:
                 self._engine.answered(self.result)
                 raise
 
+    async def write(self, render: Callable[[], bytes]) -> bytes:
+        """A tokenizer's answer, whose size is known only once written: written (as `encode`), then counted in flight.
 
-class _CountedInference:
+        Refused (TooLarge, Overloaded) when its bytes do not fit the answer budget.
+        """
+        body = await self.encode(render)
+        self._engine.hold_written(self.result, len(body))
+        return body
+
+
+def _encodes_inline(result: PipelineResult) -> bool:
+    """Whether an answer is written on the event loop: a small one, or a tokenizer's whose texts were read there."""
+    if isinstance(result, InferenceResult):
+        return result.answer_bytes <= INLINE_ENCODE_BYTES
+    return result.encode_inline
+
+
+class _CountedInference(Generic[Result]):
     """The async context manager `Envelope.inference` returns: runs the request on entry, counts it on exit."""
 
     __slots__ = ("_context", "_engine", "_request", "_tracked")
 
-    def __init__(self, pipeline: Pipeline, context: RequestContext, request: InferenceRequest) -> None:
+    def __init__(self, pipeline: Pipeline, context: RequestContext, request: PipelineRequest) -> None:
         self._engine = pipeline
         self._context = context
         self._request = request
@@ -102,20 +131,32 @@ class _CountedInference:
             model_metrics, statistics, context.deadline, context.received, None if tenant is None else tenant.metrics
         )
 
-    async def __aenter__(self) -> Inference:
+    async def __aenter__(self) -> Inference[Result]:
         tracked = self._tracked.__enter__()
         context = self._context
         try:
             if context.tenant is not None:
                 context.tenant.admit()
-            result = await self._engine.infer(self._request, context.deadline, context.trace, context.tenant)
-            tracked.inferred(result.rows, result.queue_s, result.compute_s)
+            result = await self._run()
+            if isinstance(result, InferenceResult):
+                tracked.inferred(result.rows, result.queue_s, result.compute_s)
+            else:
+                tracked.inferred(result.rows, 0.0, 0.0)  # the tokenizer's work alone: no queue, no model
             if context.tenant is not None:
                 context.tenant.charge(result.prompt_tokens)
         except BaseException as error:
             tracked.__exit__(type(error), error, None)
             raise
         return Inference(self._engine, context, result)
+
+    async def _run(self) -> Result:
+        """The pipeline's one call for this request."""
+        request, context = self._request, self._context
+        if isinstance(request, TokenizeRequest):
+            return await self._engine.tokenize(request)
+        if isinstance(request, DecodeRequest):
+            return await self._engine.decode(request)
+        return await self._engine.infer(request, context.deadline, context.trace, context.tenant)
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
         self._tracked.__exit__(kind, error, traceback)
@@ -146,22 +187,26 @@ class Envelope:
         with tracing.stage(context.trace, "decode"):
             return parse()
 
-    def inference(self, context: RequestContext, request: InferenceRequest) -> _CountedInference:
-        """Run one inference as an async context manager: `async with envelope.inference(...) as inference:`.
+    @overload
+    def inference(self, context: RequestContext, request: InferenceRequest) -> _CountedInference[InferenceResult]: ...
+    @overload
+    def inference(self, context: RequestContext, request: TokenizeRequest) -> _CountedInference[TokenizeResult]: ...
+    @overload
+    def inference(self, context: RequestContext, request: DecodeRequest) -> _CountedInference[DecodeResult]: ...
+    def inference(self, context: RequestContext, request: PipelineRequest) -> _CountedInference:
+        """Run one request as an async context manager: `async with envelope.inference(...) as inference:`.
 
-        On entry the tenant is admitted (or refused), the pipeline runs the request and the tenant is
-        charged its tokens; inside, the front end reads `inference.result` and renders its answer with
-        `inference.encode`; on exit the request is counted, a success only if nothing failed up to there.
+        On entry the tenant is admitted (or refused), the pipeline runs the request (an inference, or
+        a tokenize or decode, which run no model) and the tenant is charged its tokens; inside, the
+        front end reads `inference.result` and renders its answer with `inference.encode` (a
+        tokenizer's answer with `inference.write`); on exit the request is counted, a success only if
+        nothing failed up to there.
         """
         if context.trace is not None:
             context.trace.describe(request.model, request.version)
         return _CountedInference(self.pipeline, context, request)
 
-    def hold(self, size: int) -> HeldAnswer:
-        """Count an answer made apart from any inference (until `answered`), or refuse it (TooLarge, Overloaded)."""
-        return HeldAnswer(self.pipeline.answers.reserve(size))
-
-    def answered(self, answer: InferenceResult | HeldAnswer) -> None:
+    def answered(self, answer: PipelineResult) -> None:
         """The transport took the answer (or never will): its bytes leave the answer budget."""
         self.pipeline.answered(answer)
 

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = "service.launch"
 PIPELINE = "service.pipeline"
 PIPELINE_DOOR = "service.pipeline.api"
-ONE_DOOR_FRONTENDS = ("service.frontends.grpc", "service.frontends.codec")
+ONE_DOOR_FRONTENDS = ("service.frontends",)
 """Front ends that reach the pipeline through its door only."""
 
 

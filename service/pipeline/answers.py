@@ -12,8 +12,6 @@ a client that reads slowly holds its share of the budget, not more.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import orjson
 
@@ -46,13 +44,6 @@ INLINE_ENCODE_BYTES = 1024 * 1024
 JSON_CHUNK_VALUES = 32 * 1024
 """Values written to JSON in one call: the worker thread holds the GIL for no more than one such call at a
 time, so the event loop keeps answering while a large answer is written (docs/decisions.md#json-chunk-size)."""
-
-
-@dataclass
-class HeldAnswer:
-    """The bytes of an answer made apart from any inference (a /tokenize answer), counted in flight until sent."""
-
-    answer_bytes: int
 
 
 class AnswerBudget:

@@ -10,7 +10,9 @@ Inside `infer`, in one place for every protocol: the request is checked against 
 (service.pipeline.validation), admitted or refused at once, tokenised when it carries text, its
 answer budgeted, and its rows batched with everyone's (service.core.batcher, here or in the engine
 process). A request for its texts' tokens alone (service.pipeline.vocabulary.TOKEN_OUTPUTS) is answered by
-the tokenizer and never reaches the batcher. Counting, tenants and failures are the envelope's.
+the tokenizer and never reaches the batcher; so are `tokenize` (texts to their tokens, each with its
+piece of the text) and `decode` (token ids to text), which the envelope runs as it runs `infer`.
+Counting, tenants and failures are the envelope's.
 """
 
 from __future__ import annotations
@@ -27,36 +29,74 @@ import numpy as np
 
 from service.core.placement import InstanceInfo
 from service.core.repository import RepositoryError, served_names
-from service.errors import ExecutionError, NotFound, TooLarge, Unavailable
+from service.errors import ExecutionError, InvalidArgument, NotFound, TooLarge, Unavailable
 from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
 from service.ops.tenants import Tenant
-from service.pipeline.answers import RAW, AnswerBudget, HeldAnswer, value_bytes
+from service.pipeline.answers import BASE64, JSON, RAW, AnswerBudget, json_values, value_bytes
+from service.pipeline.embedding_types import embedding_types, type_output
 from service.pipeline.long_texts import combined, late_chunked
 from service.pipeline.models import ModelInfo, ServedModel
-from service.pipeline.outputs import output_width
+from service.pipeline.outputs import DEFAULT_NAMES, output_width
 from service.pipeline.requests import InputTensor, ModelSignature, RowLimit
 from service.pipeline.shaping import answer_outputs
-from service.pipeline.validation import validate
+from service.pipeline.tokenizer import TextTokenizer, Token
+from service.pipeline.validation import check_rows, prompt_prefix, scheduling_parameters, valid_texts, validate
 from service.pipeline.vocabulary import (
     CHUNK_COUNTS,
     CHUNKS,
+    DIMENSIONS,
+    EMBEDDING,
+    EMBEDDING_TYPES,
+    INDICES,
+    INPUT_TYPE,
+    INSTRUCTION,
     MULTIVECTOR,
+    MULTIVECTOR_LENGTHS,
+    OUTPUT_OF_TYPE,
+    PROMPT_NAME,
     QUERY_INPUT,
     REQUIRED_TOKEN_INPUTS,
+    SCHEDULING,
+    SCORE,
     TEXT_INPUT,
+    TOKEN_STATES,
     TOKENS,
+    TOP_K,
+    TRUNCATE,
+    VALUES,
 )
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BASE64",
+    "DEFAULT_NAMES",
+    "DIMENSIONS",
+    "EMBEDDING",
+    "EMBEDDING_TYPES",
+    "INDICES",
+    "INPUT_TYPE",
+    "INSTRUCTION",
+    "JSON",
     "MULTIVECTOR",
+    "MULTIVECTOR_LENGTHS",
+    "OUTPUT_OF_TYPE",
+    "PROMPT_NAME",
     "QUERY_INPUT",
+    "RAW",
     "REQUIRED_TOKEN_INPUTS",
+    "SCHEDULING",
+    "SCORE",
     "TEXT_INPUT",
     "TOKENS",
+    "TOKEN_STATES",
+    "TOP_K",
+    "TRUNCATE",
+    "VALUES",
+    "DecodeRequest",
+    "DecodeResult",
     "InferenceRequest",
     "InferenceResult",
     "InputTensor",
@@ -65,9 +105,19 @@ __all__ = [
     "ModelSignature",
     "ModelState",
     "Pipeline",
+    "PipelineResult",
     "RowLimit",
+    "Token",
+    "TokenizeRequest",
+    "TokenizeResult",
+    "embedding_types",
+    "json_values",
     "output_width",
+    "scheduling_parameters",
+    "type_output",
 ]
+"""The front ends' one door: the engine's API and request types, and the vocabulary their wire formats are written
+in (the names of inputs, outputs and parameters, answer encodings, and the forms of an embedding), re-exported."""
 
 
 @dataclass(slots=True)
@@ -115,6 +165,69 @@ class InferenceResult:
     """How long the batches its rows ran in took."""
     row_tokens: np.ndarray | None = None
     """int64 [rows]: each row's tokens up to its last attended one, i.e. its unpadded part of last_hidden_state."""
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """Texts to split into their tokens with a model's tokenizer (TEI's /tokenize): no inference runs."""
+
+    model: str
+    texts: list[bytes]
+    """UTF-8, as a BYTES input's elements: held to the limits of an inference's texts."""
+    add_special_tokens: bool = True
+    parameters: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """prompt_name (or task): the model's prompt put before each text, as for inference."""
+    row_limit: RowLimit | None = None
+    """The front end's own bound on its texts; None = the model's max_batch_size."""
+    version: str = ""
+
+
+@dataclass(slots=True)
+class TokenizeResult:
+    """Each text's tokens (prompt included, truncated at the model's maximum), each with its piece of the text."""
+
+    model: str
+    version: str
+    tokens: list[list[Token]]
+    prompt_tokens: int
+    """The tokens of every text: what the request is charged, as an inference's prompt tokens."""
+    rows: int
+    encode_inline: bool
+    """Whether its answer is written on the event loop (its texts were tokenised there: --inline-tokenize-chars)."""
+    answer_bytes: int = 0
+    """The answer's size as sent, counted in flight once written (`Pipeline.hold_written`) until `answered`."""
+
+
+@dataclass(slots=True)
+class DecodeRequest:
+    """Sequences of token ids to turn back into text with a model's tokenizer (TEI's /decode): no inference runs."""
+
+    model: str
+    sequences: list[list[int]]
+    skip_special_tokens: bool = True
+    row_limit: RowLimit | None = None
+    """The front end's own bound on its sequences; None = the model's max_batch_size."""
+    version: str = ""
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    """The text of each sequence of token ids."""
+
+    model: str
+    version: str
+    texts: list[str]
+    prompt_tokens: int
+    """The ids decoded: what the request is charged, as an inference's prompt tokens."""
+    rows: int
+    encode_inline: bool
+    """Whether its answer is written on the event loop (its ids were decoded there: --inline-tokenize-chars)."""
+    answer_bytes: int = 0
+    """The answer's size as sent, counted in flight once written (`Pipeline.hold_written`) until `answered`."""
+
+
+PipelineResult = InferenceResult | TokenizeResult | DecodeResult
+"""What one call of the pipeline answers; its `answer_bytes` are in flight until `Pipeline.answered`."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +443,61 @@ class Pipeline:
             answered.rows.lengths if answered.windows is None and answered.spans is None else None,
         )
 
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        """Each text's tokens by the model's tokenizer, its texts checked as an inference's; large ones on a worker."""
+        model = self.served(request.model, request.version)
+        tokenizer = _tokenizer_of(model)
+        prefix = prompt_prefix(request.parameters, model.spec)
+        texts = valid_texts({"inputs": request.texts}, prefix, model.signature, request.row_limit)
+        characters = sum(map(len, texts))
+        special = request.add_special_tokens
+        tokens = await model.tokenizer_work(characters, lambda: [tokenizer.tokens(text, special) for text in texts])
+        return TokenizeResult(
+            model.spec.name,
+            model.spec.version,
+            tokens,
+            sum(map(len, tokens)),
+            len(texts),
+            encode_inline=characters <= self.settings.inline_tokenize_chars,
+        )
+
+    async def decode(self, request: DecodeRequest) -> DecodeResult:
+        """The text of each sequence of ids by the model's tokenizer; an id outside its vocabulary is refused."""
+        model = self.served(request.model, request.version)
+        tokenizer = _tokenizer_of(model)
+        check_rows(len(request.sequences), model.signature, request.row_limit)
+        ids = sum(map(len, request.sequences))
+        texts = await model.tokenizer_work(
+            ids, lambda: tokenizer.decode(request.sequences, request.skip_special_tokens)
+        )
+        return DecodeResult(
+            model.spec.name,
+            model.spec.version,
+            texts,
+            ids,
+            len(request.sequences),
+            encode_inline=ids <= self.settings.inline_tokenize_chars,
+        )
+
+    def hold_written(self, result: TokenizeResult | DecodeResult, size: int) -> None:
+        """Count a tokenizer's answer, now written (`size` bytes as sent), in flight; or refuse it.
+
+        Over --max-response-bytes: TooLarge; over --max-answer-bytes-in-flight: Overloaded.
+        """
+        limit = self.answers.max_response_bytes
+        if size > limit:
+            what, fewer = (
+                ("the tokens of these texts", "texts")
+                if isinstance(result, TokenizeResult)
+                else ("the texts of these ids", "sequences")
+            )
+            raise TooLarge(
+                f"{what} take {size} bytes as sent, over the limit of {limit} bytes per response"
+                f" (--max-response-bytes); send fewer {fewer}",
+                "response_too_large",
+            )
+        result.answer_bytes = self.answers.reserve(size)
+
     def _check_sent_size(
         self, outputs: dict[str, np.ndarray], model: ServedModel, encodings: dict[str, str], held: int
     ) -> None:
@@ -350,7 +518,7 @@ class Pipeline:
                 "response_too_large",
             )
 
-    def answered(self, result: InferenceResult | HeldAnswer) -> None:
+    def answered(self, result: PipelineResult) -> None:
         """The front end handed the answer to its transport (or gave up on it): its bytes leave the budget."""
         self.answers.release(result.answer_bytes)
         result.answer_bytes = 0
@@ -374,3 +542,10 @@ class Pipeline:
         for model in self._models.values():
             metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(0)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _tokenizer_of(model: ServedModel) -> TextTokenizer:
+    """The model's tokenizer; a model that takes token ids only has none (InvalidArgument)."""
+    if model.tokenizer is None:
+        raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
+    return model.tokenizer

@@ -33,7 +33,8 @@ from service.frontends.grpc.status import status_of
 from service.frontends.http.errors import STATUS as HTTP_STATUS
 from service.frontends.http.errors import MethodNotAllowed, UnsupportedMediaType, http_status
 from service.ops.settings import Settings
-from service.pipeline.api import InferenceRequest, InputTensor, Pipeline
+from service.ops.tenants import Tenant, TenantLimits
+from service.pipeline.api import DecodeRequest, InferenceRequest, InputTensor, Pipeline, TokenizeRequest
 from tests.conftest import TINY_MODEL
 
 
@@ -153,3 +154,33 @@ def test_each_error_maps_through_each_protocols_one_table(
     assert status_of(error) is grpc_status
     assert http_status(error) == http
     assert outcome(error) == grpc_status.name
+
+
+async def test_tokenize_and_decode_run_inside_the_envelope(tiny_repository: Path) -> None:
+    async with serving(tiny_repository) as door:
+        await _tokenizer_calls(door)
+
+
+async def _tokenizer_calls(door: Envelope) -> None:
+    tenant = Tenant("tokenizer-calls", TenantLimits())
+    context = envelope.stamp()
+    context.tenant = tenant
+    before_ok = _requests("OK")
+    async with door.inference(context, TokenizeRequest(TINY_MODEL, [b"one two three"])) as tokenized:
+        assert _requests("OK") == before_ok  # counted once its answer is written
+        body = await tokenized.write(lambda: repr([token.id for token in tokenized.result.tokens[0]]).encode())
+    assert _requests("OK") == before_ok + 1
+    assert door.pipeline.answers.in_flight_bytes == tokenized.result.answer_bytes == len(body)  # held until sent
+    door.answered(tokenized.result)
+    assert door.pipeline.answers.in_flight_bytes == 0
+    async with door.inference(context, DecodeRequest(TINY_MODEL, [[5, 6], [7]])) as decoded:
+        await decoded.write(lambda: "|".join(decoded.result.texts).encode())
+    door.answered(decoded.result)
+    assert _requests("OK") == before_ok + 2
+    charged = REGISTRY.get_sample_value("encoder_tenant_prompt_tokens_total", {"tenant": "tokenizer-calls"})
+    assert charged == tokenized.result.prompt_tokens + 3 == 5 + 3  # [CLS] one two three [SEP], then 3 ids
+    before_invalid = _requests("INVALID_ARGUMENT")
+    with pytest.raises(InvalidArgument, match="token id 1000000 is not in the tokenizer's vocabulary"):
+        async with door.inference(context, DecodeRequest(TINY_MODEL, [[10**6]])):
+            pass
+    assert _requests("INVALID_ARGUMENT") == before_invalid + 1

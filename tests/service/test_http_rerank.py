@@ -259,10 +259,10 @@ def test_malformed_bodies_get_a_precise_refusal(
     server: RunningServer, route: str, body: object, status: int, message: str
 ) -> None:
     got, answer = post(server, route, body)
-    error = answer["error"]["message"] if route.startswith("/v1/") else answer["error"]
-    assert got == status and message in error, answer
-    if not route.startswith("/v1/"):
-        assert answer["error_type"] == "Validation"
+    if route == "/v1/rerank":  # Cohere's error body: {"message"} alone
+        assert got == status and list(answer) == ["message"] and message in answer["message"], answer
+    else:
+        assert got == status and message in answer["error"] and answer["error_type"] == "Validation", answer
     assert post(server, "/rerank", {"query": QUERY, "texts": TEXTS[:1]})[0] == 200  # still serving
 
 
@@ -283,7 +283,7 @@ def test_api_keys_guard_the_task_routes(repository: Path, tmp_path: Path) -> Non
         status, answer = post(keyed, "/rerank", body)
         assert status == 401 and answer["error_type"] == "Unauthorized" and "API key" in answer["error"]
         status, answer = post(keyed, "/v1/rerank", {"query": QUERY, "documents": TEXTS[:2]}, key="wrong")
-        assert status == 401 and answer["error"]["type"] == "authentication_error"
+        assert status == 401 and "API key" in answer["message"]
         assert post(keyed, "/rerank", body, key="rerank-test-key-7a1e")[0] == 200
         assert post(keyed, "/v1/rerank", {"query": QUERY, "documents": TEXTS[:2]}, key="rerank-test-key-7a1e")[0] == 200
 
@@ -293,4 +293,4 @@ def test_too_many_documents_are_refused_413(server: RunningServer) -> None:
     status, answer = post(server, "/rerank", {"query": QUERY, "texts": documents})
     assert status == 413 and answer["error_type"] == "Validation" and "--max-embedding-inputs" in answer["error"]
     status, answer = post(server, "/v1/rerank", {"query": QUERY, "documents": documents})
-    assert status == 413 and answer["error"]["code"] == "too_many_inputs"
+    assert status == 413 and "--max-embedding-inputs" in answer["message"]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+
 import grpc
 import numpy as np
 import pytest
@@ -70,3 +74,29 @@ def test_unknown_model_names_do_not_create_label_values(tiny_server: RunningServ
     samples = metric_samples(tiny_server)
     assert not [key for key in samples if "random-name" in str(key)]
     assert samples[("encoder_requests_total", (("code", "NOT_FOUND"), ("model", ""), ("version", "")))] >= 2
+
+
+def _post(server: RunningServer, route: str, body: object) -> int:
+    request = urllib.request.Request(
+        f"{server.http_url}{route}", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_tokenize_and_decode_are_counted_as_requests_of_their_model(tiny_server: RunningServer) -> None:
+    """TEI's /tokenize and /decode run inside the envelope, as inferences: counted in encoder_requests_total."""
+    before = metric_samples(tiny_server)
+    assert _post(tiny_server, "/tokenize", {"inputs": ["one two three", "four"], "model": TINY_MODEL}) == 200
+    assert _post(tiny_server, "/decode", {"ids": [[5, 6], [7]], "model": TINY_MODEL}) == 200
+    assert _post(tiny_server, "/decode", {"ids": [10**6], "model": TINY_MODEL}) == 422  # not in the vocabulary
+    after = metric_samples(tiny_server)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("encoder_requests_total", code="OK") == 2
+    assert moved("encoder_requests_total", code="INVALID_ARGUMENT") == 1

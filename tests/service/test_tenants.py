@@ -66,6 +66,11 @@ tokens_burst = 1
 [tenants.usage]
 keys = ["k-usage-1", "k-usage-2"]
 
+[tenants.tokenizing]
+keys = ["k-tokenizing"]
+tokens_per_minute = 0.06
+tokens_burst = 1
+
 [tenants.free]
 keys = ["k-free"]
 """
@@ -192,6 +197,7 @@ def test_a_tenants_file_names_each_keys_tenant_and_its_limits() -> None:
         "k-metered": "metered",
         "k-usage-1": "usage",
         "k-usage-2": "usage",
+        "k-tokenizing": "tokenizing",
         "k-free": "free",
     }
     assert described.tenants["capped"] == TenantLimits(requests_per_second=0.001, requests_burst=3)
@@ -427,6 +433,38 @@ def test_usage_is_counted_per_tenant_exactly_in_the_models_tokens(
     assert metric_value(samples, "encoder_tenant_prompt_tokens_total", tenant="usage") == expected
     assert metric_value(samples, "encoder_tenant_requests_total", tenant="usage", code="OK") == 4
     assert tenant_labels(samples) <= set(parse_key_file("keys", TENANTS).tenants)
+
+
+def tei_post(server: RunningServer, route: str, body: dict, key: str | None) -> tuple[int, object]:
+    """One POST to a TEI route, with the key as a Bearer token if given: status and body."""
+    headers = {"content-type": "application/json"} | ({} if key is None else {"authorization": f"Bearer {key}"})
+    request = urllib.request.Request(f"{server.http_url}{route}", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_tokenize_and_decode_are_authenticated_admitted_and_charged_as_inferences(
+    tenants_server: RunningServer, default_folder: Path
+) -> None:
+    server = tenants_server
+    text = USAGE_TEXTS[1]
+    for key in (None, "k-unknown"):
+        status, answer = tei_post(server, "/tokenize", {"inputs": text}, key)
+        assert status == 401 and answer["error_type"] == "Unauthorized" and "API key" in answer["error"]
+    status, answer = tei_post(server, "/tokenize", {"inputs": text}, "k-tokenizing")
+    assert status == 200 and len(answer[0]) == model_tokens(default_folder, text)
+    samples = metric_samples(server)
+    assert metric_value(samples, "encoder_tenant_prompt_tokens_total", tenant="tokenizing") == len(answer[0])
+    assert metric_value(samples, "encoder_tenant_requests_total", tenant="tokenizing", code="OK") == 1
+    # One token of burst, spent on the tokens above: a /decode is refused as an inference would be.
+    status, answer = tei_post(server, "/decode", {"ids": [token["id"] for token in answer[0]]}, "k-tokenizing")
+    assert status == 429 and answer["error_type"] == "Overloaded"
+    assert answer["error"].startswith("tenant 'tokenizing' is over its 0.06 tokens/minute limit")
+    samples = metric_samples(server)
+    assert metric_value(samples, "encoder_tenant_requests_total", tenant="tokenizing", code="RESOURCE_EXHAUSTED") == 1
 
 
 def test_a_changed_file_takes_effect_without_a_restart(tiny_repository: Path, tmp_path: Path) -> None:

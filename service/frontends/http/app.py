@@ -1,13 +1,14 @@
 """The ASGI application of the HTTP port: routing, bounded bodies, the envelope's door, errors to statuses.
 
-Four route families share it, each in its own body dialect: OpenAI's under /v1 (and Cohere's and
-Jina's /v1/rerank), text-embeddings-inference's (/embed, /similarity, /rerank, /predict, /tokenize,
-/decode, /info) and
-KServe v2 REST under /v2. Each request gets its context where it is received, its key checked by
+Four route families share it, each in its own body dialect: OpenAI's under /v1, Cohere's (/v2/embed,
+and /v1/rerank as Cohere and Jina answer it), text-embeddings-inference's (/embed, /similarity,
+/rerank, /predict, /tokenize, /decode, /info) and KServe v2 REST under /v2. Every route is one row
+of the route table (routes.py): its handlers, its error dialect, whether it is traced and whether
+it is open without a key. Each request gets its context where it is received, its key checked by
 the envelope (service.envelope), and its inferences run inside the envelope, as the gRPC port's
-are; errors map to statuses and bodies in one table (errors.py). Metadata, configuration,
-statistics and the repository index are the gRPC port's own messages (service.frontends.codec)
-written in Triton's JSON.
+are; errors map to statuses and, by the route's dialect, bodies in one table (errors.py).
+Metadata, configuration, statistics and the repository index are the gRPC port's own messages
+(service.frontends.codec) written in Triton's JSON.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,55 +26,26 @@ from service import envelope
 from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, NotFound, Overloaded, RequestTooLarge, ServiceError
 from service.frontends import codec
-from service.frontends.http import cohere, kserve, openai, tei
-from service.frontends.http.errors import (
-    MethodNotAllowed,
-    UnsupportedMediaType,
-    cohere_error,
-    http_status,
-    kserve_error,
-    openai_error,
-    tei_error,
-    tei_status,
-)
+from service.frontends.http import cohere, kserve, openai, tasks, tei
+from service.frontends.http.errors import Dialect, MethodNotAllowed, UnsupportedMediaType, error_answer
+from service.frontends.http.routes import Route, RouteTable
 from service.ops import metrics, tracing
-from service.pipeline.answers import HeldAnswer
-from service.pipeline.api import InferenceResult
+from service.pipeline.api import PipelineResult
 
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
-UNMATCHED = "unmatched"
 CLIENT_CLOSED = "499"
 """The status label of requests whose client left before the answer (nginx's code for it; nothing is sent)."""
 RETRY_AFTER_S = b"1"
 """Retry-After (seconds) on 429 (queue full) and 503 (draining, model unavailable)."""
 SEND_PART_BYTES = 256 * 1024
 """A large body is sent in parts of this size (see HttpApp._send_body)."""
-OPEN_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready"})
-"""Routes that need no API key: the probes' (as grpc.health.v1 on the gRPC port)."""
-TRACED_ROUTES = frozenset(
-    {
-        "/v1/embeddings",
-        "/v1/rerank",
-        "/v2/embed",
-        "/v2/models/{name}/infer",
-        "/embed",
-        "/embed_all",
-        "/embed_sparse",
-        "/similarity",
-        "/rerank",
-        "/predict",
-    }
-)
-"""Routes whose requests get a trace span while tracing is on: the inferences."""
 SEND_KEY = "send the header 'Authorization: Bearer <key>'"
 """How an HTTP caller sends its API key (the end of the refusal's message)."""
-_MODEL_PATH = re.compile(
-    r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/config|/stats|/infer)?"
-)
-_OPENAI_MODEL_PATH = re.compile(r"/v1/models/(?P<name>[^/]+)")
+_MODEL = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+"""A KServe model's path: its name, and a version where given."""
 _UNSUPPORTED_ROUTES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("/v2/repository/models/{name}/load", r"/v2/repository/models/[^/]+/load", ("POST",), "RepositoryModelLoad"),
     ("/v2/repository/models/{name}/unload", r"/v2/repository/models/[^/]+/unload", ("POST",), "RepositoryModelUnload"),
@@ -92,6 +63,17 @@ _UNSUPPORTED_ROUTES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 )
 """Triton's REST routes this server declares but does not offer: (route template, path pattern, methods,
 the gRPC method whose UNIMPLEMENTED reason they answer, with 501)."""
+_TEI_TASKS = (
+    ("/embed", tei.embed, True),
+    ("/embed_all", tei.embed_all, True),
+    ("/embed_sparse", tei.embed_sparse, True),
+    ("/similarity", tei.similarity, True),
+    ("/rerank", tei.rerank, True),
+    ("/predict", tei.predict, True),
+    ("/tokenize", tei.tokenize, False),
+    ("/decode", tei.decode, False),
+)
+"""text-embeddings-inference's task routes: (path, route, traced)."""
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -106,7 +88,7 @@ class Response:
     body: bytes = b""
     content_type: str | None = JSON
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    answer: InferenceResult | HeldAnswer | None = None
+    answer: PipelineResult | None = None
     """The answer whose bytes the envelope counts in flight until the body is sent."""
 
 
@@ -170,7 +152,7 @@ class HttpApp:
         self.pipeline = pipeline = door.pipeline
         self.max_concurrent_requests = max_concurrent_requests
         self.active_requests = 0
-        """Requests being read, run or answered now (OPEN_ROUTES' excepted)."""
+        """Requests being read, run or answered now (the open routes' excepted)."""
         self._metadata = json.dumps(kserve.proto_json(codec.server_metadata())).encode()
         self.max_body_bytes = max_body_bytes
         self.max_embedding_inputs = max_embedding_inputs
@@ -181,82 +163,61 @@ class HttpApp:
             tokenization_workers=pipeline.settings.tokenizer_threads,
             version=codec.server_metadata().version,
         )
-        self._fixed: dict[str, dict[str, Handler]] = {
-            "/v1/embeddings": {"POST": self._embeddings},
-            "/v1/rerank": {"POST": self._task(cohere.rerank)},
-            "/v2/embed": {"POST": self._task(cohere.embed)},
-            "/embed": {"POST": self._task(tei.embed)},
-            "/embed_all": {"POST": self._task(tei.embed_all)},
-            "/embed_sparse": {"POST": self._task(tei.embed_sparse)},
-            "/similarity": {"POST": self._task(tei.similarity)},
-            "/rerank": {"POST": self._task(tei.rerank)},
-            "/predict": {"POST": self._task(tei.predict)},
-            "/tokenize": {"POST": self._task(tei.tokenize)},
-            "/decode": {"POST": self._task(tei.decode)},
-            "/info": {"GET": self._info},
-            "/v1/models": {"GET": self._openai_models},
-            "/v2/health/live": {"GET": self._live},
-            "/v2/health/ready": {"GET": self._ready},
-            "/v2": {"GET": self._server_metadata},
-            "/v2/models/stats": {"GET": self._statistics},
-            "/v2/repository/index": {"POST": self._repository_index},
-        }
-        self._model_actions: dict[str, dict[str, Handler]] = {
-            "": {"GET": self._model_metadata},
-            "/ready": {"GET": self._model_ready},
-            "/config": {"GET": self._model_config},
-            "/stats": {"GET": self._statistics},
-            "/infer": {"POST": self._infer},
-        }
-        self._unsupported = [
-            (re.compile(pattern), template, dict.fromkeys(methods, self._refusal(rpc)))
-            for template, pattern, methods, rpc in _UNSUPPORTED_ROUTES
-        ]
+        self.routes = RouteTable(self._route_rows())
 
-    def _route(self, path: str) -> tuple[str, dict[str, str], dict[str, Handler]]:
-        """The route template (a metric label), its path parameters and handlers by method."""
-        handlers = self._fixed.get(path)
-        if handlers is not None:
-            return path, {}, handlers
-        match = _MODEL_PATH.fullmatch(path)
-        if match is not None:
-            action = match["action"] or ""
-            params = {"name": match["name"], "version": match["version"] or ""}
-            return "/v2/models/{name}" + action, params, self._model_actions[action]
-        for pattern, template, refusals in self._unsupported:
-            if pattern.fullmatch(path):
-                return template, {}, refusals
-        match = _OPENAI_MODEL_PATH.fullmatch(path)
-        if match is not None:
-            return "/v1/models/{name}", {"name": match["name"]}, {"GET": self._openai_model}
-        return UNMATCHED, {}, {}
+    def _route_rows(self) -> tuple[Route, ...]:
+        """Every route of the port: the one table of paths, handlers, error dialects, tracing and open routes."""
+        openai_, cohere_, tei_, kserve_ = Dialect.OPENAI, Dialect.COHERE, Dialect.TEI, Dialect.KSERVE
+        return (
+            Route("/v1/embeddings", {"POST": self._embeddings}, openai_, traced=True),
+            Route("/v1/models", {"GET": self._openai_models}, openai_),
+            Route("/v1/models/{name}", {"GET": self._openai_model}, openai_),
+            Route("/v1/rerank", {"POST": self._task(cohere.rerank)}, cohere_, traced=True),
+            Route("/v2/embed", {"POST": self._task(cohere.embed)}, cohere_, traced=True),
+            *(Route(path, {"POST": self._task(task)}, tei_, traced=traced) for path, task, traced in _TEI_TASKS),
+            Route("/info", {"GET": self._info}, tei_),
+            Route("/v2/health/live", {"GET": self._live}, kserve_, open=True),
+            Route("/v2/health/ready", {"GET": self._ready}, kserve_, open=True),
+            Route("/v2", {"GET": self._server_metadata}, kserve_),
+            Route("/v2/models/stats", {"GET": self._statistics}, kserve_),
+            Route("/v2/repository/index", {"POST": self._repository_index}, kserve_),
+            Route("/v2/models/{name}", {"GET": self._model_metadata}, kserve_, pattern=_MODEL),
+            Route("/v2/models/{name}/ready", {"GET": self._model_ready}, kserve_, pattern=f"{_MODEL}/ready"),
+            Route("/v2/models/{name}/config", {"GET": self._model_config}, kserve_, pattern=f"{_MODEL}/config"),
+            Route("/v2/models/{name}/stats", {"GET": self._statistics}, kserve_, pattern=f"{_MODEL}/stats"),
+            Route("/v2/models/{name}/infer", {"POST": self._infer}, kserve_, traced=True, pattern=f"{_MODEL}/infer"),
+            *(
+                Route(template, dict.fromkeys(methods, self._refusal(rpc)), kserve_, pattern=pattern)
+                for template, pattern, methods, rpc in _UNSUPPORTED_ROUTES
+            ),
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer one HTTP request (uvicorn runs each in its own task)."""
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        route, params, handlers = self._route(path)
-        counted = route not in OPEN_ROUTES  # the probes' answers are never refused for load
+        route, params = self.routes.match(path)
+        counted = not route.open  # the probes' answers are never refused for load
         if counted:
             self.active_requests += 1
             metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
         response = None
-        trace = tracing.http_request(method, route, scope["headers"]) if route in TRACED_ROUTES else None
+        trace = tracing.http_request(method, route.template, scope["headers"]) if route.traced else None
         context = envelope.stamp(trace=trace)
         try:
             try:
                 if counted and self.active_requests > self.max_concurrent_requests:
                     self._over_concurrency()
-                response = await self._answer(scope, receive, route, params, handlers, context=context)
+                response = await self._answer(scope, receive, route, params, context=context)
             except _Disconnected:
-                metrics.HTTP_REQUESTS.labels(route, CLIENT_CLOSED).inc()
+                metrics.HTTP_REQUESTS.labels(route.template, CLIENT_CLOSED).inc()
                 return
             except Exception as error:
                 client = scope.get("client")
                 peer = f"{client[0]}:{client[1]}" if client else ""
-                response = self._error(path, Envelope.failed(error, f"{method} {path}", peer))
-            metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
+                response = self._error(route.dialect, Envelope.failed(error, f"{method} {path}", peer))
+            metrics.HTTP_REQUESTS.labels(route.template, str(response.status)).inc()
             headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
             if response.content_type is not None:
                 headers.append((b"content-type", response.content_type.encode()))
@@ -298,13 +259,12 @@ class HttpApp:
         self,
         scope: Scope,
         receive: Receive,
-        route: str,
+        route: Route,
         params: dict[str, str],
-        handlers: dict[str, Handler],
         *,
         context: RequestContext,
     ) -> Response:
-        method = scope["method"]
+        method, handlers = scope["method"], route.handlers
         if not handlers:
             raise NotFound(
                 f"no route {scope['path']}: this server answers OpenAI's /v1/embeddings and /v1/models, /v1/rerank,"
@@ -316,14 +276,14 @@ class HttpApp:
             allowed = tuple(handlers)
             raise MethodNotAllowed(f"{scope['path']} answers {' and '.join(allowed)}, not {method}", allowed)
         headers = dict(scope["headers"])
-        if route not in OPEN_ROUTES:
+        if not route.open:
             authorization = headers.get(b"authorization")
             self.envelope.authenticate(
                 context, None if authorization is None else authorization.decode("latin-1"), SEND_KEY
             )
         if method != "POST":
             return await handler(Call(context, params, headers, b""))
-        if route.endswith("/infer"):
+        if route.template.endswith("/infer"):
             # The model is named by the path: a full queue answers before the body is read or parsed.
             self.pipeline.check_room(params["name"], params["version"])
         body = await self._read_body(headers, receive)
@@ -366,18 +326,9 @@ class HttpApp:
             "message_too_large",
         )
 
-    def _error(self, path: str, error: ServiceError) -> Response:
-        status = http_status(error)
-        message = str(error)
-        if path.startswith("/v1/"):
-            body = openai_error(status, message, error.reason)
-        elif path in cohere.V2_ROUTES:
-            body = cohere_error(message)
-        elif path in tei.TEI_ROUTES:
-            status = tei_status(status)
-            body = tei_error(status, message)
-        else:
-            body = kserve_error(message)
+    @staticmethod
+    def _error(dialect: Dialect, error: ServiceError) -> Response:
+        status, body = error_answer(dialect, error)
         headers = []
         if isinstance(error, MethodNotAllowed):
             headers.append((b"allow", ", ".join(error.allowed).encode()))
@@ -403,7 +354,7 @@ class HttpApp:
         body, result = await openai.embeddings(self.envelope, call.context, request, self.max_embedding_inputs)
         return Response(200, body, answer=result)
 
-    def _task(self, route: Callable[[tei.TaskCall, object], Awaitable[tei.Answer]]) -> Handler:
+    def _task(self, route: Callable[[tasks.TaskCall, object], Awaitable[tasks.Answer]]) -> Handler:
         """A handler for a task route (TEI's, /v1/rerank): a JSON body in, the route's JSON answer out."""
 
         async def handler(call: Call) -> Response:
@@ -412,7 +363,7 @@ class HttpApp:
                 return _json(call.body)
 
             payload = self.envelope.decode(call.context, parse)
-            answer = await route(tei.TaskCall(self.envelope, call.context, self.max_embedding_inputs), payload)
+            answer = await route(tasks.TaskCall(self.envelope, call.context, self.max_embedding_inputs), payload)
             return Response(200, answer.body, answer=answer.result)
 
         return handler

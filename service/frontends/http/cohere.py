@@ -9,7 +9,10 @@ first. `model` may be left out when exactly one reranker is served.
 ubinary, base64: little-endian float32 in base64), `input_type` (search_query, search_document,
 classification, clustering: the model's prompt of that meaning where it declares one, else its
 default prompt), `output_dimension` (a Matryoshka width) and `truncate` (END, the default, or NONE;
-START is refused: this server keeps the start of long inputs). Errors come as Cohere's {"message"}.
+START is refused: this server keeps the start of long inputs).
+
+Errors on both routes come as Cohere's {"message"} (Cohere's own clients, and Jina's, read the status and show
+the body).
 """
 
 from __future__ import annotations
@@ -23,24 +26,34 @@ import orjson
 
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
-from service.frontends.http.tei import EMBEDDER, RERANKER, Answer, TaskCall, choose_model, pair_scores, reranked
-from service.pipeline.answers import BASE64, JSON, json_values
-from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, RowLimit
-from service.pipeline.embedding_types import type_output
-from service.pipeline.models import ModelInfo
-from service.pipeline.validation import scheduling_parameters
-from service.pipeline.vocabulary import (
+from service.frontends.http.tasks import (
+    EMBEDDER,
+    RERANKER,
+    Answer,
+    TaskCall,
+    bytes_tensor,
+    choose_model,
+    pair_scores,
+    reranked,
+)
+from service.pipeline.api import (
+    BASE64,
     DIMENSIONS,
     EMBEDDING_TYPES,
     INSTRUCTION,
+    JSON,
     PROMPT_NAME,
     SCHEDULING,
     TEXT_INPUT,
     TRUNCATE,
+    InferenceRequest,
+    InferenceResult,
+    ModelInfo,
+    json_values,
+    scheduling_parameters,
+    type_output,
 )
 
-V2_ROUTES = frozenset({"/v2/embed"})
-"""Cohere's v2 routes: their errors are Cohere's {"message"}."""
 FIELDS = (
     "model",
     "query",
@@ -190,14 +203,13 @@ async def embed(call: TaskCall, payload: object) -> Answer:
         parameters[PROMPT_NAME] = prompt_name
     if payload.get("output_dimension") is not None:
         parameters[DIMENSIONS] = payload["output_dimension"]
-    elements = [text.encode("utf-8", "surrogatepass") for text in texts]
     names = tuple(dict.fromkeys(outputs.values()))
     request = InferenceRequest(
         model=model.spec.name,
-        inputs=(InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False),),
+        inputs=(bytes_tensor(TEXT_INPUT, texts),),
         outputs=names,
         parameters=parameters,
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        row_limit=call.row_limit,
         encodings={name: BASE64 if kinds == ["base64"] else JSON for name in names},
     )
     async with call.envelope.inference(call.context, request) as inference:

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from enum import Enum
+
 from service.errors import InvalidArgument, Kind, ServiceError
+
+
+class Dialect(Enum):
+    """The error body a route answers in: its API family's own, so that family's clients read it."""
+
+    OPENAI = "openai"
+    """{"error": {"message", "type", "param", "code"}}, as OpenAI's SDKs read it."""
+    COHERE = "cohere"
+    """{"message"}, as Cohere's v2 API answers (its SDK raises by status and shows the body)."""
+    TEI = "tei"
+    """{"error", "error_type"}, with text-embeddings-inference's statuses (422 for a wrong request, 424 Backend)."""
+    KSERVE = "kserve"
+    """{"error"}, as KServe v2 REST and tritonclient.http read it."""
 
 
 class MethodNotAllowed(InvalidArgument):
@@ -43,6 +58,19 @@ def http_status(error: ServiceError) -> int:
     if isinstance(error, UnsupportedMediaType):
         return 415
     return STATUS[error.kind]
+
+
+def error_answer(dialect: Dialect, error: ServiceError) -> tuple[int, dict[str, object]]:
+    """The status and body an error is answered with on a route of this dialect."""
+    status, message = http_status(error), str(error)
+    if dialect is Dialect.OPENAI:
+        return status, openai_error(status, message, error.reason)
+    if dialect is Dialect.COHERE:
+        return status, cohere_error(message)
+    if dialect is Dialect.TEI:
+        status = tei_status(status)
+        return status, tei_error(status, message)
+    return status, kserve_error(message)
 
 
 def openai_error(status: int, message: str, reason: str | None) -> dict[str, object]:

@@ -20,9 +20,7 @@ from google.protobuf.message import Message
 
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
-from service.pipeline.answers import JSON, RAW, json_values
-from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor
-from service.pipeline.outputs import DEFAULT_NAMES
+from service.pipeline.api import DEFAULT_NAMES, JSON, RAW, InferenceRequest, InferenceResult, InputTensor, json_values
 
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_OUTPUT = "binary_data_output"

@@ -26,11 +26,23 @@ import orjson
 from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
-from service.pipeline.answers import BASE64, JSON, json_values
-from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, ModelInfo, Pipeline, RowLimit
-from service.pipeline.embedding_types import embedding_types
-from service.pipeline.validation import scheduling_parameters
-from service.pipeline.vocabulary import EMBEDDING_TYPES, OUTPUT_OF_TYPE, SCHEDULING, TEXT_INPUT
+from service.pipeline.api import (
+    BASE64,
+    EMBEDDING_TYPES,
+    JSON,
+    OUTPUT_OF_TYPE,
+    SCHEDULING,
+    TEXT_INPUT,
+    InferenceRequest,
+    InferenceResult,
+    InputTensor,
+    ModelInfo,
+    Pipeline,
+    RowLimit,
+    embedding_types,
+    json_values,
+    scheduling_parameters,
+)
 
 ENCODINGS = ("float", "base64")
 FIELDS = (

@@ -4,7 +4,8 @@ Request and answer shapes are TEI's, so its clients (LangChain's HuggingFaceEndp
 huggingface_hub's InferenceClient, TEI's own examples) work unchanged. These routes name no model:
 each goes to the one served model of the task it needs (an embedder for /embed, /similarity,
 /tokenize and /decode, a reranker, a classifier of one label, for /rerank, any classifier for
-/predict); an optional `model` field chooses when several are served.
+/predict); an optional `model` field chooses when several are served (the choice, and the one
+inference a route runs, are shared with Cohere's routes: tasks.py).
 
 Where this server differs from TEI: `truncate` defaults to true (as sentence-transformers and the
 server's other routes; false refuses over-long inputs with 422, where TEI answers 413), and
@@ -21,36 +22,53 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from service.envelope import Envelope, RequestContext
-from service.errors import InvalidArgument, NotFound, TooLarge
-from service.pipeline.answers import JSON, RAW, HeldAnswer
-from service.pipeline.api import InferenceRequest, InferenceResult, InputTensor, Pipeline, RowLimit
-from service.pipeline.embedding_types import type_output
-from service.pipeline.models import ModelInfo, ServedModel
-from service.pipeline.tokenizer import TextTokenizer, Token
-from service.pipeline.validation import check_rows, prompt_prefix, scheduling_parameters, valid_texts
-from service.pipeline.vocabulary import (
+from service.errors import InvalidArgument, NotFound
+from service.frontends.http.tasks import (
+    CLASSIFIER,
+    EMBEDDER,
+    RERANKER,
+    SPARSE_EMBEDDER,
+    TOKEN_VECTORS,
+    Answer,
+    Need,
+    TaskCall,
+    answered,
+    bytes_tensor,
+    choose_model,
+    pair_scores,
+    reranked,
+    scores,
+    utf8,
+)
+from service.pipeline.api import (
     DIMENSIONS,
     EMBEDDING,
     INDICES,
     INPUT_TYPE,
     INSTRUCTION,
+    JSON,
     MULTIVECTOR,
     MULTIVECTOR_LENGTHS,
     PROMPT_NAME,
     QUERY_INPUT,
+    RAW,
     SCHEDULING,
-    SCORE,
     TEXT_INPUT,
     TOKEN_STATES,
     TOP_K,
     TRUNCATE,
     VALUES,
+    DecodeRequest,
+    InferenceRequest,
+    InferenceResult,
+    ModelInfo,
+    Pipeline,
+    Token,
+    TokenizeRequest,
+    scheduling_parameters,
+    type_output,
 )
 
-TEI_ROUTES = frozenset(
-    {"/embed", "/embed_all", "/embed_sparse", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"}
-)
 EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "input_type", "model", *SCHEDULING)
 SPARSE_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "top_k", "model", *SCHEDULING)
 EMBED_FIELDS = (
@@ -85,65 +103,6 @@ sends them."""
 DECODE_FIELDS = ("ids", "skip_special_tokens", "model")
 
 
-@dataclass(frozen=True)
-class Need:
-    """What a route needs of its model, and how its refusals name that."""
-
-    singular: str
-    plural: str
-    serves: Callable[[ModelInfo], bool]
-
-
-EMBEDDER = Need("embed model", "embed models", lambda model: EMBEDDING in model.signature.outputs)
-TOKEN_VECTORS = Need(
-    "embed or multi-vector model",
-    "embed or multi-vector models",
-    lambda model: TOKEN_STATES in model.signature.outputs or MULTIVECTOR in model.signature.outputs,
-)
-SPARSE_EMBEDDER = Need("sparse model", "sparse models", lambda model: INDICES in model.signature.outputs)
-CLASSIFIER = Need("classify model", "classify models", lambda model: model.spec.task == "classify")
-RERANKER = Need(
-    "reranker (a classify model of one label, or a multi-vector model)",
-    "rerankers (classify models of one label, or multi-vector models)",
-    lambda model: SCORE in model.signature.outputs or (model.spec.task == "classify" and len(model.spec.labels) == 1),
-)
-
-
-def choose_model(pipeline: Pipeline, need: Need, name: object) -> ModelInfo:
-    """The model a route serves: the one `name` picks, else the one served that meets its need; a precise refusal."""
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument("model must be the name of a served model")
-        model = pipeline.model(name)
-        if not need.serves(model) and not (need is RERANKER and model.spec.task == "classify"):
-            raise InvalidArgument(f"model {name} is a {model.spec.task} model; this route needs a {need.singular}")
-        return model
-    candidates = [model for model in pipeline.models() if need.serves(model)]
-    if not candidates:
-        raise NotFound(f"no {need.singular} is served here (served: {', '.join(pipeline.served_names()) or 'none'})")
-    if len(candidates) > 1:
-        names = ", ".join(model.spec.name for model in candidates)
-        raise InvalidArgument(f"several {need.plural} are served ({names}): name one in the model field")
-    return candidates[0]
-
-
-def pair_scores(result: InferenceResult, raw: bool) -> np.ndarray:
-    """One score per pair: a multi-vector model's MaxSim as it is; a reranker's logit, its sigmoid unless raw."""
-    if SCORE in result.outputs:
-        return result.outputs[SCORE][:, 0]
-    return scores(result.outputs["logits"], raw)[:, 0]
-
-
-def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
-    """Scores from logits [rows, labels]: raw, or sigmoid for one label and softmax over several (as TEI does)."""
-    if raw:
-        return logits
-    if logits.shape[1] == 1:
-        return 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
-
-
 def _object(payload: object, fields: tuple[str, ...], name: str = "") -> dict:
     """A JSON object of only these fields (`name`: where it is in the body; the body itself when empty)."""
     if not isinstance(payload, dict):
@@ -172,73 +131,9 @@ def _strings(value: object, name: str) -> list[str]:
     raise InvalidArgument(f"{name} must be a string or a non-empty list of strings")
 
 
-def _utf8(texts: list[str]) -> list[bytes]:
-    # surrogatepass: a lone surrogate (legal in JSON) reaches the UTF-8 check and its message.
-    return [text.encode("utf-8", "surrogatepass") for text in texts]
-
-
-def _bytes_tensor(name: str, texts: list[str]) -> InputTensor:
-    elements = _utf8(texts)
-    return InputTensor(name, "BYTES", (len(elements),), elements, raw=False)
-
-
 def _parameters(payload: dict, *names: str) -> dict[str, bool | int | float | str]:
     """The engine's request parameters from the body's fields of these names and its scheduling fields, where given."""
     return {name: payload[name] for name in names if payload.get(name) is not None} | scheduling_parameters(payload)
-
-
-@dataclass(frozen=True)
-class TaskCall:
-    """What every task route runs with: the envelope, the request's context, the front end's bound on inputs."""
-
-    envelope: Envelope
-    context: RequestContext
-    max_inputs: int
-    """--max-embedding-inputs: the most texts (or pairs) one request may carry."""
-
-    @property
-    def pipeline(self) -> Pipeline:
-        """The engine the envelope runs inferences on."""
-        return self.envelope.pipeline
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A route's JSON body, with what its bytes are counted under in the answer budget until sent.
-
-    The inference it came from, or (for /tokenize, which runs none) the answer held on its own.
-    """
-
-    body: bytes
-    result: InferenceResult | HeldAnswer
-
-
-async def answered(
-    call: TaskCall,
-    model: ModelInfo,
-    inputs: tuple[InputTensor, ...],
-    output: str,
-    parameters: dict,
-    *,
-    body_of: Callable[[InferenceResult], Callable[[], object]],
-    encoding: str = JSON,
-) -> Answer:
-    """One inference of a task route, answered: `body_of(result)` gives what the JSON answer is made from.
-
-    `encoding`: what the answer budget counts the output's values as (answers.JSON: the output is the answer).
-    """
-    request = InferenceRequest(
-        model=model.spec.name,
-        inputs=inputs,
-        outputs=(output,),
-        parameters=parameters,
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
-        encodings={output: encoding},
-    )
-    async with call.envelope.inference(call.context, request) as inference:
-        make = body_of(inference.result)
-        body = await inference.encode(lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
-    return Answer(body, inference.result)
 
 
 def _text_route(
@@ -275,7 +170,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
             vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return lambda: vectors
 
-    return await answered(call, model, (_bytes_tensor(TEXT_INPUT, texts),), output, parameters, body_of=body_of)
+    return await answered(call, model, (bytes_tensor(TEXT_INPUT, texts),), output, parameters, body_of=body_of)
 
 
 async def embed_all(call: TaskCall, payload: object) -> Answer:
@@ -297,7 +192,7 @@ async def embed_all(call: TaskCall, payload: object) -> Answer:
         states = result.outputs[TOKEN_STATES]
         return lambda: [states[row, :tokens] for row, tokens in enumerate(result.row_tokens)]
 
-    inputs = (_bytes_tensor(TEXT_INPUT, texts),)
+    inputs = (bytes_tensor(TEXT_INPUT, texts),)
     return await answered(call, model, inputs, TOKEN_STATES, parameters, body_of=body_of)
 
 
@@ -306,10 +201,10 @@ async def _multivectors(call: TaskCall, model: ModelInfo, texts: list[str], para
     outputs = (MULTIVECTOR, MULTIVECTOR_LENGTHS)
     request = InferenceRequest(
         model=model.spec.name,
-        inputs=(_bytes_tensor(TEXT_INPUT, texts),),
+        inputs=(bytes_tensor(TEXT_INPUT, texts),),
         outputs=outputs,
         parameters=parameters,
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        row_limit=call.row_limit,
         encodings=dict.fromkeys(outputs, JSON),
     )
     async with call.envelope.inference(call.context, request) as inference:
@@ -345,10 +240,10 @@ async def embed_sparse(call: TaskCall, payload: object) -> Answer:
     outputs = (INDICES, VALUES)
     request = InferenceRequest(
         model=model.spec.name,
-        inputs=(_bytes_tensor(TEXT_INPUT, texts),),
+        inputs=(bytes_tensor(TEXT_INPUT, texts),),
         outputs=outputs,
         parameters=_parameters(fields, TRUNCATE, PROMPT_NAME, TOP_K),
-        row_limit=RowLimit(call.max_inputs, "--max-embedding-inputs"),
+        row_limit=call.row_limit,
         encodings=dict.fromkeys(outputs, JSON),
     )
     async with call.envelope.inference(call.context, request) as inference:
@@ -396,7 +291,7 @@ async def similarity(call: TaskCall, payload: object) -> Answer:
     return await answered(
         call,
         model,
-        (_bytes_tensor(TEXT_INPUT, [source, *sentences]),),
+        (bytes_tensor(TEXT_INPUT, [source, *sentences]),),
         "embedding",
         _parameters(options, TRUNCATE, PROMPT_NAME) | _parameters(fields),
         body_of=body_of,
@@ -431,28 +326,6 @@ async def rerank(call: TaskCall, payload: object) -> Answer:
     return await reranked(call, model, query, texts, _parameters(fields, TRUNCATE, INSTRUCTION), body_of=body_of)
 
 
-async def reranked(
-    call: TaskCall,
-    model: ModelInfo,
-    query: str,
-    documents: list[str],
-    parameters: dict,
-    *,
-    body_of: Callable[[InferenceResult], Callable[[], object]],
-) -> Answer:
-    """The reranker run on (query, document) pairs, answered; it must give one score per pair (one label, or MaxSim)."""
-    if SCORE in model.signature.outputs:
-        inputs = (_bytes_tensor(QUERY_INPUT, [query] * len(documents)), _bytes_tensor(TEXT_INPUT, documents))
-        return await answered(call, model, inputs, SCORE, parameters, body_of=body_of)
-    if len(model.spec.labels) != 1:
-        raise InvalidArgument(
-            f"model {model.spec.name} is a classifier of {len(model.spec.labels)} labels, not a reranker"
-            " (one score per pair): use /predict"
-        )
-    inputs = (_bytes_tensor(QUERY_INPUT, [query] * len(documents)), _bytes_tensor(TEXT_INPUT, documents))
-    return await answered(call, model, inputs, "logits", parameters, body_of=body_of)
-
-
 def _predict_inputs(value: object) -> tuple[list[list[str]], bool]:
     """TEI's predict inputs: a text, a pair ([a, b]), or a batch of those; and whether it was a batch."""
     if isinstance(value, str):
@@ -480,9 +353,9 @@ async def predict(call: TaskCall, payload: object) -> Answer:
     raw = _flag(fields, "raw_scores", False)
     _flag(fields, TRUNCATE, True)
     model = choose_model(call.pipeline, CLASSIFIER, fields.get("model"))
-    inputs = (_bytes_tensor(TEXT_INPUT, [item[-1] for item in items]),)
+    inputs = (bytes_tensor(TEXT_INPUT, [item[-1] for item in items]),)
     if len(items[0]) == 2:
-        inputs = (_bytes_tensor(QUERY_INPUT, [item[0] for item in items]), *inputs)
+        inputs = (bytes_tensor(QUERY_INPUT, [item[0] for item in items]), *inputs)
     labels = model.spec.labels
 
     def body_of(result: InferenceResult) -> Callable[[], object]:
@@ -503,8 +376,9 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
     """POST /tokenize: {"inputs", "add_special_tokens", "prompt_name"} -> a list of tokens per text.
 
     Each token is {"id", "text", "special", "start", "stop"}: its place in the text (truncated at
-    the model's maximum); special tokens have none. The texts are held to the limits of /embed
-    (--max-embedding-inputs, --max-text-bytes, --max-request-text-bytes), the answer to
+    the model's maximum); special tokens have none. Run inside the envelope as an inference is
+    (admitted, charged its tokens, counted), no model runs: the texts are held to the limits of
+    /embed (--max-embedding-inputs, --max-text-bytes, --max-request-text-bytes), the answer to
     --max-response-bytes and, until sent, to --max-answer-bytes-in-flight; a large request is
     tokenised and written on a worker, as inference is.
     """
@@ -513,39 +387,39 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
         raise InvalidArgument("inputs is required: a string or a list of strings")
     texts = _strings(fields["inputs"], "inputs")
     special = _flag(fields, "add_special_tokens", True)
-    served, tokenizer = _tokenizer_of(call.pipeline, fields.get("model"))
-    parameters = _parameters(fields, PROMPT_NAME)
-    prefix = prompt_prefix(parameters, served.spec)
-    row_limit = RowLimit(call.max_inputs, "--max-embedding-inputs")
-    texts = valid_texts({"inputs": _utf8(texts)}, prefix, served.signature, row_limit)
-
-    def answer() -> bytes:
-        return orjson.dumps([[_token(token) for token in tokenizer.tokens(text, special)] for text in texts])
-
-    body = await served.tokenizer_work(sum(map(len, texts)), answer)
-    return _held(call, body, "the tokens of these texts", "texts")
+    model = _tokenizing_model(call.pipeline, fields.get("model"))
+    request = TokenizeRequest(
+        model.spec.name,
+        utf8(texts),
+        add_special_tokens=special,
+        parameters=_parameters(fields, PROMPT_NAME),
+        row_limit=call.row_limit,
+    )
+    async with call.envelope.inference(call.context, request) as tokenized:
+        tokens = tokenized.result.tokens
+        body = await tokenized.write(lambda: orjson.dumps([[_token(token) for token in row] for row in tokens]))
+    return Answer(body, tokenized.result)
 
 
 async def decode(call: TaskCall, payload: object) -> Answer:
     """POST /decode: {"ids": [int] | [[int]], "skip_special_tokens": true} -> [str], one text per sequence.
 
-    Through the tokenizer /tokenize uses. The sequences are held to --max-embedding-inputs (413),
-    every id to the tokenizer's vocabulary (422), the answer to --max-response-bytes and, until
-    sent, to --max-answer-bytes-in-flight; a large request is decoded on a worker, as /tokenize's.
+    Through the tokenizer /tokenize uses, inside the envelope as /tokenize. The sequences are held to
+    --max-embedding-inputs (413), every id to the tokenizer's vocabulary (422), the answer to
+    --max-response-bytes and, until sent, to --max-answer-bytes-in-flight; a large request is
+    decoded on a worker, as /tokenize's.
     """
     fields = _object(payload, DECODE_FIELDS)
     if "ids" not in fields:
         raise InvalidArgument("ids is required: a list of token ids, or a list of such lists")
     sequences = _id_sequences(fields["ids"])
     skip = _flag(fields, "skip_special_tokens", True)
-    served, tokenizer = _tokenizer_of(call.pipeline, fields.get("model"))
-    check_rows(len(sequences), served.signature, RowLimit(call.max_inputs, "--max-embedding-inputs"))
-
-    def answer() -> bytes:
-        return orjson.dumps(tokenizer.decode(sequences, skip))
-
-    body = await served.tokenizer_work(sum(map(len, sequences)), answer)
-    return _held(call, body, "the texts of these ids", "sequences")
+    model = _tokenizing_model(call.pipeline, fields.get("model"))
+    request = DecodeRequest(model.spec.name, sequences, skip, row_limit=call.row_limit)
+    async with call.envelope.inference(call.context, request) as decoded:
+        texts = decoded.result.texts
+        body = await decoded.write(lambda: orjson.dumps(texts))
+    return Answer(body, decoded.result)
 
 
 def _id_sequences(value: object) -> list[list[int]]:
@@ -559,28 +433,6 @@ def _id_sequences(value: object) -> list[list[int]]:
             where = f"ids[{row}][{place}]" if sequences is value else f"ids[{place}]"
             raise InvalidArgument(f"{where} must be a token id (an integer), got {orjson.dumps(bad).decode()}")
     return sequences
-
-
-def _tokenizer_of(pipeline: Pipeline, name: object) -> tuple[ServedModel, TextTokenizer]:
-    """The model /tokenize and /decode use (`_tokenizing_model`) and its tokenizer; a model without one is refused."""
-    model = _tokenizing_model(pipeline, name)
-    served = pipeline.served(model.spec.name)
-    if served.tokenizer is None:
-        raise InvalidArgument(f"model {model.spec.name} takes token ids, not text: it has no tokenizer")
-    return served, served.tokenizer
-
-
-def _held(call: TaskCall, body: bytes, what: str, fewer: str) -> Answer:
-    """An answer made without an inference, held to --max-response-bytes and counted in flight until sent."""
-    limit = call.pipeline.answers.max_response_bytes
-    if len(body) > limit:
-        raise TooLarge(
-            f"{what} take {len(body)} bytes as JSON, over the limit of {limit} bytes per response"
-            f" (--max-response-bytes); send fewer {fewer}",
-            "response_too_large",
-        )
-    # In the answers in flight, as an inference's answer is, until the transport has taken it.
-    return Answer(body, call.envelope.hold(len(body)))
 
 
 def _tokenizing_model(pipeline: Pipeline, name: object) -> ModelInfo:
