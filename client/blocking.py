@@ -1,148 +1,45 @@
-"""The blocking client: every task of the server over gRPC, with retries."""
+"""The blocking client: the tasks of client.base, their calls sent one after another, with retries."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import grpc
-import numpy as np
+from google.protobuf.message import Message
 
-from client import tasks
-from client.base import ClientSettings
+from client.base import BaseClient, Call, Result, Steps
 from client.channels import blocking_connections
 from client.errors import rpc_error
-from protocol import grpc_service_pb2 as pb
 
 
-class EmbeddingClient(ClientSettings):
+class EmbeddingClient(BaseClient):
     """Blocking client: `EmbeddingClient("localhost:8001").embed(["a text"])` -> float32 [n, d].
 
     Every task the server has: `embed` (dense, or int8/uint8/binary/ubinary), `embed_sparse`,
     `rerank`, `classify`, `tokenize`; `models` and `model_info` tell what is served. Each method takes `model=`
-    to use another model than the client's. Targets, security, connections and retries: ClientSettings.
+    to use another model than the client's. Targets, security, connections and retries: BaseClient.
     """
 
     _connect = staticmethod(blocking_connections)
 
-    def embed(
-        self,
-        texts: Sequence[str],
-        *,
-        model: str | None = None,
-        prompt_name: str | None = None,
-        dimensions: int | None = None,
-        truncate: bool | None = None,
-        embedding_type: str = "float",
-        task: str | None = None,
-        priority: int | None = None,
-    ) -> np.ndarray:
-        """Embeddings of the texts, in order: float32 [n, d], or the int8/uint8/binary/ubinary form asked.
+    def _run(self, steps: Steps[Result]) -> Result:
+        """A task's result, its calls sent one after another."""
+        try:
+            calls = next(steps)
+            while True:
+                calls = steps.send([self._call(call) for call in calls])
+        except StopIteration as finished:
+            return finished.value
 
-        task: one of the model's task adapters (`model_info(...).tasks`), with its prompt of that name.
-        priority: where the texts wait in the server's queue, 1 the highest (bulk work: the lowest,
-        `model_info(...).priority_levels`); None: the server's default for the caller.
-        """
-        options = tasks.EmbedOptions(prompt_name, dimensions, truncate, task=task, priority=priority)
-        requests = self._embed_requests(texts, model, embedding_type, options)
-        return self._embeddings([self.infer(request) for request in requests], embedding_type)
-
-    def embed_sparse(
-        self,
-        texts: Sequence[str],
-        *,
-        model: str | None = None,
-        prompt_name: str | None = None,
-        truncate: bool | None = None,
-        top_k: int | None = None,
-    ) -> tasks.SparseEmbeddings:
-        """Sparse (SPLADE, bge-m3 lexical) embeddings of the texts, each its top_k largest terms (all by default)."""
-        requests = self._sparse_requests(texts, model, tasks.EmbedOptions(prompt_name, None, truncate, top_k))
-        return tasks.sparse([self.infer(request) for request in requests])
-
-    def tokenize(
-        self,
-        texts: Sequence[str],
-        *,
-        model: str | None = None,
-        prompt_name: str | None = None,
-        truncate: bool | None = None,
-        add_special_tokens: bool | None = None,
-    ) -> list[tasks.Tokens]:
-        """Each text's tokens as the model reads it (ids and character offsets); the model does not run.
-
-        The model's prompt (prompt_name, else its default) is put before each text, as `embed` does;
-        truncate False: every token of a text longer than the model's maximum.
-        """
-        options = tasks.EmbedOptions(prompt_name, None, truncate)
-        requests = tasks.tokenize_requests(model or self.model, texts, options, add_special_tokens, self.batch_size)
-        return tasks.tokens([self.infer(request) for request in requests])
-
-    def rerank(
-        self,
-        query: str,
-        documents: Sequence[str],
-        *,
-        model: str | None = None,
-        top_n: int | None = None,
-        truncate: bool | None = None,
-        raw_scores: bool = False,
-        instruction: str | None = None,
-    ) -> tasks.Ranking:
-        """The documents ranked for the query by a reranker (or a multi-vector model): best first, top_n of them.
-
-        instruction: a reranker with a pair template's instruction (Qwen3-Reranker's), in place of its default.
-        """
-        info = self.model_info(model)
-        requests = tasks.rerank_requests(info, query, documents, truncate, self.batch_size, instruction=instruction)
-        return tasks.ranking(info, [self.infer(request) for request in requests], top_n, raw_scores)
-
-    def classify(
-        self,
-        texts: Sequence[str],
-        *,
-        model: str | None = None,
-        pairs_with: Sequence[str] | None = None,
-        truncate: bool | None = None,
-        raw_scores: bool = False,
-    ) -> tasks.Classification:
-        """Scores over a classifier's labels per text; with `pairs_with`, row i is (pairs_with[i], texts[i])."""
-        info = self.model_info(model)
-        requests = tasks.classify_requests(info, texts, pairs_with, truncate, self.batch_size)
-        return tasks.classification(info, [self.infer(request) for request in requests], raw_scores)
-
-    def models(self) -> list[str]:
-        """The names of the models the server has ready."""
-        index = self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=True))
-        return sorted({model.name for model in index.models})
-
-    def model_info(self, model: str | None = None) -> tasks.ModelInfo:
-        """What a model is (task, outputs, width, prompts, labels); asked once per model."""
-        name = model or self.model
-        if name not in self._infos:
-            metadata = self._call("ModelMetadata", pb.ModelMetadataRequest(name=name))
-            config = self._call("ModelConfig", pb.ModelConfigRequest(name=name))
-            self._infos[name] = tasks.model_info(metadata, config)
-        return self._infos[name]
-
-    def infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        """One ModelInfer call, retried as the client's retry policy says; EmbeddingError (typed) on failure."""
-        return self._call("ModelInfer", request)
-
-    def _call(self, method: str, request: object) -> object:
+    def _call(self, call: Call) -> Message:
         attempt = 0
         while True:
             attempt += 1
-            stub = self.connections.next_stub()
             try:
-                return getattr(stub, method)(request, timeout=self.timeout_s, metadata=self.call_metadata)
+                return self._sent_call(call)
             except grpc.RpcError as failure:
                 error = rpc_error(failure)
-            delay_s = self.retry.delay_s(error, attempt)
-            if delay_s is None:
-                raise error
-            self.retries += 1
-            time.sleep(delay_s)
+            time.sleep(self._retry_delay_s(error, attempt))
 
     def close(self) -> None:
         """Close the connections."""

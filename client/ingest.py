@@ -67,6 +67,8 @@ class IngestSettings:
     """Each ModelInfer call's deadline."""
     priority: int = 0
     """The priority the rows wait at, 1 the highest; 0: the model's lowest (bulk work)."""
+    retry: RetryPolicy = INGEST_RETRY
+    """How long a refused batch, or a stream that ended, is tried again before the run fails."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -203,7 +205,7 @@ class Ingestion:
                 return
             # A stream that answered some ended at a drain or its age: open the next one at once, or nearly.
             failures = 1 if answered_any else failures + 1
-            delay_s = INGEST_RETRY.delay_s(ended, failures)
+            delay_s = self.settings.retry.delay_s(ended, failures)
             if delay_s is None:
                 raise ended
             await asyncio.sleep(delay_s)
@@ -359,7 +361,8 @@ async def embed_file_async(
 
     `resume`: continue the run whose checkpoint is beside `output` (same input, model and options).
     `progress_stream` None: quiet. Raises InputError for a malformed input (naming the line) and
-    EmbeddingError for what the server refuses for good (naming the lines).
+    EmbeddingError for what the server refuses for good, or a server away for longer than
+    `settings.retry` waits (naming the lines where it can, and the rows written, which `resume` keeps).
     """
     if output.suffix not in OUTPUT_FORMATS:
         raise InputError(f"{output}: the output must be one of {', '.join(OUTPUT_FORMATS)}")
@@ -373,7 +376,7 @@ async def embed_file_async(
         raise InputError(f"{source}: no texts")
     client = AsyncEmbeddingClient(
         target, model, settings.timeout_s, settings.batch_size, security, connections=settings.connections,
-        retry=INGEST_RETRY,
+        retry=settings.retry,
     )  # fmt: skip
     async with client:
         info = await client.model_info(model)
@@ -395,7 +398,11 @@ async def embed_file_async(
         progress = Progress(rows, checkpoint.finished.count, progress_stream, lambda: client.retries)
         priority = settings.priority or info.priority_levels
         ingestion = Ingestion(client, model, options, settings, checkpoint, progress, priority)
-        await ingestion.run(WorkQueue(batches_of(texts.texts(), checkpoint, batch_size)))
+        try:
+            await ingestion.run(WorkQueue(batches_of(texts.texts(), checkpoint, batch_size)))
+        except EmbeddingError as error:
+            written = f"{checkpoint.finished.count} of {rows} rows written: run again with --resume for the rest"
+            raise type(error)(error.code, f"{error.message} ({written})", error.retry_after_s) from error
     if not checkpoint.complete():
         raise RuntimeError(f"rows left unwritten: finished {checkpoint.finished.spans} of {rows}")  # never expected
     _write_output(checkpoint)

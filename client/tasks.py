@@ -1,4 +1,4 @@
-"""Every task's requests and results, shared by the blocking and the asyncio client.
+"""Every task's requests and results, for the clients' tasks (client.base).
 
 A task's call is: build its requests here, send them (the clients' part), read the answers here.
 """

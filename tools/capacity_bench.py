@@ -134,7 +134,7 @@ def write_bodies(folder: Path) -> Path:
 def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[int, float, dict[str, float]]:
     """h2load.IN_FLIGHT one-text requests for `seconds`: requests answered (OK), seconds taken, CPU seconds per role.
 
-    RuntimeError when requests fail (h2load.answered_ok).
+    RuntimeError when requests fail (h2load.Answers).
     """
     with tempfile.TemporaryDirectory() as scratch:
         bodies = write_bodies(Path(scratch))
@@ -143,7 +143,7 @@ def drive(server: RunningServer, protocol: str, seconds: float) -> tuple[int, fl
         answered, before, started = server.answered(TINY_MODEL), _cpu(pids), time.monotonic()
         h2load.run(load_command(server, protocol, bodies, seconds=seconds))
         elapsed, after, answered_after = time.monotonic() - started, _cpu(pids), server.answered(TINY_MODEL)
-    requests = h2load.answered_ok(answered, answered_after, h2load.IN_FLIGHT)
+    requests = h2load.Answers(answered).ok_since_last(answered_after, abandoned=h2load.IN_FLIGHT)
     return requests, elapsed, {role: after[role] - before[role] for role in pids}
 
 

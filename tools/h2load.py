@@ -104,15 +104,30 @@ def latencies_ms(log: Path) -> list[float]:
     return [int(line.split("\t")[2]) / 1e3 for line in log.read_text().splitlines() if line]
 
 
-def answered_ok(before: dict[str, float], after: dict[str, float], in_flight: int) -> int:
-    """Requests answered OK between two readings of the server's answers by status (RunningServer.answered).
+class Answers:
+    """The server's answers by status (RunningServer.answered) between h2load runs: OK, but for what timed runs left.
 
-    A timed run ends with `in_flight` requests unanswered, which the server counts CANCELLED;
-    RuntimeError when more were cancelled, or any got another status.
+    A timed run ends with up to its in-flight requests unanswered, which the server counts CANCELLED in
+    the reading just after the run or, when it counts them late, in a later one: each timed run allows
+    that many CANCELLED once, to whichever readings find them.
     """
-    codes = {code: count - before.get(code, 0.0) for code, count in after.items()}
-    codes["CANCELLED"] = max(0.0, codes.get("CANCELLED", 0.0) - in_flight)
-    failed = {code: count for code, count in codes.items() if code != "OK" and count}
-    if failed:
-        raise RuntimeError(f"requests failed: {failed}")
-    return round(codes.get("OK", 0.0))
+
+    def __init__(self, answered: dict[str, float]) -> None:
+        self._last = answered
+        self._abandoned = 0.0
+
+    def ok_since_last(self, answered: dict[str, float], abandoned: int = 0) -> int:
+        """Requests answered OK since the last reading; `abandoned`: a timed run ended since, with so many in flight.
+
+        RuntimeError when more were cancelled than the timed runs so far abandoned, or any got another status.
+        """
+        codes = {code: count - self._last.get(code, 0.0) for code, count in answered.items()}
+        self._last = answered
+        self._abandoned += abandoned
+        cancelled_of_abandoned = min(codes.get("CANCELLED", 0.0), self._abandoned)
+        self._abandoned -= cancelled_of_abandoned
+        codes["CANCELLED"] = codes.get("CANCELLED", 0.0) - cancelled_of_abandoned
+        failed = {code: count for code, count in codes.items() if code != "OK" and count}
+        if failed:
+            raise RuntimeError(f"requests failed: {failed}")
+        return round(codes.get("OK", 0.0))

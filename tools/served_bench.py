@@ -105,15 +105,14 @@ class InProcess:
 def _served(server: RunningServer, model: str, body: Path, seconds: float, scratch: Path) -> tuple[float, float, float]:
     """(requests/s at h2load.IN_FLIGHT, rows per model run meanwhile, one call at a time's median ms)."""
     h2load.run(h2load.model_infer(server.target, body, requests=h2load.WARM_UP_REQUESTS))
-    answered, batches, started = server.answered(model), server.batch_totals(model), time.monotonic()
+    answers, batches, started = h2load.Answers(server.answered(model)), server.batch_totals(model), time.monotonic()
     h2load.run(h2load.model_infer(server.target, body, seconds=seconds))
     elapsed = time.monotonic() - started
-    requests = h2load.answered_ok(answered, server.answered(model), h2load.IN_FLIGHT)
+    requests = answers.ok_since_last(server.answered(model), abandoned=h2load.IN_FLIGHT)
     rows, runs = (after - before for after, before in zip(server.batch_totals(model), batches, strict=True))
     log = scratch / "single.log"
-    answered = server.answered(model)
     h2load.run(h2load.model_infer(server.target, body, requests=LATENCY_REQUESTS, connections=1, streams=1, log=log))
-    h2load.answered_ok(answered, server.answered(model), 0)
+    answers.ok_since_last(server.answered(model))  # the timed run's abandoned requests may be counted only now
     return requests / elapsed, rows / runs, statistics.median(h2load.latencies_ms(log))
 
 

@@ -1,5 +1,6 @@
-"""Bulk ingestion (`python -m client embed`) against real servers: a drain and restart mid-run, SIGKILL and
---resume, a deliberately small queue, malformed inputs, every input and output format.
+"""Bulk ingestion (`python -m client embed`) against real servers: a drain or a SIGKILL of the server and its
+restart mid-run, a server killed for good and --resume, SIGKILL of the client and --resume, a deliberately small
+queue, malformed inputs, every input and output format.
 
 The 20,000-line file holds 2,000 distinct texts ten times each, shuffled, so the reference (a direct
 `embed` of the distinct texts) is cheap while any row written at another row's place, twice, or not
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,11 +24,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from client import EmbeddingClient
+from client import EmbeddingClient, RetryPolicy, Unavailable
 from client.__main__ import main
 from client.checkpoint import Checkpoint
 from client.errors import error_of
-from client.ingest import GRPC_WRITE_RACE_DETAILS, IngestSettings, _half_close, _stream_end, embed_file
+from client.ingest import (
+    GRPC_WRITE_RACE_DETAILS,
+    IngestSettings,
+    _half_close,
+    _stream_end,
+    embed_file,
+    embed_file_async,
+)
 from tests.conftest import TINY_MODEL
 from tests.servers import (
     ROOT,
@@ -103,8 +113,15 @@ def serve_on(port: int, repository: Path, log_path: Path) -> RunningServer:
     return server
 
 
-def test_a_server_drained_and_restarted_mid_run_loses_and_repeats_nothing(
-    tiny_repository: Path, input_file: Path, reference: np.ndarray, tmp_path: Path
+def killed(server: RunningServer) -> None:
+    """SIGKILL to every process of the server (a crash, the OOM killer): no drain, its connections cut."""
+    os.killpg(server.process.pid, signal.SIGKILL)
+    assert server.process.wait() == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("ending", ["drained", "killed"])
+def test_a_server_stopped_and_restarted_mid_run_loses_and_repeats_nothing(
+    tiny_repository: Path, input_file: Path, reference: np.ndarray, tmp_path: Path, ending: str
 ) -> None:
     port = free_port()
     first = serve_on(port, tiny_repository, tmp_path / "first.log")
@@ -112,7 +129,11 @@ def test_a_server_drained_and_restarted_mid_run_loses_and_repeats_nothing(
     run = cli("embed", str(input_file), "--output", str(output), "--target", f"127.0.0.1:{port}", "--model", TINY_MODEL)
     try:
         wait_until(lambda: answered(first) >= 40, "40 requests answered")  # of 313
-        assert first.stop() == 0  # SIGTERM: a drain that ends the open streams; exit 0
+        if ending == "drained":
+            assert first.stop() == 0  # SIGTERM: a drain that ends the open streams; exit 0
+        else:
+            killed(first)  # the open streams cut with batches unanswered, which must be sent again
+        assert run.poll() is None  # mid-run: the client waits for the address to serve again
         with serve_on(port, tiny_repository, tmp_path / "second.log") as second:
             summary = finished(run)
             assert answered(second) > 0  # the rest went to the restarted server
@@ -122,6 +143,34 @@ def test_a_server_drained_and_restarted_mid_run_loses_and_repeats_nothing(
     assert summary["rows"] == summary["embedded"] == LINES and summary["retries"] > 0
     assert_every_row_is_its_own(np.load(output), reference)
     assert not list(tmp_path.glob("vectors.npy.*"))  # the partial output and the checkpoint are gone
+
+
+async def test_a_server_killed_for_good_fails_the_run_saying_what_is_kept_and_resume_does_the_rest(
+    tiny_repository: Path, input_file: Path, reference: np.ndarray, tmp_path: Path
+) -> None:
+    port = free_port()
+    server = serve_on(port, tiny_repository, tmp_path / "server.log")
+    output = tmp_path / "vectors.npy"
+    arguments = {"target": f"127.0.0.1:{port}", "model": TINY_MODEL, "progress_stream": None}
+    # Patient for a fraction of a second, not the default's minutes: the server does not come back.
+    impatient = IngestSettings(retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.1))
+    run = asyncio.ensure_future(embed_file_async(input_file, output, settings=impatient, **arguments))
+    try:
+        await asyncio.to_thread(wait_until, lambda: answered(server) >= 40, "40 requests answered")
+        killed(server)
+        with pytest.raises(Unavailable, match=r"rows written: run again with --resume for the rest") as failure:
+            await run
+    finally:
+        run.cancel()
+        server.stop()
+    written = int(re.search(rf"\((\d+) of {LINES} rows written", failure.value.message).group(1))
+    record = json.loads((tmp_path / "vectors.npy.checkpoint.json").read_text())
+    assert 0 < written < LINES and sum(end - start for start, end in record["finished"]) == written
+    assert not output.exists()
+    with serve_on(port, tiny_repository, tmp_path / "again.log"):
+        report = await embed_file_async(input_file, output, resume=True, **arguments)
+    assert report.rows == LINES and report.embedded == LINES - written  # the rows written before are kept
+    assert_every_row_is_its_own(np.load(output), reference)
 
 
 def test_resume_after_sigkill_does_only_the_rest(

@@ -17,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from client import EmbeddingClient
 from export.bge_m3_reference import bge_m3_flag_model
 from tests.multivector_models import BGE_M3_TEXTS, BGE_M3_WIDTH, QUERY_LENGTH, WIDTH, ExportedBgeM3, ExportedColbert
 from tests.servers import RunningServer, start_server
@@ -180,11 +181,28 @@ def test_bge_m3_reranks_by_maxsim_mean_and_answers_terms_on_embed_sparse(
 ) -> None:
     query, documents = BGE_M3_TEXTS[0], BGE_M3_TEXTS[1:5]
     flag_model = bge_m3_flag_model()(str(bge_m3.source), use_fp16=False, devices="cpu", colbert_dim=BGE_M3_WIDTH)
-    encoded = flag_model.encode([query, *documents], max_length=256, return_colbert_vecs=True)["colbert_vecs"]
-    expected = np.array([float(flag_model.colbert_score(encoded[0], vectors)) for vectors in encoded[1:]])
+    encoded = flag_model.encode([query, *documents], max_length=256, return_sparse=True, return_colbert_vecs=True)
+    expected = np.array(
+        [float(flag_model.colbert_score(encoded["colbert_vecs"][0], v)) for v in encoded["colbert_vecs"][1:]]
+    )
+    # Scores far enough apart that a document given another's score is caught.
+    assert np.diff(np.sort(expected)).min() > 1e-3
     status, ranked = post(server, "/rerank", {"query": query, "texts": documents, "model": BGE_M3})
-    assert status == 200
-    np.testing.assert_allclose([item["score"] for item in ranked], np.sort(expected)[::-1], atol=1e-4)
+    assert status == 200 and sorted(item["index"] for item in ranked) == list(range(len(documents)))
+    order = [item["index"] for item in ranked]
+    np.testing.assert_allclose([item["score"] for item in ranked], expected[order], atol=1e-4)
+    assert order == list(np.argsort(-expected, kind="stable"))
+    with EmbeddingClient(server.target, model=BGE_M3) as client:
+        ranking = client.rerank(query, documents)
+    np.testing.assert_array_equal(ranking.indices, order)
+    np.testing.assert_allclose(ranking.scores, expected[order], atol=1e-4)
+
     status, terms = post(server, "/embed_sparse", {"inputs": documents[:2], "model": BGE_M3, "top_k": 3})
-    assert status == 200 and all(len(row) <= 3 for row in terms)
-    assert all(row[0]["value"] >= row[-1]["value"] for row in terms)
+    assert status == 200 and len(terms) == 2
+    for row, weights in zip(terms, encoded["lexical_weights"][1:3], strict=True):
+        theirs = {int(index): float(value) for index, value in weights.items()}
+        largest = sorted(theirs.values(), reverse=True)[:3]
+        assert len(largest) == 3 and len(row) == 3
+        # Each token id served carries FlagEmbedding's weight for it, and those are its three largest, largest first.
+        np.testing.assert_allclose([term["value"] for term in row], largest, atol=1e-4)
+        np.testing.assert_allclose([theirs.get(term["index"], 0.0) for term in row], largest, atol=1e-4)

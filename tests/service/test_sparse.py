@@ -69,6 +69,16 @@ def densified(indices: np.ndarray, values: np.ndarray, vocab: int) -> np.ndarray
     return dense
 
 
+def assert_largest_terms(indices: np.ndarray, values: np.ndarray, expected: np.ndarray, top_k: int) -> None:
+    """Each row's terms are SparseEncoder's top_k largest: each token id with its weight there, largest first."""
+    for row, dense in enumerate(expected):
+        largest = np.sort(dense)[::-1][:top_k]
+        assert (indices[row] >= 0).all()
+        assert (largest > 0).all()  # the text has that many terms: none is padding
+        np.testing.assert_allclose(values[row], largest, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(dense[indices[row]], largest, rtol=0, atol=1e-4)
+
+
 def test_terms_order_and_padding() -> None:
     dense = np.array([[0, 0.5, 0, 2.0, 0.5], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=np.float32)
     indices, values = terms(dense, None)
@@ -93,8 +103,7 @@ def test_top_k_keeps_the_largest_terms(server: RunningServer, expected: np.ndarr
     result = grpc_terms(server, TEXTS, top_k=3)
     indices, values = result.as_numpy("sparse_indices"), result.as_numpy("sparse_values")
     assert indices.shape == (len(TEXTS), 3)
-    for row, dense in enumerate(expected):
-        np.testing.assert_allclose(values[row], np.sort(dense)[::-1][:3], rtol=0, atol=1e-4)
+    assert_largest_terms(indices, values, expected, 3)
     with pytest.raises(InferenceServerException, match="top_k must be a positive integer"):
         grpc_terms(server, TEXTS[:1], top_k=0)
 
@@ -109,8 +118,7 @@ def test_sdk_embed_sparse_equals_sparse_encoder(server: RunningServer, expected:
     assert sorted(first) == np.flatnonzero(expected[0]).tolist()
     np.testing.assert_allclose([first[i] for i in sorted(first)], expected[0][sorted(first)], rtol=0, atol=1e-4)
     assert top.indices.shape == (len(TEXTS), 3)
-    for row, dense in enumerate(expected):
-        np.testing.assert_allclose(top.values[row], np.sort(dense)[::-1][:3], rtol=0, atol=1e-4)
+    assert_largest_terms(top.indices, top.values, expected, 3)
 
 
 def test_tei_embed_sparse(server: RunningServer, expected: np.ndarray) -> None:
@@ -122,8 +130,11 @@ def test_tei_embed_sparse(server: RunningServer, expected: np.ndarray) -> None:
             dense[term["index"]] = term["value"]
         np.testing.assert_allclose(dense, expected[row], rtol=0, atol=1e-4)
         assert len(text_terms) == np.count_nonzero(expected[row])
-    status, answer = post(server, "/embed_sparse", {"inputs": TEXTS[0], "top_k": 2})
-    assert status == 200 and len(answer[0]) == 2
+    status, answer = post(server, "/embed_sparse", {"inputs": TEXTS[:2], "top_k": 2})
+    assert status == 200 and [len(text_terms) for text_terms in answer] == [2, 2]
+    indices = np.array([[term["index"] for term in text_terms] for text_terms in answer])
+    values = np.array([[term["value"] for term in text_terms] for text_terms in answer])
+    assert_largest_terms(indices, values, expected[:2], 2)
     status, answer = post(server, "/embed_sparse", {"inputs": TEXTS[0], "normalize": True})
     assert status == 422 and "unknown field 'normalize'" in answer["error"]
     status, answer = post(server, "/embed", {"inputs": TEXTS[0]})
