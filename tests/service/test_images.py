@@ -94,6 +94,12 @@ def rgba_with_alpha_gradient() -> bytes:
     return encoded(image, "PNG")
 
 
+def rgb_with_a_transparent_colour() -> bytes:
+    image = noise(50, 50, seed=12)
+    image.paste((1, 2, 3), (0, 0, 20, 30))
+    return encoded(image, "PNG", transparency=(1, 2, 3))
+
+
 def jpeg_with_orientation(orientation: int) -> bytes:
     exif = Image.Exif()
     exif[EXIF_ORIENTATION] = orientation
@@ -118,7 +124,7 @@ IMAGES: dict[str, Callable[[], bytes]] = {
     "palette P png": lambda: encoded(noise(64, 48, seed=11).convert("P", palette=Image.Palette.ADAPTIVE), "PNG"),
     "palette P png with transparency": palette_with_transparency,
     "RGBA png": rgba_with_alpha_gradient,
-    "RGB png with a transparent colour": lambda: encoded(noise(50, 50, seed=12), "PNG", transparency=(1, 2, 3)),
+    "RGB png with a transparent colour": rgb_with_a_transparent_colour,
     "CMYK jpeg": lambda: encoded(noise(80, 60, "CMYK", seed=13), "JPEG"),
     "lossy webp": lambda: encoded(noise(250, 130, seed=14), "WEBP", quality=80),
     "lossless RGBA webp": lambda: encoded(noise(130, 250, "RGBA", seed=15), "WEBP", lossless=True),
