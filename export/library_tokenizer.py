@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from export.checkpoint import Checkpoint
 from export.parity import read_sentences
+from export.sources import UnusableSource
 
 LIBRARY_TOKENIZER_FOLDER = "library-tokenizer"
 """The scratch folder the library's tokenizer files are written in when they replace the folder's."""
@@ -40,11 +41,23 @@ SETTINGS = ("truncation", "padding")
 log = logging.getLogger(__name__)
 
 
+class LibraryTokenizerError(UnusableSource):
+    """transformers cannot load the folder's tokenizer, so no reference library can answer for it."""
+
+
 def library_tokenizer(folder: Path) -> tuple[str, Tokenizer | None]:
-    """The class transformers loads a folder's tokenizer as, and its `tokenizers` pipeline (None: it has none)."""
+    """The class transformers loads a folder's tokenizer as, and its `tokenizers` pipeline (None: it has none).
+
+    Raises LibraryTokenizerError when transformers cannot load it.
+    """
     import transformers  # noqa: PLC0415  (build-time only: the server never imports it)
 
-    loaded = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        loaded = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as error:  # whatever stops transformers: the library could not read the folder's texts either
+        raise LibraryTokenizerError(
+            f"transformers could not load the tokenizer of {folder}: {type(error).__name__}: {error}"
+        ) from error
     return type(loaded).__name__, getattr(loaded, "backend_tokenizer", None)
 
 
@@ -71,7 +84,8 @@ def with_library_tokenizer(checkpoint: Checkpoint, scratch: Path, sentences_file
     Unchanged when the checkpoint has no source folder or no tokenizer.json, when transformers' tokenizer
     has no `tokenizers` pipeline, or when that pipeline is the file's. Otherwise its tokenizer files are
     copied into `scratch` with tokenizer.json replaced by the library's, and one warning says where they differ
-    (the gate sentences of `sentences_file`, then PROBE_TEXTS, then pairs of gate sentences).
+    (the gate sentences of `sentences_file`, numbered as the gate numbers them, then PROBE_TEXTS, then pairs of
+    gate sentences).
     """
     folder = checkpoint.tokenizer_folder
     if checkpoint.folder is None or folder is None or not checkpoint.tokenizer_files:
@@ -93,10 +107,12 @@ def with_library_tokenizer(checkpoint: Checkpoint, scratch: Path, sentences_file
     inputs = [*sentences, *PROBE_TEXTS, *itertools.pairwise(sentences)]
     difference = first_difference(ours, theirs, inputs)
     if difference is None:
-        found = "no gate input tokenises differently"
+        found = "no gate sentence, probe text or pair of them tokenises differently"
     else:
         index, item, our_tokens, their_tokens = difference
-        found = f"first at input {index + 1}: {item!r}: tokenizer.json {our_tokens}, the library {their_tokens}"
+        where = f"input {index + 1}" if index < len(sentences) else "a probe text"
+        where = "a pair of gate sentences" if isinstance(item, tuple) else where
+        found = f"first at {where}: {item!r}: tokenizer.json {our_tokens}, the library {their_tokens}"
     log.warning(
         "%s: the folder's tokenizer.json is not what transformers' %s runs (it differs in %s); the library's is"
         " served and published; %s",

@@ -19,7 +19,7 @@ from sentence_transformers import CrossEncoder
 from tokenizers import Tokenizer
 
 from export.checkpoint import load_checkpoint
-from export.library_tokenizer import PROBE_TEXTS, with_library_tokenizer
+from export.library_tokenizer import PROBE_TEXTS, LibraryTokenizerError, with_library_tokenizer
 from export.parity import SENTENCES_FILE
 from export.pipeline import ExportOptions, export_model
 from service.core.repository import read_model
@@ -111,6 +111,14 @@ def test_a_folder_whose_file_the_library_runs_keeps_its_file(tmp_path: Path) -> 
     source = tiny_models.save_model("xlm-roberta", tmp_path / "plain", task="classify", num_labels=1)
     checkpoint = load_checkpoint(source)
     assert with_library_tokenizer(checkpoint, tmp_path, SENTENCES_FILE) is checkpoint
+
+
+def test_a_folder_whose_tokenizer_transformers_cannot_load_is_refused(tmp_path: Path) -> None:
+    source = tiny_models.save_model("bert", tmp_path / "broken")
+    checkpoint = load_checkpoint(source)
+    (source / "tokenizer_config.json").write_text("{")  # broken after the exporter read it: only transformers sees it
+    with pytest.raises(LibraryTokenizerError, match=f"transformers could not load the tokenizer of {source}: "):
+        with_library_tokenizer(checkpoint, tmp_path, SENTENCES_FILE)
 
 
 def test_served_logits_equal_cross_encoders_on_these_texts(exported: tuple[Path, Path, dict, list[str]]) -> None:
