@@ -131,6 +131,7 @@ def _edited_copy(source: Path, target: Path, file: str, **changes: object) -> Pa
         ("1_Dense/config.json", {"in_features": 16}, "in_features 16 is not the encoder's hidden size"),
         ("config_sentence_transformers.json", {"model_type": "SentenceTransformer"}, "PyLate's Dense only with"),
         ("config_sentence_transformers.json", {"prompts": {"query": "query: "}}, "prompts on a ColBERT model"),
+        ("tokenizer_config.json", {"unk_token": None}, "names no unknown token of it: PyLate's skip list"),
     ],
 )
 def test_what_is_not_implemented_is_refused(
