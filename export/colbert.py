@@ -11,9 +11,10 @@ The rules published for the server (MultiVectorSpec) are PyLate's: a text trunca
 less one, the prefix token ([Q] / [D]) inserted after the first token; queries padded with the mask
 token to query_length (unattended unless attend_to_expansion_tokens) and every position kept;
 documents keep their attended positions whose ids are not in the skip list. The skip list is read as
-sentence-transformers 6.2 reads it: only skiplist words that are tokens of the vocabulary. PyLate
-maps a word missing from the vocabulary to [UNK] and so also drops a document's [UNK] tokens; the
-export does not (an unknown word is not mapped to [UNK]).
+PyLate reads it, since PyLate made the folder and scores with it: each skiplist word's id, a word
+missing from the vocabulary mapped to the unknown token (transformers' `convert_tokens_to_ids`), so
+that a document's unknown tokens are dropped too whenever a skiplist word is not in the vocabulary.
+sentence-transformers' MultiVectorEncoder leaves such words out instead and keeps the unknown tokens.
 """
 
 from __future__ import annotations
@@ -116,17 +117,27 @@ def multivector_rules(declared: dict, tokenizer_folder: Path) -> MultiVectorSpec
         if not isinstance(prefix, str):
             raise ColbertError(f"config_sentence_transformers.json: {key} must be a string, got {prefix!r}")
         prefix_ids.append(_token_id(tokenizer, prefix, key) if prefix else None)
+    settings_file = tokenizer_folder / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
     expansion_id = None
     if _flag(declared, "do_query_expansion", True):
-        settings = tokenizer_folder / "tokenizer_config.json"
-        mask = _token_name(json.loads(settings.read_text()).get("mask_token")) if settings.is_file() else None
+        mask = _token_name(settings.get("mask_token"))
         if mask is None:
             raise ColbertError("query expansion without a mask token in tokenizer_config.json is not supported")
         expansion_id = _token_id(tokenizer, mask, "mask token")
     words = declared.get("skiplist_words", list(string.punctuation))
     if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
         raise ColbertError("config_sentence_transformers.json: skiplist_words must be a list of strings")
-    skip_ids = sorted({i for i in map(tokenizer.token_to_id, words) if i is not None})
+    skip_ids = {tokenizer.token_to_id(word) for word in words}
+    if None in skip_ids:  # PyLate's convert_tokens_to_ids: a word missing from the vocabulary is the unknown token
+        skip_ids.remove(None)
+        unknown = _token_name(settings.get("unk_token"))
+        if unknown is None or tokenizer.token_to_id(unknown) is None:
+            raise ColbertError(
+                "skiplist_words holds words missing from the vocabulary, and tokenizer_config.json names no unknown"
+                " token of it: PyLate's skip list cannot be read"
+            )
+        skip_ids.add(tokenizer.token_to_id(unknown))
     return MultiVectorSpec(
         score="sum",
         query_prefix_id=prefix_ids[0],
@@ -135,7 +146,7 @@ def multivector_rules(declared: dict, tokenizer_folder: Path) -> MultiVectorSpec
         document_length=_length(declared, "document_length"),
         query_expansion_id=expansion_id,
         attend_to_expansion_tokens=_flag(declared, "attend_to_expansion_tokens", False),
-        document_skip_ids=tuple(skip_ids),
+        document_skip_ids=tuple(sorted(skip_ids)),
     )
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from export import bge_m3_reference, optimize, parity, reference_library, yes_no_reference
+from export import bge_m3_reference, library_tokenizer, optimize, parity, reference_library, yes_no_reference
 from export.checkpoint import Checkpoint
 from export.embedding_ranges import calibration_ranges
 from export.onnx_export import OPSET, export_onnx, input_names
@@ -439,6 +439,7 @@ def export_model(
     stage = stage or (lambda name: log.info("export stage: %s", name))
     with tempfile.TemporaryDirectory(prefix="encoder-export-", dir=scratch) as workdir:
         stage("load checkpoint")
+        checkpoint = library_tokenizer.with_library_tokenizer(checkpoint, Path(workdir), options.sentences)
         build = _Build(checkpoint, options, Path(workdir), stage)
         stage("export to ONNX")
         export_onnx(build.model, build.raw)

@@ -7,9 +7,10 @@ embedder, `CrossEncoder.predict` without an activation for a reranker's or class
 `SparseEncoder.encode` densified for a SPLADE model) and each published variant, fed as the server
 feeds it (the server's tokenizer configuration, the model's default prompt, each text alone and in
 padded batches), must give the same answers. A ColBERT model (PyLate's folder) is held to
-sentence-transformers' MultiVectorEncoder on the folder, its texts tokenised, run and kept as the
-server does it (`check_multivector`). A SPLADE model's PyTorch reading is also held to
-transformers' own masked-LM model on the folder, pooled here by hand (`check_masked_lm`).
+sentence-transformers' MultiVectorEncoder on the folder with PyLate's skip list (`follow_pylate`),
+its texts tokenised, run and kept as the server does it (`check_multivector`). A SPLADE model's
+PyTorch reading is also held to transformers' own masked-LM model on the folder, pooled here by hand
+(`check_masked_lm`).
 
 The libraries are imported here only, when an export runs: the server never loads them.
 """
@@ -36,7 +37,7 @@ from service.pipeline import multivector
 from service.pipeline.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import MultiVectorEncoder, SentenceTransformer
 
 FP32_MIN_COSINE = FIDELITY_MIN_COSINE
 """fp32's least cosine to the library's embeddings: the fidelity rule (served embeddings equal the model's)."""
@@ -503,7 +504,7 @@ def measure_multivector(
     min_cosine, worst_cosine = min((f[0], f[1]) for f in figures)
     max_diff, worst_diff = max((f[2], f[3]) for f in figures)
     counts = [count for f in figures for count in f[4]]
-    against = "sentence-transformers' MultiVectorEncoder on the folder"
+    against = "sentence-transformers' MultiVectorEncoder on the folder (PyLate's skip list)"
     if counts:
         failures.append(f"{variant}: kept vector counts differ from {against}: {'; '.join(counts[:3])}")
     required = required_figures(variant, TOKEN_VECTORS)
@@ -537,6 +538,26 @@ def measure_multivector(
     )
 
 
+def follow_pylate(encoder: MultiVectorEncoder) -> None:
+    """MultiVectorEncoder's skip list made PyLate's, which made the folder and scores with it.
+
+    PyLate maps a skiplist word missing from the vocabulary to the unknown token (transformers'
+    `convert_tokens_to_ids`), so a document's unknown tokens are dropped; MultiVectorEncoder leaves such
+    words out and keeps them. Where the skip list has such a word, the unknown token joins it.
+    """
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask  # noqa: PLC0415  (build-time only)
+
+    tokenizer = encoder.tokenizer
+    unknown, unknown_id = tokenizer.unk_token, tokenizer.unk_token_id
+    for module in encoder:
+        if not isinstance(module, MultiVectorMask) or unknown is None:
+            continue
+        words = module.skiplist_words
+        if any(tokenizer.convert_tokens_to_ids(word) == unknown_id for word in words) and unknown not in words:
+            module.skiplist_words = [*words, unknown]
+            module.resolve_with_tokenizer(tokenizer)
+
+
 def check_multivector(
     checkpoint: Checkpoint,
     tokenizer: TextTokenizer,
@@ -548,7 +569,7 @@ def check_multivector(
 
     The gate sentences, and all of them as one text (longer than document_length: truncation), as
     queries and as documents: the same vectors kept per text, each within the variant's bounds, and
-    the same MaxSim scores for every query and document.
+    the same MaxSim scores for every query and document. The skip list is PyLate's (`follow_pylate`).
     """
     import sentence_transformers  # noqa: PLC0415  (build-time only: the server never imports it)
 
@@ -557,6 +578,7 @@ def check_multivector(
         encoder = sentence_transformers.MultiVectorEncoder(
             str(checkpoint.folder), device="cpu", local_files_only=True, model_kwargs={"dtype": torch.float32}
         )
+    follow_pylate(encoder)
     expected = {
         multivector.QUERY: encoder.encode_query(texts, convert_to_numpy=True, show_progress_bar=False),
         multivector.DOCUMENT: encoder.encode_document(texts, convert_to_numpy=True, show_progress_bar=False),
@@ -570,9 +592,9 @@ def check_multivector(
             "library": f"sentence-transformers {sentence_transformers.__version__}",
             "class": "MultiVectorEncoder",
             "compared": (
-                "encode_query and encode_document vectors, text by text (the same count, each vector), and MaxSim"
-                " of every query with every document; ours through the server's tokenisation and kept positions,"
-                " each text alone and in batches"
+                "encode_query and encode_document vectors (PyLate's skip list), text by text (the same count, each"
+                " vector), and MaxSim of every query with every document; ours through the server's tokenisation"
+                " and kept positions, each text alone and in batches"
             ),
             "provider": figures.provider,
             "min_cosine": round(figures.min_cosine, 8),

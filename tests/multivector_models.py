@@ -8,9 +8,9 @@ ColBERT:
 PyLate (the library that makes these folders) cannot run beside the project's sentence-transformers
 6.2, so it is installed apart, with its own pins, into .test-cache/ (once per pin list and interpreter),
 and runs in a subprocess: it makes the tiny ColBERT folder from a tiny BERT, and answers
-`encode(is_query=True/False)` and `colbert_scores` for texts the tokenizer knows every word of
-(PyLate maps an unknown skiplist word to [UNK] and drops [UNK] tokens; the export, as
-sentence-transformers reads the folder, does not: export.colbert).
+`encode(is_query=True/False)` and `colbert_scores` for texts the tokenizer knows every word of, and
+for texts with characters it lacks ([UNK] tokens: PyLate maps a skiplist word missing from the
+vocabulary to [UNK], so it drops a document's [UNK] tokens, and the export follows it: export.colbert).
 """
 
 from __future__ import annotations
@@ -81,12 +81,17 @@ def pylate_path() -> Path:
     return target
 
 
-def known_texts(tokenizer_file: Path) -> list[str]:
-    """Training sentences with no unknown word, and all of them as one text (longer than document_length)."""
+UNKNOWN_TEXTS = ("the ☃ snowman moved past 東京 ✓", "✓ ✓ and then the end ☃")
+"""Texts with characters the tiny vocabulary lacks: [UNK] tokens among known ones."""
+
+
+def colbert_texts(tokenizer_file: Path) -> list[str]:
+    """Training sentences with no unknown word, UNKNOWN_TEXTS, and the first six known ones as one text (longer than
+    document_length)."""
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     unknown = tokenizer.token_to_id("[UNK]")
     texts = [text for text in tiny_models.training_sentences() if unknown not in tokenizer.encode(text).ids][:12]
-    return [*texts, " ".join(texts[:6])]
+    return [*texts, *UNKNOWN_TEXTS, " ".join(texts[:6])]
 
 
 @dataclass(frozen=True)
@@ -101,9 +106,10 @@ class ExportedColbert:
 
 
 def exported_colbert(folder: Path, pylate_path: Path) -> ExportedColbert:
-    """A tiny ColBERT folder made and answered by PyLate in `folder`, exported in fp32 (the gate's sentences: a few)."""
+    """A tiny ColBERT folder made and answered by PyLate in `folder`, exported in fp32 (the gate's sentences: a few,
+    and UNKNOWN_TEXTS)."""
     base = tiny_models.save_model("bert", folder / "base")
-    texts = known_texts(base / "tokenizer.json")
+    texts = colbert_texts(base / "tokenizer.json")
     (folder / "texts.json").write_text(json.dumps(texts))
     script = folder / "pylate_answers.py"
     script.write_text(PYLATE_SCRIPT.format(width=WIDTH, query_length=QUERY_LENGTH, document_length=DOCUMENT_LENGTH))
@@ -119,7 +125,7 @@ def exported_colbert(folder: Path, pylate_path: Path) -> ExportedColbert:
     )
     assert made.returncode == 0, made.stderr
     sentences = folder / "sentences.txt"
-    sentences.write_text("\n".join(tiny_models.training_sentences()[:24]) + "\n")
+    sentences.write_text("\n".join([*tiny_models.training_sentences()[:24], *UNKNOWN_TEXTS]) + "\n")
     repository = folder / "repository"
     report = export_model(
         load_checkpoint(source, name="colbert"), repository, ExportOptions(variants=("fp32",), sentences=sentences)
