@@ -10,7 +10,7 @@ PyLate (the library that makes these folders) cannot run beside the project's se
 and runs in a subprocess: it makes the tiny ColBERT folder from a tiny BERT, and answers
 `encode(is_query=True/False)` and `colbert_scores` for texts the tokenizer knows every word of
 (PyLate maps an unknown skiplist word to [UNK] and drops [UNK] tokens; the export, as
-sentence-transformers reads the folder, does not: export.colbert).
+sentence-transformers reads the folder, does not: export.heads.colbert).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 from tokenizers import Tokenizer
 
-from export.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
-from export.checkpoint import load_checkpoint
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import load_checkpoint
+from export.heads.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 from tests.export import tiny_models
 from tests.installs import pip_install
 from tests.servers import ROOT

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
-from export.checkpoint import CheckpointError, load_checkpoint
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from service.core.repository import MultiVectorSpec, read_model
 from service.pipeline import multivector
 from service.pipeline.tokenizer import TextTokenizer

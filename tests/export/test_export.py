@@ -19,12 +19,13 @@ from google.protobuf import text_format
 from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
 from tritonclient.grpc import model_config_pb2 as triton_config
 
-from export import model as model_module
-from export import optimize, parity
-from export.checkpoint import load_checkpoint, random_checkpoint
-from export.parity import read_sentences
-from export.pipeline import ExportOptions, GateRefused, export_model
-from export.quantize import weight_type
+from export.build import ExportOptions, GateRefused, export_model
+from export.checkpoints.checkpoint import load_checkpoint, random_checkpoint
+from export.families import bert as model_module
+from export.gate import parity
+from export.gate.parity import read_sentences
+from export.graph import forms as optimize
+from export.graph.quantize import weight_type
 from service.core.fidelity import cosines
 from service.core.repository import VARIANT_FILES, read_model
 from service.pipeline.tokenizer import TextTokenizer

@@ -15,16 +15,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from export.checkpoint import load_checkpoint
-from export.onnx_export import export_onnx, input_names
-from export.parity import read_sentences
-from export.reference_library import (
+from export.checkpoints.checkpoint import load_checkpoint
+from export.gate.parity import read_sentences
+from export.gate.references.library import (
     FP32_MAX_ABS_DIFF,
     LONG_TEXT_LABEL,
     check_published,
     library_reference,
     measure,
 )
+from export.graph.onnx_export import export_onnx, input_names
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL, ExportedTasks

@@ -1,4 +1,4 @@
-"""GTE and NomicBERT (export.rotary_bert) against transformers, sentence-transformers and the exporter's output.
+"""GTE and NomicBERT (export.families.rotary_bert) against transformers, sentence-transformers, the exporter's output.
 
 Three tiny random models, each with a real tokenizer of its family, wrapped as sentence-transformers
 saves them (transformers writes the original checkpoints' weight names, as the hub folders hold):
@@ -30,9 +30,9 @@ import transformers
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
-from export import rotary_bert_formats
-from export.checkpoint import CheckpointError, load_checkpoint
-from export.rotary_bert import RotaryBertConfig
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.families import rotary_bert_formats
+from export.families.rotary_bert import RotaryBertConfig
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models

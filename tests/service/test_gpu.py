@@ -30,8 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 
 from client import EmbeddingClient
-from export import parity
-from export.checkpoint import load_checkpoint
+from export.checkpoints.checkpoint import load_checkpoint
+from export.gate import parity
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
