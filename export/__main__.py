@@ -165,7 +165,7 @@ def _checkpoint(arguments: argparse.Namespace, source: ResolvedSource | None, na
     """The source model the arguments name."""
     # Here, not at the top: a cache hit never loads torch and the exporter (seconds of a server's start).
     from export.checkpoints.checkpoint import default_model_folder, load_checkpoint, random_checkpoint  # noqa: PLC0415
-    from export.families.config_facts import ConfigError, EncoderConfig  # noqa: PLC0415
+    from export.families.bert import ConfigError, EncoderConfig  # noqa: PLC0415
 
     if arguments.random:
         try:

@@ -40,7 +40,7 @@ import grpc
 from client.protocol import text_request
 from export.build import ExportOptions, export_model
 from export.checkpoints.checkpoint import default_model_folder, random_checkpoint
-from export.families.config_facts import EncoderConfig
+from export.families.bert import EncoderConfig
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.core.repository import read_model

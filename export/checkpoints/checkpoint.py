@@ -1,6 +1,6 @@
 """Loading Hugging Face / sentence-transformers folders into the encoder, with what they declare for serving.
 
-The architecture (export.families.registry) comes from config.json's model_type; pooling,
+The family (export.families.registry) comes from config.json's model_type; pooling,
 normalisation, prompts and the similarity function from sentence-transformers' own files, which
 export.checkpoints.sentence_transformers_folder checks first: what the exporter does not implement is refused.
 """
@@ -23,20 +23,13 @@ from export.checkpoints.sentence_transformers_folder import (
     read_declarations,
     read_object,
 )
-from export.families.bert import Encoder
-from export.families.config_facts import EncoderConfig
-from export.families.deberta import DebertaConfig, DebertaEncoder
-from export.families.eurobert import EuroBertConfig, EuroBertEncoder
-from export.families.gemma import GemmaConfig, GemmaEncoder
-from export.families.modernbert import ModernBertConfig, ModernBertEncoder
-from export.families.qwen3 import Qwen3Config, Qwen3Encoder
-from export.families.registry import architecture
-from export.families.rotary_bert import RotaryBertConfig, RotaryBertEncoder
-from export.families.rotary_bert_formats import jina_adapter_targets
+from export.families.bert import Encoder, EncoderConfig
+from export.families.family import EncoderSettings
+from export.families.registry import family_of, model_format
+from export.families.rotary_bert import jina_adapter_targets
 from export.heads.bge_m3 import (
     DENSE_POOLING,
     BgeM3Config,
-    BgeM3Encoder,
     BgeM3Error,
     has_heads,
     read_heads,
@@ -45,16 +38,16 @@ from export.heads.bge_m3 import (
 from export.heads.classifier import (
     HeadConfig,
     HeadError,
-    SequenceClassifier,
     head_config,
     is_classifier,
     rename_head_weights,
 )
-from export.heads.colbert import ColbertConfig, ColbertEncoder, ColbertError, colbert_config, dense_weights
-from export.heads.dense import DenseConfig, DenseEmbedder, DenseError, check_width, dense_layer, layer_weights
-from export.heads.splade import SpladeConfig, SpladeEncoder, SpladeError, splade_config
+from export.heads.colbert import ColbertConfig, ColbertError, colbert_config, dense_weights
+from export.heads.dense import DenseConfig, DenseError, check_width, dense_layer, layer_weights
+from export.heads.registry import head_of
+from export.heads.splade import SpladeConfig, SpladeError, splade_config
 from export.heads.splade import rename_head_weights as rename_masked_lm_weights
-from export.heads.yes_no import QWEN3_RERANKER_TEMPLATE, YesNoError, YesNoHead, YesNoReranker, is_causal_lm
+from export.heads.yes_no import QWEN3_RERANKER_TEMPLATE, YesNoError, YesNoHead, is_causal_lm
 from export.heads.yes_no import head_weights as yes_no_weights
 from export.heads.yes_no import read_head as read_yes_no_head
 from export.layers.task_adapters import adapter_folders, read_task_adapters
@@ -68,10 +61,6 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
-AnyEncoderConfig = (
-    EncoderConfig | ModernBertConfig | DebertaConfig | RotaryBertConfig | Qwen3Config | GemmaConfig | EuroBertConfig
-)
-"""The configuration of any encoder here."""
 
 
 class CheckpointError(UnusableSource):
@@ -98,7 +87,7 @@ class Checkpoint:
 
     name: str
     """Model name in the repository."""
-    config: AnyEncoderConfig
+    config: EncoderSettings
     state_dict: dict[str, torch.Tensor]
     max_seq_length: int
     """Longest sequence the model is served with (tokens, special tokens included)."""
@@ -132,49 +121,31 @@ class Checkpoint:
         return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
     @property
+    def task_head(self) -> HeadConfig | YesNoHead | SpladeConfig | ColbertConfig | BgeM3Config | DenseConfig | None:
+        """The configuration of the head on the encoder (at most one is set); None: a plain embedder."""
+        heads = (self.head, self.splade, self.colbert, self.bge_m3, self.dense)
+        return next((head for head in heads if head is not None), None)
+
+    @property
     def task(self) -> str:
         """The task: "embed", "classify" (rerankers, classifiers), "sparse" (SPLADE) or "multivector" (ColBERT).
 
         bge-m3 is an embedder whose graph also answers token vectors and token weights.
         """
-        if self.splade is not None:
-            return "sparse"
-        if self.colbert is not None:
-            return "multivector"
-        return "embed" if self.head is None else "classify"
+        return "embed" if self.task_head is None else head_of(self.task_head).task
 
     def build_model(self) -> nn.Module:
-        """An eval-mode model holding these weights: the encoder, or the encoder with its head."""
+        """An eval-mode model holding these weights: the encoder, or the encoder with its head (export.heads)."""
         encoder = build_encoder(self.config)
-        if self.splade is not None:
-            model: nn.Module = SpladeEncoder(encoder, self.splade)
-        elif self.colbert is not None:
-            model = ColbertEncoder(encoder, self.colbert)
-        elif self.bge_m3 is not None:
-            model = BgeM3Encoder(encoder, self.bge_m3)
-        elif self.dense is not None:
-            model = DenseEmbedder(encoder, self.dense)
-        elif isinstance(self.head, YesNoHead):
-            model = YesNoReranker(encoder, self.head)
-        else:
-            model = encoder if self.head is None else SequenceClassifier(encoder, self.head)
+        head = self.task_head
+        model = encoder if head is None else head_of(head).wrap(encoder, head)
         model.load_state_dict(self.state_dict, strict=True)
         return model.eval()
 
 
-def build_encoder(config: AnyEncoderConfig) -> nn.Module:
-    """The encoder a configuration describes: the BERT family's (export.families.bert) or another family's own."""
-    if isinstance(config, ModernBertConfig):
-        return ModernBertEncoder(config)
-    if isinstance(config, RotaryBertConfig):
-        return RotaryBertEncoder(config)
-    if isinstance(config, Qwen3Config):
-        return Qwen3Encoder(config)
-    if isinstance(config, GemmaConfig):
-        return GemmaEncoder(config)
-    if isinstance(config, EuroBertConfig):
-        return EuroBertEncoder(config)
-    return DebertaEncoder(config) if isinstance(config, DebertaConfig) else Encoder(config)
+def build_encoder(config: EncoderSettings) -> nn.Module:
+    """The encoder a configuration describes, built by its family (export.families.registry)."""
+    return family_of(config).build(config)
 
 
 def default_model_folder() -> Path:
@@ -224,7 +195,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _encoder_weights(
-    folder: Path, config: AnyEncoderConfig, weights: dict[str, torch.Tensor]
+    folder: Path, config: EncoderSettings, weights: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The encoder's weights in fp32, checked name by name and shape by shape against its config."""
     expected = build_encoder(config).state_dict()
@@ -269,9 +240,9 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     if yes_no:
         pooling, normalize = "lasttoken", False
     try:
-        source = architecture(hf_config.get("model_type"))
-        config = source.config(hf_config, pooling, normalize)
-        state_dict, head_weights = source.rename(_read_weights(folder))
+        source = model_format(hf_config.get("model_type"))
+        config = source.read_config(hf_config, pooling, normalize)
+        state_dict, head_weights = source.rename_weights(_read_weights(folder))
         config, adapter_weights = _task_adapters(folder, source.model_type, config)
     except ArchitectureError as error:
         raise CheckpointError(f"{folder}: {error}") from error
@@ -321,8 +292,8 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
 
 
 def _task_adapters(
-    folder: Path, model_type: str, config: AnyEncoderConfig
-) -> tuple[AnyEncoderConfig, dict[str, torch.Tensor]]:
+    folder: Path, model_type: str, config: EncoderSettings
+) -> tuple[EncoderSettings, dict[str, torch.Tensor]]:
     """jina-embeddings-v3's task adapters (its PEFT folders) on its configuration, and their weights; none elsewhere."""
     if model_type != "jina_embeddings_v3":
         if adapter_folders(folder):

@@ -1,25 +1,307 @@
-"""A BERT-style transformer encoder, written out from its definition.
+"""The BERT family: BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet, one encoder written out from its definition.
 
 Embeddings (token + position + segment, then LayerNorm) feed S post-norm layers, each
 multi-head self-attention and a position-wise feed-forward network wrapped in residual
 Add & LayerNorm; the last hidden state is pooled (export.layers.pooling) and optionally L2-normalised.
 Attention is plain matmul/softmax so that ONNX Runtime's optimiser can recognise and fuse it.
 
-The BERT family differs only in configuration: RoBERTa and XLM-R count positions after the
+The family differs only in configuration: RoBERTa and XLM-R count positions after the
 padding id and add their single segment row to every token; DistilBERT has no segments; MPNet
-also adds a relative position bias, shared by every layer, to the attention scores.
+also adds a relative position bias, shared by every layer, to the attention scores. Each model type
+is described by how its config.json translates into an EncoderConfig and how its parameter names map
+onto the encoder's; weights of task heads (poolers, classifiers, language model heads) are returned
+apart, for export.heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from export.families.config_facts import EncoderConfig
-from export.layers.pooling import pool
+from export.checkpoints.architecture_error import ArchitectureError
+from export.families.family import BERT_FUSIONS, Family, Format
+from export.layers.pooling import POOLING_MODES, Pooling, pool
+from export.sources import UnusableSource
+
+Activation = Literal["gelu", "gelu_tanh", "relu"]
+PositionEmbedding = Literal["learned", "sinusoidal"]
+PositionIds = Literal["sequential", "after_padding"]
+
+
+class ConfigError(UnusableSource):
+    """An encoder configuration that cannot describe a working model."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Hyper-parameters of a BERT-style encoder, validated on construction."""
+
+    vocab_size: int
+    """Number of token ids."""
+    d_model: int
+    """Width of every hidden state."""
+    num_heads: int
+    """Attention heads per layer; each has d_k = d_model / num_heads."""
+    num_layers: int
+    """Encoder layers stacked (S)."""
+    ffn_dim: int
+    """Inner width of the position-wise feed-forward network."""
+    max_positions: int = 512
+    """Longest sequence the position embedding covers."""
+    type_vocab_size: int = 2
+    """Segment ids; 0: no segment embedding; 1: one segment row added to every token (RoBERTa), no input."""
+    activation: Activation = "gelu"
+    """Feed-forward activation."""
+    layer_norm_eps: float = 1e-12
+    """LayerNorm epsilon."""
+    position_embedding: PositionEmbedding = "learned"
+    """Learned position table (BERT) or fixed sinusoids (the original Transformer)."""
+    position_ids: PositionIds = "sequential"
+    """sequential: position i is slot i (BERT); after_padding: non-padding tokens count from pad_token_id + 1
+    and padding sits at pad_token_id (RoBERTa, XLM-R, MPNet)."""
+    relative_attention_buckets: int = 0
+    """Buckets of a relative position bias shared by every layer (MPNet); 0: none."""
+    relative_attention_max_distance: int = 128
+    """Distance from which relative positions share the last (logarithmic) bucket."""
+    pooling: Pooling = "mean"
+    """How one vector is made per sequence (export.layers.pooling): mean, cls, max or lasttoken."""
+    normalize: bool = True
+    """L2-normalise the pooled embedding."""
+    pad_token_id: int = 0
+    """Id used to pad sequences."""
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ConfigError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
+        if self.type_vocab_size < 0:
+            raise ConfigError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
+        if self.activation not in ("gelu", "gelu_tanh", "relu"):
+            raise ConfigError(f"unsupported activation {self.activation!r}")
+        if self.pooling not in POOLING_MODES:
+            raise ConfigError(f"unsupported pooling {self.pooling!r}")
+        if self.position_embedding not in ("learned", "sinusoidal"):
+            raise ConfigError(f"unsupported position embedding {self.position_embedding!r}")
+        if self.position_ids not in ("sequential", "after_padding"):
+            raise ConfigError(f"unsupported position ids {self.position_ids!r}")
+        if self.position_ids == "after_padding" and self.max_sequence_positions <= 0:
+            raise ConfigError(f"max_positions {self.max_positions} leaves no position after pad_token_id")
+        if self.relative_attention_buckets < 0 or self.relative_attention_max_distance <= 0:
+            raise ConfigError("relative attention buckets must be >= 0 and their max distance positive")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ConfigError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+
+    @property
+    def head_dim(self) -> int:
+        """d_k: the width of one attention head."""
+        return self.d_model // self.num_heads
+
+    @property
+    def uses_segments(self) -> bool:
+        """Whether the model takes token_type_ids (a single segment row needs no input)."""
+        return self.type_vocab_size > 1
+
+    @property
+    def max_sequence_positions(self) -> int:
+        """Longest sequence the positions cover (RoBERTa-style ids start after pad_token_id)."""
+        if self.position_ids == "after_padding":
+            return self.max_positions - self.pad_token_id - 1
+        return self.max_positions
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form, for parity.json and the repository's parameters."""
+        return dataclasses.asdict(self)
+
+
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+HEAD_PREFIXES = ("pooler.", "classifier.", "pre_classifier.", "lm_head.", "vocab_", "cls.")
+"""Weights of task heads, kept apart from the encoder's."""
+MPNET_PADDING_ID = 1
+"""MPNet's embeddings take id 1 as padding whatever the config says (its vocabulary pads with 1)."""
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """How a BERT-family checkpoint names its weights, and the encoder's names for them."""
+
+    prefixes: tuple[str, ...]
+    """Prefixes that wrap the base model inside task models and sentence-transformers modules."""
+    layer_key: re.Pattern[str]
+    """Matches a layer weight: groups are the layer index, the module and weight/bias."""
+    layer_renames: dict[str, str]
+    other_renames: dict[str, str]
+    """Modules outside the layers (embeddings, relative attention bias) -> the encoder's."""
+
+    def rename(self, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The encoder's weights under its names, and the task-head weights (prefix stripped) apart."""
+        encoder: dict[str, torch.Tensor] = {}
+        heads: dict[str, torch.Tensor] = {}
+        for original, tensor in weights.items():
+            key = original
+            for prefix in self.prefixes:
+                if key.startswith(prefix):
+                    key = key[len(prefix) :]
+                    break
+            key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
+            if key.endswith("position_ids"):
+                continue
+            if key.startswith(HEAD_PREFIXES):
+                heads[key] = tensor
+                continue
+            layer = self.layer_key.match(key)
+            if layer:
+                index, module, kind = layer.groups()
+                if module not in self.layer_renames:
+                    raise ArchitectureError(f"unexpected weight {original!r}")
+                encoder[f"layers.{index}.{self.layer_renames[module]}.{kind}"] = tensor
+                continue
+            module, _, kind = key.rpartition(".")
+            if module not in self.other_renames:
+                raise ArchitectureError(f"unexpected weight {original!r}")
+            encoder[f"{self.other_renames[module]}.{kind}"] = tensor
+        return encoder, heads
+
+
+JINA_REMOTE_CODE = (
+    "jina-embeddings-v3 remote-code form (xlm-roberta with lora_adaptations, XLMRobertaLoRA), which transformers"
+    " runs only with trust_remote_code: its transformers-native form (model_type 'jina_embeddings_v3' with one"
+    " PEFT adapter folder per task, as jinaai/jina-embeddings-v3-hf) is supported"
+)
+
+
+def _activation(hf_config: dict, key: str) -> str:
+    activation = hf_config.get(key, "gelu")
+    if activation not in ACTIVATIONS:
+        raise ArchitectureError(f"unsupported {key} {activation!r} (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[activation]
+
+
+def _build(**fields: object) -> EncoderConfig:
+    try:
+        return EncoderConfig(**fields)
+    except ConfigError as error:
+        raise ArchitectureError(f"config.json: {error}") from error
+
+
+def _require(hf_config: dict, *keys: str) -> None:
+    for key in keys:
+        if key not in hf_config:
+            raise ArchitectureError(f"config.json lacks {key!r}")
+
+
+def _bert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
+    _require(hf_config, "vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+    if "lora_adaptations" in hf_config:
+        raise ArchitectureError(f"unsupported {JINA_REMOTE_CODE}")
+    if hf_config.get("position_embedding_type", "absolute") != "absolute":
+        raise ArchitectureError(f"unsupported position_embedding_type {hf_config['position_embedding_type']!r}")
+    if hf_config.get("is_decoder") and hf_config.get("model_type") != "mpnet":  # MPNet's attention ignores it
+        raise ArchitectureError("unsupported is_decoder true (causal attention): only bidirectional encoders")
+    roberta_style = hf_config.get("model_type") in ("roberta", "xlm-roberta", "mpnet")
+    if hf_config.get("model_type") == "mpnet" and hf_config.get("pad_token_id", MPNET_PADDING_ID) != MPNET_PADDING_ID:
+        raise ArchitectureError(f"MPNet counts positions after id {MPNET_PADDING_ID}: pad_token_id must be it")
+    return _build(
+        vocab_size=hf_config["vocab_size"],
+        d_model=hf_config["hidden_size"],
+        num_heads=hf_config["num_attention_heads"],
+        num_layers=hf_config["num_hidden_layers"],
+        ffn_dim=hf_config["intermediate_size"],
+        max_positions=hf_config.get("max_position_embeddings", 512),
+        type_vocab_size=hf_config.get("type_vocab_size", 0 if hf_config.get("model_type") == "mpnet" else 2),
+        activation=_activation(hf_config, "hidden_act"),
+        layer_norm_eps=hf_config.get("layer_norm_eps", 1e-12),
+        position_ids="after_padding" if roberta_style else "sequential",
+        relative_attention_buckets=hf_config.get("relative_attention_num_buckets", 0),
+        pooling=pooling,
+        normalize=normalize,
+        pad_token_id=hf_config.get("pad_token_id") or 0,
+    )
+
+
+def _distilbert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
+    _require(hf_config, "vocab_size", "dim", "n_heads", "n_layers", "hidden_dim")
+    return _build(
+        vocab_size=hf_config["vocab_size"],
+        d_model=hf_config["dim"],
+        num_heads=hf_config["n_heads"],
+        num_layers=hf_config["n_layers"],
+        ffn_dim=hf_config["hidden_dim"],
+        max_positions=hf_config.get("max_position_embeddings", 512),
+        type_vocab_size=0,
+        activation=_activation(hf_config, "activation"),
+        layer_norm_eps=1e-12,
+        pooling=pooling,
+        normalize=normalize,
+        pad_token_id=hf_config.get("pad_token_id") or 0,
+    )
+
+
+_BERT_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
+_BERT_LAYER_RENAMES = {
+    "attention.self.query": "attention.query",
+    "attention.self.key": "attention.key",
+    "attention.self.value": "attention.value",
+    "attention.output.dense": "attention.output",
+    "attention.output.LayerNorm": "attention_norm",
+    "intermediate.dense": "feed_forward.inner",
+    "output.dense": "feed_forward.outer",
+    "output.LayerNorm": "output_norm",
+}
+_EMBEDDING_RENAMES = {
+    "embeddings.word_embeddings": "embeddings.token",
+    "embeddings.position_embeddings": "embeddings.position",
+    "embeddings.token_type_embeddings": "embeddings.segment",
+    "embeddings.LayerNorm": "embeddings.norm",
+}
+_WRAPPERS = ("0.auto_model.", "model.")
+
+
+def _bert_like(model_type: str, prefix: str, classifier_style: str) -> Format:
+    names = WeightNames((prefix, *_WRAPPERS), _BERT_LAYER, _BERT_LAYER_RENAMES, _EMBEDDING_RENAMES)
+    return Format(model_type, _bert_config, names.rename, classifier_style)
+
+
+_DISTILBERT_NAMES = WeightNames(
+    ("distilbert.", *_WRAPPERS),
+    re.compile(r"^transformer\.layer\.(\d+)\.(.+)\.(weight|bias)$"),
+    {
+        "attention.q_lin": "attention.query",
+        "attention.k_lin": "attention.key",
+        "attention.v_lin": "attention.value",
+        "attention.out_lin": "attention.output",
+        "sa_layer_norm": "attention_norm",
+        "ffn.lin1": "feed_forward.inner",
+        "ffn.lin2": "feed_forward.outer",
+        "output_layer_norm": "output_norm",
+    },
+    _EMBEDDING_RENAMES,
+)
+_MPNET_NAMES = WeightNames(
+    ("mpnet.", *_WRAPPERS),
+    _BERT_LAYER,
+    {
+        "attention.attn.q": "attention.query",
+        "attention.attn.k": "attention.key",
+        "attention.attn.v": "attention.value",
+        "attention.attn.o": "attention.output",
+        "attention.LayerNorm": "attention_norm",
+        "intermediate.dense": "feed_forward.inner",
+        "output.dense": "feed_forward.outer",
+        "output.LayerNorm": "output_norm",
+    },
+    {**_EMBEDDING_RENAMES, "encoder.relative_attention_bias": "relative_attention_bias"},
+)
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> Tensor:
@@ -194,3 +476,19 @@ class Encoder(nn.Module):
         """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
         hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids)
         return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
+
+
+FAMILY = Family(
+    name="bert",
+    config_type=EncoderConfig,
+    build=Encoder,
+    formats=(
+        _bert_like("bert", "bert.", "bert"),
+        _bert_like("roberta", "roberta.", "roberta"),
+        _bert_like("xlm-roberta", "roberta.", "roberta"),
+        Format("distilbert", _distilbert_config, _DISTILBERT_NAMES.rename, "distilbert"),
+        Format("mpnet", _bert_config, _MPNET_NAMES.rename, "roberta"),
+    ),
+    graph_forms=BERT_FUSIONS,
+)
+"""BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet: one encoder, five readings."""

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import unwrapped
-from export.families.config_facts import OwnEncoderFacts
+from export.families.family import BERT_FUSIONS, Family, Format, OwnEncoderFacts
 from export.layers.pooling import pool
 
 ACTIVATIONS = {
@@ -437,3 +437,13 @@ class DebertaEncoder(nn.Module):
         """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
         hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids)
         return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
+
+
+FAMILY = Family(
+    name="deberta",
+    config_type=DebertaConfig,
+    build=DebertaEncoder,
+    formats=(Format("deberta-v2", config_from_hf, rename_weights, "deberta"),),
+    graph_forms=BERT_FUSIONS,
+)
+"""DeBERTa-v2 and -v3."""

@@ -21,16 +21,26 @@ and rotary scaling are refused by name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.families.config_facts import OwnEncoderFacts
-from export.layers.grouped_attention import GroupedQueryAttention
-from export.layers.pooling import pool
+from export.families import qwen3
+from export.families.family import Family, Format
+from export.layers.decoder import (
+    DecoderConfig,
+    DecoderEncoder,
+    DecoderLayer,
+    Rotary,
+    attention_bias,
+    check_activation,
+    read_config,
+    require_keys,
+)
 from export.layers.rotary import RotaryTable
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -42,46 +52,25 @@ SLIDING_WINDOW_PATTERN = 6
 
 
 @dataclass(frozen=True)
-class GemmaConfig(OwnEncoderFacts):
+class GemmaConfig(DecoderConfig):
     """Hyper-parameters of a bidirectional Gemma3 text encoder, validated on construction."""
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    """Query heads per layer."""
-    num_kv_heads: int
-    """Key/value heads per layer, each shared by num_heads // num_kv_heads query heads."""
-    head_dim: int
-    """d_k: the width of one attention head."""
-    num_layers: int
-    ffn_dim: int
-    """Width of the MLP's gate and up projections."""
-    layer_types: tuple[str, ...]
-    """Each layer's attention: sliding_attention (a window) or full_attention."""
-    sliding_window: int
-    """config.json's sliding_window: a sliding layer's token attends to those at most sliding_window // 2 away."""
-    query_pre_attn_scalar: float
-    """Scores are q·k / √query_pre_attn_scalar."""
+    max_positions: int = 2048
     rope_theta: float = 1_000_000.0
     """Rotary base of the full_attention layers."""
+    layer_types: tuple[str, ...] = field(kw_only=True)
+    """Each layer's attention: sliding_attention (a window) or full_attention."""
+    sliding_window: int = field(kw_only=True)
+    """config.json's sliding_window: a sliding layer's token attends to those at most sliding_window // 2 away."""
+    query_pre_attn_scalar: float = field(kw_only=True)
+    """Scores are q·k / √query_pre_attn_scalar."""
     rope_local_theta: float = 10_000.0
     """Rotary base of the sliding_attention layers."""
-    max_positions: int = 2048
-    pad_token_id: int = 0
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = False
-    pooling: str = "mean"
-    normalize: bool = True
+
+    OTHER_SIZES: ClassVar[tuple[str, ...]] = ("sliding_window",)
 
     def __post_init__(self) -> None:
-        sizes = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "num_layers", "ffn_dim")
-        self.check_sizes_and_pooling((*sizes, "sliding_window"))
-        if self.num_heads % self.num_kv_heads:
-            raise ArchitectureError(
-                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ArchitectureError(f"head_dim {self.head_dim} must be even (rotary angles turn pairs)")
+        super().__post_init__()
         if len(self.layer_types) != self.num_layers:
             raise ArchitectureError(f"layer_types lists {len(self.layer_types)} layers, not {self.num_layers}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -124,9 +113,7 @@ def _layer_types(hf_config: dict) -> tuple[str, ...]:
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> GemmaConfig:
     """Translate a Hugging Face gemma3_text config.json with use_bidirectional_attention (EmbeddingGemma)."""
-    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
-        if key not in hf_config:
-            raise ArchitectureError(f"config.json lacks {key!r}")
+    require_keys(hf_config)
     if hf_config.get("use_bidirectional_attention") is not True:
         raise ArchitectureError(
             "unsupported use_bidirectional_attention false (Gemma3's causal decoder form): only the bidirectional"
@@ -135,32 +122,18 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> GemmaConfi
     for key in ("attn_logit_softcapping",):
         if hf_config.get(key) is not None:
             raise ArchitectureError(f"unsupported {key} {hf_config[key]!r} (only null)")
-    activation = hf_config.get("hidden_activation", "gelu_pytorch_tanh")
-    if activation not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported hidden_activation {activation!r} (supported: {', '.join(ACTIVATIONS)})")
-    heads = hf_config["num_attention_heads"]
-    pad_token_id = hf_config.get("pad_token_id")
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    check_activation(hf_config, "hidden_activation", ACTIVATIONS, "gelu_pytorch_tanh")
     full_theta, local_theta = _rope_thetas(hf_config)
-    return GemmaConfig(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=hf_config.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        num_layers=hf_config["num_hidden_layers"],
-        ffn_dim=hf_config["intermediate_size"],
+    return read_config(
+        GemmaConfig,
+        hf_config,
+        pooling,
+        normalize,
         layer_types=_layer_types(hf_config),
         sliding_window=hf_config.get("sliding_window", 4096),
         query_pre_attn_scalar=float(hf_config.get("query_pre_attn_scalar", 256)),
         rope_theta=full_theta,
         rope_local_theta=local_theta,
-        max_positions=hf_config.get("max_position_embeddings", 2048),
-        pad_token_id=pad_token_id if isinstance(pad_token_id, int) else 0,
-        rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-        attention_bias=bool(hf_config.get("attention_bias", False)),
-        pooling=pooling,
-        normalize=normalize,
     )
 
 
@@ -179,54 +152,25 @@ class GemmaRMSNorm(nn.Module):
         return (values * (1.0 + self.weight.to(torch.float32))).to(hidden.dtype)
 
 
-class MLP(nn.Module):
-    """GeGLU: W_down(gelu_tanh(x·W_gate) ⊙ x·W_up)."""
+def _gelu_tanh(hidden: Tensor) -> Tensor:
+    return F.gelu(hidden, approximate="tanh")
+
+
+class GemmaEncoder(DecoderEncoder):
+    """The bidirectional Gemma3 text model: scaled embeddings, S sandwich-normed layers, final RMSNorm, pooling."""
 
     def __init__(self, config: GemmaConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(config.ffn_dim, config.d_model, bias=False)
+        def layer() -> DecoderLayer:
+            return DecoderLayer(
+                config,
+                norm=lambda width: GemmaRMSNorm(width, config.rms_norm_eps),
+                activation=_gelu_tanh,
+                scale=config.query_pre_attn_scalar**-0.5,
+                head_norm=lambda width: GemmaRMSNorm(width, config.rms_norm_eps),
+                sandwich=True,
+            )
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        """Apply the network to every position independently."""
-        return self.down_proj(F.gelu(self.gate_proj(hidden), approximate="tanh") * self.up_proj(hidden))
-
-
-class Layer(nn.Module):
-    """One layer: x = x + N(Attention(N(x))); x = x + N(MLP(N(x))), four RMSNorms of their own."""
-
-    def __init__(self, config: GemmaConfig) -> None:
-        super().__init__()
-        self.input_layernorm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
-        self.self_attn = GroupedQueryAttention(
-            config,
-            scale=config.query_pre_attn_scalar**-0.5,
-            head_norm=lambda width: GemmaRMSNorm(width, config.rms_norm_eps),
-        )
-        self.post_attention_layernorm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
-        self.mlp = MLP(config)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
-
-    def forward(self, hidden: Tensor, rotary: tuple[Tensor, Tensor], attention_bias: Tensor) -> Tensor:
-        """Transform hidden states [batch, seq, d_model]."""
-        attended = self.self_attn(self.input_layernorm(hidden), rotary, attention_bias)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
-
-
-class GemmaEncoder(nn.Module):
-    """The bidirectional Gemma3 text model: scaled embeddings, S layers, final RMSNorm, pooling."""
-
-    output_names = ("last_hidden_state", "embedding")
-
-    def __init__(self, config: GemmaConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
-        self.norm = GemmaRMSNorm(config.d_model, config.rms_norm_eps)
+        super().__init__(config, layer, GemmaRMSNorm(config.d_model, config.rms_norm_eps))
         self.rotary = nn.ModuleDict(
             {
                 FULL: RotaryTable(config.head_dim, config.rope_theta, config.max_positions),
@@ -234,32 +178,26 @@ class GemmaEncoder(nn.Module):
             }
         )
 
-    def _attention_biases(self, attention_mask: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
-        """Each layer type's additive bias: 0 where a query may read a key, the dtype's minimum elsewhere."""
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The token embeddings times √d_model."""
+        weights = self.embed_tokens.weight
+        return self.embed_tokens(input_ids) * torch.tensor(math.sqrt(self.config.d_model), dtype=weights.dtype)
+
+    def layer_inputs(self, attention_mask: Tensor, dtype: torch.dtype) -> list[tuple[Rotary, Tensor]]:
+        """Each layer its type's rotary table and reach: every unmasked token, or those within the window."""
         length = attention_mask.shape[1]
         keys = attention_mask[:, None, None, :].bool()  # [batch, 1, 1, seq]
         positions = torch.arange(length, device=attention_mask.device)
         near = (positions[None, :] - positions[:, None]).abs() <= self.config.window_radius  # [seq, seq]
-        zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
-        blocked = torch.finfo(dtype).min
-        return {FULL: torch.where(keys, zero, blocked), SLIDING: torch.where(keys & near[None, None], zero, blocked)}
+        biases = {FULL: attention_bias(keys, dtype), SLIDING: attention_bias(keys & near[None, None], dtype)}
+        return [(self.rotary[kind](length, dtype), biases[kind]) for kind in self.config.layer_types]
 
-    def hidden_states(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """The last hidden states [batch, seq, d_model] and the float mask [batch, seq]."""
-        weights = self.embed_tokens.weight
-        hidden = self.embed_tokens(input_ids) * torch.tensor(math.sqrt(self.config.d_model), dtype=weights.dtype)
-        length = input_ids.shape[1]
-        biases = self._attention_biases(attention_mask, hidden.dtype)
-        rotary = {kind: table(length, hidden.dtype) for kind, table in self.rotary.items()}
-        for layer, kind in zip(self.layers, self.config.layer_types, strict=True):
-            hidden = layer(hidden, rotary[kind], biases[kind])
-        return self.norm(hidden), attention_mask.to(hidden.dtype)
 
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
+FAMILY = Family(
+    name="gemma",
+    config_type=GemmaConfig,
+    build=GemmaEncoder,
+    # Gemma3's text model names its weights as Qwen3's decoder does (embed_tokens, layers, norm).
+    formats=(Format("gemma3_text", config_from_hf, qwen3.rename_weights),),
+)
+"""Gemma3's bidirectional text model (EmbeddingGemma)."""

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import split_weights
-from export.families.config_facts import OwnEncoderFacts
+from export.families.family import BERT_FUSIONS, Family, Format, OwnEncoderFacts
 from export.layers.pooling import pool
 from export.layers.rotary import RotaryTable, rotate
 
@@ -240,3 +240,13 @@ class ModernBertEncoder(nn.Module):
         """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
         hidden, mask = self.hidden_states(input_ids, attention_mask)
         return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
+
+
+FAMILY = Family(
+    name="modernbert",
+    config_type=ModernBertConfig,
+    build=ModernBertEncoder,
+    formats=(Format("modernbert", config_from_hf, rename_weights, "modernbert"),),
+    graph_forms=BERT_FUSIONS,
+)
+"""ModernBERT."""

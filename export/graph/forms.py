@@ -26,19 +26,14 @@ from onnxruntime.transformers.fusion_options import FusionOptions
 from onnxruntime.transformers.onnx_model import OnnxModel
 from onnxruntime.transformers.optimizer import optimize_model
 
-from export.families.config_facts import EncoderConfig
-from export.families.eurobert import EuroBertConfig
-from export.families.gemma import GemmaConfig
-from export.families.qwen3 import Qwen3Config
+from export.families.family import BERT_FUSIONS, EncoderSettings
+from export.families.registry import family_of
 from export.graph.onnx_export import save_onnx, too_large_for_one_file
 from export.graph.timing import compare_throughput, cpu_session, token_feed
 from service.core.repository import online_optimization
 
 log = logging.getLogger(__name__)
 
-CPU_FORMS = ("unfused", "attention_fused", "fully_fused")
-UNFUSED_ONLY = (Qwen3Config, EuroBertConfig, GemmaConfig)
-"""Configurations of the models with RMSNorm and rotary grouped-query attention, which BERT's fusions do not fit."""
 DECODER_FUSION_REFUSAL = (
     "ONNX Runtime's BERT fusions do not apply to RMSNorm and rotary grouped-query attention (a Qwen3 decoder,"
     " EuroBERT, Gemma): its attention fusion matches no rotary grouped-query attention, and its RMSNorm fusion writes"
@@ -77,7 +72,7 @@ def _fusion_options(form: str) -> FusionOptions:
     return options
 
 
-def _optimise(raw: Path, config: EncoderConfig, form: str, use_gpu: bool) -> OnnxModel:
+def _optimise(raw: Path, config: EncoderSettings, form: str, use_gpu: bool) -> OnnxModel:
     return optimize_model(
         str(raw),
         model_type="bert",
@@ -96,20 +91,20 @@ def _save(model: OnnxModel, output: Path) -> None:
     onnx.checker.check_model(str(output), full_check=True)
 
 
-def cpu_forms(config: object) -> tuple[str, ...]:
-    """The CPU candidate forms for an encoder: all of them, or the unfused graph alone (Qwen3, EuroBERT, Gemma)."""
-    return ("unfused",) if isinstance(config, UNFUSED_ONLY) else CPU_FORMS
+def cpu_forms(config: EncoderSettings) -> tuple[str, ...]:
+    """The CPU candidate forms for an encoder, as its family declares them (the unfused graph alone: Qwen3, ...)."""
+    return family_of(config).graph_forms
 
 
-def fp16_form(config: object) -> str:
+def fp16_form(config: EncoderSettings) -> str:
     """The graph form converted to fp16 for CUDA: the fully fused one, or the unfused one (Qwen3, EuroBERT, Gemma).
 
     BERT's fusions do not apply to those (DECODER_FUSION_REFUSAL).
     """
-    return "unfused" if isinstance(config, UNFUSED_ONLY) else "fully_fused"
+    return family_of(config).fp16_form
 
 
-def write_cpu_form(raw: Path, output: Path, config: EncoderConfig, form: str) -> None:
+def write_cpu_form(raw: Path, output: Path, config: EncoderSettings, form: str) -> None:
     """Write one CPU candidate form of the exported graph."""
     if form == "unfused":
         save_onnx(onnx.load(str(raw)), output)
@@ -117,7 +112,7 @@ def write_cpu_form(raw: Path, output: Path, config: EncoderConfig, form: str) ->
         _save(_optimise(raw, config, form, use_gpu=False), output)
 
 
-def write_cuda_fp16(raw: Path, output: Path, config: EncoderConfig) -> None:
+def write_cuda_fp16(raw: Path, output: Path, config: EncoderSettings) -> None:
     """Write the fp16_form graph in fp16 with fp32/int64 inputs and outputs kept."""
     form = fp16_form(config)
     model = OnnxModel(onnx.load(str(raw))) if form == "unfused" else _optimise(raw, config, form, use_gpu=True)
@@ -139,11 +134,11 @@ def cpu_graph_optimization(variant: str) -> str:
 
 
 def write_cpu_forms(
-    raw: Path, workdir: Path, config: EncoderConfig, stage: Callable[[str], None] | None = None
+    raw: Path, workdir: Path, config: EncoderSettings, stage: Callable[[str], None] | None = None
 ) -> dict[str, Path]:
     """Every CPU candidate form of the exported graph (`cpu_forms`), written into workdir (stage is told each one)."""
     forms = cpu_forms(config)
-    if forms != CPU_FORMS:
+    if forms != BERT_FUSIONS:
         log.info("CPU graph forms %s only: %s", ", ".join(forms), DECODER_FUSION_REFUSAL)
     paths = {form: workdir / f"cpu-{form}.onnx" for form in forms}
     for form, path in paths.items():
@@ -155,7 +150,7 @@ def write_cpu_forms(
 
 def measure_forms(
     candidates: dict[str, Path],
-    config: EncoderConfig,
+    config: EncoderSettings,
     input_names: list[str],
     threads: int,
     graph_optimization: str = "all",
@@ -173,7 +168,7 @@ def measure_forms(
 
 def choose_fastest(
     candidates: dict[str, Path],
-    config: EncoderConfig,
+    config: EncoderSettings,
     input_names: list[str],
     threads: int,
     graph_optimization: str = "all",

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from export.checkpoints.sentence_transformers_folder import FolderError, read_object
+from export.heads.head import Head
 from export.layers.pooling import pool
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS, MultiVectorSpec
 
@@ -177,3 +178,7 @@ class BgeM3Encoder(nn.Module):
         hidden, mask = self.encoder.hidden_states(input_ids, attention_mask, token_type_ids)
         embedding = pool(hidden, mask, self.config.pooling, self.config.normalize)
         return hidden, embedding, *self.head(hidden, mask, input_ids)
+
+
+HEAD = Head(name="bge_m3", config_type=BgeM3Config, task="embed", wrap=BgeM3Encoder)
+"""bge-m3's ColBERT and sparse heads beside its dense embedding."""

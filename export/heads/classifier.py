@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from export.families.registry import classifier_model_types, classifier_style
+from export.heads.head import Head
 from export.layers.pooling import pool
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
@@ -33,16 +35,6 @@ _HEAD_LAYERS = {
     "modernbert": ("head.dense", "head.norm", "classifier"),
     "deberta": ("pooler.dense", "", "classifier"),
     "eurobert": ("dense", "", "classifier"),
-}
-_HEAD_STYLE = {
-    "bert": "bert",
-    "roberta": "roberta",
-    "xlm-roberta": "roberta",
-    "mpnet": "roberta",
-    "distilbert": "distilbert",
-    "modernbert": "modernbert",
-    "deberta-v2": "deberta",
-    "eurobert": "eurobert",
 }
 _ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": nn.functional.gelu, "silu": nn.functional.silu}
 _EUROBERT_POOLING = {"bos": "cls", "mean": "mean", "late": "late"}
@@ -85,8 +77,10 @@ def is_classifier(hf_config: dict) -> bool:
 
 def head_config(hf_config: dict, model_type: str) -> HeadConfig:
     """The head a classification config.json declares: its style from the architecture, labels from id2label."""
-    if model_type not in _HEAD_STYLE:
-        raise HeadError(f"no sequence-classification head for {model_type!r} (supported: {', '.join(_HEAD_STYLE)})")
+    style = classifier_style(model_type)
+    if style is None:
+        supported = ", ".join(classifier_model_types())
+        raise HeadError(f"no sequence-classification head for {model_type!r} (supported: {supported})")
     id2label = hf_config.get("id2label") or {}
     count = hf_config.get("num_labels") or len(id2label) or 2
     try:
@@ -100,7 +94,6 @@ def head_config(hf_config: dict, model_type: str) -> HeadConfig:
         "multi_label_classification",
     ):
         raise HeadError(f"config.json: unsupported problem_type {hf_config['problem_type']!r}")
-    style = _HEAD_STYLE[model_type]
     if style == "deberta":
         return _deberta_head(hf_config, labels)
     if style == "eurobert":
@@ -214,3 +207,7 @@ def rename_head_weights(weights: dict[str, torch.Tensor], head: HeadConfig) -> d
 def labels_parameter(head: HeadConfig) -> str:
     """The labels as config.pbtxt stores them: a JSON list in id order."""
     return json.dumps(list(head.labels))
+
+
+HEAD = Head(name="classifier", config_type=HeadConfig, task="classify", wrap=SequenceClassifier)
+"""A cross-encoder reranker's or a text classifier's head."""

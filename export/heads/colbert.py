@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
+from export.heads.head import Head
 from service.core.repository import TOKEN_VECTORS, MultiVectorSpec
 
 IDENTITY_ACTIVATIONS = ("torch.nn.modules.linear.Identity",)
@@ -205,3 +206,7 @@ class ColbertEncoder(nn.Module):
         """Every position's L2-normalised vector [batch, seq, out_features]."""
         hidden, _ = self.encoder.hidden_states(input_ids, attention_mask, token_type_ids)
         return F.normalize(self.head(hidden), p=2, dim=-1, eps=1e-12)
+
+
+HEAD = Head(name="colbert", config_type=ColbertConfig, task="multivector", wrap=ColbertEncoder)
+"""A ColBERT model's projection of every token."""

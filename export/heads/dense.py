@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from export.heads.head import Head
 from export.layers.pooling import pool
 
 DENSE_FIELDS = {
@@ -148,3 +149,7 @@ class DenseEmbedder(nn.Module):
         if self.config.normalize:
             projected = F.normalize(projected, p=2.0, dim=1)
         return hidden, projected
+
+
+HEAD = Head(name="dense", config_type=DenseConfig, task="embed", wrap=DenseEmbedder)
+"""An embedder's Dense modules after pooling (EmbeddingGemma's projection)."""

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from export.heads.head import Head
+
 SPARSE_OUTPUT = "sparse_embedding"
 POOLING_STRATEGIES = ("max", "sum")
 ACTIVATION_FUNCTIONS = ("relu", "log1p_relu")
@@ -194,3 +196,7 @@ class SpladeEncoder(nn.Module):
         """The sparse embedding [batch, vocab_size]: each token id's weight for the text (0 for most)."""
         hidden, mask = self.encoder.hidden_states(input_ids, attention_mask, token_type_ids)
         return splade_pool(self.head(hidden), mask, self.splade.pooling_strategy, self.splade.activation_function)
+
+
+HEAD = Head(name="splade", config_type=SpladeConfig, task="sparse", wrap=SpladeEncoder)
+"""A sparse embedder's masked-LM head and SPLADE pooling."""

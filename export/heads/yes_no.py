@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
+from export.heads.head import Head
 from export.layers.pooling import pool
 from service.core.repository import PairTemplate
 
@@ -121,3 +122,7 @@ class YesNoReranker(nn.Module):
         hidden, mask = self.encoder.hidden_states(input_ids, attention_mask)
         no_yes = self.head(pool(hidden, mask, "lasttoken", normalize=False))
         return no_yes[:, 1:] - no_yes[:, :1]
+
+
+HEAD = Head(name="yes_no", config_type=YesNoHead, task="classify", wrap=YesNoReranker)
+"""A causal LM's yes/no reranker (Qwen3-Reranker)."""

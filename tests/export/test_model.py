@@ -8,8 +8,7 @@ from sentence_transformers import SentenceTransformer
 from transformers import BertModel
 
 from export.checkpoints.checkpoint import load_checkpoint
-from export.families.bert import Encoder, MultiHeadAttention, sinusoidal_positions
-from export.families.config_facts import ConfigError, EncoderConfig
+from export.families.bert import ConfigError, Encoder, EncoderConfig, MultiHeadAttention, sinusoidal_positions
 from export.gate.parity import read_sentences
 from service.pipeline.tokenizer import TextTokenizer
 from tests.vectors import assert_same_vectors

@@ -14,7 +14,7 @@ import pytest
 from onnxruntime.quantization import QuantType
 
 from export.checkpoints.checkpoint import random_checkpoint
-from export.families.config_facts import EncoderConfig
+from export.families.bert import EncoderConfig
 from export.gate.parity import read_sentences
 from export.graph.onnx_export import export_onnx, input_names
 from export.graph.quantize import (
