@@ -25,10 +25,11 @@ import numpy as np
 import onnxruntime as ort
 
 from export.checkpoints.checkpoint import Checkpoint
-from export.gate import parity
+from export.gate import cases, parity
 from export.gate.references import bge_m3 as bge_m3_reference
 from export.gate.references import library as reference_library
 from export.gate.references import yes_no as yes_no_reference
+from export.gate.served import ServedFigures, ServedPath, fidelity_reference
 from export.graph import forms as optimize
 from export.graph.calibration import calibration_ranges
 from export.graph.onnx_export import OPSET, export_onnx, input_names
@@ -79,10 +80,10 @@ class ExportOptions:
     int8_min_speedup: float = 1.6
     """int8 is published only if at least this much faster than fp32 at 8 x 128 on the CPU."""
     serving: ServingDefaults = field(default_factory=ServingDefaults)
-    sentences: Path = parity.SENTENCES_FILE
+    sentences: Path = cases.SENTENCES_FILE
     calibration: Path = CALIBRATION_FILE
     """Texts the int8 graph's activations are calibrated on."""
-    embedding_calibration: Path = parity.SENTENCES_FILE
+    embedding_calibration: Path = cases.SENTENCES_FILE
     """Texts the embedding's ranges (int8/uint8 embeddings) are measured on."""
     gate_forms: str = "all"
     """all: gate every CPU graph form, then choose the fastest that passed; fastest-first: measure every form, then
@@ -94,12 +95,12 @@ class _Gate:
     """Everything the variants are compared with: references, the served path, and the verdicts so far."""
 
     references: list[parity.Reference]
-    served: parity.ServedPath | None
+    served: ServedPath | None
     fidelity: FidelityReference
     """What the server checks each variant with at load: a published variant must pass it here too."""
     threads: int
     results: dict[str, parity.GateResult] = field(default_factory=dict)
-    served_figures: dict[str, parity.ServedFigures] = field(default_factory=dict)
+    served_figures: dict[str, ServedFigures] = field(default_factory=dict)
     load_checks: dict[str, FidelityCheck] = field(default_factory=dict)
     forms: dict[str, dict[str, parity.GateResult]] = field(default_factory=dict)
     """variant -> CPU graph form -> verdict, for every form measured."""
@@ -168,9 +169,9 @@ def _calibration_feeds(
             token_feed(names, 8, min(64, checkpoint.max_seq_length), checkpoint.config.vocab_size, seed=seed)
             for seed in range(4)
         ]
-    sentences = parity.read_sentences(options.calibration)
+    sentences = cases.read_sentences(options.calibration)
     feeds = [tokenizer.encode(sentences[start : start + 16]).feed(names) for start in range(0, len(sentences), 16)]
-    return feeds + [parity.left_padded(feed) for feed in feeds]
+    return feeds + [cases.left_padded(feed) for feed in feeds]
 
 
 def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[str], threads: int) -> dict[str, float]:
@@ -270,18 +271,18 @@ class _Build:
     def references(self) -> _Gate:
         """The gate: PyTorch references for every case kind, the served path, the server's fidelity reference."""
         checkpoint, names, tokenizer = self.checkpoint, self.names, self.tokenizer
-        cases = parity.token_cases(names, checkpoint.config.vocab_size, checkpoint.max_seq_length)
-        sentences: list = parity.read_sentences(self.options.sentences) if tokenizer is not None else []
+        gate_cases = cases.token_cases(names, checkpoint.config.vocab_size, checkpoint.max_seq_length)
+        sentences: list = cases.read_sentences(self.options.sentences) if tokenizer is not None else []
         if checkpoint.task == "classify":  # a classifier is gated on pairs, as a reranker is asked
-            sentences = parity.sentence_pairs(sentences)
+            sentences = cases.sentence_pairs(sentences)
         if tokenizer is not None:
-            cases += parity.sentence_cases(names, tokenizer, sentences)
-            cases += parity.sentence_mask_cases(names, tokenizer, sentences)
-        references = parity.reference_outputs(self.model, cases)
+            gate_cases += cases.sentence_cases(names, tokenizer, sentences)
+            gate_cases += cases.sentence_mask_cases(names, tokenizer, sentences)
+        references = parity.reference_outputs(self.model, gate_cases)
         served = None
         if tokenizer is not None and checkpoint.task == "embed":
             expected = np.concatenate([r.output for r in references if r.case.kind == "sentences"])
-            served = parity.ServedPath(
+            served = ServedPath(
                 expected,
                 names,
                 tokenizer,
@@ -289,7 +290,7 @@ class _Build:
                 max_length=checkpoint.max_seq_length,
                 pad_token_id=checkpoint.config.pad_token_id,
             )
-        fidelity = parity.fidelity_reference(self.model, names, tokenizer, sentences, checkpoint.max_seq_length)
+        fidelity = fidelity_reference(self.model, names, tokenizer, sentences, checkpoint.max_seq_length)
         return _Gate(references, served, fidelity, self.options.threads)
 
     def cpu_variants(self, gate: _Gate, forms: dict[str, Path]) -> None:
@@ -491,7 +492,7 @@ def _library_checks(build: _Build, gate: _Gate, report: dict[str, object]) -> No
     """
     checkpoint, stage = build.checkpoint, build.stage
     sessions = {variant: gate.sessions[variant] for variant in build.files}
-    sentences = parity.read_sentences(build.options.sentences)
+    sentences = cases.read_sentences(build.options.sentences)
     check = reference_library.check_published
     if checkpoint.task == "multivector" and build.tokenizer is not None:
         check = reference_library.check_multivector

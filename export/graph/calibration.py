@@ -15,7 +15,7 @@ import numpy as np
 from torch import nn
 
 from export.checkpoints.checkpoint import Checkpoint
-from export.gate import parity
+from export.gate import cases, served
 from service.pipeline.embedding_types import shortened
 from service.pipeline.tokenizer import TextTokenizer
 
@@ -26,7 +26,7 @@ def calibration_ranges(
     checkpoint: Checkpoint, model: nn.Module, tokenizer: TextTokenizer, input_names: list[str], corpus: Path
 ) -> tuple[dict[int, np.ndarray], dict[str, object]]:
     """Width -> float32 [2, width] (minimums, maximums) over the corpus, and what they rest on (for the report)."""
-    texts = parity.read_sentences(corpus)
+    texts = cases.read_sentences(corpus)
     if len(texts) < 2:
         raise ValueError(f"{corpus}: an embedding calibration corpus needs at least 2 texts, has {len(texts)}")
     serving = checkpoint.serving
@@ -35,7 +35,7 @@ def calibration_ranges(
         tokenizer.encode([prefix + text for text in texts[start : start + BATCH]]).feed(input_names)
         for start in range(0, len(texts), BATCH)
     ]
-    embeddings = parity.embed_each(model, feeds).astype(np.float32)
+    embeddings = served.embed_each(model, feeds).astype(np.float32)
     widths = (checkpoint.config.d_model, *serving.matryoshka_dimensions)
     ranges = {}
     for width in widths:

@@ -22,8 +22,9 @@ from tritonclient.grpc import model_config_pb2 as triton_config
 from export.build import ExportOptions, GateRefused, export_model
 from export.checkpoints.checkpoint import load_checkpoint, random_checkpoint
 from export.families import bert as model_module
-from export.gate import parity
-from export.gate.parity import read_sentences
+from export.gate import cases, parity
+from export.gate.cases import read_sentences
+from export.gate.served import embed_each
 from export.graph import forms as optimize
 from export.graph.quantize import weight_type
 from service.core.fidelity import cosines
@@ -147,7 +148,7 @@ def _sentence_rows(tokenizer: TextTokenizer, names: list[str]) -> dict[str, dict
     """Real sentences right-padded, left-padded and with holes: the issue's three mask shapes."""
     batch = tokenizer.encode(["Happy new year!", "The baby finally fell asleep after an hour of rocking."])
     feed = batch.feed(names)
-    return {"right-padded": feed, "left-padded": parity.left_padded(feed), "holed": parity.holed(feed)}
+    return {"right-padded": feed, "left-padded": cases.left_padded(feed), "holed": cases.holed(feed)}
 
 
 def _token_rows(names: list[str]) -> dict[str, dict[str, np.ndarray]]:
@@ -182,7 +183,7 @@ def test_every_variant_handles_every_mask_shape(default_repository: Path, defaul
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         for shape, feed in shapes.items():
             (embedding,) = session.run(["embedding"], feed)
-            expected = parity.embed_each(model, [feed])
+            expected = embed_each(model, [feed])
             worst = float(cosines(embedding, expected).min())
             assert worst >= bars[variant], f"{variant} {shape}: {worst}"
 

@@ -9,7 +9,7 @@ from transformers import BertModel
 
 from export.checkpoints.checkpoint import load_checkpoint
 from export.families.bert import ConfigError, Encoder, EncoderConfig, MultiHeadAttention, sinusoidal_positions
-from export.gate.parity import read_sentences
+from export.gate.cases import read_sentences
 from service.pipeline.tokenizer import TextTokenizer
 from tests.vectors import assert_same_vectors
 

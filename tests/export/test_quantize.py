@@ -15,7 +15,7 @@ from onnxruntime.quantization import QuantType
 
 from export.checkpoints.checkpoint import random_checkpoint
 from export.families.bert import EncoderConfig
-from export.gate.parity import read_sentences
+from export.gate.cases import read_sentences
 from export.graph.onnx_export import export_onnx, input_names
 from export.graph.quantize import (
     INTEGER_OPERATORS,

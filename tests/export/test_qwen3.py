@@ -26,7 +26,7 @@ from export.build import ExportOptions, export_model
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from export.families import qwen3
-from export.gate.parity import served_feeds
+from export.gate.served import served_feeds
 from service.core.fidelity import VARIANT_MIN_COSINE
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from export.checkpoints.checkpoint import load_checkpoint
-from export.gate.parity import read_sentences
+from export.gate.cases import read_sentences
 from export.gate.references.library import (
     FP32_MAX_ABS_DIFF,
     LONG_TEXT_LABEL,

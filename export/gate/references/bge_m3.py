@@ -28,7 +28,7 @@ import numpy as np
 import onnxruntime as ort
 
 from export.checkpoints.checkpoint import Checkpoint
-from export.gate.parity import served_feeds
+from export.gate.served import served_feeds
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
 from service.pipeline.tokenizer import TextTokenizer

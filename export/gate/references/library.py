@@ -26,7 +26,9 @@ import onnxruntime as ort
 import torch
 
 from export.checkpoints.checkpoint import Checkpoint
-from export.gate.parity import SENTENCE_BATCH, TOLERANCES, sentence_pairs, served_feeds
+from export.gate.cases import SENTENCE_BATCH, sentence_pairs
+from export.gate.parity import TOLERANCES
+from export.gate.served import served_feeds
 from export.heads.splade import SPARSE_OUTPUT
 from export.layers.task_adapters import adapter_folders
 from protocol import model_config_pb2 as mc

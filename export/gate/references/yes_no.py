@@ -17,7 +17,7 @@ import onnxruntime as ort
 import torch
 
 from export.checkpoints.checkpoint import Checkpoint
-from export.gate.parity import SENTENCE_BATCH, sentence_pairs
+from export.gate.cases import SENTENCE_BATCH, sentence_pairs
 from export.gate.references.library import LONG_TEXT_LABEL, LibraryReference, figures_for_report, measure, quiet_loading
 from service.core.repository import PairTemplate
 from service.pipeline.tokenizer import TextTokenizer
