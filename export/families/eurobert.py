@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -29,15 +28,11 @@ from export.families.family import Family, Format
 from export.layers.decoder import (
     DecoderConfig,
     DecoderEncoder,
-    DecoderLayer,
-    RMSNorm,
-    Rotary,
-    attention_bias,
     check_activation,
     read_config,
     require_keys,
 )
-from export.layers.rotary import RotaryTable, rope_theta
+from export.layers.rotary import rope_theta
 
 HEAD_PREFIXES = ("dense.", "classifier.", "lm_head.")
 """Weights of the sequence-classification head (dense, classifier) or the masked-LM head, set apart."""
@@ -82,21 +77,7 @@ class EuroBertEncoder(DecoderEncoder):
     """The whole encoder: token embeddings, S bidirectional layers, final RMSNorm, pooling."""
 
     def __init__(self, config: EuroBertConfig) -> None:
-        def layer() -> DecoderLayer:
-            return DecoderLayer(
-                config,
-                norm=lambda width: RMSNorm(width, config.rms_norm_eps),
-                activation=F.silu,
-                scale=config.head_dim**-0.5,
-            )
-
-        super().__init__(config, layer, RMSNorm(config.d_model, config.rms_norm_eps))
-        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_positions)
-
-    def layer_inputs(self, attention_mask: Tensor, dtype: torch.dtype) -> list[tuple[Rotary, Tensor]]:
-        """Every layer: the one rotary table; a token reads every token the mask keeps."""
-        bias = attention_bias(attention_mask[:, None, None, :].bool(), dtype)  # [batch, 1, 1, seq]
-        return [(self.rotary(attention_mask.shape[1], dtype), bias)] * self.config.num_layers
+        super().__init__(config, activation=F.silu, scale=config.head_dim**-0.5, head_norm=False)
 
 
 FAMILY = Family(

@@ -34,7 +34,6 @@ from export.families.family import Family, Format
 from export.layers.decoder import (
     DecoderConfig,
     DecoderEncoder,
-    DecoderLayer,
     Rotary,
     attention_bias,
     check_activation,
@@ -160,22 +159,20 @@ class GemmaEncoder(DecoderEncoder):
     """The bidirectional Gemma3 text model: scaled embeddings, S sandwich-normed layers, final RMSNorm, pooling."""
 
     def __init__(self, config: GemmaConfig) -> None:
-        def layer() -> DecoderLayer:
-            return DecoderLayer(
-                config,
-                norm=lambda width: GemmaRMSNorm(width, config.rms_norm_eps),
-                activation=_gelu_tanh,
-                scale=config.query_pre_attn_scalar**-0.5,
-                head_norm=lambda width: GemmaRMSNorm(width, config.rms_norm_eps),
-                sandwich=True,
-            )
-
-        super().__init__(config, layer, GemmaRMSNorm(config.d_model, config.rms_norm_eps))
-        self.rotary = nn.ModuleDict(
+        rotary = nn.ModuleDict(
             {
                 FULL: RotaryTable(config.head_dim, config.rope_theta, config.max_positions),
                 SLIDING: RotaryTable(config.head_dim, config.rope_local_theta, config.max_positions),
             }
+        )
+        super().__init__(
+            config,
+            activation=_gelu_tanh,
+            scale=config.query_pre_attn_scalar**-0.5,
+            head_norm=True,
+            norm=GemmaRMSNorm,
+            sandwich=True,
+            rotary=rotary,
         )
 
     def embed(self, input_ids: Tensor) -> Tensor:

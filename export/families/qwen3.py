@@ -29,15 +29,11 @@ from export.families.family import Family, Format
 from export.layers.decoder import (
     DecoderConfig,
     DecoderEncoder,
-    DecoderLayer,
-    RMSNorm,
-    Rotary,
-    attention_bias,
     check_activation,
     read_config,
     require_keys,
 )
-from export.layers.rotary import RotaryTable, rope_theta
+from export.layers.rotary import rope_theta
 
 HEAD_PREFIXES = ("lm_head.", "score.")
 """Weights of a causal-LM or classification head, set apart from the decoder's."""
@@ -78,25 +74,13 @@ class Qwen3Encoder(DecoderEncoder):
     """The decoder as an embedder: embeddings, S causal layers, final RMSNorm, pooling (last token)."""
 
     def __init__(self, config: Qwen3Config) -> None:
-        def layer() -> DecoderLayer:
-            return DecoderLayer(
-                config,
-                norm=lambda width: RMSNorm(width, config.rms_norm_eps),
-                activation=F.silu,
-                scale=config.head_dim**-0.5,
-                head_norm=lambda width: RMSNorm(width, config.rms_norm_eps),
-            )
+        super().__init__(config, activation=F.silu, scale=config.head_dim**-0.5, head_norm=True)
 
-        super().__init__(config, layer, RMSNorm(config.d_model, config.rms_norm_eps))
-        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_positions)
-
-    def layer_inputs(self, attention_mask: Tensor, dtype: torch.dtype) -> list[tuple[Rotary, Tensor]]:
-        """Every layer: the one rotary table; a token reads itself and the earlier tokens the mask keeps."""
+    def reach(self, attention_mask: Tensor) -> Tensor:
+        """A token reads itself and the earlier tokens the mask keeps (causal)."""
         positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
         causal = (positions[None, :] <= positions[:, None])[None, None]  # [1, 1, seq, seq]: key j ≤ query i
-        keys = attention_mask[:, None, None, :].bool()  # [batch, 1, 1, seq]
-        bias = attention_bias(keys & causal, dtype)
-        return [(self.rotary(attention_mask.shape[1], dtype), bias)] * self.config.num_layers
+        return super().reach(attention_mask) & causal
 
 
 FAMILY = Family(

@@ -21,6 +21,7 @@ from export.checkpoints.architecture_error import ArchitectureError
 from export.families.family import OwnEncoderFacts
 from export.layers.grouped_attention import GroupedQueryAttention
 from export.layers.pooling import pool
+from export.layers.rotary import RotaryTable
 
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
 """config.json keys every decoder-shaped family needs."""
@@ -142,6 +143,10 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.activation(self.gate_proj(hidden)) * self.up_proj(hidden))
 
 
+Norm = Callable[[int, float], nn.Module]
+"""(width, eps) -> an RMSNorm (RMSNorm, or Gemma's own)."""
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm layer: x = x + Attention(N(x)); x = x + MLP(N(x)); sandwich: each block's output normalised."""
 
@@ -149,22 +154,25 @@ class DecoderLayer(nn.Module):
         self,
         config: DecoderConfig,
         *,
-        norm: Callable[[int], nn.Module],
+        norm: Norm,
         activation: Callable[[Tensor], Tensor],
         scale: float,
-        head_norm: Callable[[int], nn.Module] | None = None,
-        sandwich: bool = False,
+        head_norm: bool,
+        sandwich: bool,
     ) -> None:
         super().__init__()
-        self.input_layernorm = norm(config.d_model)
-        self.self_attn = GroupedQueryAttention(config, scale=scale, head_norm=head_norm)
-        self.post_attention_layernorm = norm(config.d_model)
+        eps = config.rms_norm_eps
+        self.input_layernorm = norm(config.d_model, eps)
+        self.self_attn = GroupedQueryAttention(
+            config, scale=scale, head_norm=(lambda width: norm(width, eps)) if head_norm else None
+        )
+        self.post_attention_layernorm = norm(config.d_model, eps)
         self.sandwich = sandwich
         if sandwich:
-            self.pre_feedforward_layernorm = norm(config.d_model)
+            self.pre_feedforward_layernorm = norm(config.d_model, eps)
         self.mlp = GatedMLP(config, activation)
         if sandwich:
-            self.post_feedforward_layernorm = norm(config.d_model)
+            self.post_feedforward_layernorm = norm(config.d_model, eps)
 
     def forward(self, hidden: Tensor, rotary: Rotary, attention_bias: Tensor) -> Tensor:
         """Transform hidden states [batch, seq, d_model]."""
@@ -183,24 +191,46 @@ def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class DecoderEncoder(nn.Module):
-    """Embeddings, S decoder layers, final norm, pooling; a family says what each layer attends to (layer_inputs)."""
+    """Embeddings, S decoder layers, final norm, pooling; a family says what each layer attends to.
+
+    By default every layer reads every token the mask keeps, with one rotary table (base rope_theta).
+    """
 
     output_names = ("last_hidden_state", "embedding")
 
-    def __init__(self, config: DecoderConfig, layer: Callable[[], nn.Module], norm: nn.Module) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        activation: Callable[[Tensor], Tensor],
+        scale: float,
+        head_norm: bool,
+        norm: Norm = RMSNorm,
+        sandwich: bool = False,
+        rotary: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(layer() for _ in range(config.num_layers))
-        self.norm = norm
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, norm=norm, activation=activation, scale=scale, head_norm=head_norm, sandwich=sandwich)
+            for _ in range(config.num_layers)
+        )
+        self.norm = norm(config.d_model, config.rms_norm_eps)
+        self.rotary = rotary or RotaryTable(config.head_dim, config.rope_theta, config.max_positions)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """The token embeddings [batch, seq, d_model]."""
         return self.embed_tokens(input_ids)
 
+    def reach(self, attention_mask: Tensor) -> Tensor:
+        """Where a query may read a key [batch, 1, seq|1, seq]: every token the mask keeps (both directions)."""
+        return attention_mask[:, None, None, :].bool()
+
     def layer_inputs(self, attention_mask: Tensor, dtype: torch.dtype) -> Sequence[tuple[Rotary, Tensor]]:
-        """Each layer's rotary angles and attention bias [batch, 1, seq|1, seq]."""
-        raise NotImplementedError
+        """Each layer's rotary angles and attention bias [batch, 1, seq|1, seq]: the same for every layer."""
+        bias = attention_bias(self.reach(attention_mask), dtype)
+        return [(self.rotary(attention_mask.shape[1], dtype), bias)] * self.config.num_layers
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None

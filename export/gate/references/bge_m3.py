@@ -28,6 +28,7 @@ import numpy as np
 import onnxruntime as ort
 
 from export.checkpoints.checkpoint import Checkpoint
+from export.gate.references.loop import Checked, each_variant, unchecked
 from export.gate.served import served_feeds
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
@@ -261,13 +262,13 @@ def check_published(
     input_names: list[str],
     sessions: dict[str, ort.InferenceSession],
     sentences: list[str],
-) -> tuple[dict[str, dict[str, object]], list[str]]:
+) -> Checked:
     """Every published variant (its session) against FlagEmbedding: figures per variant for parity.json, failures."""
     try:
         reference = m3_reference(checkpoint, sentences)
     except Exception as error:  # whatever stops the library from answering: the folder cannot be checked
         failure = f"FlagEmbedding could not answer for {checkpoint.folder}: {type(error).__name__}: {error}"
-        return {variant: {"library": None, "reason": failure} for variant in sessions}, [failure]
+        return unchecked(sessions, failure, failed=True)
     feeds = served_feeds(
         tokenizer,
         reference.texts,
@@ -275,11 +276,11 @@ def check_published(
         max_length=checkpoint.max_seq_length,
         pad_token_id=checkpoint.config.pad_token_id,
     )
-    report, failures = {}, []
-    for variant, session in sessions.items():
+
+    def check(variant: str, session: ort.InferenceSession) -> tuple[dict[str, object], list[str]]:
         figures = compare(reference, [served_answers(session, way) for way in feeds])
         variant_failures = failures_of(variant, figures)
-        report[variant] = {
+        return {
             "library": reference.library,
             "class": "BGEM3FlagModel",
             "compared": (
@@ -292,6 +293,6 @@ def check_published(
             "required": {"min_cosine": MIN_COSINE, "max_abs_diff": MAX_ABS_DIFF},
             **_rounded(figures),
             "passed": not variant_failures,
-        }
-        failures += variant_failures
-    return report, failures
+        }, variant_failures
+
+    return each_variant(sessions, check)

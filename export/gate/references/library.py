@@ -28,6 +28,7 @@ import torch
 from export.checkpoints.checkpoint import Checkpoint
 from export.gate.cases import SENTENCE_BATCH, sentence_pairs
 from export.gate.parity import TOLERANCES
+from export.gate.references.loop import Checked, VariantCheck, each_variant, unchecked
 from export.gate.served import served_feeds
 from export.heads.splade import SPARSE_OUTPUT
 from export.layers.task_adapters import adapter_folders
@@ -322,18 +323,25 @@ def check_published(
     input_names: list[str],
     sessions: dict[str, ort.InferenceSession],
     sentences: list[str],
-) -> tuple[dict[str, dict[str, object]], list[str]]:
+) -> Checked:
     """Every published variant (its session) against the library: figures per variant for parity.json, and failures."""
     reason = unavailable_reason(checkpoint, tokenizer)
     if reason is not None:
-        return {variant: {"library": None, "reason": reason} for variant in sessions}, []
+        return unchecked(sessions, reason, failed=False)
     try:
         reference = library_reference(checkpoint, sentences)
     except Exception as error:  # whatever stops the library from answering: the folder cannot be checked
         failure = f"sentence-transformers could not answer for {checkpoint.folder}: {type(error).__name__}: {error}"
-        return {variant: {"library": None, "reason": failure} for variant in sessions}, [failure]
-    report, failures = {}, []
-    for variant, session in sessions.items():
+        return unchecked(sessions, failure, failed=True)
+    return each_variant(sessions, against(reference, checkpoint, tokenizer, input_names))
+
+
+def against(
+    reference: LibraryReference, checkpoint: Checkpoint, tokenizer: TextTokenizer, input_names: list[str]
+) -> VariantCheck:
+    """A variant measured against a library's answers, fed as the server feeds it."""
+
+    def check(variant: str, session: ort.InferenceSession) -> tuple[dict[str, object], list[str]]:
         figures = measure(
             reference,
             variant,
@@ -343,9 +351,9 @@ def check_published(
             max_length=checkpoint.max_seq_length,
             pad_token_id=checkpoint.config.pad_token_id,
         )
-        report[variant] = figures_for_report(reference, figures)
-        failures += figures.failures
-    return report, failures
+        return figures_for_report(reference, figures), figures.failures
+
+    return check
 
 
 def check_masked_lm(
@@ -545,7 +553,7 @@ def check_multivector(
     input_names: list[str],
     sessions: dict[str, ort.InferenceSession],
     sentences: list[str],
-) -> tuple[dict[str, dict[str, object]], list[str]]:
+) -> Checked:
     """Every published variant, fed as the server feeds it, against MultiVectorEncoder's encode_query/encode_document.
 
     The gate sentences, and all of them as one text (longer than document_length: truncation), as
@@ -565,10 +573,10 @@ def check_multivector(
     }
     expected = {kind: [np.asarray(v, dtype=np.float32) for v in vectors] for kind, vectors in expected.items()}
     spec = served_spec(checkpoint, input_names)
-    report, failures = {}, []
-    for variant, session in sessions.items():
+
+    def check(variant: str, session: ort.InferenceSession) -> tuple[dict[str, object], list[str]]:
         figures = measure_multivector(session, variant, tokenizer, spec, texts=texts, expected=expected)
-        report[variant] = {
+        return {
             "library": f"sentence-transformers {sentence_transformers.__version__}",
             "class": "MultiVectorEncoder",
             "compared": (
@@ -586,6 +594,6 @@ def check_multivector(
             "texts": figures.texts,
             "required": required_figures(variant, TOKEN_VECTORS) | {"maxsim_max_abs_diff": MAXSIM_MAX_ABS_DIFF},
             "passed": not figures.failures,
-        }
-        failures += figures.failures
-    return report, failures
+        }, figures.failures
+
+    return each_variant(sessions, check)

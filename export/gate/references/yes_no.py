@@ -18,7 +18,8 @@ import torch
 
 from export.checkpoints.checkpoint import Checkpoint
 from export.gate.cases import SENTENCE_BATCH, sentence_pairs
-from export.gate.references.library import LONG_TEXT_LABEL, LibraryReference, figures_for_report, measure, quiet_loading
+from export.gate.references.library import LONG_TEXT_LABEL, LibraryReference, against, quiet_loading
+from export.gate.references.loop import Checked, each_variant
 from service.core.repository import PairTemplate
 from service.pipeline.tokenizer import TextTokenizer
 
@@ -66,7 +67,7 @@ def check_published(
     input_names: list[str],
     sessions: dict[str, ort.InferenceSession],
     sentences: list[str],
-) -> tuple[dict[str, dict[str, object]], list[str]]:
+) -> Checked:
     """Every published variant against the model card's scoring of the gate pairs (and one long pair, truncated)."""
     import transformers  # noqa: PLC0415  (build-time only)
 
@@ -87,17 +88,4 @@ def check_published(
         ),
         against="the model card's scoring with transformers' AutoModelForCausalLM on the folder",
     )
-    report, failures = {}, []
-    for variant, session in sessions.items():
-        figures = measure(
-            reference,
-            variant,
-            session,
-            tokenizer,
-            input_names,
-            max_length=checkpoint.max_seq_length,
-            pad_token_id=checkpoint.config.pad_token_id,
-        )
-        report[variant] = figures_for_report(reference, figures)
-        failures += figures.failures
-    return report, failures
+    return each_variant(sessions, against(reference, checkpoint, tokenizer, input_names))
