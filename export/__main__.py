@@ -199,7 +199,8 @@ def _export(
     in_cache: the repository is a partial cache entry, which holds the intermediate graphs too (the cache's
     volume is sized for them; /tmp in a pod is not).
     """
-    from export.build import ExportOptions, GateRefused, export_model, planned_stages  # noqa: PLC0415
+    from export.build import ExportOptions, export_model, planned_stages  # noqa: PLC0415
+    from export.gate.parity import GateRefused  # noqa: PLC0415
     from export.publish import ServingDefaults  # noqa: PLC0415
 
     settings = _options(arguments)

@@ -26,9 +26,8 @@ import onnxruntime as ort
 
 from export.checkpoints.checkpoint import Checkpoint
 from export.gate import cases, parity
-from export.gate.references import bge_m3 as bge_m3_reference
-from export.gate.references import library as reference_library
-from export.gate.references import yes_no as yes_no_reference
+from export.gate.parity import GateRefused
+from export.gate.references.published import check_with_libraries
 from export.gate.served import ServedFigures, ServedPath, fidelity_reference
 from export.graph import forms as optimize
 from export.graph.calibration import calibration_ranges
@@ -64,10 +63,6 @@ log = logging.getLogger(__name__)
 
 Stage = Callable[[str], None]
 """Called with the name of each export stage as it starts (a progress display)."""
-
-
-class GateRefused(RuntimeError):
-    """fp32 or int8 failed the parity gate, or a reference library disagreed; nothing was published."""
 
 
 @dataclass(frozen=True)
@@ -461,7 +456,16 @@ def export_model(
         preferred = preferred_variants(gate, list(build.files), build.withdrawn, build.cuda_problem)
         report["preferred_variants"] = {device: choice["variant"] for device, choice in preferred.items()}
         report["preferred_variants_basis"] = preferred
-        _library_checks(build, gate, report)
+        check_with_libraries(
+            build.checkpoint,
+            build.model,
+            build.tokenizer,
+            build.names,
+            {variant: gate.sessions[variant] for variant in build.files},
+            sentences=cases.read_sentences(build.options.sentences),
+            stage=build.stage,
+            report=report,
+        )
         ranges: dict[int, np.ndarray] = {}
         if checkpoint.task == "embed" and build.tokenizer is not None:
             stage("embedding ranges for int8 and uint8 embeddings")
@@ -483,45 +487,6 @@ def export_model(
         )
     log.info("published %s", target)
     return report
-
-
-def _library_checks(build: _Build, gate: _Gate, report: dict[str, object]) -> None:
-    """The libraries that made the folder, on the folder, against every published variant; figures into the report.
-
-    Raises GateRefused at the first library that disagrees.
-    """
-    checkpoint, stage = build.checkpoint, build.stage
-    sessions = {variant: gate.sessions[variant] for variant in build.files}
-    sentences = cases.read_sentences(build.options.sentences)
-    check = reference_library.check_published
-    if checkpoint.task == "multivector" and build.tokenizer is not None:
-        check = reference_library.check_multivector
-    if checkpoint.pair_template is not None and build.tokenizer is not None:
-        stage("the model card: each published variant against its transformers scoring on the source folder")
-        check = yes_no_reference.check_published
-    else:
-        stage("reference library: each published variant against sentence-transformers on the source folder")
-    library, library_failures = check(checkpoint, build.tokenizer, build.names, sessions, sentences)
-    if library_failures:
-        raise GateRefused("reference library refused: " + "; ".join(library_failures))
-    for variant, figures in library.items():
-        report["variants"][variant]["reference_library"] = figures
-    if checkpoint.bge_m3 is not None:
-        stage("FlagEmbedding: each published variant against BGEM3FlagModel on the source folder")
-        flag_embedding, flag_failures = bge_m3_reference.check_published(
-            checkpoint, build.tokenizer, build.names, sessions, sentences
-        )
-        if flag_failures:
-            raise GateRefused("FlagEmbedding refused: " + "; ".join(flag_failures))
-        for variant, figures in flag_embedding.items():
-            report["variants"][variant]["flag_embedding"] = figures
-    if checkpoint.task == "sparse" and build.tokenizer is not None:
-        stage("transformers: the PyTorch model against AutoModelForMaskedLM on the source folder")
-        report["masked_lm_reference"], masked_lm_failures = reference_library.check_masked_lm(
-            checkpoint, build.model, build.tokenizer, build.names, sentences
-        )
-        if masked_lm_failures:
-            raise GateRefused("transformers refused: " + "; ".join(masked_lm_failures))
 
 
 def _ungated_variants(checkpoint: Checkpoint) -> tuple[tuple[str, ...], str] | None:

@@ -24,6 +24,10 @@ from service.core.fidelity import (
 from service.core.repository import TOKEN_VECTORS
 
 
+class GateRefused(RuntimeError):
+    """fp32 or int8 failed the parity gate, or a reference library disagreed; nothing was published."""
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """What a variant must meet; cosine is over pooled embeddings, diff over unpadded hidden states."""

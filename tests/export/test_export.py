@@ -19,11 +19,12 @@ from google.protobuf import text_format
 from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
 from tritonclient.grpc import model_config_pb2 as triton_config
 
-from export.build import ExportOptions, GateRefused, export_model
+from export.build import ExportOptions, export_model
 from export.checkpoints.checkpoint import load_checkpoint, random_checkpoint
 from export.families import bert as model_module
 from export.gate import cases, parity
 from export.gate.cases import read_sentences
+from export.gate.parity import GateRefused
 from export.gate.served import embed_each
 from export.graph import forms as optimize
 from export.graph.quantize import weight_type
