@@ -7,7 +7,6 @@ export.checkpoints.sentence_transformers_folder checks first: what the exporter 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,9 +23,8 @@ from export.checkpoints.sentence_transformers_folder import (
     read_object,
 )
 from export.families.bert import Encoder, EncoderConfig
-from export.families.family import EncoderSettings
-from export.families.registry import family_of, model_format
-from export.families.rotary_bert import jina_adapter_targets
+from export.families.family import EncoderSettings, Format
+from export.families.registry import adapter_model_types, family_of, model_format
 from export.heads.bge_m3 import (
     DENSE_POOLING,
     BgeM3Config,
@@ -50,7 +48,7 @@ from export.heads.splade import rename_head_weights as rename_masked_lm_weights
 from export.heads.yes_no import QWEN3_RERANKER_TEMPLATE, YesNoError, YesNoHead, is_causal_lm
 from export.heads.yes_no import head_weights as yes_no_weights
 from export.heads.yes_no import read_head as read_yes_no_head
-from export.layers.task_adapters import adapter_folders, read_task_adapters
+from export.layers.task_adapters import adapter_folders
 from export.sources import UnusableSource
 from service.core.repository import PairTemplate
 
@@ -243,7 +241,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         source = model_format(hf_config.get("model_type"))
         config = source.read_config(hf_config, pooling, normalize)
         state_dict, head_weights = source.rename_weights(_read_weights(folder))
-        config, adapter_weights = _task_adapters(folder, source.model_type, config)
+        config, adapter_weights = _task_adapters(folder, source, config)
     except ArchitectureError as error:
         raise CheckpointError(f"{folder}: {error}") from error
     state_dict |= adapter_weights
@@ -292,31 +290,16 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
 
 
 def _task_adapters(
-    folder: Path, model_type: str, config: EncoderSettings
+    folder: Path, source: Format, config: EncoderSettings
 ) -> tuple[EncoderSettings, dict[str, torch.Tensor]]:
-    """jina-embeddings-v3's task adapters (its PEFT folders) on its configuration, and their weights; none elsewhere."""
-    if model_type != "jina_embeddings_v3":
-        if adapter_folders(folder):
-            names = ", ".join(f.name for f in adapter_folders(folder))
-            raise ArchitectureError(f"task adapters ({names}) are implemented for jina_embeddings_v3 only")
-        return config, {}
-    if not adapter_folders(folder):
-        return config, {}
-    width = config.num_heads * config.head_dim
-    shapes = {"embeddings.token": (config.vocab_size, config.d_model)}
-    for index in range(config.num_layers):
-        shapes[f"layers.{index}.attention.qkv"] = (config.d_model, 3 * width)
-        shapes[f"layers.{index}.attention.output"] = (width, config.d_model)
-        shapes[f"layers.{index}.feed_forward.up"] = (config.d_model, config.ffn_dim)
-        shapes[f"layers.{index}.feed_forward.down"] = (config.ffn_dim, config.d_model)
-    adapters = read_task_adapters(folder, jina_adapter_targets(config.num_layers), shapes)
-    config = dataclasses.replace(config, tasks=adapters.tasks, lora_columns=adapters.columns)
-    weights = {}
-    for module, state in adapters.weights.items():
-        owner, _, attribute = module.rpartition(".")
-        for key, tensor in state.items():
-            weights[f"{owner}.{attribute}_lora.{key}"] = tensor
-    return config, weights
+    """The task adapters (PEFT folders) on the configuration, and their weights, where the model type reads them."""
+    if source.read_adapters is not None:
+        return source.read_adapters(folder, config)
+    if adapter_folders(folder):
+        names = ", ".join(f.name for f in adapter_folders(folder))
+        readers = ", ".join(adapter_model_types())
+        raise ArchitectureError(f"task adapters ({names}) are implemented for {readers} only")
+    return config, {}
 
 
 @dataclass(frozen=True)

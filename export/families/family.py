@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from torch import Tensor, nn
@@ -65,6 +66,8 @@ class Format:
     """The checkpoint's weights -> (the encoder's, under its names; the task heads', apart)."""
     classifier_style: str | None = None
     """The layout of its sequence-classification head (export.heads.classifier); None: none implemented."""
+    read_adapters: Callable[[Path, EncoderSettings], tuple[EncoderSettings, dict[str, Tensor]]] | None = None
+    """(folder, configuration) -> the configuration with its task adapters, and their weights; None: none read."""
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,8 @@ def classifier_style(model_type: str) -> str | None:
 def classifier_model_types() -> tuple[str, ...]:
     """The model types with a sequence-classification head implemented."""
     return tuple(model_type for model_type, form in FORMATS.items() if form.classifier_style is not None)
+
+
+def adapter_model_types() -> tuple[str, ...]:
+    """The model types whose task adapters are read."""
+    return tuple(model_type for model_type, form in FORMATS.items() if form.read_adapters is not None)

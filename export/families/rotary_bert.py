@@ -16,15 +16,17 @@ jinaai/jina-embeddings-v3-hf ships it), its task adapters by export.layers.task_
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.families.family import BERT_FUSIONS, Family, Format
 from export.families.rotary_bert_encoder import RotaryBertConfig, RotaryBertEncoder
-from export.layers.task_adapters import Target
+from export.layers.task_adapters import Target, adapter_folders, read_task_adapters
 
 ACTIVATIONS = {
     "gelu": "gelu",
@@ -325,6 +327,27 @@ def jina_adapter_targets(num_layers: int) -> dict[str, Target]:
     return targets
 
 
+def read_jina_adapters(folder: Path, config: RotaryBertConfig) -> tuple[RotaryBertConfig, dict[str, torch.Tensor]]:
+    """jina-embeddings-v3's task adapters (its PEFT folders) on its configuration, and their weights (none: none)."""
+    if not adapter_folders(folder):
+        return config, {}
+    width = config.num_heads * config.head_dim
+    shapes = {"embeddings.token": (config.vocab_size, config.d_model)}
+    for index in range(config.num_layers):
+        shapes[f"layers.{index}.attention.qkv"] = (config.d_model, 3 * width)
+        shapes[f"layers.{index}.attention.output"] = (width, config.d_model)
+        shapes[f"layers.{index}.feed_forward.up"] = (config.d_model, config.ffn_dim)
+        shapes[f"layers.{index}.feed_forward.down"] = (config.ffn_dim, config.d_model)
+    adapters = read_task_adapters(folder, jina_adapter_targets(config.num_layers), shapes)
+    config = dataclasses.replace(config, tasks=adapters.tasks, lora_columns=adapters.columns)
+    weights = {}
+    for module, state in adapters.weights.items():
+        owner, _, attribute = module.rpartition(".")
+        for key, tensor in state.items():
+            weights[f"{owner}.{attribute}_lora.{key}"] = tensor
+    return config, weights
+
+
 FAMILY = Family(
     name="rotary_bert",
     config_type=RotaryBertConfig,
@@ -332,7 +355,7 @@ FAMILY = Family(
     formats=(
         Format("gte", gte_config, rename_gte_weights),
         Format("nomic_bert", nomic_bert_config, rename_nomic_bert_weights),
-        Format("jina_embeddings_v3", jina_config, rename_jina_weights),
+        Format("jina_embeddings_v3", jina_config, rename_jina_weights, read_adapters=read_jina_adapters),
     ),
     graph_forms=BERT_FUSIONS,
 )
