@@ -33,6 +33,7 @@ from export.heads.bge_m3 import (
     read_heads,
     unused_token_ids,
 )
+from export.heads.bge_m3 import MODEL_TYPE as BGE_M3_MODEL_TYPE
 from export.heads.classifier import (
     HeadConfig,
     HeadError,
@@ -379,7 +380,7 @@ def _is_bge_m3(folder: Path, hf_config: dict, task: str) -> bool:
         heads = has_heads(folder)
     except BgeM3Error as error:
         raise CheckpointError(str(error)) from error
-    if heads and (hf_config.get("model_type") != "xlm-roberta" or task != "embed"):
+    if heads and (hf_config.get("model_type") != BGE_M3_MODEL_TYPE or task != "embed"):
         raise CheckpointError(
             f"{folder}: bge-m3's heads (colbert_linear.pt, sparse_linear.pt) are implemented on an XLM-RoBERTa"
             f" embedder only, this folder's task is {task} and its model_type {hf_config.get('model_type')!r}"
