@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.checkpoints.weight_names import split_weights
 from export.families.family import Family, Format
 from export.layers.decoder import (
     DecoderConfig,
@@ -31,13 +30,12 @@ from export.layers.decoder import (
     check_activation,
     read_config,
     require_keys,
+    split_decoder_weights,
 )
 from export.layers.rotary import rope_theta
 
 HEAD_PREFIXES = ("dense.", "classifier.", "lm_head.")
 """Weights of the sequence-classification head (dense, classifier) or the masked-LM head, set apart."""
-WRAPPERS = ("model.", "0.auto_model.")
-ENCODER_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> EuroBertCo
 
 def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """EuroBERT's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
-    return split_weights(weights, WRAPPERS, ENCODER_PREFIXES, HEAD_PREFIXES)
+    return split_decoder_weights(weights, HEAD_PREFIXES)
 
 
 class EuroBertEncoder(DecoderEncoder):

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.checkpoints.weight_names import split_weights
 from export.families.family import Family, Format
 from export.layers.decoder import (
     DecoderConfig,
@@ -32,14 +31,12 @@ from export.layers.decoder import (
     check_activation,
     read_config,
     require_keys,
+    split_decoder_weights,
 )
 from export.layers.rotary import rope_theta
 
 HEAD_PREFIXES = ("lm_head.", "score.")
 """Weights of a causal-LM or classification head, set apart from the decoder's."""
-WRAPPERS = ("model.", "0.auto_model.")
-DECODER_PREFIXES = ("embed_tokens.", "layers.", "norm.")
-"""The decoder's own weights (Qwen3's names, which Gemma3's text model and EuroBERT share)."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> Qwen3Confi
 
 def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Qwen3's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
-    return split_weights(weights, WRAPPERS, DECODER_PREFIXES, HEAD_PREFIXES)
+    return split_decoder_weights(weights, HEAD_PREFIXES)
 
 
 class Qwen3Encoder(DecoderEncoder):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.weight_names import split_weights
 from export.families.family import OwnEncoderFacts
 from export.layers.grouped_attention import GroupedQueryAttention
 from export.layers.pooling import pool
@@ -25,6 +26,10 @@ from export.layers.rotary import RotaryTable
 
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
 """config.json keys every decoder-shaped family needs."""
+WRAPPERS = ("model.", "0.auto_model.")
+"""Prefixes that wrap the decoder inside task models and sentence-transformers modules."""
+BODY_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+"""The decoder's own weights, as transformers names Qwen3's, Gemma3's and EuroBERT's."""
 SIZES = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "num_layers", "ffn_dim")
 
 Rotary = tuple[Tensor, Tensor]
@@ -111,6 +116,13 @@ def read_config(
         normalize=normalize,
         **family_fields,
     )
+
+
+def split_decoder_weights(
+    weights: dict[str, Tensor], head_prefixes: tuple[str, ...]
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The decoder's weights (bare, or under model. / 0.auto_model.), names kept; a head's (head_prefixes) apart."""
+    return split_weights(weights, WRAPPERS, BODY_PREFIXES, head_prefixes)
 
 
 class RMSNorm(nn.Module):
