@@ -30,7 +30,7 @@ from service.core.repository import VARIANT_FILES
 from service.core.sources import SourceSyntaxError, parse_source
 
 if TYPE_CHECKING:
-    from export.checkpoint import Checkpoint
+    from export.checkpoints.checkpoint import Checkpoint
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 VARIANTS = tuple(VARIANT_FILES)
@@ -164,8 +164,8 @@ def _say(text: str) -> None:
 def _checkpoint(arguments: argparse.Namespace, source: ResolvedSource | None, name: str) -> Checkpoint:
     """The source model the arguments name."""
     # Here, not at the top: a cache hit never loads torch and the exporter (seconds of a server's start).
-    from export.checkpoint import default_model_folder, load_checkpoint, random_checkpoint  # noqa: PLC0415
-    from export.config import ConfigError, EncoderConfig  # noqa: PLC0415
+    from export.checkpoints.checkpoint import default_model_folder, load_checkpoint, random_checkpoint  # noqa: PLC0415
+    from export.families.bert import ConfigError, EncoderConfig  # noqa: PLC0415
 
     if arguments.random:
         try:
@@ -199,7 +199,8 @@ def _export(
     in_cache: the repository is a partial cache entry, which holds the intermediate graphs too (the cache's
     volume is sized for them; /tmp in a pod is not).
     """
-    from export.pipeline import ExportOptions, GateRefused, export_model, planned_stages  # noqa: PLC0415
+    from export.build import ExportOptions, export_model, planned_stages  # noqa: PLC0415
+    from export.gate.parity import GateRefused  # noqa: PLC0415
     from export.publish import ServingDefaults  # noqa: PLC0415
 
     settings = _options(arguments)
@@ -229,7 +230,7 @@ def _export(
 def _export_cached(arguments: argparse.Namespace, source: ResolvedSource | None, name: str) -> int:
     """Serve the key's entry from the cache, or export it there under the key's lock; the model folder on stdout."""
     if source is None:
-        from export.checkpoint import default_model_folder  # noqa: PLC0415
+        from export.checkpoints.checkpoint import default_model_folder  # noqa: PLC0415
 
         source = ResolvedSource(parse_source(str(default_model_folder())), default_model_folder())
     content = source.commit or folder_digest(source.folder)

@@ -20,8 +20,8 @@ import torch
 from transformers import BertModel
 from transformers import logging as transformers_logging
 
-from export.checkpoint import default_model_folder, load_checkpoint
-from export.timing import compare_seconds, cpu_session, token_feed
+from export.checkpoints.checkpoint import default_model_folder, load_checkpoint
+from export.graph.timing import compare_seconds, cpu_session, token_feed
 from service.core.repository import read_model
 
 GRID = ((1, 16), (8, 128), (32, 32), (32, 128), (8, 256))
@@ -45,7 +45,7 @@ def candidates(repository_model: Path, threads: int) -> tuple[dict[str, object],
     folder = default_model_folder()
     models: dict[str, object] = {
         "torch eager (transformers.BertModel)": BertModel.from_pretrained(str(folder), add_pooling_layer=False).eval(),
-        "torch eager (export.model.Encoder)": load_checkpoint(folder).build_model(),
+        "torch eager (export.families.bert.Encoder)": load_checkpoint(folder).build_model(),
     }
     skipped = []
     for variant, path in sorted(spec.variants.items()):

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from export.bge_m3 import MULTIVECTOR
-from export.checkpoint import Checkpoint
-from export.heads import labels_parameter
-from export.onnx_export import save_onnx
-from export.optimize import FP32_GRAPH_OPTIMIZATION
-from export.splade import SPARSE_OUTPUT
+from export.checkpoints.checkpoint import Checkpoint
+from export.graph.forms import FP32_GRAPH_OPTIMIZATION
+from export.graph.onnx_export import save_onnx
+from export.heads.bge_m3 import MULTIVECTOR
+from export.heads.classifier import labels_parameter
+from export.heads.splade import SPARSE_OUTPUT
 from protocol import model_config_pb2 as mc
 from service.core.fidelity import FidelityReference
 from service.core.repository import (
@@ -87,7 +87,7 @@ def build_config(
 ) -> mc.ModelConfig:
     """The model's Triton ModelConfig, with our serving facts as parameters.
 
-    calibration: what the embedding's ranges were measured on (export.embedding_ranges), when they were.
+    calibration: what the embedding's ranges were measured on (export.graph.calibration), when they were.
     """
     config = mc.ModelConfig(
         name=checkpoint.name,

@@ -19,9 +19,9 @@ import pytest
 import trustme
 from prometheus_client.parser import text_string_to_metric_families
 
-from export.checkpoint import default_model_folder, load_checkpoint, random_checkpoint
-from export.config import EncoderConfig
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import default_model_folder, load_checkpoint, random_checkpoint
+from export.families.bert import EncoderConfig
 from protocol.channel_security import ClientSecurity
 from tests.export import tiny_models
 from tests.multivector_models import ExportedBgeM3, ExportedColbert, exported_bge_m3, exported_colbert, pylate_path

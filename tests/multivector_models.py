@@ -10,7 +10,7 @@ PyLate (the library that makes these folders) cannot run beside the project's se
 and runs in a subprocess: it makes the tiny ColBERT folder from a tiny BERT, and answers
 `encode(is_query=True/False)` and `colbert_scores` for texts the tokenizer knows every word of, and
 for texts with characters it lacks ([UNK] tokens: PyLate maps a skiplist word missing from the
-vocabulary to [UNK], so it drops a document's [UNK] tokens, and the export follows it: export.colbert).
+vocabulary to [UNK], so it drops a document's [UNK] tokens, and the export follows it: export.heads.colbert).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 from tokenizers import Tokenizer
 
-from export.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
-from export.checkpoint import load_checkpoint
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import load_checkpoint
+from export.heads.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 from tests.export import tiny_models
 from tests.installs import pip_install
 from tests.servers import ROOT

@@ -38,9 +38,9 @@ from pathlib import Path
 import grpc
 
 from client.protocol import text_request
-from export.checkpoint import default_model_folder, random_checkpoint
-from export.config import EncoderConfig
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import default_model_folder, random_checkpoint
+from export.families.bert import EncoderConfig
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.core.repository import read_model

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from export.checkpoint import default_model_folder
+from export.checkpoints.checkpoint import default_model_folder
 from tests.hub_cache import add_snapshot, hub_environment
 from tools.local_server import RunningServer, launch_server, server_cpu_seconds
 

@@ -44,8 +44,8 @@ from pathlib import Path
 
 import uvloop
 
-from export.checkpoint import default_model_folder, random_checkpoint
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import default_model_folder, random_checkpoint
 from service.core.repository import read_model
 from service.core.wire import EngineLink
 from service.launch.processes import ENGINE_SOCKET, TITLE, children

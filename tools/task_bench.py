@@ -26,9 +26,9 @@ from pathlib import Path
 
 import transformers
 
-from export.checkpoint import default_model_folder, load_checkpoint
-from export.pipeline import ExportOptions, export_model
-from export.timing import compare_throughput, cpu_session, token_feed
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import default_model_folder, load_checkpoint
+from export.graph.timing import compare_throughput, cpu_session, token_feed
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tools.local_server import start_server

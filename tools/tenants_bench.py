@@ -21,8 +21,8 @@ from pathlib import Path
 
 import uvloop
 
-from export.checkpoint import default_model_folder, random_checkpoint
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import default_model_folder, random_checkpoint
 from tools.bench import TINY_CONFIG, TINY_MODEL
 from tools.local_server import start_server
 from tools.protocols_bench import model_infer_cpu

@@ -25,8 +25,8 @@ import grpc
 import uvloop
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from export.checkpoint import default_model_folder, random_checkpoint
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import default_model_folder, random_checkpoint
 from tools.bench import TINY_CONFIG, TINY_MODEL
 from tools.local_server import start_server
 from tools.protocols_bench import model_infer_cpu

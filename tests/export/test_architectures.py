@@ -16,7 +16,7 @@ import torch
 import transformers
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
-from export.checkpoint import CheckpointError, load_checkpoint
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import ExportedTasks

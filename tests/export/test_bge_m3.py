@@ -15,10 +15,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export import reference_library
-from export.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
-from export.bge_m3_reference import bge_m3_flag_model
-from export.checkpoint import CheckpointError, load_checkpoint
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.gate.references import library as reference_library
+from export.gate.references.bge_m3 import bge_m3_flag_model
+from export.heads.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 from service.core.fidelity import FidelityReference, compare, cosines
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS, ModelSpec, MultiVectorSpec, read_model
 from service.pipeline.tokenizer import TextTokenizer

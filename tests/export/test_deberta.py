@@ -1,4 +1,4 @@
-"""DeBERTa-v2/v3 (export.deberta) against transformers, its own ONNX graph, CrossEncoder and a real server.
+"""DeBERTa-v2/v3 (export.families.deberta) against transformers, its own ONNX graph, CrossEncoder and a real server.
 
 Two tiny random `DebertaV2ForSequenceClassification` models in DeBERTa-v3's settings (relative
 attention with log buckets, shared attention keys, LayerNorm'd position embeddings, no absolute
@@ -27,9 +27,9 @@ import transformers
 from sentence_transformers import CrossEncoder
 from transformers.models.deberta_v2 import modeling_deberta_v2
 
-from export import deberta
-from export.architecture_error import ArchitectureError
-from export.checkpoint import CheckpointError, load_checkpoint
+from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.families import deberta
 from service.core.fidelity import LOGITS_MAX_ABS_DIFF
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer

@@ -1,4 +1,4 @@
-"""EuroBERT (export.eurobert) against transformers, sentence-transformers, CrossEncoder and a real server.
+"""EuroBERT (export.families.eurobert) against transformers, sentence-transformers, CrossEncoder and a real server.
 
 Tiny random EuroBERT models (hidden 32, 2 layers, 4 query heads sharing 2 key/value heads, head_dim 16
 so that heads x head_dim is not the hidden size, rotary base 1,000) with a byte-level BPE tokenizer in
@@ -29,10 +29,10 @@ import tritonclient.grpc as grpcclient
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
-from export import eurobert
-from export.architecture_error import ArchitectureError
-from export.checkpoint import load_checkpoint
-from export.heads import HeadError, head_config
+from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.checkpoint import load_checkpoint
+from export.families import eurobert
+from export.heads.classifier import HeadError, head_config
 from service.core.fidelity import VARIANT_MIN_COSINE
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer

@@ -19,12 +19,15 @@ from google.protobuf import text_format
 from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
 from tritonclient.grpc import model_config_pb2 as triton_config
 
-from export import model as model_module
-from export import optimize, parity
-from export.checkpoint import load_checkpoint, random_checkpoint
-from export.parity import read_sentences
-from export.pipeline import ExportOptions, GateRefused, export_model
-from export.quantize import weight_type
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import load_checkpoint, random_checkpoint
+from export.families import bert as model_module
+from export.gate import cases, parity
+from export.gate.cases import read_sentences
+from export.gate.parity import GateRefused
+from export.gate.served import embed_each
+from export.graph import forms as optimize
+from export.graph.quantize import weight_type
 from service.core.fidelity import cosines
 from service.core.repository import VARIANT_FILES, read_model
 from service.pipeline.tokenizer import TextTokenizer
@@ -146,7 +149,7 @@ def _sentence_rows(tokenizer: TextTokenizer, names: list[str]) -> dict[str, dict
     """Real sentences right-padded, left-padded and with holes: the issue's three mask shapes."""
     batch = tokenizer.encode(["Happy new year!", "The baby finally fell asleep after an hour of rocking."])
     feed = batch.feed(names)
-    return {"right-padded": feed, "left-padded": parity.left_padded(feed), "holed": parity.holed(feed)}
+    return {"right-padded": feed, "left-padded": cases.left_padded(feed), "holed": cases.holed(feed)}
 
 
 def _token_rows(names: list[str]) -> dict[str, dict[str, np.ndarray]]:
@@ -181,7 +184,7 @@ def test_every_variant_handles_every_mask_shape(default_repository: Path, defaul
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         for shape, feed in shapes.items():
             (embedding,) = session.run(["embedding"], feed)
-            expected = parity.embed_each(model, [feed])
+            expected = embed_each(model, [feed])
             worst = float(cosines(embedding, expected).min())
             assert worst >= bars[variant], f"{variant} {shape}: {worst}"
 

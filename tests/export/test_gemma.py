@@ -1,4 +1,4 @@
-"""EmbeddingGemma (export.gemma, export.dense) against transformers, sentence-transformers and a real server.
+"""EmbeddingGemma (export.families.gemma, export.heads.dense) against transformers, sentence-transformers, a server.
 
 One tiny random Gemma3 text model in EmbeddingGemma's form (bidirectional attention; sliding,
 full and sliding layers with their own rotary bases; a sliding window of 8, so a token sees 4
@@ -33,9 +33,9 @@ from sentence_transformers.sentence_transformer import modules as st_models
 from torch import nn
 from tritonclient import grpc as triton_grpc
 
-from export import gemma
-from export.architecture_error import ArchitectureError
-from export.checkpoint import CheckpointError, load_checkpoint
+from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.families import gemma
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models

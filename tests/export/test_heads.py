@@ -17,8 +17,8 @@ import pytest
 import torch
 from sentence_transformers import CrossEncoder
 
-from export.checkpoint import CheckpointError, load_checkpoint
-from export.heads import HeadError, head_config, is_classifier
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.heads.classifier import HeadError, head_config, is_classifier
 from service.core.fidelity import (
     LOGITS_FIDELITY_MAX_ABS_DIFF,
     LOGITS_MAX_ABS_DIFF,

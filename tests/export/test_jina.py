@@ -1,4 +1,4 @@
-"""jina-embeddings-v3 (export.rotary_bert with export.task_adapters) against transformers + PEFT, and served per task.
+"""jina-embeddings-v3 (export.families.rotary_bert, export.layers.task_adapters) against transformers + PEFT, per task.
 
 One tiny random JinaEmbeddingsV3Model with XLM-R's Unigram tokenizer, saved as a sentence-transformers
 folder (mean pooling, Normalize, prompts named after the tasks as jina-embeddings-v3's are), with
@@ -33,8 +33,8 @@ from sentence_transformers.sentence_transformer import modules as st_models
 from tritonclient.utils import InferenceServerException
 
 from client import EmbeddingClient
-from export.checkpoint import CheckpointError, load_checkpoint
-from export.task_adapters import JINA_TASKS
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.layers.task_adapters import JINA_TASKS
 from service.core.repository import ADAPTER_IDS, read_model
 from tests.export import tiny_models
 from tests.servers import start_server

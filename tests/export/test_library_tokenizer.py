@@ -18,10 +18,10 @@ import torch
 from sentence_transformers import CrossEncoder
 from tokenizers import Tokenizer
 
-from export.checkpoint import load_checkpoint
-from export.library_tokenizer import PROBE_TEXTS, LibraryTokenizerError, with_library_tokenizer
-from export.parity import SENTENCES_FILE
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import load_checkpoint
+from export.checkpoints.library_tokenizer import PROBE_TEXTS, LibraryTokenizerError, with_library_tokenizer
+from export.gate.cases import SENTENCES_FILE
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models

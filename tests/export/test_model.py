@@ -7,10 +7,9 @@ import torch
 from sentence_transformers import SentenceTransformer
 from transformers import BertModel
 
-from export.checkpoint import load_checkpoint
-from export.config import ConfigError, EncoderConfig
-from export.model import Encoder, MultiHeadAttention, sinusoidal_positions
-from export.parity import read_sentences
+from export.checkpoints.checkpoint import load_checkpoint
+from export.families.bert import ConfigError, Encoder, EncoderConfig, MultiHeadAttention, sinusoidal_positions
+from export.gate.cases import read_sentences
 from service.pipeline.tokenizer import TextTokenizer
 from tests.vectors import assert_same_vectors
 

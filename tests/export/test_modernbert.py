@@ -1,4 +1,4 @@
-"""ModernBERT (export.modernbert) against transformers, sentence-transformers and its own ONNX graph.
+"""ModernBERT (export.families.modernbert) against transformers, sentence-transformers and its own ONNX graph.
 
 One tiny random ModernBERT (hidden 64, 3 layers: global, local, local; a local window of 8
 tokens) with a byte-level BPE tokenizer in ModernBERT's form, wrapped as a sentence-transformers
@@ -23,9 +23,9 @@ import transformers
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
-from export import modernbert
-from export.architecture_error import ArchitectureError
-from export.onnx_export import export_onnx
+from export.checkpoints.architecture_error import ArchitectureError
+from export.families import modernbert
+from export.graph.onnx_export import export_onnx
 from tests.export import tiny_models
 
 HIDDEN = 64

@@ -13,11 +13,11 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.quantization import QuantType
 
-from export.checkpoint import random_checkpoint
-from export.config import EncoderConfig
-from export.onnx_export import export_onnx, input_names
-from export.parity import read_sentences
-from export.quantize import (
+from export.checkpoints.checkpoint import random_checkpoint
+from export.families.bert import EncoderConfig
+from export.gate.cases import read_sentences
+from export.graph.onnx_export import export_onnx, input_names
+from export.graph.quantize import (
     INTEGER_OPERATORS,
     quantize_int8,
     smooth_activations,

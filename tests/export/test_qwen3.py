@@ -1,4 +1,4 @@
-"""Qwen3-Embedding (export.qwen3) against transformers, sentence-transformers and its published graph.
+"""Qwen3-Embedding (export.families.qwen3) against transformers, sentence-transformers and its published graph.
 
 One tiny random Qwen3Model (hidden 32, 2 layers, 4 query heads sharing 2 key/value heads, head_dim 16
 so that heads x head_dim is not the hidden size) with a byte-level BPE tokenizer in Qwen3-Embedding's
@@ -22,11 +22,11 @@ import transformers
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
-from export import qwen3
-from export.architecture_error import ArchitectureError
-from export.checkpoint import CheckpointError, load_checkpoint
-from export.parity import served_feeds
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.families import qwen3
+from export.gate.served import served_feeds
 from service.core.fidelity import VARIANT_MIN_COSINE
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
@@ -207,7 +207,7 @@ def test_parity_report_has_the_unfused_forms_and_the_library_check(source: Sourc
     assert fp16["passed"] and fp16["recipe"]["graph_form"] == "unfused" and fp16["reference_library"]["passed"]
     graph = onnx.load(str(read_model(source.repository / "model").variants["fp16"])).graph
     assert max(graph.initializer, key=lambda tensor: np.prod(tensor.dims)).data_type == onnx.TensorProto.FLOAT16
-    # Rotary cos and sin are tables made in fp32 (export.rotary): angles computed in fp16 lose positions past 2048.
+    # Rotary cos and sin are tables made in fp32 (export.layers.rotary): fp16 angles lose positions past 2048.
     assert not {"Cos", "Sin"} & {node.op_type for node in graph.node}
 
 

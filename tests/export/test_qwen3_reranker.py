@@ -1,4 +1,4 @@
-"""Qwen3-Reranker (export.yes_no_reranker) against its model card's transformers code, exported and served.
+"""Qwen3-Reranker (export.heads.yes_no) against its model card's transformers code, exported and served.
 
 One tiny random Qwen3ForCausalLM (tied embeddings, as Qwen3-Reranker-0.6B) with a byte-level BPE
 tokenizer in Qwen2's form whose vocabulary holds "yes", "no" and the chat tokens, saved as Qwen
@@ -27,8 +27,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client import EmbeddingClient
-from export.checkpoint import load_checkpoint
-from export.yes_no_reranker import YesNoError, read_head
+from export.checkpoints.checkpoint import load_checkpoint
+from export.heads.yes_no import YesNoError, read_head
 from service.core.fidelity import LOGITS_MAX_ABS_DIFF
 from service.core.repository import RepositoryError, read_model
 from service.errors import InvalidArgument

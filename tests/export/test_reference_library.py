@@ -2,7 +2,7 @@
 
 A folder the exporter reads one way and the library another is refused, even when every graph equals
 our own PyTorch reading of it; the figures of every export are in parity.json. A folder whose
-tokenizer.json the library runs otherwise is served with the library's tokenizer (export.library_tokenizer).
+tokenizer.json the library runs otherwise is served with the library's tokenizer (export.checkpoints.library_tokenizer).
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import onnxruntime as ort
 import pytest
 from sentence_transformers import SentenceTransformer
 
-from export.checkpoint import load_checkpoint
-from export.onnx_export import export_onnx, input_names
-from export.parity import read_sentences
-from export.reference_library import (
+from export.checkpoints.checkpoint import load_checkpoint
+from export.gate.cases import read_sentences
+from export.gate.references.library import (
     FP32_MAX_ABS_DIFF,
     LONG_TEXT_LABEL,
     check_published,
     library_reference,
     measure,
 )
+from export.graph.onnx_export import export_onnx, input_names
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL, ExportedTasks

@@ -1,4 +1,4 @@
-"""GTE and NomicBERT (export.rotary_bert) against transformers, sentence-transformers and the exporter's output.
+"""GTE and NomicBERT (export.families.rotary_bert) against transformers, sentence-transformers, the exporter's output.
 
 Three tiny random models, each with a real tokenizer of its family, wrapped as sentence-transformers
 saves them (transformers writes the original checkpoints' weight names, as the hub folders hold):
@@ -30,9 +30,9 @@ import transformers
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
-from export import rotary_bert_formats
-from export.checkpoint import CheckpointError, load_checkpoint
-from export.rotary_bert import RotaryBertConfig
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.families import rotary_bert
+from export.families.rotary_bert_encoder import RotaryBertConfig
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer
 from tests.export import tiny_models
@@ -282,7 +282,7 @@ NOMIC_EMBED_TEXT_V1_5 = {
 
 
 def test_nomic_embed_text_config_reads_as_transformers_reads_it() -> None:
-    config = rotary_bert_formats.nomic_bert_config(NOMIC_EMBED_TEXT_V1_5, pooling="mean", normalize=True)
+    config = rotary_bert.nomic_bert_config(NOMIC_EMBED_TEXT_V1_5, pooling="mean", normalize=True)
     reference = transformers.NomicBertConfig(**NOMIC_EMBED_TEXT_V1_5)
     assert (config.d_model, config.num_heads, config.num_layers, config.ffn_dim, config.head_dim) == (
         reference.hidden_size,
@@ -301,9 +301,7 @@ def test_nomic_embed_text_config_reads_as_transformers_reads_it() -> None:
 def test_transformers_module_names_load_the_same_weights(sources: dict[str, Path], name: str) -> None:
     """A state dict under transformers' module names (q_proj, gate_proj...) gives what the saved folder's names give."""
     checkpoint = load_checkpoint(sources[name])
-    rename = (
-        rotary_bert_formats.rename_nomic_bert_weights if name == "nomic" else rotary_bert_formats.rename_gte_weights
-    )
+    rename = rotary_bert.rename_nomic_bert_weights if name == "nomic" else rotary_bert.rename_gte_weights
     native = _loaded_transformers(sources[name]).state_dict()
     assert any(".self_attn.q_proj." in key for key in native)
     weights, heads = rename(native)

@@ -17,8 +17,8 @@ import transformers
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.util.misc import import_from_string
 
-from export.checkpoint import CheckpointError, load_checkpoint
-from export.sentence_transformers_folder import MODULE_KINDS
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.checkpoints.sentence_transformers_folder import MODULE_KINDS
 from tests.export import tiny_models
 from tests.vectors import assert_same_vectors
 
@@ -53,7 +53,7 @@ def test_every_accepted_module_type_is_what_sentence_transformers_resolves_it_to
 
 
 def test_a_dense_module_with_an_activation_not_implemented_is_refused_naming_it(tmp_path: Path) -> None:
-    """sentence-transformers' Dense is read (export.dense: the identity activation only); its default tanh is not."""
+    """sentence-transformers' Dense is read (export.heads.dense: the identity activation only), its tanh is not."""
     source = tiny_models.save_sentence_transformer("bert", tmp_path, dense_width=16)
     with pytest.raises(CheckpointError) as refusal:
         load_checkpoint(source)

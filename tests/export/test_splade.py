@@ -20,8 +20,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from sentence_transformers import SparseEncoder
 
-from export.checkpoint import CheckpointError, load_checkpoint
-from export.reference_library import MASKED_LM_MAX_ABS_DIFF
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from export.gate.references.library import MASKED_LM_MAX_ABS_DIFF
 from service.core.fidelity import FidelityReference, compare
 from service.core.repository import read_model
 from service.pipeline.tokenizer import TextTokenizer

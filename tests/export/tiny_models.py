@@ -22,7 +22,7 @@ from sentence_transformers.sentence_transformer import modules as st_models
 from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from export.parity import SENTENCES_FILE, read_sentences
+from export.gate.cases import SENTENCES_FILE, read_sentences
 
 FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "modernbert", "deberta-v2")
 VOCAB_SIZE = 400

@@ -22,7 +22,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.util.quantization import quantize_embeddings
 from tritonclient.utils import InferenceServerException
 
-from export.parity import read_sentences
+from export.gate.cases import read_sentences
 from service.core.repository import P_EMBEDDING_RANGES, config_text, parse_config, read_model
 from service.errors import InvalidArgument
 from service.pipeline.embedding_types import quantize

@@ -30,8 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 
 from client import EmbeddingClient
-from export import parity
-from export.checkpoint import load_checkpoint
+from export.checkpoints.checkpoint import load_checkpoint
+from export.gate.cases import mask_row
+from export.gate.served import embed_each
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from protocol import model_config_pb2 as mc
@@ -82,7 +83,7 @@ class SweepCase:
 def _sweep_feed(rows: int, length: int, style: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     real = rng.integers(1, length + 1, size=rows)
     real[0] = length
-    mask = np.stack([parity.mask_row(length, int(n), style, rng) for n in real])
+    mask = np.stack([mask_row(length, int(n), style, rng) for n in real])
     return {
         "input_ids": rng.integers(1000, 30000, size=(rows, length), dtype=np.int64) * mask,
         "attention_mask": mask,
@@ -101,9 +102,9 @@ def sweep_against_torch(default_folder: Path) -> list[SweepCase]:
     cases = []
     for rows in SWEEP_ROWS:
         for length in SWEEP_LENGTHS:
-            for style in parity.MASK_STYLES:
+            for style in cases.MASK_STYLES:
                 feed = _sweep_feed(rows, length, style, rng)
-                cases.append(SweepCase(f"{rows}x{length} {style}", feed, parity.embed_each(model, [feed])))
+                cases.append(SweepCase(f"{rows}x{length} {style}", feed, embed_each(model, [feed])))
     return cases
 
 

@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
 from client.protocol import prompt_tokens
-from export.parity import read_sentences
+from export.gate.cases import read_sentences
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.core.fidelity import DEFAULT_VARIANTS, required_cosine

@@ -21,7 +21,7 @@ import tritonclient.grpc as triton
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
-from export.parity import read_sentences
+from export.gate.cases import read_sentences
 from service.core.fidelity import cosines, required_cosine
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL
 from tests.servers import (

@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client import EmbeddingClient
-from export.bge_m3_reference import bge_m3_flag_model
+from export.gate.references.bge_m3 import bge_m3_flag_model
 from tests.multivector_models import BGE_M3_TEXTS, BGE_M3_WIDTH, QUERY_LENGTH, WIDTH, ExportedBgeM3, ExportedColbert
 from tests.servers import RunningServer, start_server
 from tests.servers import post_json as post

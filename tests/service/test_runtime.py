@@ -21,10 +21,10 @@ import pytest
 from onnx import TensorProto, helper
 from onnxruntime.transformers.fusion_options import AttentionMaskFormat
 
-from export import optimize
-from export.checkpoint import random_checkpoint
-from export.onnx_export import export_onnx
-from export.pipeline import ExportOptions, export_model
+from export.build import ExportOptions, export_model
+from export.checkpoints.checkpoint import random_checkpoint
+from export.graph import forms as optimize
+from export.graph.onnx_export import export_onnx
 from service.core.fidelity import (
     FIDELITY_MIN_COSINE,
     LOGITS_FIDELITY_MAX_ABS_DIFF,

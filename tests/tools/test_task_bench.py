@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from export.checkpoint import load_checkpoint
+from export.checkpoints.checkpoint import load_checkpoint
 from service.pipeline.tokenizer import TextTokenizer
 from tools import task_bench
 

@@ -1,0 +1,574 @@
+"""Checkpoint -> ONNX -> per-provider variants -> parity gate -> model repository.
+
+Every graph form that is measured is gated too: a CPU candidate that misses its variant's
+tolerance (on any mask shape) is never eligible, and a variant with no passing form refuses the
+whole export, except fp16: CUDA's alternative to fp32, a refused fp16 is withdrawn (not published,
+the reason in parity.json) and fp32 serves CUDA. What a user of the server gets (texts in,
+`embedding` out) is measured for every published variant and decides the default on CUDA (the
+fidelity rule, service.core.fidelity).
+Last, every published variant is held to the library that made the source folder, run on that
+folder (export.gate.references.library; FlagEmbedding for bge-m3's three outputs, export.gate.references.bge_m3):
+the gates before it compare with our own reading of the folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from export.checkpoints import library_tokenizer
+from export.checkpoints.checkpoint import Checkpoint
+from export.gate import cases, parity
+from export.gate.parity import GateRefused
+from export.gate.references.published import check_with_libraries
+from export.gate.served import ServedFigures, ServedPath, fidelity_reference
+from export.graph import forms as optimize
+from export.graph.calibration import calibration_ranges
+from export.graph.onnx_export import OPSET, export_onnx, input_names
+from export.graph.quantize import quantize_int8
+from export.graph.timing import compare_throughput, cpu_session, token_feed
+from export.publish import ServingDefaults, build_config, publish
+from service.core.fidelity import (
+    FIDELITY_MIN_COSINE,
+    LOGITS_FIDELITY_MAX_ABS_DIFF,
+    FidelityCheck,
+    FidelityReference,
+    compare,
+    required_bar,
+)
+from service.core.repository import VARIANT_FILES
+from service.core.runtime import (
+    CPU,
+    CUDA,
+    ExecutionSettings,
+    cuda_provider_options,
+    cuda_unavailable_reason,
+    session_options,
+)
+from service.pipeline.tokenizer import TextTokenizer
+
+VARIANTS = tuple(VARIANT_FILES)
+"""Every variant: fp32 (always built), int8 (CPU), fp16 (CUDA)."""
+CALIBRATION_FILE = Path(__file__).resolve().parent / "data" / "calibration.txt"
+SPEEDUP_SHAPE = (8, 128)
+
+log = logging.getLogger(__name__)
+
+Stage = Callable[[str], None]
+"""Called with the name of each export stage as it starts (a progress display)."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What to build and how strictly to check it."""
+
+    variants: tuple[str, ...] = VARIANTS
+    threads: int = 2
+    """Intra-op threads for the measurements that choose graph forms."""
+    int8_min_speedup: float = 1.6
+    """int8 is published only if at least this much faster than fp32 at 8 x 128 on the CPU."""
+    serving: ServingDefaults = field(default_factory=ServingDefaults)
+    sentences: Path = cases.SENTENCES_FILE
+    calibration: Path = CALIBRATION_FILE
+    """Texts the int8 graph's activations are calibrated on."""
+    embedding_calibration: Path = cases.SENTENCES_FILE
+    """Texts the embedding's ranges (int8/uint8 embeddings) are measured on."""
+    gate_forms: str = "all"
+    """all: gate every CPU graph form, then choose the fastest that passed; fastest-first: measure every form, then
+    gate them fastest first and choose the first that passes (the same gate on what is published, less time)."""
+
+
+@dataclass
+class _Gate:
+    """Everything the variants are compared with: references, the served path, and the verdicts so far."""
+
+    references: list[parity.Reference]
+    served: ServedPath | None
+    fidelity: FidelityReference
+    """What the server checks each variant with at load: a published variant must pass it here too."""
+    threads: int
+    results: dict[str, parity.GateResult] = field(default_factory=dict)
+    served_figures: dict[str, ServedFigures] = field(default_factory=dict)
+    load_checks: dict[str, FidelityCheck] = field(default_factory=dict)
+    forms: dict[str, dict[str, parity.GateResult]] = field(default_factory=dict)
+    """variant -> CPU graph form -> verdict, for every form measured."""
+    sessions: dict[str, ort.InferenceSession] = field(default_factory=dict)
+    """variant -> the session of its graph as published (for the reference library's check)."""
+
+    def check(self, variant: str, session: ort.InferenceSession) -> parity.GateResult:
+        return parity.check_variant(variant, session, self.references)
+
+    def publishable(self, variant: str, candidates: dict[str, Path], keep: bool = False) -> dict[str, Path]:
+        """Gate every candidate form of a variant; the ones that pass (keep: add to the variant's earlier verdicts)."""
+        verdicts = {
+            form: self.check(variant, cpu_session(str(path), self.threads, optimize.cpu_graph_optimization(variant)))
+            for form, path in candidates.items()
+        }
+        self.forms[variant] = (self.forms.get(variant, {}) if keep else {}) | verdicts
+        passing = {form: path for form, path in candidates.items() if verdicts[form].passed}
+        for form, result in verdicts.items():
+            if not result.passed:
+                log.warning(
+                    "%s graph form %s refused by the parity gate: %s", variant, form, "; ".join(result.failures)
+                )
+        return passing
+
+    def record(self, variant: str, form: str | None, session: ort.InferenceSession) -> None:
+        """The verdict, served figures and load check of the variant as published."""
+        self.results[variant] = self.forms[variant][form] if form is not None else self.check(variant, session)
+        self.sessions[variant] = session
+        if self.served is not None:
+            self.served_figures[variant] = self.served.measure(session)
+        (embedding,) = session.run([self.fidelity.output], self.fidelity.feed)
+        provider = session.get_providers()[0]
+        self.load_checks[variant] = compare(
+            self.fidelity, embedding, variant, provider, required_bar(self.fidelity.output, variant, False)
+        )
+
+    def failures(self, variants: Iterable[str]) -> list[str]:
+        """The recorded variants' misses: their tolerances, and the server's check at load."""
+        chosen = [variant for variant in variants if variant in self.results]
+        failures = [failure for variant in chosen for failure in self.results[variant].failures]
+        return failures + [
+            f"{variant}: would fail the server's check at load: {self.load_checks[variant].describe()}"
+            for variant in chosen
+            if not self.load_checks[variant].passed
+        ]
+
+
+def _fp16_session(path: Path, threads: int) -> tuple[ort.InferenceSession, str | None]:
+    """fp16 on CUDA where it can run here, else on the CPU; with the reason CUDA was not used."""
+    settings = ExecutionSettings(intra_op_threads=threads)
+    reason = cuda_unavailable_reason(settings.cuda_device_id)
+    providers: list = [CPU] if reason else [(CUDA, cuda_provider_options(settings)), CPU]
+    return ort.InferenceSession(str(path), session_options(settings), providers=providers), reason
+
+
+def _calibration_feeds(
+    checkpoint: Checkpoint, tokenizer: TextTokenizer | None, options: ExportOptions, names: list[str]
+) -> list[dict[str, np.ndarray]]:
+    """Calibration batches: shipped sentences through the tokenizer, right- and left-padded, or random tokens.
+
+    Left-padded copies put padding where right-padded batches have real tokens; without them the
+    int8 recipe is tuned to one mask shape (measured: left-padded cosine 0.990 against 0.996 with them).
+    """
+    if tokenizer is None:
+        return [
+            token_feed(names, 8, min(64, checkpoint.max_seq_length), checkpoint.config.vocab_size, seed=seed)
+            for seed in range(4)
+        ]
+    sentences = cases.read_sentences(options.calibration)
+    feeds = [tokenizer.encode(sentences[start : start + 16]).feed(names) for start in range(0, len(sentences), 16)]
+    return feeds + [cases.left_padded(feed) for feed in feeds]
+
+
+def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[str], threads: int) -> dict[str, float]:
+    batch, tokens = SPEEDUP_SHAPE
+    tokens = min(tokens, checkpoint.max_seq_length)
+    feed = token_feed(names, batch, tokens, checkpoint.config.vocab_size)
+    sessions = {
+        variant: cpu_session(str(path), threads, optimize.cpu_graph_optimization(variant))
+        for variant, path in (("fp32", fp32), ("int8", int8))
+    }
+    rates = compare_throughput(sessions, feed, rounds=5)
+    return {
+        "shape": f"{batch}x{tokens}",
+        "fp32_sequences_per_second": round(rates["fp32"], 1),
+        "int8_sequences_per_second": round(rates["int8"], 1),
+        "speedup": round(rates["int8"] / rates["fp32"], 3),
+    }
+
+
+def _fidelity_basis(gate: _Gate, variant: str) -> tuple[bool, str]:
+    """Whether a variant meets the fidelity rule, and the figure it rests on.
+
+    Embeddings: the served path's least cosine, or (no tokenizer) every gated case's. A classifier:
+    its largest logit difference on real sentence pairs, masks included (no tokenizer: every case), as
+    users send them: random token ids move fp16 logits most (Qwen3-Reranker-0.6B, random weights:
+    0.025 on one random token, 0.014 on sentences).
+    """
+    if gate.fidelity.output == "logits":
+        kinds = gate.results[variant].figures
+        real = [kinds[name] for name in ("sentences", "sentence_masks") if name in kinds] or list(kinds.values())
+        worst = max(kind.max_abs_diff for kind in real)
+        meets = worst <= LOGITS_FIDELITY_MAX_ABS_DIFF
+        rule = f"{'<=' if meets else '>'} {LOGITS_FIDELITY_MAX_ABS_DIFF}"
+        return meets, f"{variant} max logit difference from the model {worst:.3g} {rule}"
+    if variant in gate.served_figures:
+        measured = gate.served_figures[variant].min_cosine
+    else:
+        measured = min(kind.min_cosine for kind in gate.results[variant].figures.values())
+    meets = measured >= FIDELITY_MIN_COSINE
+    return meets, f"{variant} min cosine to the model {measured:.6f} {'>=' if meets else '<'} {FIDELITY_MIN_COSINE}"
+
+
+def preferred_variants(
+    gate: _Gate, published: list[str], withdrawn: dict[str, str], cuda_problem: str | None
+) -> dict[str, dict[str, object]]:
+    """The default per device under the fidelity rule, with what it rests on.
+
+    CPU: fp32 (int8 is only ever an explicit choice). CUDA: fp16 where its served embeddings
+    measured >= the fidelity rule, else fp32 (and fp32 where fp16 was not built or was withdrawn,
+    saying why). When fp16 could only be measured on the CPU, that is said, and the server checks it
+    again on CUDA at load.
+    """
+    choices: dict[str, dict[str, object]] = {
+        "cpu": {"variant": "fp32", "basis": "fidelity rule: fp32 on the CPU; int8 only by explicit choice"}
+    }
+    if "fp16" not in published:
+        basis = f"fp16 not published: {withdrawn['fp16']}" if "fp16" in withdrawn else "fp16 not built"
+        choices["cuda"] = {"variant": "fp32", "basis": basis}
+        return choices
+    meets, figure = _fidelity_basis(gate, "fp16")
+    provider = gate.results["fp16"].provider
+    where = f"measured on {provider}"
+    if provider != CUDA:
+        where += f" only, not CUDA ({cuda_problem}); the server re-checks fp16 on CUDA at load"
+    choices["cuda"] = {
+        "variant": "fp16" if meets else "fp32",
+        "basis": f"{figure}, {where}",
+        "fp16_checked_on_cuda": provider == CUDA,
+    }
+    return choices
+
+
+class _Build:
+    """One export in a scratch folder: candidates, gate verdicts and choices as they are made."""
+
+    def __init__(self, checkpoint: Checkpoint, options: ExportOptions, workdir: Path, stage: Stage) -> None:
+        self.checkpoint, self.options, self.workdir, self.stage = checkpoint, options, workdir, stage
+        self.model = checkpoint.build_model()
+        self.names = input_names(self.model)
+        self.tokenizer = None
+        if checkpoint.tokenizer_files:
+            self.tokenizer = TextTokenizer(
+                checkpoint.tokenizer_folder / "tokenizer.json",
+                checkpoint.max_seq_length,
+                checkpoint.config.pad_token_id,
+                checkpoint.pair_template,
+            )
+        self.raw = workdir / "exported.onnx"
+        self.choices: dict[str, optimize.FormChoice] = {}
+        self.files: dict[str, Path] = {}
+        self.recipes: dict[str, dict[str, object]] = {}
+        self.refusals: list[str] = []
+        self.withdrawn: dict[str, str] = {}
+        """variant -> why it was left out of what is published (the export goes on without it)."""
+        self.cuda_problem: str | None = None
+
+    def references(self) -> _Gate:
+        """The gate: PyTorch references for every case kind, the served path, the server's fidelity reference."""
+        checkpoint, names, tokenizer = self.checkpoint, self.names, self.tokenizer
+        gate_cases = cases.token_cases(names, checkpoint.config.vocab_size, checkpoint.max_seq_length)
+        sentences: list = cases.read_sentences(self.options.sentences) if tokenizer is not None else []
+        if checkpoint.task == "classify":  # a classifier is gated on pairs, as a reranker is asked
+            sentences = cases.sentence_pairs(sentences)
+        if tokenizer is not None:
+            gate_cases += cases.sentence_cases(names, tokenizer, sentences)
+            gate_cases += cases.sentence_mask_cases(names, tokenizer, sentences)
+        references = parity.reference_outputs(self.model, gate_cases)
+        served = None
+        if tokenizer is not None and checkpoint.task == "embed":
+            expected = np.concatenate([r.output for r in references if r.case.kind == "sentences"])
+            served = ServedPath(
+                expected,
+                names,
+                tokenizer,
+                sentences,
+                max_length=checkpoint.max_seq_length,
+                pad_token_id=checkpoint.config.pad_token_id,
+            )
+        fidelity = fidelity_reference(self.model, names, tokenizer, sentences, checkpoint.max_seq_length)
+        return _Gate(references, served, fidelity, self.options.threads)
+
+    def cpu_variants(self, gate: _Gate, forms: dict[str, Path]) -> None:
+        """fp32 (and int8) in every CPU form; each variant's fastest form among those the gate passes."""
+        candidates = {"fp32": forms}
+        int8_recipes: dict[str, dict[str, object]] = {}
+        if "int8" in self.options.variants:
+            self.stage("int8 quantisation")
+            calibration = _calibration_feeds(self.checkpoint, self.tokenizer, self.options, self.names)
+            candidates["int8"] = {form: self.workdir / f"int8-{form}.onnx" for form in forms}
+            for form, path in forms.items():
+                int8_recipes[form] = quantize_int8(path, candidates["int8"][form], calibration)
+        threads = self.options.threads
+        for variant, paths in candidates.items():
+            level = optimize.cpu_graph_optimization(variant)
+            if self.options.gate_forms == "fastest-first":
+                choice = self._fastest_passing(gate, variant, paths, level)
+            else:
+                choice = self._fastest_of_passing(gate, variant, paths, level)
+            if choice is None:
+                self.refusals += [failure for result in gate.forms[variant].values() for failure in result.failures]
+                continue
+            gate.record(variant, choice.form, cpu_session(str(choice.path), threads, level))
+            self.choices[variant], self.files[variant] = choice, choice.path
+            self.recipes[variant] = {
+                "graph_form": choice.form,
+                "graph_optimization": level,
+                **int8_recipes.get(choice.form, {}),
+            }
+
+    def _fastest_of_passing(
+        self, gate: _Gate, variant: str, paths: dict[str, Path], level: str
+    ) -> optimize.FormChoice | None:
+        """Gate every form, then measure those that passed: the fastest is chosen (None: none passes)."""
+        self.stage(f"{variant}: parity gate on every graph form")
+        passing = gate.publishable(variant, paths)
+        if not passing:
+            return None
+        self.stage(f"{variant}: measuring graph forms")
+        return optimize.choose_fastest(passing, self.checkpoint.config, self.names, self.options.threads, level)
+
+    def _fastest_passing(
+        self, gate: _Gate, variant: str, paths: dict[str, Path], level: str
+    ) -> optimize.FormChoice | None:
+        """Measure every form, then gate them fastest first: the first that passes is chosen (None: none passes).
+
+        What is published is gated exactly as with every form gated; forms slower than the chosen one are
+        not gated (parity.json lists the forms that were).
+        """
+        self.stage(f"{variant}: measuring graph forms")
+        figures = optimize.measure_forms(paths, self.checkpoint.config, self.names, self.options.threads, level)
+        self.stage(f"{variant}: parity gate, fastest graph form first")
+        for form in sorted(paths, key=lambda name: -optimize.geometric_mean(list(figures[name].values()))):
+            if gate.publishable(variant, {form: paths[form]}, keep=True):
+                return optimize.FormChoice(form, paths[form], figures)
+        return None
+
+    def withdraw(self, variant: str, reason: str) -> None:
+        """Leave a built variant out of what is published, with a warning; the reason goes into parity.json."""
+        log.warning("%s not published: %s", variant, reason)
+        del self.files[variant]
+        self.withdrawn[variant] = reason
+
+    def fp16_variant(self, gate: _Gate) -> None:
+        """The fp16 graph for CUDA (optimize.fp16_form), gated on CUDA where usable here, else (said plainly) on CPU.
+
+        A refused fp16 is withdrawn rather than refusing the export: CUDA serves fp16 only where it meets
+        the fidelity rule, and fp32 otherwise, so fp32 serves CUDA in its place.
+        """
+        self.stage("fp16: build and parity gate")
+        path = self.workdir / "fp16.onnx"
+        optimize.write_cuda_fp16(self.raw, path, self.checkpoint.config)
+        session, self.cuda_problem = _fp16_session(path, self.options.threads)
+        gate.record("fp16", None, session)
+        self.files["fp16"] = path
+        self.recipes["fp16"] = {"graph_form": optimize.fp16_form(self.checkpoint.config), "target": CUDA}
+        if self.cuda_problem:
+            log.warning(
+                "fp16 was checked on the CPU only (CUDA cannot be used here: %s); "
+                "the server checks it again on CUDA when it loads it",
+                self.cuda_problem,
+            )
+        failures = gate.failures(["fp16"])
+        if failures:
+            self.withdraw("fp16", "refused by the parity gate: " + "; ".join(failures))
+
+    def int8_speed(self) -> dict[str, object]:
+        """int8 against fp32 at the reference shape; int8 is withdrawn (not published) if it misses the bar.
+
+        int8 is an explicit, opt-in choice (fp32 is the default), so a variant that is not worth
+        choosing is left out with a warning rather than failing the whole export: a timing taken on
+        a busy machine must not stop the model from being published.
+        """
+        self.stage("int8: speed bar")
+        speedup: dict[str, object] = dict(
+            _int8_speedup(self.files["fp32"], self.files["int8"], self.checkpoint, self.names, self.options.threads)
+        )
+        bar = self.options.int8_min_speedup
+        speedup["bar"] = bar
+        speedup["published"] = speedup["speedup"] >= bar
+        if not speedup["published"]:
+            self.withdraw("int8", f"{speedup['speedup']}x fp32 at {speedup['shape']} is below the {bar}x bar")
+        return speedup
+
+
+def _gated_options(checkpoint: Checkpoint, options: ExportOptions) -> ExportOptions:
+    """The options without the variants the checkpoint's outputs are not gated in (warned about)."""
+    ungated = _ungated_variants(checkpoint)
+    if ungated is not None and set(ungated[0]) & set(options.variants):
+        log.warning("%s is %s", checkpoint.name, ungated[1])
+        return dataclasses.replace(options, variants=tuple(v for v in options.variants if v not in ungated[0]))
+    return options
+
+
+def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
+    """How many stages export_model announces for this checkpoint and these options (when every gate passes)."""
+    variants = options.variants
+    ungated = _ungated_variants(checkpoint)
+    if ungated is not None:
+        variants = tuple(v for v in variants if v not in ungated[0])
+    with_tokenizer = bool(checkpoint.tokenizer_files)
+    return (
+        4  # load checkpoint, export to ONNX, PyTorch references, publish
+        + len(optimize.cpu_forms(checkpoint.config))
+        + 2 * len({"fp32", "int8"} & set(variants))  # each CPU variant: gate, measure
+        + ("int8" in variants) * 2  # quantisation, speed bar
+        + ("fp16" in variants)
+        + 1  # the reference library
+        + (checkpoint.bge_m3 is not None)
+        + (checkpoint.task == "sparse" and with_tokenizer)
+        + (checkpoint.task == "embed" and with_tokenizer)  # embedding ranges
+    )
+
+
+def export_model(
+    checkpoint: Checkpoint,
+    repository: Path,
+    options: ExportOptions,
+    stage: Stage | None = None,
+    scratch: Path | None = None,
+) -> dict[str, object]:
+    """Build every requested variant, gate it, and publish the model; return the parity report.
+
+    stage is told each export stage as it starts (the command line shows progress with it). scratch: the
+    folder the intermediate graphs are written in (a temporary folder inside it; default: the system's).
+    Raises GateRefused (repository untouched) when fp32 or int8 misses its tolerance (a refused fp16 is withdrawn).
+    """
+    if "fp32" not in options.variants:
+        raise ValueError("the fp32 variant is always built")
+    options = _gated_options(checkpoint, options)
+    stage = stage or (lambda name: log.info("export stage: %s", name))
+    with tempfile.TemporaryDirectory(prefix="encoder-export-", dir=scratch) as workdir:
+        stage("load checkpoint")
+        checkpoint = library_tokenizer.with_library_tokenizer(checkpoint, Path(workdir), options.sentences)
+        build = _Build(checkpoint, options, Path(workdir), stage)
+        stage("export to ONNX")
+        export_onnx(build.model, build.raw)
+        forms = optimize.write_cpu_forms(build.raw, build.workdir, checkpoint.config, stage)
+        stage("PyTorch references")
+        gate = build.references()
+        build.cpu_variants(gate, forms)
+        if "fp16" in options.variants:
+            build.fp16_variant(gate)
+        failures = build.refusals + gate.failures(build.files)
+        speedup = build.int8_speed() if "int8" in build.files and not failures else None
+        if failures:
+            raise GateRefused("parity gate refused: " + "; ".join(failures))
+        report = _report(build, gate, speedup)
+        preferred = preferred_variants(gate, list(build.files), build.withdrawn, build.cuda_problem)
+        report["preferred_variants"] = {device: choice["variant"] for device, choice in preferred.items()}
+        report["preferred_variants_basis"] = preferred
+        check_with_libraries(
+            build.checkpoint,
+            build.model,
+            build.tokenizer,
+            build.names,
+            {variant: gate.sessions[variant] for variant in build.files},
+            sentences=cases.read_sentences(build.options.sentences),
+            stage=build.stage,
+            report=report,
+        )
+        ranges: dict[int, np.ndarray] = {}
+        if checkpoint.task == "embed" and build.tokenizer is not None:
+            stage("embedding ranges for int8 and uint8 embeddings")
+            ranges, report["embedding_ranges"] = calibration_ranges(
+                checkpoint, build.model, build.tokenizer, build.names, options.embedding_calibration
+            )
+        stage("publish")
+        variants = list(build.files)
+        config = build_config(
+            checkpoint,
+            build.names,
+            variants,
+            report["preferred_variants"],
+            options.serving,
+            calibration=report.get("embedding_ranges"),
+        )
+        target = publish(
+            repository, checkpoint, config, build.files, parity=report, fidelity=gate.fidelity, embedding_ranges=ranges
+        )
+    log.info("published %s", target)
+    return report
+
+
+def _ungated_variants(checkpoint: Checkpoint) -> tuple[tuple[str, ...], str] | None:
+    """The variants a model's outputs are not gated in (never published), and why; None: all are gated."""
+    fp32_only = ("int8", "fp16")
+    if checkpoint.bge_m3 is not None:
+        reason = "bge-m3: published in fp32 only (int8 and fp16 are not gated for token vectors and token weights)"
+        return fp32_only, reason
+    return {
+        "classify": (("int8",), "a classifier: published in fp32 and fp16 (int8 is not gated for logits)"),
+        "sparse": (
+            fp32_only,
+            "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
+        ),
+        "multivector": (
+            fp32_only,
+            "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
+        ),
+    }.get(checkpoint.task)
+
+
+def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dict[str, object]:
+    """parity.json: every figure, with the provider each one was measured on."""
+    checkpoint, choices = build.checkpoint, build.choices
+    return {
+        "model": checkpoint.name,
+        "source": str(checkpoint.folder) if checkpoint.folder else "random initialisation",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model_type": checkpoint.model_type,
+        "task": checkpoint.task,
+        "encoder": checkpoint.config.to_dict(),
+        "head": next(
+            (
+                head.to_dict()
+                for head in (
+                    checkpoint.head,
+                    checkpoint.splade,
+                    checkpoint.colbert,
+                    checkpoint.bge_m3,
+                    checkpoint.dense,
+                )
+                if head is not None
+            ),
+            None,
+        ),
+        "max_sequence_length": checkpoint.max_seq_length,
+        "onnx": {"exporter": "torch.onnx (TorchScript)", "opset": OPSET, "attention_mask": "raw 0/1 mask"},
+        "cpu_graph_forms": {
+            variant: {
+                "chosen": choices[variant].form,
+                "threads": build.options.threads,
+                "sequences_per_second": choices[variant].sequences_per_second,
+                "gate": {form: result.to_dict() for form, result in gate.forms[variant].items()},
+            }
+            for variant in choices
+        },
+        "int8_speed": speedup,
+        "variants": {variant: _variant_figures(build, gate, variant) for variant in build.files},
+        "withdrawn": {
+            variant: {"reason": reason, **_variant_figures(build, gate, variant)}
+            for variant, reason in build.withdrawn.items()
+        },
+    }
+
+
+def _variant_figures(build: _Build, gate: _Gate, variant: str) -> dict[str, object]:
+    """One variant's gate verdict, served figures, load check and recipe, as parity.json records them."""
+    return {
+        **gate.results[variant].to_dict(),
+        "served": gate.served_figures[variant].to_dict() if variant in gate.served_figures else None,
+        "load_check": _load_check_figures(gate.load_checks[variant]),
+        "recipe": build.recipes[variant],
+    }
+
+
+def _load_check_figures(check: FidelityCheck) -> dict[str, object]:
+    """The server's check at load as measured here: the least cosine, or a classifier's largest logit difference."""
+    figures: dict[str, object] = {"provider": check.provider}
+    if check.max_abs_diff is None:
+        figures["min_cosine"] = round(check.min_cosine, 8)
+    else:
+        figures["max_abs_diff"] = float(f"{check.max_abs_diff:.3g}")
+    return figures | {"worst_row": check.worst_row, "required": check.required}

@@ -1,0 +1,1 @@
+"""Model families: one module each, ending in its declaration; the registry lists them."""

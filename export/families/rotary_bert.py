@@ -1,0 +1,362 @@
+"""The rotary BERT family (GTE, NomicBERT, jina-embeddings-v3): its config.json and weight names.
+
+They are read onto one encoder, export.families.rotary_bert_encoder. Each config.json is read as the
+installed transformers reads it (its native `gte` and `nomic_bert` configurations, with their defaults
+for what a file leaves out), since transformers is the reference the export is checked against. Keys of
+the families' remote-code configurations that transformers ignores are still checked: one that asks for
+something else than what is built (NomicBERT's `rotary_emb_interleaved`, `prenorm`, biases or
+`rotary_scaling_factor`; GTE's `logn_attention_scale` or RMSNorm) or that disagrees with the native
+reading (`n_embd` against `hidden_size`) is refused by name. Weights may be named as the original
+checkpoints name them (GTE's `encoder.layer.N.attention.qkv_proj`, NomicBERT's
+`encoder.layers.N.attn.Wqkv`; what `save_pretrained` writes) or as transformers' modules do
+(`layers.N.self_attn.q_proj`): Q, K and V, and W_up and W_gate, are joined into this encoder's single
+matrices. jina-embeddings-v3 is read in its transformers-native form (model_type jina_embeddings_v3, as
+jinaai/jina-embeddings-v3-hf ships it), its task adapters by export.layers.task_adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from export.checkpoints.architecture_error import ArchitectureError
+from export.families.family import BERT_FUSIONS, Family, Format
+from export.families.rotary_bert_encoder import RotaryBertConfig, RotaryBertEncoder
+from export.layers.task_adapters import Target, adapter_folders, read_task_adapters
+
+ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+}
+ROPE_TYPES = ("default", "linear")
+ROPE_KEYS = ("rope_type", "type", "rope_theta", "factor", "partial_rotary_factor")
+NOMIC_GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
+"""NomicBERT's remote-code activation_function -> the native hidden_act it agrees with."""
+NOMIC_SIZES = {
+    "n_embd": "hidden_size",
+    "n_head": "num_attention_heads",
+    "n_layer": "num_hidden_layers",
+    "n_inner": "intermediate_size",
+    "layer_norm_epsilon": "layer_norm_eps",
+}
+"""NomicBERT's remote-code size keys -> the native keys transformers reads instead."""
+NOMIC_FIXED = {
+    "rotary_emb_fraction": 1.0,
+    "rotary_emb_interleaved": False,
+    "rotary_scaling_factor": None,
+    "rotary_emb_scale_base": None,
+    "prenorm": False,
+    "parallel_block": False,
+    "causal": False,
+    "qkv_proj_bias": False,
+    "mlp_fc1_bias": False,
+    "mlp_fc2_bias": False,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "use_rms_norm": False,
+    "moe_every_n_layers": 0,
+}
+"""NomicBERT's remote-code settings, each at the one value that this encoder (and transformers') implements."""
+GTE_FIXED = {"position_embedding_type": "rope", "layer_norm_type": "layer_norm", "logn_attention_scale": False}
+"""GTE's remote-code settings, each at the one value that this encoder (and transformers') implements."""
+BUFFERS = ("position_ids", "token_type_ids", "inv_freq", "original_inv_freq")
+"""Saved buffers that are not weights (positions and rotary frequencies are computed)."""
+HEAD_PREFIXES = ("pooler.", "classifier.", "lm_head.", "cls.")
+WRAPPERS = ("0.auto_model.", "model.")
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    """A family's native configuration defaults (transformers' GteConfig / NomicBertConfig)."""
+
+    vocab_size: int
+    hidden_act: str
+    max_position_embeddings: int
+    type_vocab_size: int
+    pad_token_id: int
+    rope_theta: float
+
+
+GTE_DEFAULTS = _Defaults(250048, "gelu", 8192, 1, 1, 160_000.0)
+JINA_DEFAULTS = _Defaults(250002, "gelu", 8194, 1, 1, 20_000.0)
+NOMIC_BERT_DEFAULTS = _Defaults(30528, "silu", 2048, 2, 0, 1000.0)
+
+
+def _shown(value: object) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _check_fixed(hf_config: dict, fixed: dict[str, object]) -> None:
+    for key, implemented in fixed.items():
+        if key in hf_config and hf_config[key] != implemented:
+            raise ArchitectureError(f"unsupported {key} {_shown(hf_config[key])} (only {_shown(implemented)})")
+
+
+def _rope(hf_config: dict, default_theta: float) -> tuple[float, float]:
+    """(θ, linear factor) of rope_scaling / rope_parameters / rope_theta, read as transformers reads them."""
+    rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    for key, value in rope.items():
+        if key not in ROPE_KEYS:
+            raise ArchitectureError(f"unsupported rope parameter {key!r} (supported: {', '.join(ROPE_KEYS)})")
+        if isinstance(value, dict):
+            raise ArchitectureError(f"unsupported per-layer rope parameters {key!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ArchitectureError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    partial = rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ArchitectureError(f"unsupported partial_rotary_factor {partial!r}: only rotary over whole heads")
+    theta = rope.get("rope_theta", hf_config.get("rope_theta", default_theta))
+    return float(theta), float(rope["factor"]) if kind == "linear" else 1.0
+
+
+def _common(hf_config: dict, defaults: _Defaults, pooling: str, normalize: bool) -> dict[str, object]:
+    """The fields both families read alike (transformers' BERT-style keys with the family's defaults)."""
+    d_model = hf_config.get("hidden_size", 768)
+    num_heads = hf_config.get("num_attention_heads", 12)
+    activation = hf_config.get("hidden_act", defaults.hidden_act)
+    if activation not in ACTIVATIONS:
+        raise ArchitectureError(f"unsupported hidden_act {activation!r} (supported: {', '.join(ACTIVATIONS)})")
+    theta, factor = _rope(hf_config, defaults.rope_theta)
+    pad_token_id = hf_config.get("pad_token_id", defaults.pad_token_id)
+    return {
+        "vocab_size": hf_config.get("vocab_size", defaults.vocab_size),
+        "d_model": d_model,
+        "num_heads": num_heads,
+        "num_layers": hf_config.get("num_hidden_layers", 12),
+        "ffn_dim": hf_config.get("intermediate_size", 3072),
+        "head_dim": hf_config.get("head_dim") or d_model // num_heads,
+        "rope_theta": theta,
+        "rope_linear_factor": factor,
+        "type_vocab_size": hf_config.get("type_vocab_size", defaults.type_vocab_size),
+        "activation": ACTIVATIONS[activation],
+        "layer_norm_eps": hf_config.get("layer_norm_eps", 1e-12),
+        "pooling": pooling,
+        "normalize": normalize,
+        "pad_token_id": 0 if pad_token_id is None else pad_token_id,
+    }
+
+
+def gte_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertConfig:
+    """Translate a transformers-native GTE config.json (model_type gte)."""
+    _check_fixed(hf_config, GTE_FIXED)
+    return RotaryBertConfig(
+        **_common(hf_config, GTE_DEFAULTS, pooling, normalize),
+        max_positions=hf_config.get("max_position_embeddings", GTE_DEFAULTS.max_position_embeddings),
+        attention_bias=True,
+        up_gate_bias=False,
+        down_bias=True,
+    )
+
+
+def nomic_bert_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertConfig:
+    """Translate a NomicBERT config.json (model_type nomic_bert), native or in its remote-code form."""
+    _check_fixed(hf_config, NOMIC_FIXED)
+    common = _common(hf_config, NOMIC_BERT_DEFAULTS, pooling, normalize)
+    native = {
+        "hidden_size": common["d_model"],
+        "num_attention_heads": common["num_heads"],
+        "num_hidden_layers": common["num_layers"],
+        "intermediate_size": common["ffn_dim"],
+        "layer_norm_eps": common["layer_norm_eps"],
+    }
+    for legacy, key in NOMIC_SIZES.items():
+        if legacy in hf_config and hf_config[legacy] != native[key]:
+            raise ArchitectureError(
+                f"{legacy} {hf_config[legacy]!r} disagrees with {key} {native[key]!r}, which transformers reads"
+            )
+    if "rotary_emb_base" in hf_config and float(hf_config["rotary_emb_base"]) != common["rope_theta"]:
+        raise ArchitectureError(
+            f"rotary_emb_base {hf_config['rotary_emb_base']!r} disagrees with rope_theta {common['rope_theta']!r},"
+            " which transformers reads"
+        )
+    gated, activation = (
+        hf_config.get("activation_function"),
+        hf_config.get("hidden_act", NOMIC_BERT_DEFAULTS.hidden_act),
+    )
+    if gated is not None and NOMIC_GATED_ACTIVATIONS.get(gated) != activation:
+        raise ArchitectureError(
+            f"unsupported activation_function {gated!r} with hidden_act {activation!r}"
+            f" (supported: {', '.join(f'{k} with {v}' for k, v in NOMIC_GATED_ACTIVATIONS.items())})"
+        )
+    # The remote-code form names its length n_positions; rotary angles do not depend on it.
+    max_positions = hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
+    return RotaryBertConfig(
+        **common,
+        max_positions=max_positions or NOMIC_BERT_DEFAULTS.max_position_embeddings,
+        attention_bias=False,
+        up_gate_bias=False,
+        down_bias=False,
+    )
+
+
+def jina_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertConfig:
+    """Translate a transformers-native jina-embeddings-v3 config.json (model_type jina_embeddings_v3).
+
+    Its task adapters are not in config.json: export.layers.task_adapters reads them from their folders.
+    """
+    common = _common(hf_config, JINA_DEFAULTS, pooling, normalize)
+    return RotaryBertConfig(
+        **{**common, "layer_norm_eps": hf_config.get("layer_norm_eps", 1e-5)},
+        max_positions=hf_config.get("max_position_embeddings", JINA_DEFAULTS.max_position_embeddings),
+        attention_bias=True,
+        up_gate_bias=True,
+        down_bias=True,
+        gated=False,
+    )
+
+
+Slot = tuple[str, int, int]
+"""A checkpoint module's place in the encoder: (module, part, parts): part of a matrix joined from parts."""
+_LAYER = re.compile(r"^(?:encoder\.layers?|layers)\.(\d+)\.(.+)\.(weight|bias)$")
+_EMBEDDINGS = {
+    "embeddings.word_embeddings": "embeddings.token",
+    "embeddings.token_type_embeddings": "embeddings.segment",
+    "embeddings.LayerNorm": "embeddings.norm",
+    "emb_ln": "embeddings.norm",
+}
+_NATIVE_LAYER: dict[str, Slot] = {
+    "self_attn.q_proj": ("attention.qkv", 0, 3),
+    "self_attn.k_proj": ("attention.qkv", 1, 3),
+    "self_attn.v_proj": ("attention.qkv", 2, 3),
+    "self_attn.o_proj": ("attention.output", 0, 1),
+    "post_attention_layernorm": ("attention_norm", 0, 1),
+    "mlp.up_proj": ("feed_forward.up_gate", 0, 2),
+    "mlp.gate_proj": ("feed_forward.up_gate", 1, 2),
+    "mlp.down_proj": ("feed_forward.down", 0, 1),
+    "post_mlp_layernorm": ("output_norm", 0, 1),
+}
+_JINA_LAYER: dict[str, Slot] = {
+    **{module: slot for module, slot in _NATIVE_LAYER.items() if not module.startswith("mlp.")},
+    "mlp.fc1": ("feed_forward.up", 0, 1),
+    "mlp.fc2": ("feed_forward.down", 0, 1),
+    "mixer.Wqkv": ("attention.qkv", 0, 1),
+    "mixer.out_proj": ("attention.output", 0, 1),
+    "norm1": ("attention_norm", 0, 1),
+    "norm2": ("output_norm", 0, 1),
+}
+"""jina-embeddings-v3's layer modules, as transformers' modules name them and as its checkpoints do (what
+save_pretrained writes: the original model's names, Q, K and V in one Wqkv)."""
+_GTE_LAYER: dict[str, Slot] = {
+    **_NATIVE_LAYER,
+    "attention.qkv_proj": ("attention.qkv", 0, 1),
+    "attention.o_proj": ("attention.output", 0, 1),
+    "attn_ln": ("attention_norm", 0, 1),
+    "mlp.up_gate_proj": ("feed_forward.up_gate", 0, 1),
+    "mlp_ln": ("output_norm", 0, 1),
+}
+_NOMIC_LAYER: dict[str, Slot] = {
+    **_NATIVE_LAYER,
+    "attn.Wqkv": ("attention.qkv", 0, 1),
+    "attn.out_proj": ("attention.output", 0, 1),
+    "norm1": ("attention_norm", 0, 1),
+    "mlp.fc11": ("feed_forward.up_gate", 0, 2),
+    "mlp.fc12": ("feed_forward.up_gate", 1, 2),
+    "mlp.fc2": ("feed_forward.down", 0, 1),
+    "norm2": ("output_norm", 0, 1),
+}
+
+
+def _rename(
+    weights: dict[str, torch.Tensor], prefixes: tuple[str, ...], layer_slots: dict[str, Slot]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The encoder's weights under its names (parts joined), and the task heads' weights (prefix stripped) apart."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    counts: dict[str, int] = {}
+    heads: dict[str, torch.Tensor] = {}
+    for original, tensor in weights.items():
+        key = next((original[len(p) :] for p in prefixes if original.startswith(p)), original)
+        if key.rpartition(".")[2] in BUFFERS:
+            continue
+        if key.startswith(HEAD_PREFIXES):
+            heads[key] = tensor
+            continue
+        layer = _LAYER.match(key)
+        module, _, kind = key.rpartition(".")
+        if layer and layer.group(2) in layer_slots:
+            target, part, count = layer_slots[layer.group(2)]
+            target = f"layers.{layer.group(1)}.{target}.{kind}"
+        elif not layer and module in _EMBEDDINGS:
+            target, part, count = f"{_EMBEDDINGS[module]}.{kind}", 0, 1
+        else:
+            raise ArchitectureError(f"unexpected weight {original!r}")
+        if counts.setdefault(target, count) != count or part in parts.setdefault(target, {}):
+            raise ArchitectureError(f"weight {original!r} given twice (in two namings)")
+        parts[target][part] = tensor
+    encoder = {}
+    for target, pieces in parts.items():
+        if len(pieces) != counts[target]:
+            raise ArchitectureError(f"{target}: {len(pieces)} of its {counts[target]} parts in the checkpoint")
+        encoder[target] = torch.cat([pieces[i] for i in range(counts[target])], dim=0)
+    return encoder, heads
+
+
+def rename_gte_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """GTE's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
+    return _rename(weights, ("new.", "gte.", *WRAPPERS), _GTE_LAYER)
+
+
+def rename_nomic_bert_weights(
+    weights: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """NomicBERT's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
+    return _rename(weights, ("nomic_bert.", *WRAPPERS), _NOMIC_LAYER)
+
+
+def rename_jina_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """jina-embeddings-v3's parameter names (transformers') -> the encoder's, and the task heads' weights apart."""
+    return _rename(weights, ("roberta.", *WRAPPERS), _JINA_LAYER)
+
+
+def jina_adapter_targets(num_layers: int) -> dict[str, Target]:
+    """Where a LoRA of each of jina-embeddings-v3's modules (transformers' names) lands in the encoder."""
+    targets = {"embeddings.word_embeddings": Target("embeddings.token")}
+    for index in range(num_layers):
+        for module, (slot, part, parts) in _JINA_LAYER.items():
+            if "norm" not in module:
+                for layer in (f"layers.{index}", f"encoder.layers.{index}"):
+                    targets[f"{layer}.{module}"] = Target(f"layers.{index}.{slot}", part, parts)
+    return targets
+
+
+def read_jina_adapters(folder: Path, config: RotaryBertConfig) -> tuple[RotaryBertConfig, dict[str, torch.Tensor]]:
+    """jina-embeddings-v3's task adapters (its PEFT folders) on its configuration, and their weights (none: none)."""
+    if not adapter_folders(folder):
+        return config, {}
+    width = config.num_heads * config.head_dim
+    shapes = {"embeddings.token": (config.vocab_size, config.d_model)}
+    for index in range(config.num_layers):
+        shapes[f"layers.{index}.attention.qkv"] = (config.d_model, 3 * width)
+        shapes[f"layers.{index}.attention.output"] = (width, config.d_model)
+        shapes[f"layers.{index}.feed_forward.up"] = (config.d_model, config.ffn_dim)
+        shapes[f"layers.{index}.feed_forward.down"] = (config.ffn_dim, config.d_model)
+    adapters = read_task_adapters(folder, jina_adapter_targets(config.num_layers), shapes)
+    config = dataclasses.replace(config, tasks=adapters.tasks, lora_columns=adapters.columns)
+    weights = {}
+    for module, state in adapters.weights.items():
+        owner, _, attribute = module.rpartition(".")
+        for key, tensor in state.items():
+            weights[f"{owner}.{attribute}_lora.{key}"] = tensor
+    return config, weights
+
+
+FAMILY = Family(
+    name="rotary_bert",
+    config_type=RotaryBertConfig,
+    build=RotaryBertEncoder,
+    formats=(
+        Format("gte", gte_config, rename_gte_weights),
+        Format("nomic_bert", nomic_bert_config, rename_nomic_bert_weights),
+        Format("jina_embeddings_v3", jina_config, rename_jina_weights, read_adapters=read_jina_adapters),
+    ),
+    graph_forms=BERT_FUSIONS,
+)
+"""BERT with rotary positions: GTE, NomicBERT and jina-embeddings-v3."""

@@ -1,0 +1,1 @@
+"""The parity gate: cases, comparison, and the reference libraries' checks."""

@@ -1,0 +1,1 @@
+"""Checks of the exported graph against the library that made the folder."""

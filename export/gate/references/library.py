@@ -1,0 +1,621 @@
+"""The gate's last reference: the library that made a folder, run on that folder, against every published variant.
+
+The other gates compare the ONNX graphs with our PyTorch encoder, which is built from our own
+reading of the folder (export.checkpoints.checkpoint): a folder read wrongly would pass them all. Here
+sentence-transformers loads the same folder its own way (`SentenceTransformer.encode` for an
+embedder, `CrossEncoder.predict` without an activation for a reranker's or classifier's logits,
+`SparseEncoder.encode` densified for a SPLADE model) and each published variant, fed as the server
+feeds it (the server's tokenizer configuration, the model's default prompt, each text alone and in
+padded batches), must give the same answers. A ColBERT model (PyLate's folder) is held to
+sentence-transformers' MultiVectorEncoder on the folder with PyLate's skip list (`follow_pylate`),
+its texts tokenised, run and kept as the server does it (`check_multivector`). A SPLADE model's
+PyTorch reading is also held to transformers' own masked-LM model on the folder, pooled here by hand
+(`check_masked_lm`).
+
+The libraries are imported here only, when an export runs: the server never loads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from export.checkpoints.checkpoint import Checkpoint
+from export.gate.cases import SENTENCE_BATCH, sentence_pairs
+from export.gate.parity import TOLERANCES
+from export.gate.references.loop import Checked, VariantCheck, each_variant, unchecked
+from export.gate.served import served_feeds
+from export.heads.splade import SPARSE_OUTPUT
+from export.layers.task_adapters import adapter_folders
+from protocol import model_config_pb2 as mc
+from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
+from service.core.repository import TOKEN_VECTORS, ModelSpec
+from service.pipeline import multivector
+from service.pipeline.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from sentence_transformers import MultiVectorEncoder, SentenceTransformer
+
+FP32_MIN_COSINE = FIDELITY_MIN_COSINE
+"""fp32's least cosine to the library's embeddings: the fidelity rule (served embeddings equal the model's)."""
+FP32_MAX_ABS_DIFF = 1e-4
+"""fp32's largest difference from the library: embedding values, logits, or a sparse embedding's values relative
+to its row's largest value."""
+MASKED_LM_MAX_ABS_DIFF = 1e-5
+"""A SPLADE model's PyTorch reading against transformers' masked-LM logits pooled by hand: fp32 against fp32."""
+LONG_TEXT_LABEL = "the gate sentences as one text"
+"""The last gate input: longer than most models' window, so that truncation is compared too."""
+
+
+@dataclass(frozen=True)
+class LibraryReference:
+    """The library's answers on the gate inputs, and those inputs as the server receives them."""
+
+    library: str
+    """Name and version: "sentence-transformers 6.2.0"."""
+    model_class: str
+    """SentenceTransformer, CrossEncoder or SparseEncoder."""
+    inputs: list
+    """Texts with the model's default prompt before each (as encode puts it), or (query, text) pairs."""
+    labels: list[str]
+    expected: np.ndarray
+    """The library's answer per input: an embedding, a classifier's logits [inputs, labels], or a sparse
+    embedding [inputs, vocab_size] (densified)."""
+    output: str
+    """The graph output compared: embedding, logits or sparse_embedding."""
+    normalized: bool
+    """Compared after L2-normalising both sides: the folder has no modules.json, so sentence-transformers
+    mean-pools without normalising while the exporter normalises; direction and values after scaling compare."""
+    compared: str = ""
+    """What was compared, where the reference is not sentence-transformers (a model card's code); "": describe's."""
+    against: str = ""
+    """The reference as failures name it; "": sentence-transformers' model_class on the folder."""
+    adapter_ids: list[int] | None = None
+    """Each input's task adapter (a model with task adapters: its inputs once with none, then a part again with
+    each task's adapter and prompt); None: the model has none."""
+
+    def describe(self) -> str:
+        """What was compared, for parity.json."""
+        if self.compared:
+            return self.compared
+        if self.output == "logits":
+            return "CrossEncoder.predict logits (no activation) on sentence pairs"
+        if self.output == SPARSE_OUTPUT:
+            return (
+                "SparseEncoder.encode sparse embeddings densified, default prompt applied;"
+                " max_abs_diff relative to each row's largest value"
+            )
+        described = "SentenceTransformer.encode embeddings, default prompt applied"
+        if self.adapter_ids is not None:
+            described += (
+                "; then the first inputs with each task's adapter (the transformer under PEFT, set_adapter) and"
+                " the task's prompt"
+            )
+        if self.normalized:
+            described += (
+                "; compared after L2-normalising both (no modules.json: sentence-transformers"
+                " mean-pools without normalising, the exporter normalises)"
+            )
+        return described
+
+
+@dataclass(frozen=True)
+class LibraryFigures:
+    """One published variant against the library: its worst figures, where they were, and what it had to meet."""
+
+    provider: str
+    min_cosine: float | None
+    """None for logits (which have no meaningful cosine)."""
+    worst_cosine_input: str
+    max_abs_diff: float
+    worst_diff_input: str
+    rows: int
+    required: dict[str, float]
+    failures: list[str]
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """The weight-loading progress bars of transformers off while the library loads the folder (not a stage)."""
+    from transformers.utils import logging as transformers_logging  # noqa: PLC0415  (build-time only)
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryReference:
+    """sentence-transformers' answers for a checkpoint's folder on the gate sentences (and all of them as one text)."""
+    import sentence_transformers  # noqa: PLC0415  (build-time only: the server never imports it)
+
+    folder = str(checkpoint.folder)
+    texts = [*sentences, " ".join(sentences)]
+    labels = [f"input {i + 1}: {text[:40]!r}" for i, text in enumerate(sentences)] + [LONG_TEXT_LABEL]
+    # fp32 whatever the weights are stored in (transformers runs float16 weights in float16): the reference for fp32.
+    loading = {"device": "cpu", "local_files_only": True, "model_kwargs": {"dtype": torch.float32}}
+    library = f"sentence-transformers {sentence_transformers.__version__}"
+    if checkpoint.task == "classify":
+        pairs = sentence_pairs(texts)
+        with quiet_loading():
+            cross_encoder = sentence_transformers.CrossEncoder(folder, **loading)
+        logits = cross_encoder.predict(pairs, activation_fn=torch.nn.Identity(), show_progress_bar=False)
+        expected = np.asarray(logits, dtype=np.float32).reshape(len(pairs), -1)
+        return LibraryReference(library, "CrossEncoder", pairs, labels, expected, "logits", normalized=False)
+    prefix = checkpoint.serving.prompts.get(checkpoint.serving.default_prompt_name, "")
+    served = [prefix + text for text in texts]
+    if checkpoint.task == "sparse":
+        with quiet_loading():
+            sparse_encoder = sentence_transformers.SparseEncoder(folder, **loading)
+        encoded = sparse_encoder.encode(texts, convert_to_tensor=True, show_progress_bar=False)
+        expected = encoded.to_dense().numpy().astype(np.float32)
+        return LibraryReference(library, "SparseEncoder", served, labels, expected, SPARSE_OUTPUT, normalized=False)
+    with quiet_loading():
+        model = sentence_transformers.SentenceTransformer(folder, **loading)
+    expected = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
+    normalized = not (checkpoint.folder / "modules.json").is_file()
+    tasks = getattr(checkpoint.config, "tasks", ())
+    if not tasks:
+        return LibraryReference(library, "SentenceTransformer", served, labels, expected, "embedding", normalized)
+    import peft  # noqa: PLC0415  (build-time only, for models with task adapters)
+
+    library += f" + peft {peft.__version__}"
+    adapter_ids = [0] * len(texts)
+    answers = [expected]
+    for task_id, (task, task_served, task_expected) in enumerate(_task_answers(checkpoint, model, sentences), 1):
+        served += task_served
+        labels += [f"{task}: input {i + 1}: {text[:40]!r}" for i, text in enumerate(sentences[:SENTENCE_BATCH])]
+        adapter_ids += [task_id] * len(task_served)
+        answers.append(task_expected)
+    return LibraryReference(
+        library,
+        "SentenceTransformer",
+        served,
+        labels,
+        np.concatenate(answers),
+        "embedding",
+        normalized,
+        adapter_ids=adapter_ids,
+    )
+
+
+def _task_answers(
+    checkpoint: Checkpoint, model: SentenceTransformer, sentences: list[str]
+) -> Iterator[tuple[str, list[str], np.ndarray]]:
+    """Each task's name, its first SENTENCE_BATCH gate sentences as served, and the library's embeddings of them.
+
+    As served: the task's prompt before each. The library: sentence-transformers with its transformer
+    wrapped by PEFT with every task folder's adapter, set_adapter to the task's.
+    """
+    from peft import PeftModel  # noqa: PLC0415  (build-time only)
+
+    folders = adapter_folders(checkpoint.folder)
+    transformer = model[0]
+    with quiet_loading():
+        wrapped = PeftModel.from_pretrained(transformer.model, str(folders[0]), adapter_name=folders[0].name)
+        for folder in folders[1:]:
+            wrapped.load_adapter(str(folder), adapter_name=folder.name)
+    transformer.model = wrapped.eval()
+    texts = sentences[:SENTENCE_BATCH]
+    prompts = checkpoint.serving.prompts
+    for task, folder in zip(checkpoint.config.tasks, folders, strict=True):
+        wrapped.set_adapter(folder.name)
+        name = task if task in prompts else checkpoint.serving.default_prompt_name or None
+        prefix = prompts.get(name or "", "")
+        encoded = model.encode(texts, prompt_name=name, convert_to_numpy=True, show_progress_bar=False)
+        yield task, [prefix + text for text in texts], encoded
+
+
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-30)
+
+
+def required_figures(variant: str, output: str) -> dict[str, float]:
+    """What a variant must meet against the library: fp32 the fidelity rule and 1e-4, the others their gate cosine.
+
+    A classifier's logits: each variant's gate bar on the largest logit difference.
+    """
+    if output == "logits":
+        return {"max_abs_diff": TOLERANCES[variant].max_logits_diff}
+    if variant == "fp32":
+        return {"min_cosine": FP32_MIN_COSINE, "max_abs_diff": FP32_MAX_ABS_DIFF}
+    return {"min_cosine": TOLERANCES[variant].min_cosine}
+
+
+def measure(
+    reference: LibraryReference,
+    variant: str,
+    session: ort.InferenceSession,
+    tokenizer: TextTokenizer,
+    input_names: list[str],
+    *,
+    max_length: int,
+    pad_token_id: int,
+) -> LibraryFigures:
+    """A variant's answers on the reference's inputs (each alone and batched: the worse counts) against the library."""
+    feeds = served_feeds(
+        tokenizer,
+        reference.inputs,
+        input_names,
+        max_length=max_length,
+        pad_token_id=pad_token_id,
+        adapter_ids=reference.adapter_ids,
+    )
+    answers = [np.concatenate([session.run([reference.output], feed)[0] for feed in way]) for way in feeds]
+    expected = reference.expected
+    if reference.normalized:
+        expected, answers = _unit(expected), [_unit(answer) for answer in answers]
+    differences = np.max([np.abs(answer - expected).max(axis=1) for answer in answers], axis=0)
+    if reference.output == SPARSE_OUTPUT:  # a SPLADE row's scale is the model's: its values relative to its largest
+        differences = differences / np.maximum(np.abs(expected).max(axis=1), 1e-30)
+    worst_diff = int(np.argmax(differences))
+    required = required_figures(variant, reference.output)
+    against = reference.against or f"sentence-transformers' {reference.model_class} on the folder"
+    failures = []
+    min_cosine, worst_cosine_input = None, ""
+    if reference.output != "logits":
+        row_cosines = np.min([cosines(answer, expected) for answer in answers], axis=0)
+        worst = int(np.argmin(row_cosines))
+        min_cosine, worst_cosine_input = float(row_cosines[worst]), reference.labels[worst]
+        if min_cosine < required["min_cosine"]:
+            failures.append(
+                f"{variant}: {reference.output} cosine {min_cosine:.6f} < {required['min_cosine']} to {against}"
+                f" at {worst_cosine_input}"
+            )
+    if "max_abs_diff" in required and differences[worst_diff] > required["max_abs_diff"]:
+        failures.append(
+            f"{variant}: {reference.output} max |diff| {differences[worst_diff]:.3g} > {required['max_abs_diff']}"
+            f" to {against} at {reference.labels[worst_diff]}"
+        )
+    return LibraryFigures(
+        provider=session.get_providers()[0],
+        min_cosine=min_cosine,
+        worst_cosine_input=worst_cosine_input,
+        max_abs_diff=float(differences[worst_diff]),
+        worst_diff_input=reference.labels[worst_diff],
+        rows=len(reference.inputs),
+        required=required,
+        failures=failures,
+    )
+
+
+def figures_for_report(reference: LibraryReference, figures: LibraryFigures) -> dict[str, object]:
+    """One variant's figures as parity.json records them."""
+    report: dict[str, object] = {
+        "library": reference.library,
+        "class": reference.model_class,
+        "compared": reference.describe(),
+        "provider": figures.provider,
+    }
+    if figures.min_cosine is not None:
+        report |= {"min_cosine": round(figures.min_cosine, 8), "worst_cosine_input": figures.worst_cosine_input}
+    return report | {
+        "max_abs_diff": float(f"{figures.max_abs_diff:.3g}"),
+        "worst_diff_input": figures.worst_diff_input,
+        "rows": figures.rows,
+        "required": figures.required,
+        "passed": not figures.failures,
+    }
+
+
+def unavailable_reason(checkpoint: Checkpoint, tokenizer: TextTokenizer | None) -> str | None:
+    """Why a checkpoint has no library reference (None: it has one)."""
+    if checkpoint.folder is None:
+        return "random initialisation: there is no folder for a library to load"
+    if tokenizer is None:
+        return "no tokenizer.json: the server takes token ids only, and the library answers texts"
+    if checkpoint.bge_m3 is not None and not (checkpoint.folder / "modules.json").is_file():
+        return "bge-m3 without sentence-transformers files: FlagEmbedding is its reference (flag_embedding)"
+    return None
+
+
+def check_published(
+    checkpoint: Checkpoint,
+    tokenizer: TextTokenizer | None,
+    input_names: list[str],
+    sessions: dict[str, ort.InferenceSession],
+    sentences: list[str],
+) -> Checked:
+    """Every published variant (its session) against the library: figures per variant for parity.json, and failures."""
+    reason = unavailable_reason(checkpoint, tokenizer)
+    if reason is not None:
+        return unchecked(sessions, reason, failed=False)
+    try:
+        reference = library_reference(checkpoint, sentences)
+    except Exception as error:  # whatever stops the library from answering: the folder cannot be checked
+        failure = f"sentence-transformers could not answer for {checkpoint.folder}: {type(error).__name__}: {error}"
+        return unchecked(sessions, failure, failed=True)
+    return each_variant(sessions, against(reference, checkpoint, tokenizer, input_names))
+
+
+def against(
+    reference: LibraryReference, checkpoint: Checkpoint, tokenizer: TextTokenizer, input_names: list[str]
+) -> VariantCheck:
+    """A variant measured against a library's answers, fed as the server feeds it."""
+
+    def check(variant: str, session: ort.InferenceSession) -> tuple[dict[str, object], list[str]]:
+        figures = measure(
+            reference,
+            variant,
+            session,
+            tokenizer,
+            input_names,
+            max_length=checkpoint.max_seq_length,
+            pad_token_id=checkpoint.config.pad_token_id,
+        )
+        return figures_for_report(reference, figures), figures.failures
+
+    return check
+
+
+def check_masked_lm(
+    checkpoint: Checkpoint,
+    model: torch.nn.Module,
+    tokenizer: TextTokenizer,
+    input_names: list[str],
+    sentences: list[str],
+) -> tuple[dict[str, object], list[str]]:
+    """A SPLADE model's PyTorch reading against transformers' AutoModelForMaskedLM on its folder, pooled by hand.
+
+    The same token batches (the gate sentences through the server's tokenizer) go to both; the
+    masked-LM logits are pooled here as SpladePooling pools them, in float64.
+    """
+    import transformers  # noqa: PLC0415  (build-time only: the server never imports it)
+
+    splade = checkpoint.splade
+    with quiet_loading():
+        masked_lm = transformers.AutoModelForMaskedLM.from_pretrained(
+            str(checkpoint.folder), dtype=torch.float32, local_files_only=True
+        ).eval()
+    worst_diff, worst_input = 0.0, ""
+    for start in range(0, len(sentences), SENTENCE_BATCH):
+        chunk = sentences[start : start + SENTENCE_BATCH]
+        feed = tokenizer.encode(chunk).feed(input_names)
+        tensors = {name: torch.from_numpy(array) for name, array in feed.items()}
+        with torch.inference_mode():
+            logits = masked_lm(**tensors).logits.numpy().astype(np.float64)
+            ours = model(**tensors).numpy()
+        weights = np.log1p(np.maximum(logits * feed["attention_mask"][:, :, None], 0.0))
+        if splade.activation_function == "log1p_relu":
+            weights = np.log1p(weights)
+        expected = weights.max(axis=1) if splade.pooling_strategy == "max" else weights.sum(axis=1)
+        differences = np.abs(ours - expected).max(axis=1)
+        row = int(np.argmax(differences))
+        if differences[row] > worst_diff:
+            worst_diff, worst_input = float(differences[row]), f"sentence {start + row + 1}: {chunk[row][:40]!r}"
+    passed = worst_diff <= MASKED_LM_MAX_ABS_DIFF
+    report = {
+        "library": f"transformers {transformers.__version__}",
+        "class": type(masked_lm).__name__,
+        "compared": "our PyTorch sparse_embedding against the masked-LM logits with SpladePooling applied by hand",
+        "max_abs_diff": float(f"{worst_diff:.3g}"),
+        "worst_diff_input": worst_input,
+        "rows": len(sentences),
+        "required": {"max_abs_diff": MASKED_LM_MAX_ABS_DIFF},
+        "passed": passed,
+    }
+    failure = (
+        f"PyTorch sparse_embedding max |diff| {worst_diff:.3g} > {MASKED_LM_MAX_ABS_DIFF} to transformers'"
+        f" {type(masked_lm).__name__} on the folder at {worst_input}"
+    )
+    return report, [] if passed else [failure]
+
+
+MAXSIM_MAX_ABS_DIFF = 1e-4
+"""fp32's largest MaxSim difference from the library's (sum over a query's vectors of its best dot product)."""
+
+
+@dataclass(frozen=True)
+class MultiVectorFigures:
+    """One published variant against MultiVectorEncoder: vector counts, each kept vector, and MaxSim scores."""
+
+    provider: str
+    min_cosine: float
+    worst_cosine_input: str
+    max_abs_diff: float
+    worst_diff_input: str
+    max_score_diff: float
+    worst_score_pair: str
+    texts: int
+    failures: list[str]
+
+
+def served_spec(checkpoint: Checkpoint, input_names: list[str]) -> ModelSpec:
+    """The served model's spec as far as its multi-vector serving reads it (the rules and the window).
+
+    The server reads the same fields from config.pbtxt (publish.build_config writes them from this checkpoint).
+    """
+    colbert = checkpoint.colbert
+    return ModelSpec(
+        name=checkpoint.name,
+        version="1",
+        directory=checkpoint.folder,
+        config=mc.ModelConfig(),
+        variants={},
+        preferred_variants={},
+        input_names=tuple(input_names),
+        max_sequence_length=checkpoint.max_seq_length,
+        vocab_size=checkpoint.config.vocab_size,
+        type_vocab_size=0,
+        hidden_size=0,
+        pad_token_id=checkpoint.config.pad_token_id,
+        tokenizer_file=checkpoint.folder / "tokenizer.json",
+        task="multivector",
+        multivector=colbert.rules,
+        multivector_width=colbert.out_features,
+    )
+
+
+def served_vectors(
+    session: ort.InferenceSession,
+    tokenizer: TextTokenizer,
+    spec: ModelSpec,
+    texts: list[str],
+    *,
+    input_type: str,
+    batch_size: int,
+) -> list[np.ndarray]:
+    """Each text's kept vectors as the server makes them: its tokenisation, the graph, its kept positions."""
+    vectors = []
+    for start in range(0, len(texts), batch_size):
+        rows = multivector.tokenized(tokenizer, spec, texts[start : start + batch_size], input_type)
+        feed = rows.padded(spec.pad_token_id)
+        (token_vectors,) = session.run([TOKEN_VECTORS], {name: feed[name] for name in spec.input_names})
+        vectors += multivector.row_vectors(
+            token_vectors, multivector.kept_positions(rows, spec.multivector, input_type)
+        )
+    return vectors
+
+
+def _vector_figures(
+    served: list[np.ndarray], expected: list[np.ndarray], labels: list[str]
+) -> tuple[float, str, float, str, list[str]]:
+    """Least cosine and largest difference over every kept vector, and the texts whose vector counts differ."""
+    min_cosine, worst_cosine, max_diff, worst_diff, counts = 1.0, "", 0.0, "", []
+    for ours, theirs, label in zip(served, expected, labels, strict=True):
+        if ours.shape != theirs.shape:
+            counts.append(f"{label}: {len(ours)} vectors, the library {len(theirs)}")
+            continue
+        row_cosines, row_diff = cosines(ours, theirs), float(np.abs(ours - theirs).max(initial=0.0))
+        if len(row_cosines) and row_cosines.min() < min_cosine:
+            min_cosine, worst_cosine = float(row_cosines.min()), label
+        if row_diff > max_diff:
+            max_diff, worst_diff = row_diff, label
+    return min_cosine, worst_cosine, max_diff, worst_diff, counts
+
+
+def measure_multivector(
+    session: ort.InferenceSession,
+    variant: str,
+    tokenizer: TextTokenizer,
+    spec: ModelSpec,
+    *,
+    texts: list[str],
+    expected: dict[str, list[np.ndarray]],
+) -> MultiVectorFigures:
+    """A variant's kept vectors (each text alone and in batches: both must agree) and MaxSim against the library's."""
+    labels = [f"input {i + 1}: {text[:40]!r}" for i, text in enumerate(texts[:-1])] + [LONG_TEXT_LABEL]
+    figures, failures, served = [], [], {}
+    for input_type in multivector.INPUT_TYPES:
+        for batch_size in (1, SENTENCE_BATCH):
+            ours = served_vectors(session, tokenizer, spec, texts, input_type=input_type, batch_size=batch_size)
+            named = [f"{input_type} {label} ({'alone' if batch_size == 1 else 'batched'})" for label in labels]
+            figures.append(_vector_figures(ours, expected[input_type], named))
+            served[input_type] = ours
+    min_cosine, worst_cosine = min((f[0], f[1]) for f in figures)
+    max_diff, worst_diff = max((f[2], f[3]) for f in figures)
+    counts = [count for f in figures for count in f[4]]
+    against = "sentence-transformers' MultiVectorEncoder on the folder (PyLate's skip list)"
+    if counts:
+        failures.append(f"{variant}: kept vector counts differ from {against}: {'; '.join(counts[:3])}")
+    required = required_figures(variant, TOKEN_VECTORS)
+    if min_cosine < required["min_cosine"]:
+        failures.append(f"{variant}: token vector cosine {min_cosine:.6f} < {required['min_cosine']} at {worst_cosine}")
+    if "max_abs_diff" in required and max_diff > required["max_abs_diff"]:
+        failures.append(
+            f"{variant}: token vector max |diff| {max_diff:.3g} > {required['max_abs_diff']} at {worst_diff}"
+        )
+    max_score_diff, worst_pair = 0.0, ""
+    if not counts:
+        score = spec.multivector.score
+        for i, query in enumerate(served[multivector.QUERY]):
+            for j, document in enumerate(served[multivector.DOCUMENT]):
+                theirs = multivector.maxsim(expected[multivector.QUERY][i], expected[multivector.DOCUMENT][j], score)
+                diff = abs(multivector.maxsim(query, document, score) - theirs)
+                if diff > max_score_diff:
+                    max_score_diff, worst_pair = diff, f"query {labels[i]} x document {labels[j]}"
+        if variant == "fp32" and max_score_diff > MAXSIM_MAX_ABS_DIFF:
+            failures.append(f"{variant}: MaxSim |diff| {max_score_diff:.3g} > {MAXSIM_MAX_ABS_DIFF} at {worst_pair}")
+    return MultiVectorFigures(
+        session.get_providers()[0],
+        min_cosine,
+        worst_cosine,
+        max_diff,
+        worst_diff,
+        max_score_diff,
+        worst_pair,
+        len(texts),
+        failures,
+    )
+
+
+def follow_pylate(encoder: MultiVectorEncoder) -> None:
+    """MultiVectorEncoder's skip list made PyLate's, which made the folder and scores with it.
+
+    PyLate maps a skiplist word missing from the vocabulary to the unknown token (transformers'
+    `convert_tokens_to_ids`), so a document's unknown tokens are dropped; MultiVectorEncoder leaves such
+    words out and keeps them. Where the skip list has such a word, the unknown token joins it.
+    """
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask  # noqa: PLC0415  (build-time only)
+
+    tokenizer = encoder.tokenizer
+    unknown, unknown_id = tokenizer.unk_token, tokenizer.unk_token_id
+    for module in encoder:
+        if not isinstance(module, MultiVectorMask) or unknown is None:
+            continue
+        words = module.skiplist_words
+        if any(tokenizer.convert_tokens_to_ids(word) == unknown_id for word in words) and unknown not in words:
+            module.skiplist_words = [*words, unknown]
+            module.resolve_with_tokenizer(tokenizer)
+
+
+def check_multivector(
+    checkpoint: Checkpoint,
+    tokenizer: TextTokenizer,
+    input_names: list[str],
+    sessions: dict[str, ort.InferenceSession],
+    sentences: list[str],
+) -> Checked:
+    """Every published variant, fed as the server feeds it, against MultiVectorEncoder's encode_query/encode_document.
+
+    The gate sentences, and all of them as one text (longer than document_length: truncation), as
+    queries and as documents: the same vectors kept per text, each within the variant's bounds, and
+    the same MaxSim scores for every query and document. The skip list is PyLate's (`follow_pylate`).
+    """
+    import sentence_transformers  # noqa: PLC0415  (build-time only: the server never imports it)
+
+    texts = [*sentences, " ".join(sentences)]
+    with quiet_loading():
+        encoder = sentence_transformers.MultiVectorEncoder(
+            str(checkpoint.folder), device="cpu", local_files_only=True, model_kwargs={"dtype": torch.float32}
+        )
+    follow_pylate(encoder)
+    expected = {
+        multivector.QUERY: encoder.encode_query(texts, convert_to_numpy=True, show_progress_bar=False),
+        multivector.DOCUMENT: encoder.encode_document(texts, convert_to_numpy=True, show_progress_bar=False),
+    }
+    expected = {kind: [np.asarray(v, dtype=np.float32) for v in vectors] for kind, vectors in expected.items()}
+    spec = served_spec(checkpoint, input_names)
+
+    def check(variant: str, session: ort.InferenceSession) -> tuple[dict[str, object], list[str]]:
+        figures = measure_multivector(session, variant, tokenizer, spec, texts=texts, expected=expected)
+        return {
+            "library": f"sentence-transformers {sentence_transformers.__version__}",
+            "class": "MultiVectorEncoder",
+            "compared": (
+                "encode_query and encode_document vectors (PyLate's skip list), text by text (the same count, each"
+                " vector), and MaxSim of every query with every document; ours through the server's tokenisation"
+                " and kept positions, each text alone and in batches"
+            ),
+            "provider": figures.provider,
+            "min_cosine": round(figures.min_cosine, 8),
+            "worst_cosine_input": figures.worst_cosine_input,
+            "max_abs_diff": float(f"{figures.max_abs_diff:.3g}"),
+            "worst_diff_input": figures.worst_diff_input,
+            "maxsim_max_abs_diff": float(f"{figures.max_score_diff:.3g}"),
+            "worst_maxsim_pair": figures.worst_score_pair,
+            "texts": figures.texts,
+            "required": required_figures(variant, TOKEN_VECTORS) | {"maxsim_max_abs_diff": MAXSIM_MAX_ABS_DIFF},
+            "passed": not figures.failures,
+        }, figures.failures
+
+    return each_variant(sessions, check)

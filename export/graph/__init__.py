@@ -1,0 +1,1 @@
+"""The ONNX graph: export, the CPU and CUDA forms, int8 quantisation, calibration ranges."""

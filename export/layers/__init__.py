@@ -1,0 +1,1 @@
+"""Blocks shared by the families: rotary angles, grouped attention, pooling, task adapters."""
