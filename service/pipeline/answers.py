@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import orjson
 
-from service.errors import Overloaded, TooLarge
+from service.errors import Overloaded, TooLarge, Unavailable
 from service.ops import metrics
 
 RAW = "raw"
@@ -78,6 +78,41 @@ class AnswerBudget:
         """An answer was handed to the transport (or failed): its bytes leave the budget."""
         self.in_flight_bytes -= size
         metrics.ANSWER_BYTES.set(self.in_flight_bytes)
+
+
+class Reservation:
+    """One request's answer in the budget: held once its size is known, released once when the request ends.
+
+    The envelope (service.envelope) makes it with the request and releases it whatever the outcome;
+    the pipeline holds it where the answer's size becomes known.
+    """
+
+    __slots__ = ("_budget", "_released", "bytes")
+
+    def __init__(self, budget: AnswerBudget) -> None:
+        self._budget = budget
+        self._released = False
+        self.bytes = 0
+        """The bytes held now (0 before `hold` and after `release`)."""
+
+    def hold(self, size: int) -> int:
+        """Count the answer's `size` bytes in flight, or refuse it (AnswerBudget.reserve); returns `size`.
+
+        A request that already ended (its client gone, the drain) holds nothing: Unavailable.
+        """
+        if self._released:
+            raise Unavailable("the request ended before its answer was budgeted")
+        if self.bytes:
+            raise RuntimeError("an answer is held once per request")
+        self.bytes = self._budget.reserve(size)
+        return size
+
+    def release(self) -> None:
+        """The request ended (answered, failed, or its client gone): its bytes leave the budget; once."""
+        self._released = True
+        if self.bytes:
+            self._budget.release(self.bytes)
+            self.bytes = 0
 
 
 def json_values(values: np.ndarray) -> orjson.Fragment:
