@@ -168,7 +168,7 @@ class _CountedInference(Generic[Result]):
 
 
 class Envelope:
-    """Authentication, admission, counting, the answer budget and failures: once, for every protocol's requests."""
+    """Spans, authentication, admission, counting, the answer budget and failures: once, for every protocol."""
 
     def __init__(self, pipeline: Pipeline, api_keys: ApiKeys | None) -> None:
         self.pipeline = pipeline

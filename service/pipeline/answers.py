@@ -6,8 +6,8 @@ and 1 for an int8 as raw bytes over gRPC or KServe binary data, up to 16 and 5 a
 4/3 of the raw bytes in base64). An answer over `--max-response-bytes` is refused (TooLarge: RESOURCE_EXHAUSTED, HTTP
 413); an answer that would take the answers in flight past this process's share of
 `--max-answer-bytes-in-flight` is refused for now (Overloaded: RESOURCE_EXHAUSTED, HTTP 429 with
-Retry-After). Its bytes stay counted until the front end has handed the answer to the transport:
-a client that reads slowly holds its share of the budget, not more.
+Retry-After). Its bytes are held in the request's `Reservation` until its envelope closes, once the
+transport has taken the answer: a client that reads slowly holds its share of the budget, not more.
 """
 
 from __future__ import annotations
