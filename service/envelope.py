@@ -187,9 +187,7 @@ class Envelope:
     @staticmethod
     def message(stream: RequestContext, deadline: float | None) -> RequestContext:
         """One message of a stream, received now: the stream's tenant, and its span in the stream's caller's trace."""
-        context = RequestContext(time.perf_counter(), deadline, tracing.start(stream.span), stream.tenant)
-        context.span = stream.span
-        return context
+        return RequestContext(time.perf_counter(), deadline, tracing.start(stream.span), stream.tenant)
 
     def authenticate(self, context: RequestContext, authorization: str | None, how: str) -> None:
         """Accept the request's `authorization` (Bearer key) and note its tenant, or refuse it (Unauthenticated).

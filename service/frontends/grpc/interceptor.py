@@ -176,16 +176,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 self._envelope.authenticate(context, _authorization(metadata), SEND_KEY)
             except Unauthenticated as refusal:
                 return _denying(protected, refusal)
-            _open(context, method[len(PROTECTED_PREFIX) :], metadata)
+            self._open(context, method[len(PROTECTED_PREFIX) :], metadata)
         return wrapped
 
-
-def _open(context: RequestContext, name: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
-    """Open a traced call's span in its envelope, or read its stream's once for its messages."""
-    if name in TRACED_CALLS:
-        Envelope.open(context, tracing.rpc_span(name, metadata))
-    elif name in TRACED_STREAMS:
-        Envelope.open_stream(context, tracing.rpc_span(name, metadata))
+    def _open(self, context: RequestContext, name: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
+        """Open a traced call's span in its envelope, or read its stream's once for its messages."""
+        if name in TRACED_CALLS:
+            self._envelope.open(context, tracing.rpc_span(name, metadata))
+        elif name in TRACED_STREAMS:
+            self._envelope.open_stream(context, tracing.rpc_span(name, metadata))
 
 
 def _guarded(door: Envelope, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
