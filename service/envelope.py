@@ -1,15 +1,20 @@
 """The request envelope: what happens around every request, whatever its protocol, written once.
 
 Where a request enters (its socket's handler), its front end stamps a `RequestContext`: when it
-was received, its deadline, its trace, and (once `Envelope.authenticate` has checked its
-key) its tenant. Every front end then goes through the same `Envelope`:
+was received, its deadline, and (once `Envelope.authenticate` has checked its key) its tenant.
+Every front end then goes through the same `Envelope`, which owns the request's life from there:
 
+- `open`: its span started (a traced request; `open_stream` for a stream, whose messages each get
+  theirs from `message`, in the stream's caller's trace);
 - `authenticate`: the API key, its tenant, or Unauthenticated;
 - `inference`: the request's tenant admitted, the pipeline's one call (service.pipeline.api:
-  `infer`, or `tokenize` and `decode`, which run no model), the tenant charged its tokens, the
-  answer encoded, and the request counted once its answer is encoded (encoder_requests_total,
-  Triton's statistics, the tenant's figures), from the moment it was received;
-- `answered`: the answer's bytes leave the answer budget once the transport has taken them;
+  `infer`, or `tokenize` and `decode`, which run no model) with the request's reservation in the
+  answer budget, the tenant charged its tokens, the answer encoded, and the request counted once
+  its answer is encoded (encoder_requests_total, Triton's statistics, the tenant's figures), from
+  the moment it was received;
+- `close`, once, when the transport has taken the answer or never will (answered, failed, client
+  gone, cancelled): the answer's bytes leave the budget and the span ends with the status the
+  protocol answered;
 - `failed`: the error a request ends with, counted once in encoder_requests_rejected_total when
   it is a refusal at a limit, and an unplanned failure logged and turned into an internal error.
 
@@ -31,14 +36,15 @@ from service.errors import INTERNAL_MESSAGE, ServiceError, Unauthenticated
 from service.ops import metrics, tracing
 from service.ops.security import ApiKeys
 from service.ops.tenants import Tenant
-from service.pipeline.answers import INLINE_ENCODE_BYTES
 from service.pipeline.api import (
+    INLINE_ENCODE_BYTES,
     DecodeRequest,
     DecodeResult,
     InferenceRequest,
     InferenceResult,
     Pipeline,
     PipelineResult,
+    Reservation,
     TokenizeRequest,
     TokenizeResult,
 )
@@ -60,14 +66,20 @@ class RequestContext:
     deadline: float | None = None
     """The caller's deadline (time.monotonic), from the transport (gRPC's grpc-timeout), if any."""
     trace: tracing.RequestTrace | None = None
-    """Its span, while tracing is on and the request is an inference."""
+    """Its span, once `Envelope.open` started it (while tracing is on and its route is traced)."""
     tenant: Tenant | None = None
     """Its tenant, once `Envelope.authenticate` accepted its key (None while keys are off)."""
+    span: tracing.RequestSpan | None = None
+    """A stream's: what each of its messages' spans is (`Envelope.message`)."""
+    reservation: Reservation | None = None
+    """Its answer's bytes in the budget, from its inference until `Envelope.close`."""
+    closed: bool = False
+    """Whether `Envelope.close` ended it."""
 
 
-def stamp(deadline: float | None = None, trace: tracing.RequestTrace | None = None) -> RequestContext:
+def stamp(deadline: float | None = None) -> RequestContext:
     """A request's context, received now (the caller's address is the transport's, read only for a failure's log)."""
-    return RequestContext(time.perf_counter(), deadline, trace)
+    return RequestContext(time.perf_counter(), deadline)
 
 
 CURRENT: ContextVar[RequestContext | None] = ContextVar("request", default=None)
@@ -86,18 +98,11 @@ class Inference(Generic[Result]):
         self.result = result
 
     async def encode(self, render: Callable[[], Encoded]) -> Encoded:
-        """The answer in the front end's wire format: a small one on the event loop, a large one on a worker thread.
-
-        If rendering fails or is cancelled, the answer's bytes leave the budget.
-        """
+        """The answer in the front end's wire format: a small one on the event loop, a large one on a worker thread."""
         with tracing.stage(self.context.trace, "encode"):
-            try:
-                if _encodes_inline(self.result):
-                    return render()
-                return await asyncio.to_thread(render)
-            except BaseException:
-                self._engine.answered(self.result)
-                raise
+            if _encodes_inline(self.result):
+                return render()
+            return await asyncio.to_thread(render)
 
     async def write(self, render: Callable[[], bytes]) -> bytes:
         """A tokenizer's answer, whose size is known only once written: written (as `encode`), then counted in flight.
@@ -105,7 +110,7 @@ class Inference(Generic[Result]):
         Refused (TooLarge, Overloaded) when its bytes do not fit the answer budget.
         """
         body = await self.encode(render)
-        self._engine.hold_written(self.result, len(body))
+        self._engine.hold_written(self.result, len(body), self.context.reservation)
         return body
 
 
@@ -156,18 +161,33 @@ class _CountedInference(Generic[Result]):
             return await self._engine.tokenize(request)
         if isinstance(request, DecodeRequest):
             return await self._engine.decode(request)
-        return await self._engine.infer(request, context.deadline, context.trace, context.tenant)
+        return await self._engine.infer(request, context.reservation, context.deadline, context.trace, context.tenant)
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
         self._tracked.__exit__(kind, error, traceback)
 
 
 class Envelope:
-    """Authentication, admission, counting, the answer budget and failures: once, for every protocol's requests."""
+    """Spans, authentication, admission, counting, the answer budget and failures: once, for every protocol."""
 
     def __init__(self, pipeline: Pipeline, api_keys: ApiKeys | None) -> None:
         self.pipeline = pipeline
         self.api_keys = api_keys
+
+    @staticmethod
+    def open(context: RequestContext, span: tracing.RequestSpan | None) -> None:
+        """Start the request's span (None: not traced), the child of its caller's; `close` ends it."""
+        context.trace = tracing.start(span)
+
+    @staticmethod
+    def open_stream(context: RequestContext, span: tracing.RequestSpan | None) -> None:
+        """A stream: its span read once, for its messages (`message`); the stream itself has none."""
+        context.span = span
+
+    @staticmethod
+    def message(stream: RequestContext, deadline: float | None) -> RequestContext:
+        """One message of a stream, received now: the stream's tenant, and its span in the stream's caller's trace."""
+        return RequestContext(time.perf_counter(), deadline, tracing.start(stream.span), stream.tenant)
 
     def authenticate(self, context: RequestContext, authorization: str | None, how: str) -> None:
         """Accept the request's `authorization` (Bearer key) and note its tenant, or refuse it (Unauthenticated).
@@ -204,11 +224,26 @@ class Envelope:
         """
         if context.trace is not None:
             context.trace.describe(request.model, request.version)
+        if context.reservation is None:
+            context.reservation = self.pipeline.reservation()
+            if context.closed:  # its client left before it ran: nothing may be held for it
+                context.reservation.release()
         return _CountedInference(self.pipeline, context, request)
 
-    def answered(self, answer: PipelineResult) -> None:
-        """The transport took the answer (or never will): its bytes leave the answer budget."""
-        self.pipeline.answered(answer)
+    @staticmethod
+    def close(context: RequestContext, status: int, error: BaseException | None = None) -> None:
+        """The request ended: its transport took the answer, or never will. Once, whatever the outcome.
+
+        Its answer's bytes leave the budget, and its span ends with `status`, its protocol's (ERROR
+        as the protocol counts one), and `error`, what it ended with, if anything.
+        """
+        if context.closed:
+            return
+        context.closed = True
+        if context.reservation is not None:
+            context.reservation.release()
+        if context.trace is not None:
+            context.trace.end(status, error)
 
     @staticmethod
     def failed(error: BaseException, where: str, peer: str = "") -> ServiceError:

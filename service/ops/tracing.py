@@ -9,10 +9,12 @@ name, resource attributes, sampler, the exporter's protocol, headers, timeout an
 processor's queue) and exports over OTLP from one background thread.
 
 A request's span joins the caller's trace when the gRPC metadata or HTTP headers carry a W3C
-`traceparent` (and `tracestate`). Its children are the stages: decode, validate, tokenize, queue
-(waiting for a batch) and encode. A model batch has one span of its own, where the batch runs (the
-engine process with --frontends > 1: a request's span context crosses the IPC boundary as 25 bytes),
-linked to the span of every sampled request whose rows it ran, and the child of the first of them.
+`traceparent` (and `tracestate`); the envelope (service.envelope) starts it and ends it with the
+status its protocol answered. A stream's messages each get a span in the stream's caller's trace.
+Its children are the stages: decode, validate, tokenize, queue (waiting for a batch) and encode.
+A model batch has one span of its own, where the batch runs (the engine process with --frontends > 1:
+a request's span context crosses the IPC boundary as 25 bytes), linked to the span of every sampled
+request whose rows it ran, and the child of the first of them.
 
 The exporter never holds up or fails a request: ended spans go into the batch processor's bounded
 queue (OTEL_BSP_MAX_QUEUE_SIZE) and are exported from its thread; a span that finds the queue
@@ -28,11 +30,10 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import grpc
-
-from service.errors import ServiceError, outcome
+from service.errors import ServiceError
 from service.ops import metrics
 from service.ops.settings import Settings, SettingsError
 
@@ -297,23 +298,43 @@ class _Stage:
         self._span.end()
 
 
-class RequestTrace:
-    """One inference request's span: its stages as children, what it asked and how it was answered.
+@dataclass(frozen=True, slots=True)
+class RequestSpan:
+    """What a request's span is called and says, read once where the request entered (`rpc_span`, `http_span`).
 
-    Made by `grpc_request` or `http_request` (never while tracing is off: callers hold None then).
+    A stream's messages each get a span made from their stream's: its children in the caller's trace.
     """
 
-    __slots__ = ("_context", "_deadline", "_recording", "span", "span_context")
+    name: str
+    attributes: dict[str, str]
+    status_attribute: str
+    """Where its protocol's status goes when it ends (rpc.grpc.status_code, http.response.status_code)."""
+    error_from_status: int
+    """The first status that marks it ERROR (gRPC: anything but OK; HTTP: from 500 on, as OpenTelemetry says)."""
+    parent: Context | None
+    """The caller's span, from its W3C `traceparent` (and `tracestate`), if it sent one."""
 
-    def __init__(self, span: Span, deadline: float | None = None) -> None:
-        from opentelemetry.trace import set_span_in_context  # noqa: PLC0415
 
-        self.span = span
-        self.span_context: SpanContext = span.get_span_context()
+class RequestTrace:
+    """One request's span: its stages as children, what it asked and how it ended.
+
+    Made by `start` (never while tracing is off: callers hold None then).
+    """
+
+    __slots__ = ("_context", "_error_from_status", "_recording", "_status_attribute", "span", "span_context")
+
+    def __init__(self, request: RequestSpan) -> None:
+        from opentelemetry.trace import SpanKind, set_span_in_context  # noqa: PLC0415
+
+        self.span: Span = _tracer.start_span(
+            request.name, context=request.parent, kind=SpanKind.SERVER, attributes=request.attributes
+        )
+        self.span_context: SpanContext = self.span.get_span_context()
         """What a batch span links to (and crosses the IPC boundary)."""
-        self._context = set_span_in_context(span)
-        self._deadline = deadline
-        self._recording = span.is_recording()
+        self._context = set_span_in_context(self.span)
+        self._status_attribute = request.status_attribute
+        self._error_from_status = request.error_from_status
+        self._recording = self.span.is_recording()
         """False when the sampler left the request out: its stages are not recorded either (they cost as much)."""
 
     def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
@@ -348,25 +369,22 @@ class RequestTrace:
         span.end(end_time=started + int(result.queue_s * 1e9))
         return result
 
-    def __enter__(self) -> RequestTrace:
-        return self
+    def end(self, status: int, error: BaseException | None) -> None:
+        """The request ended with its protocol's `status` (ERROR from `error_from_status` on) and `error`, if any."""
+        self.span.set_attribute(self._status_attribute, status)
+        if status >= self._error_from_status:
+            if error is None:
+                from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
-        """A gRPC request ends: its status code (its outcome, service.errors.outcome), ERROR if it failed."""
-        code = grpc.StatusCode[outcome(error, self._deadline)]
-        self.span.set_attribute("rpc.grpc.status_code", code.value[0])
-        if error is not None:
-            _error_status(self.span, error)
+                self.span.set_status(Status(StatusCode.ERROR))
+            else:
+                _error_status(self.span, error)
         self.span.end()
 
-    def end_http(self, status: int) -> None:
-        """An HTTP request ends with this status (ERROR from 500 on, as OpenTelemetry's HTTP conventions say)."""
-        self.span.set_attribute("http.response.status_code", status)
-        if status >= 500:
-            from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415
 
-            self.span.set_status(Status(StatusCode.ERROR))
-        self.span.end()
+def start(request: RequestSpan | None) -> RequestTrace | None:
+    """A request's span, started now (None without a span to start)."""
+    return None if request is None else RequestTrace(request)
 
 
 def stage(trace: RequestTrace | None, name: str) -> contextlib.AbstractContextManager[None]:
@@ -374,61 +392,42 @@ def stage(trace: RequestTrace | None, name: str) -> contextlib.AbstractContextMa
     return _NO_TRACE if trace is None else trace.stage(name)
 
 
-def _parent(traceparent: str | None, tracestate: str | None) -> Context | None:
-    if traceparent is None:
+def _parent(headers: Iterable[tuple[str | bytes, str | bytes]]) -> Context | None:
+    """The caller's span from its `traceparent` and `tracestate` headers (gRPC metadata, HTTP headers), if any."""
+    carrier = {}
+    for key, value in headers:
+        name = key if isinstance(key, str) else key.decode("latin-1")
+        if name in ("traceparent", "tracestate"):
+            carrier[name] = value if isinstance(value, str) else value.decode("latin-1")
+    if "traceparent" not in carrier:
         return None
-    carrier = {"traceparent": traceparent}
-    if tracestate is not None:
-        carrier["tracestate"] = tracestate
     return _propagator.extract(carrier)
 
 
-def grpc_request(
-    method: str, context: grpc.aio.ServicerContext, deadline: float | None
-) -> contextlib.AbstractContextManager[RequestTrace | None]:
-    """A gRPC request's span as a context manager that ends it with the call's status (None while off).
-
-    Its parent is the caller's span when the call's metadata carries `traceparent`.
-    """
-    if not ON:
-        return _NO_TRACE
-    traceparent = tracestate = None
-    for key, value in context.invocation_metadata() or ():
-        if key == "traceparent":
-            traceparent = value
-        elif key == "tracestate":
-            tracestate = value
-    from opentelemetry.trace import SpanKind  # noqa: PLC0415
-
-    attributes = {"rpc.system": "grpc", "rpc.service": GRPC_SERVICE, "rpc.method": method}
-    span = _tracer.start_span(
-        f"{GRPC_SERVICE}/{method}",
-        context=_parent(traceparent, tracestate),
-        kind=SpanKind.SERVER,
-        attributes=attributes,
-    )
-    return RequestTrace(span, deadline)
-
-
-def http_request(method: str, route: str, headers: Iterable[tuple[bytes, bytes]]) -> RequestTrace | None:
-    """An HTTP request's span (None while off), ended by `end_http`; its parent from a `traceparent` header."""
+def rpc_span(method: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> RequestSpan | None:
+    """What a gRPC call's span is (None while tracing is off); its parent from the call's metadata."""
     if not ON:
         return None
-    traceparent = tracestate = None
-    for key, value in headers:
-        if key == b"traceparent":
-            traceparent = value.decode("latin-1")
-        elif key == b"tracestate":
-            tracestate = value.decode("latin-1")
-    from opentelemetry.trace import SpanKind  # noqa: PLC0415
-
-    span = _tracer.start_span(
-        f"{method} {route}",
-        context=_parent(traceparent, tracestate),
-        kind=SpanKind.SERVER,
-        attributes={"http.request.method": method, "http.route": route},
+    return RequestSpan(
+        f"{GRPC_SERVICE}/{method}",
+        {"rpc.system": "grpc", "rpc.service": GRPC_SERVICE, "rpc.method": method},
+        "rpc.grpc.status_code",
+        1,
+        _parent(metadata or ()),
     )
-    return RequestTrace(span)
+
+
+def http_span(method: str, route: str, headers: Iterable[tuple[bytes, bytes]]) -> RequestSpan | None:
+    """What an HTTP request's span is (None while tracing is off); its parent from its headers."""
+    if not ON:
+        return None
+    return RequestSpan(
+        f"{method} {route}",
+        {"http.request.method": method, "http.route": route},
+        "http.response.status_code",
+        500,
+        _parent(headers),
+    )
 
 
 def to_wire(span_context: SpanContext | None) -> bytes | None:

@@ -6,8 +6,8 @@ and 1 for an int8 as raw bytes over gRPC or KServe binary data, up to 16 and 5 a
 4/3 of the raw bytes in base64). An answer over `--max-response-bytes` is refused (TooLarge: RESOURCE_EXHAUSTED, HTTP
 413); an answer that would take the answers in flight past this process's share of
 `--max-answer-bytes-in-flight` is refused for now (Overloaded: RESOURCE_EXHAUSTED, HTTP 429 with
-Retry-After). Its bytes stay counted until the front end has handed the answer to the transport:
-a client that reads slowly holds its share of the budget, not more.
+Retry-After). Its bytes are held in the request's `Reservation` until its envelope closes, once the
+transport has taken the answer: a client that reads slowly holds its share of the budget, not more.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import orjson
 
-from service.errors import Overloaded, TooLarge
+from service.errors import Overloaded, TooLarge, Unavailable
 from service.ops import metrics
 
 RAW = "raw"
@@ -78,6 +78,41 @@ class AnswerBudget:
         """An answer was handed to the transport (or failed): its bytes leave the budget."""
         self.in_flight_bytes -= size
         metrics.ANSWER_BYTES.set(self.in_flight_bytes)
+
+
+class Reservation:
+    """One request's answer in the budget: held once its size is known, released once when the request ends.
+
+    The envelope (service.envelope) makes it with the request and releases it whatever the outcome;
+    the pipeline holds it where the answer's size becomes known.
+    """
+
+    __slots__ = ("_budget", "_released", "bytes")
+
+    def __init__(self, budget: AnswerBudget) -> None:
+        self._budget = budget
+        self._released = False
+        self.bytes = 0
+        """The bytes held now (0 before `hold` and after `release`)."""
+
+    def hold(self, size: int) -> int:
+        """Count the answer's `size` bytes in flight, or refuse it (AnswerBudget.reserve); returns `size`.
+
+        A request that already ended (its client gone, the drain) holds nothing: Unavailable.
+        """
+        if self._released:
+            raise Unavailable("the request ended before its answer was budgeted")
+        if self.bytes:
+            raise RuntimeError("an answer is held once per request")
+        self.bytes = self._budget.reserve(size)
+        return size
+
+    def release(self) -> None:
+        """The request ended (answered, failed, or its client gone): its bytes leave the budget; once."""
+        self._released = True
+        if self.bytes:
+            self._budget.release(self.bytes)
+            self.bytes = 0
 
 
 def json_values(values: np.ndarray) -> orjson.Fragment:

@@ -34,7 +34,16 @@ from service.ops import metrics, tracing
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, ModelStatistics, StatisticsTable
 from service.ops.tenants import Tenant
-from service.pipeline.answers import BASE64, JSON, RAW, AnswerBudget, json_values, value_bytes
+from service.pipeline.answers import (
+    BASE64,
+    INLINE_ENCODE_BYTES,
+    JSON,
+    RAW,
+    AnswerBudget,
+    Reservation,
+    json_values,
+    value_bytes,
+)
 from service.pipeline.embedding_types import embedding_types, type_output
 from service.pipeline.long_texts import combined, late_chunked
 from service.pipeline.models import ModelInfo, ServedModel
@@ -77,6 +86,7 @@ __all__ = [
     "EMBEDDING",
     "EMBEDDING_TYPES",
     "INDICES",
+    "INLINE_ENCODE_BYTES",
     "INPUT_TYPE",
     "INSTRUCTION",
     "JSON",
@@ -106,6 +116,7 @@ __all__ = [
     "ModelState",
     "Pipeline",
     "PipelineResult",
+    "Reservation",
     "RowLimit",
     "Token",
     "TokenizeRequest",
@@ -156,7 +167,7 @@ class InferenceResult:
     prompt_tokens: int
     """Real (unpadded) tokens of the request's sequences, special tokens included (OpenAI's `usage`)."""
     answer_bytes: int = 0
-    """The answer's size as sent, counted in flight until the front end calls `Pipeline.answered` with it."""
+    """The answer's size as sent, held in the request's reservation (answers.Reservation) until it ends."""
     rows: int = 0
     """The request's rows (texts, pairs or token sequences)."""
     queue_s: float = 0.0
@@ -195,7 +206,7 @@ class TokenizeResult:
     encode_inline: bool
     """Whether its answer is written on the event loop (its texts were tokenised there: --inline-tokenize-chars)."""
     answer_bytes: int = 0
-    """The answer's size as sent, counted in flight once written (`Pipeline.hold_written`) until `answered`."""
+    """The answer's size as sent, held in the request's reservation once written (`Pipeline.hold_written`)."""
 
 
 @dataclass(slots=True)
@@ -223,11 +234,11 @@ class DecodeResult:
     encode_inline: bool
     """Whether its answer is written on the event loop (its ids were decoded there: --inline-tokenize-chars)."""
     answer_bytes: int = 0
-    """The answer's size as sent, counted in flight once written (`Pipeline.hold_written`) until `answered`."""
+    """The answer's size as sent, held in the request's reservation once written (`Pipeline.hold_written`)."""
 
 
 PipelineResult = InferenceResult | TokenizeResult | DecodeResult
-"""What one call of the pipeline answers; its `answer_bytes` are in flight until `Pipeline.answered`."""
+"""What one call of the pipeline answers; its `answer_bytes` are held in its request's reservation."""
 
 
 @dataclass(frozen=True)
@@ -385,18 +396,25 @@ class Pipeline:
             return served.metrics, served.statistics
         return metrics.of(metrics.UNKNOWN_MODEL), None
 
+    def reservation(self) -> Reservation:
+        """A request's place in this process's answer budget, held once its answer's size is known."""
+        return Reservation(self.answers)
+
     async def infer(
         self,
         request: InferenceRequest,
+        reservation: Reservation,
         deadline: float | None = None,
         trace: tracing.RequestTrace | None = None,
         tenant: Tenant | None = None,
     ) -> InferenceResult:
         """Check, admit (or refuse at once), tokenise, batch: this request's outputs, or a ServiceError.
 
-        `deadline`: the caller's (time.monotonic), if any. `trace`: the request's span (while tracing is
-        on), which gets the stages from here on. `tenant`: whose request it is, for its place in the queue
-        (its priority and fair share); counting and tenants' limits are the envelope's (service.envelope).
+        `reservation`: where its answer's bytes are held (the caller releases it when the request
+        ends). `deadline`: the caller's (time.monotonic), if any. `trace`: the request's span (while
+        tracing is on), which gets the stages from here on. `tenant`: whose request it is, for its place
+        in the queue (its priority and fair share); counting and tenants' limits are the envelope's
+        (service.envelope).
         """
         model = self.served(request.model, request.version)
         with tracing.stage(trace, "validate"):
@@ -409,11 +427,11 @@ class Pipeline:
                 dimensions=request.dimensions,
             )
         if valid.tokens_only:
-            outputs, prompt_tokens, answer_bytes = await model.tokens(valid, request.encodings, self.answers, trace)
+            outputs, prompt_tokens, answer_bytes = await model.tokens(valid, request.encodings, reservation, trace)
             return InferenceResult(
                 model.spec.name, model.spec.version, request.id, outputs, prompt_tokens, answer_bytes, valid.rows
             )
-        answered = await model.run(valid, deadline, request.encodings, self.answers, trace, tenant=tenant)
+        answered = await model.run(valid, deadline, request.encodings, reservation, trace, tenant=tenant)
         work = answered.work
         if trace is not None:
             trace.answered(valid.rows, answered.prompt_tokens, work.batch_rows)
@@ -429,7 +447,7 @@ class Pipeline:
             graph = {"embedding": late_chunked(graph["last_hidden_state"], answered.spans, model.spec.normalize)}
         outputs = answer_outputs(model.signature, valid, graph, answered.rows)
         if any(output_width(model.signature.outputs[name], 1) < 0 for name in valid.outputs):
-            self._check_sent_size(outputs, model, request.encodings, answered.answer_bytes)
+            self._check_sent_size(outputs, model, request.encodings)
         return InferenceResult(
             model.spec.name,
             model.spec.version,
@@ -479,8 +497,8 @@ class Pipeline:
             encode_inline=ids <= self.settings.inline_tokenize_chars,
         )
 
-    def hold_written(self, result: TokenizeResult | DecodeResult, size: int) -> None:
-        """Count a tokenizer's answer, now written (`size` bytes as sent), in flight; or refuse it.
+    def hold_written(self, result: TokenizeResult | DecodeResult, size: int, reservation: Reservation) -> None:
+        """Hold a tokenizer's answer, now written (`size` bytes as sent), in `reservation`; or refuse it.
 
         Over --max-response-bytes: TooLarge; over --max-answer-bytes-in-flight: Overloaded.
         """
@@ -496,32 +514,21 @@ class Pipeline:
                 f" (--max-response-bytes); send fewer {fewer}",
                 "response_too_large",
             )
-        result.answer_bytes = self.answers.reserve(size)
+        result.answer_bytes = reservation.hold(size)
 
-    def _check_sent_size(
-        self, outputs: dict[str, np.ndarray], model: ServedModel, encodings: dict[str, str], held: int
-    ) -> None:
-        """Refuse an answer over --max-response-bytes once its size is known (sparse terms, token vectors).
-
-        Its bytes leave the budget when it is refused.
-        """
+    def _check_sent_size(self, outputs: dict[str, np.ndarray], model: ServedModel, encodings: dict[str, str]) -> None:
+        """Refuse an answer over --max-response-bytes once its size is known (sparse terms, token vectors)."""
         size = sum(
             array.size * value_bytes(encodings.get(name, RAW), model.signature.outputs[name].datatype)
             for name, array in outputs.items()
         )
         if size > self.answers.max_response_bytes:
-            self.answers.release(held)
             raise TooLarge(
                 f"the answer would take {math.ceil(size)} bytes as sent, over the limit of"
                 f" {self.answers.max_response_bytes} bytes per response (--max-response-bytes); request fewer rows"
                 " (or set top_k, for sparse terms)",
                 "response_too_large",
             )
-
-    def answered(self, result: PipelineResult) -> None:
-        """The front end handed the answer to its transport (or gave up on it): its bytes leave the budget."""
-        self.answers.release(result.answer_bytes)
-        result.answer_bytes = 0
 
     def drain(self) -> None:
         """Start draining: not ready from now on, and queued work runs without waiting for fuller batches.

@@ -23,7 +23,7 @@ from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
 from service.ops.tenants import Tenant
 from service.pipeline import multivector
-from service.pipeline.answers import RAW, AnswerBudget, value_bytes
+from service.pipeline.answers import RAW, Reservation, value_bytes
 from service.pipeline.long_texts import Windows
 from service.pipeline.outputs import output_width
 from service.pipeline.requests import ModelSignature, TextLimits, ValidRequest
@@ -107,7 +107,7 @@ class RowsAnswered:
     prompt_tokens: int
     """Real (unpadded) tokens of its sequences, special tokens included."""
     answer_bytes: int
-    """Its answer's size as sent, counted in the answer budget until released."""
+    """Its answer's size as sent, held in the request's reservation."""
     rows: TokenRows
     """The rows as tokenised (or sent): what per-position outputs are read with."""
     windows: Windows | None = None
@@ -156,7 +156,7 @@ class ServedModel:
         request: ValidRequest,
         deadline: float | None,
         encodings: dict[str, str],
-        answers: AnswerBudget,
+        reservation: Reservation,
         trace: tracing.RequestTrace | None = None,
         *,
         tenant: Tenant | None = None,
@@ -164,7 +164,7 @@ class ServedModel:
         """Accept (or refuse at once), tokenise if needed, budget the answer, submit the rows and wait for them.
 
         `encodings`: how the front end sends each output (answers.RAW when absent). The answer's bytes as sent
-        stay counted in `answers` until the front end releases them. Small
+        are held in the request's `reservation`, which its envelope releases. Small
         texts are tokenised inline, larger ones on a worker. `trace`: the request's span (while tracing
         is on), for the tokenize and queue stages. `tenant`: whose request it is (its share of the queue).
         """
@@ -195,19 +195,15 @@ class ServedModel:
                 rows = request.tokens
             if request.adapter_id:
                 rows = rows.with_adapter(request.adapter_id)
-            answer_bytes = answers.reserve(self._answer_size(rows, request, encodings))
+            answer_bytes = reservation.hold(self._answer_size(rows, request, encodings))
             graph = tuple(dict.fromkeys(self.signature.outputs[name].source for name in request.outputs))
             if spans is not None:
                 graph = (TOKEN_STATES,)
-            try:
-                if trace is None:
-                    work = await self.queue.submit(rows, graph, deadline, share=share)
-                else:
-                    submitted = self.queue.submit(rows, graph, deadline, trace=trace.span_context, share=share)
-                    work = await trace.queued(submitted)
-            except BaseException:
-                answers.release(answer_bytes)
-                raise
+            if trace is None:
+                work = await self.queue.submit(rows, graph, deadline, share=share)
+            else:
+                submitted = self.queue.submit(rows, graph, deadline, trace=trace.span_context, share=share)
+                work = await trace.queued(submitted)
         finally:
             self.accepted -= 1
         return RowsAnswered(work, rows.real_tokens, answer_bytes, rows, windows, spans)
@@ -226,13 +222,13 @@ class ServedModel:
         self,
         request: ValidRequest,
         encodings: dict[str, str],
-        answers: AnswerBudget,
+        reservation: Reservation,
         trace: tracing.RequestTrace | None = None,
     ) -> tuple[dict[str, np.ndarray], int, int]:
         """The texts' tokens (the token outputs requested), answered by the tokenizer without running the model.
 
-        Returns the outputs, the texts' tokens in all, and the outputs' bytes as sent, counted in
-        `answers` until the front end releases them.
+        Returns the outputs, the texts' tokens in all, and the outputs' bytes as sent, held in the
+        request's `reservation`.
         """
         if self._closing:
             raise Unavailable("the model is shutting down")
@@ -246,7 +242,7 @@ class ServedModel:
         table = {TOKEN_IDS: ids, TOKEN_OFFSETS: offsets, TOKEN_COUNTS: counts}
         outputs = {name: table[name] for name in request.outputs}
         size = sum(array.size * value_bytes(encodings.get(name, RAW), "INT64") for name, array in outputs.items())
-        return outputs, int(counts.sum()), answers.reserve(math.ceil(size))
+        return outputs, int(counts.sum()), reservation.hold(math.ceil(size))
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (Unavailable); those accepted are still submitted and answered."""

@@ -1,13 +1,18 @@
-"""The request envelope: counting after the answer is encoded, the answer budget, failures; the status tables."""
+"""The request envelope: counting after the answer is encoded, the answer budget, spans, failures; the status tables."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import REGISTRY
 
 from service import envelope
@@ -32,6 +37,7 @@ from service.frontends.grpc.status import STATUS as GRPC_STATUS
 from service.frontends.grpc.status import status_of
 from service.frontends.http.errors import STATUS as HTTP_STATUS
 from service.frontends.http.errors import MethodNotAllowed, UnsupportedMediaType, http_status
+from service.ops import tracing
 from service.ops.settings import Settings
 from service.ops.tenants import Tenant, TenantLimits
 from service.pipeline.api import DecodeRequest, InferenceRequest, InputTensor, Pipeline, TokenizeRequest
@@ -70,13 +76,14 @@ async def test_a_request_is_counted_once_its_answer_is_encoded(tiny_repository: 
 
 async def _counted_once_encoded(door: Envelope) -> None:
     before_ok, before_internal = _requests("OK"), _requests("INTERNAL")
-    async with door.inference(envelope.stamp(), _text("counted when encoded")) as inference:
+    context = envelope.stamp()
+    async with door.inference(context, _text("counted when encoded")) as inference:
         assert _requests("OK") == before_ok  # the rows are back, the answer not yet encoded: not counted
         encoded = await inference.encode(inference.result.outputs["embedding"].tobytes)
     assert len(encoded) == 32 * 4
     assert (_requests("OK"), _requests("INTERNAL")) == (before_ok + 1, before_internal)
-    assert door.pipeline.answers.in_flight_bytes == inference.result.answer_bytes > 0
-    door.answered(inference.result)
+    assert door.pipeline.answers.in_flight_bytes == inference.result.answer_bytes > 0  # held until sent
+    door.close(context, 0)
     assert door.pipeline.answers.in_flight_bytes == 0
 
 
@@ -91,10 +98,12 @@ async def _failed_encoding(door: Envelope) -> None:
     def broken() -> bytes:
         raise ValueError("the encoder broke")
 
-    with pytest.raises(ValueError, match="the encoder broke"):
-        async with door.inference(envelope.stamp(), _text("never answered")) as inference:
+    context = envelope.stamp()
+    with pytest.raises(ValueError, match="the encoder broke") as failure:
+        async with door.inference(context, _text("never answered")) as inference:
             await inference.encode(broken)
     assert (_requests("OK"), _requests("INTERNAL")) == (before_ok, before_internal + 1)
+    door.close(context, 13, failure.value)
     assert door.pipeline.answers.in_flight_bytes == 0
 
 
@@ -163,24 +172,114 @@ async def test_tokenize_and_decode_run_inside_the_envelope(tiny_repository: Path
 
 async def _tokenizer_calls(door: Envelope) -> None:
     tenant = Tenant("tokenizer-calls", TenantLimits())
-    context = envelope.stamp()
-    context.tenant = tenant
+
+    def tenants() -> envelope.RequestContext:
+        context = envelope.stamp()
+        context.tenant = tenant
+        return context
+
     before_ok = _requests("OK")
+    context = tenants()
     async with door.inference(context, TokenizeRequest(TINY_MODEL, [b"one two three"])) as tokenized:
         assert _requests("OK") == before_ok  # counted once its answer is written
         body = await tokenized.write(lambda: repr([token.id for token in tokenized.result.tokens[0]]).encode())
     assert _requests("OK") == before_ok + 1
     assert door.pipeline.answers.in_flight_bytes == tokenized.result.answer_bytes == len(body)  # held until sent
-    door.answered(tokenized.result)
+    door.close(context, 200)
     assert door.pipeline.answers.in_flight_bytes == 0
+    context = tenants()
     async with door.inference(context, DecodeRequest(TINY_MODEL, [[5, 6], [7]])) as decoded:
         await decoded.write(lambda: "|".join(decoded.result.texts).encode())
-    door.answered(decoded.result)
+    door.close(context, 200)
     assert _requests("OK") == before_ok + 2
     charged = REGISTRY.get_sample_value("encoder_tenant_prompt_tokens_total", {"tenant": "tokenizer-calls"})
     assert charged == tokenized.result.prompt_tokens + 3 == 5 + 3  # [CLS] one two three [SEP], then 3 ids
     before_invalid = _requests("INVALID_ARGUMENT")
     with pytest.raises(InvalidArgument, match="token id 1000000 is not in the tokenizer's vocabulary"):
-        async with door.inference(context, DecodeRequest(TINY_MODEL, [[10**6]])):
+        async with door.inference(tenants(), DecodeRequest(TINY_MODEL, [[10**6]])):
             pass
     assert _requests("INVALID_ARGUMENT") == before_invalid + 1
+
+
+class _CountedReleases:
+    """The answer budget's releases, counted: a request's bytes must leave it exactly once."""
+
+    def __init__(self, door: Envelope, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sizes: list[int] = []
+        budget = door.pipeline.answers
+        release = budget.release
+
+        def counted(size: int) -> None:
+            self.sizes.append(size)
+            release(size)
+
+        monkeypatch.setattr(budget, "release", counted)
+
+
+async def test_a_reservation_is_released_once_whatever_the_outcome(
+    tiny_repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with serving(tiny_repository) as door:
+        releases = _CountedReleases(door, monkeypatch)
+        budget = door.pipeline.answers
+        for outcome_name in ("answered", "failed while encoding", "cancelled", "client gone"):
+            releases.sizes.clear()
+            context = envelope.stamp()
+            error: BaseException | None = None
+            if outcome_name == "client gone":  # it left before its inference ran: nothing is held for it
+                door.close(context, 499)
+                with pytest.raises(Unavailable, match="the request ended before its answer was budgeted"):
+                    async with door.inference(context, _text(outcome_name)):
+                        pass
+                assert (releases.sizes, budget.in_flight_bytes) == ([], 0)
+                continue
+            try:
+                async with door.inference(context, _text(outcome_name)) as inference:
+                    held = inference.result.answer_bytes
+                    assert budget.in_flight_bytes == held > 0
+                    if outcome_name == "failed while encoding":
+                        await inference.encode(lambda: 1 / 0)
+                    if outcome_name == "cancelled":
+                        raise asyncio.CancelledError
+                    await inference.encode(inference.result.outputs["embedding"].tobytes)
+            except (ZeroDivisionError, asyncio.CancelledError) as failure:
+                error = failure
+            assert budget.in_flight_bytes == held  # held until the request ends
+            door.close(context, 0 if error is None else 13, error)
+            door.close(context, 0)  # a second end changes nothing
+            assert (releases.sizes, budget.in_flight_bytes) == ([held], 0), outcome_name
+
+
+@pytest.fixture
+def recorded_spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process, its spans kept in memory."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "ON", True)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(tracing, "_propagator", TraceContextTextMapPropagator())
+    yield exporter
+    provider.shutdown()
+
+
+def test_a_stream_messages_span_is_a_child_of_its_streams(recorded_spans: InMemorySpanExporter) -> None:
+    trace_id, caller_span = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+    traceparent = f"00-{trace_id:032x}-{caller_span:016x}-01"
+    door = Envelope(Pipeline(Settings(model_repository=Path("."))), api_keys=None)
+    stream = envelope.stamp()
+    stream.tenant = Tenant("streaming", TenantLimits())
+    door.open_stream(stream, tracing.rpc_span("ModelStreamInfer", (("traceparent", traceparent),)))
+    assert stream.trace is None  # the stream itself has no span: each message has one
+    first, second = door.message(stream, None), door.message(stream, 12.5)
+    assert (first.tenant, second.tenant, second.deadline) == (stream.tenant, stream.tenant, 12.5)
+    door.close(first, grpc.StatusCode.OK.value[0])
+    door.close(second, grpc.StatusCode.NOT_FOUND.value[0], NotFound("unknown model 'x'"))
+    spans = recorded_spans.get_finished_spans()
+    assert [span.name for span in spans] == ["inference.GRPCInferenceService/ModelStreamInfer"] * 2
+    for span in spans:
+        assert (span.parent.trace_id, span.parent.span_id) == (trace_id, caller_span)
+        assert span.context.trace_id == trace_id
+    assert [span.attributes["rpc.grpc.status_code"] for span in spans] == [0, 5]
+    assert [span.status.is_ok for span in spans] == [True, False]
+    assert spans[1].status.description == "unknown model 'x'"

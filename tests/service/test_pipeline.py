@@ -34,17 +34,17 @@ async def test_a_loading_model_is_unavailable_then_ready(tiny_repository: Path) 
     assert pipeline.discover() == [TINY_MODEL]
     assert not pipeline.ready and not pipeline.model_ready(TINY_MODEL)
     with pytest.raises(Unavailable, match=f"model {TINY_MODEL} is loading"):
-        await pipeline.infer(text_request("hello"))
+        await pipeline.infer(text_request("hello"), pipeline.reservation())
     with pytest.raises(NotFound, match="unknown model 'other'"):
         pipeline.model("other")
     model = await pipeline.load(TINY_MODEL)
     assert pipeline.ready and pipeline.model(TINY_MODEL, "1") == model and pipeline.model_ready(TINY_MODEL, "1")
     assert [(state.name, state.state) for state in pipeline.index()] == [(TINY_MODEL, "READY")]
-    assert (await pipeline.infer(text_request("hello"))).outputs["embedding"].shape == (1, 32)
+    assert (await pipeline.infer(text_request("hello"), pipeline.reservation())).outputs["embedding"].shape == (1, 32)
     await pipeline.close(1)
     assert not pipeline.ready and not pipeline.model_ready(TINY_MODEL)
     with pytest.raises(Unavailable, match="shutting down"):
-        await pipeline.infer(text_request("hello"))
+        await pipeline.infer(text_request("hello"), pipeline.reservation())
 
 
 async def test_a_model_that_cannot_load_is_reported_with_its_reason(repository_copy: Path) -> None:
@@ -73,14 +73,14 @@ async def test_a_drain_answers_a_request_accepted_while_its_texts_were_still_bei
     await pipeline.load(TINY_MODEL)
     tokenizer_free = threading.Event()
     pipeline.tokenizer_pool().submit(tokenizer_free.wait)  # the one tokenizer thread is busy until the test says
-    accepted = asyncio.ensure_future(pipeline.infer(text_request("accepted before the drain")))
+    accepted = asyncio.ensure_future(pipeline.infer(text_request("accepted before the drain"), pipeline.reservation()))
     served = pipeline.served(TINY_MODEL)
     while not served.accepted:
         await asyncio.sleep(0)
     closing = asyncio.ensure_future(pipeline.close(30))
     await asyncio.sleep(0)
     with pytest.raises(Unavailable, match="shutting down"):
-        await pipeline.infer(text_request("arrived during the drain"))
+        await pipeline.infer(text_request("arrived during the drain"), pipeline.reservation())
     assert not closing.done() and not accepted.done()
     tokenizer_free.set()
     assert (await accepted).outputs["embedding"].shape == (1, 32)
@@ -107,7 +107,7 @@ async def test_bucketed_lengths_never_pass_the_models_maximum(tiny_repository: P
     try:
         model = await pipeline.load(TINY_MODEL)
         assert model.policy.padded_length(100) == 128 and model.policy.padded_length(20) == 48
-        result = await pipeline.infer(_token_request(2, 100))
+        result = await pipeline.infer(_token_request(2, 100), pipeline.reservation())
         assert result.outputs["embedding"].shape == (2, 32)
     finally:
         await pipeline.close(1)

@@ -1,7 +1,8 @@
 """The gRPC port's door: every call's request context stamped, its API key checked, its errors mapped to statuses.
 
 What happens at the door is the envelope's (service.envelope); this module adapts it to grpc.aio's
-interceptor and handler shapes, and maps error kinds through the port's one table (status.py).
+interceptor and handler shapes, and maps error kinds through the port's one table (status.py). A
+unary call ends in its envelope here: once the transport took its answer, or when it fails.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from google.protobuf.message import DecodeError
 
 from protocol.retry_hint import RETRY_AFTER_METADATA
 from service import envelope
-from service.envelope import Envelope
+from service.envelope import Envelope, RequestContext
 from service.errors import InvalidArgument, Overloaded, Unauthenticated
-from service.frontends.grpc.status import status_of
+from service.frontends.grpc import status
+from service.ops import tracing
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 StreamBehaviour = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]
@@ -27,6 +29,10 @@ PROTECTED_PREFIX = "/inference.GRPCInferenceService/"
 """Methods that need an API key when keys are configured (health and reflection stay open)."""
 SEND_KEY = "send metadata 'authorization: Bearer <key>'"
 """How a gRPC caller sends its API key (the end of the refusal's message)."""
+TRACED_CALLS = ("ModelInfer",)
+"""Methods whose calls each get a span."""
+TRACED_STREAMS = ("ModelStreamInfer",)
+"""Streaming methods whose messages each get a span."""
 
 
 def _parsed(raw: bytes, deserializer: Deserializer) -> Any:
@@ -46,20 +52,30 @@ async def _abort_with_status(error: Exception, behaviour: object, context: grpc.
     failure = Envelope.failed(error, getattr(behaviour, "__qualname__", str(behaviour)), context.peer())
     if isinstance(failure, Overloaded) and failure.retry_after_s is not None:  # as HTTP's Retry-After
         context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(failure.retry_after_s)),))
-    await context.abort(status_of(failure), str(failure))
+    await context.abort(status.status_of(failure), str(failure))
 
 
-def _abort_on_error(behaviour: Behaviour, deserializer: Deserializer) -> Behaviour:
-    """The handler, taking the raw request bytes: parsing and every failure end in a precise status."""
+def _abort_on_error(door: Envelope, behaviour: Behaviour, deserializer: Deserializer) -> Behaviour:
+    """The handler, taking the raw request bytes: parsing and every failure end in a precise status.
+
+    The call ends in its envelope when it fails, or once the transport took its answer.
+    """
 
     async def guarded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        request = envelope.CURRENT.get()
         try:
-            return await behaviour(_parsed(raw, deserializer), context)
+            answer = await behaviour(_parsed(raw, deserializer), context)
         except grpc.aio.AbortError:
             raise
-        except Exception as error:
+        except BaseException as error:
+            status.close(door, request, error)  # nothing will be sent
+            if not isinstance(error, Exception):
+                raise
             await _abort_with_status(error, behaviour, context)
-        return None  # unreachable: abort raises
+            return None  # unreachable: abort raises
+        if request.trace is not None or request.reservation is not None:
+            context.add_done_callback(lambda _: status.close(door, request))
+        return answer
 
     return guarded
 
@@ -149,31 +165,40 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             if handler is None:
                 return handler
             protected = handler if method.startswith(PROTECTED_PREFIX) else None
-            cached = self._wrapped[method] = (_guarded(handler), protected)
+            cached = self._wrapped[method] = (_guarded(self._envelope, handler), protected)
         wrapped, protected = cached
         # grpc.aio runs the interceptor and then the handler in the call's one task: the handler reads it there.
         context = envelope.stamp()
         envelope.CURRENT.set(context)
         if protected is not None:
+            metadata = handler_call_details.invocation_metadata
             try:
-                self._envelope.authenticate(context, _authorization(handler_call_details.invocation_metadata), SEND_KEY)
+                self._envelope.authenticate(context, _authorization(metadata), SEND_KEY)
             except Unauthenticated as refusal:
                 return _denying(protected, refusal)
+            self._open(context, method[len(PROTECTED_PREFIX) :], metadata)
         return wrapped
 
+    def _open(self, context: RequestContext, name: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
+        """Open a traced call's span in its envelope, or read its stream's once for its messages."""
+        if name in TRACED_CALLS:
+            self._envelope.open(context, tracing.rpc_span(name, metadata))
+        elif name in TRACED_STREAMS:
+            self._envelope.open_stream(context, tracing.rpc_span(name, metadata))
 
-def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+
+def _guarded(door: Envelope, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """The handler taking raw bytes, its failures mapped to statuses (as it is for kinds grpc.aio cannot wrap)."""
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
-            _abort_on_error(handler.unary_unary, handler.request_deserializer),
+            _abort_on_error(door, handler.unary_unary, handler.request_deserializer),
             request_deserializer=None,
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
         # A server stream written with context.write (health's Watch): parsed and mapped like a unary call.
         return grpc.unary_stream_rpc_method_handler(
-            _abort_on_error(handler.unary_stream, handler.request_deserializer),
+            _abort_on_error(door, handler.unary_stream, handler.request_deserializer),
             request_deserializer=None,
             response_serializer=handler.response_serializer,
         )

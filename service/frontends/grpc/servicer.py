@@ -14,9 +14,8 @@ from protocol import grpc_service_pb2_grpc as pb_grpc
 from service import envelope
 from service.envelope import Envelope, RequestContext
 from service.frontends import codec
+from service.frontends.grpc import status
 from service.frontends.grpc.streaming import MAX_INFLIGHT_PER_STREAM, InferenceStreams
-from service.ops import tracing
-from service.pipeline.api import InferenceResult
 
 
 def _unsupported(method: str) -> Callable[..., Awaitable[NoReturn]]:
@@ -75,17 +74,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        """Decode, run through the engine, encode the requested outputs."""
+        """Decode, run through the engine, encode the requested outputs (the call ends in its envelope at the door)."""
         request_context = envelope.CURRENT.get()
         remaining = context.time_remaining()
         if remaining is not None:
             request_context.deadline = time.monotonic() + remaining
-        with tracing.grpc_request("ModelInfer", context, request_context.deadline) as trace:
-            request_context.trace = trace
-            response, result = await self._answer(request, request_context)
-        # The answer's bytes stay counted until gRPC has sent it (or the call ended otherwise).
-        context.add_done_callback(lambda _: self.envelope.answered(result))
-        return response
+        return await self._answer(request, request_context)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -94,31 +88,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async for response in self.streams.serve(request_iterator, context):
             yield response
 
-    async def infer(
-        self, request: pb.ModelInferRequest, deadline: float | None, stream: grpc.aio.ServicerContext | None = None
-    ) -> pb.ModelInferResponse:
-        """One inference of a stream, in a context of its own: its answer leaves the budget once encoded.
+    async def infer(self, request: pb.ModelInferRequest, deadline: float | None) -> pb.ModelInferResponse:
+        """One message of a stream, in an envelope of its own, ended once its answer is encoded.
 
-        A stream's answers not yet sent are bounded by --max-stream-inflight instead. `stream`: the
-        stream's call, whose metadata may carry the caller's trace (given while tracing is on).
+        A stream's answers not yet sent are bounded by --max-stream-inflight instead.
         """
-        # The stream's own context (its tenant) was stamped at the door, in the task this one copies.
-        opened = envelope.CURRENT.get()
-        request_context = envelope.stamp(deadline)
-        request_context.tenant = opened.tenant
-        with tracing.grpc_request("ModelStreamInfer", stream, deadline) as trace:
-            request_context.trace = trace
-            response, result = await self._answer(request, request_context)
-        self.envelope.answered(result)
+        # The stream's own context (its tenant, its caller's trace) was stamped at the door, in the task this copies.
+        request_context = self.envelope.message(envelope.CURRENT.get(), deadline)
+        try:
+            response = await self._answer(request, request_context)
+        except BaseException as error:
+            status.close(self.envelope, request_context, error)
+            raise
+        status.close(self.envelope, request_context)
         return response
 
-    async def _answer(
-        self, request: pb.ModelInferRequest, request_context: RequestContext
-    ) -> tuple[pb.ModelInferResponse, InferenceResult]:
+    async def _answer(self, request: pb.ModelInferRequest, request_context: RequestContext) -> pb.ModelInferResponse:
         """Decode, one inference inside the envelope, encode (a large answer off the event loop)."""
         decoded = self.envelope.decode(request_context, partial(codec.decode_infer_request, request))
         async with self.envelope.inference(request_context, decoded) as inference:
-            return await inference.encode(partial(codec.encode_infer_response, inference.result)), inference.result
+            return await inference.encode(partial(codec.encode_infer_response, inference.result))
 
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext

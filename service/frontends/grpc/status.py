@@ -1,10 +1,11 @@
-"""The gRPC status of every kind of error: the gRPC port's one table."""
+"""The gRPC status of every kind of error and of every outcome: the gRPC port's one table."""
 
 from __future__ import annotations
 
 import grpc
 
-from service.errors import Kind, ServiceError
+from service.envelope import Envelope, RequestContext
+from service.errors import Kind, ServiceError, outcome
 
 STATUS: dict[Kind, grpc.StatusCode] = {
     Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -24,3 +25,15 @@ STATUS: dict[Kind, grpc.StatusCode] = {
 def status_of(error: ServiceError) -> grpc.StatusCode:
     """The status a call ending with `error` is answered with."""
     return STATUS[error.kind]
+
+
+def outcome_status(error: BaseException | None, deadline: float | None) -> grpc.StatusCode:
+    """The status of a request that ended with `error` (None: OK), a cancellation at its deadline DEADLINE_EXCEEDED."""
+    if isinstance(error, ServiceError):
+        return status_of(error)
+    return grpc.StatusCode[outcome(error, deadline)]  # OK, CANCELLED, DEADLINE_EXCEEDED or INTERNAL
+
+
+def close(door: Envelope, context: RequestContext, error: BaseException | None = None) -> None:
+    """End a gRPC request in its envelope (Envelope.close) with the status of its outcome."""
+    door.close(context, outcome_status(error, context.deadline).value[0], error)

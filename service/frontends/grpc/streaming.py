@@ -31,7 +31,6 @@ client resends what was not answered on a new stream.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,7 +40,6 @@ import grpc
 from protocol import grpc_service_pb2 as pb
 from service.envelope import Envelope
 from service.errors import ServiceError, Unavailable
-from service.ops import tracing
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +54,7 @@ STREAM_ENDED_MESSAGE = (
 UNANSWERED_MESSAGE = "not answered before this stream had to end: send it again on a new stream"
 
 Infer = Callable[[pb.ModelInferRequest, float | None], Awaitable[pb.ModelInferResponse]]
-"""One inference (request, monotonic deadline or None) -> response; raises ServiceError.
-
-While tracing is on it is also given `stream=` the stream's call, whose metadata may carry the caller's trace."""
+"""One inference (request, monotonic deadline or None) -> response; raises ServiceError."""
 
 
 class InferenceStreams:
@@ -104,12 +100,11 @@ class InferenceStreams:
             raise Unavailable(STREAM_ENDED_MESSAGE)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        infer = functools.partial(self._infer, stream=context) if tracing.ON else self._infer
         slots = asyncio.Semaphore(self._max_inflight)
         answers: asyncio.Queue[asyncio.Future[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
         running: set[asyncio.Task[pb.ModelStreamInferResponse]] = set()
         loop = asyncio.get_running_loop()
-        reader = loop.create_task(self._read(requests, deadline, slots, answers, running, infer=infer))
+        reader = loop.create_task(self._read(requests, deadline, slots, answers, running))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
         aged = False
@@ -148,8 +143,6 @@ class InferenceStreams:
         slots: asyncio.Semaphore,
         answers: asyncio.Queue[asyncio.Future[pb.ModelStreamInferResponse] | None],
         running: set[asyncio.Task[pb.ModelStreamInferResponse]],
-        *,
-        infer: Infer,
     ) -> None:
         """Take a request whenever a slot is free; each starts at once and queues its answer in order.
 
@@ -170,7 +163,7 @@ class InferenceStreams:
                     continue
                 if request is None:
                     return
-                answer = loop.create_task(self._answer(infer, request, deadline))
+                answer = loop.create_task(self._answer(self._infer, request, deadline))
                 running.add(answer)
                 answer.add_done_callback(running.discard)
                 answers.put_nowait(answer)

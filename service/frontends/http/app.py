@@ -30,7 +30,6 @@ from service.frontends.http import cohere, kserve, openai, tasks, tei
 from service.frontends.http.errors import Dialect, MethodNotAllowed, UnsupportedMediaType, error_answer
 from service.frontends.http.routes import Route, RouteTable
 from service.ops import metrics, tracing
-from service.pipeline.api import PipelineResult
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +87,6 @@ class Response:
     body: bytes = b""
     content_type: str | None = JSON
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    answer: PipelineResult | None = None
-    """The answer whose bytes the envelope counts in flight until the body is sent."""
 
 
 @dataclass(frozen=True)
@@ -202,9 +199,10 @@ class HttpApp:
         if counted:
             self.active_requests += 1
             metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
-        response = None
-        trace = tracing.http_request(method, route.template, scope["headers"]) if route.traced else None
-        context = envelope.stamp(trace=trace)
+        response = failure = None
+        context = envelope.stamp()
+        if route.traced:
+            self.envelope.open(context, tracing.http_span(method, route.template, scope["headers"]))
         try:
             try:
                 if counted and self.active_requests > self.max_concurrent_requests:
@@ -216,6 +214,7 @@ class HttpApp:
             except Exception as error:
                 client = scope.get("client")
                 peer = f"{client[0]}:{client[1]}" if client else ""
+                failure = error
                 response = self._error(route.dialect, Envelope.failed(error, f"{method} {path}", peer))
             metrics.HTTP_REQUESTS.labels(route.template, str(response.status)).inc()
             headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
@@ -224,10 +223,8 @@ class HttpApp:
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             await self._send_body(send, response.body)
         finally:
-            if trace is not None:
-                trace.end_http(int(CLIENT_CLOSED) if response is None else response.status)
-            if response is not None and response.answer is not None:
-                self.envelope.answered(response.answer)  # sent, or never will be
+            # The answer was sent, or never will be: its bytes leave the budget, its span ends.
+            self.envelope.close(context, int(CLIENT_CLOSED) if response is None else response.status, failure)
             if counted:
                 self.active_requests -= 1
                 metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
@@ -351,10 +348,9 @@ class HttpApp:
             return openai.parse_embeddings(_json(call.body))
 
         request = self.envelope.decode(call.context, parse)
-        body, result = await openai.embeddings(self.envelope, call.context, request, self.max_embedding_inputs)
-        return Response(200, body, answer=result)
+        return Response(200, await openai.embeddings(self.envelope, call.context, request, self.max_embedding_inputs))
 
-    def _task(self, route: Callable[[tasks.TaskCall, object], Awaitable[tasks.Answer]]) -> Handler:
+    def _task(self, route: Callable[[tasks.TaskCall, object], Awaitable[bytes]]) -> Handler:
         """A handler for a task route (TEI's, /v1/rerank): a JSON body in, the route's JSON answer out."""
 
         async def handler(call: Call) -> Response:
@@ -363,8 +359,8 @@ class HttpApp:
                 return _json(call.body)
 
             payload = self.envelope.decode(call.context, parse)
-            answer = await route(tasks.TaskCall(self.envelope, call.context, self.max_embedding_inputs), payload)
-            return Response(200, answer.body, answer=answer.result)
+            task_call = tasks.TaskCall(self.envelope, call.context, self.max_embedding_inputs)
+            return Response(200, await route(task_call, payload))
 
         return handler
 
@@ -433,6 +429,6 @@ class HttpApp:
             result = inference.result
             body, json_length = await inference.encode(lambda: kserve.encode_outputs(rest, result))
         if json_length is None:
-            return Response(200, body, answer=result)
+            return Response(200, body)
         header = (kserve.HEADER_LENGTH.encode(), str(json_length).encode())
-        return Response(200, body, BINARY, [header], answer=result)
+        return Response(200, body, BINARY, [header])

@@ -29,7 +29,6 @@ from service.frontends.codec import output_array
 from service.frontends.http.tasks import (
     EMBEDDER,
     RERANKER,
-    Answer,
     TaskCall,
     bytes_tensor,
     choose_model,
@@ -100,7 +99,7 @@ def _body(payload: object, accepted: tuple[str, ...]) -> dict:
     return payload
 
 
-async def rerank(call: TaskCall, payload: object) -> Answer:
+async def rerank(call: TaskCall, payload: object) -> bytes:
     """POST /v1/rerank: {"model", "query", "documents", "top_n", "return_documents"} -> {"results": [...], ...}.
 
     `instruction` (an extension) replaces the default instruction of a reranker with a pair template.
@@ -186,7 +185,7 @@ def _embeddings_by_type(arrays: dict[str, np.ndarray]) -> dict[str, object]:
     return embeddings
 
 
-async def embed(call: TaskCall, payload: object) -> Answer:
+async def embed(call: TaskCall, payload: object) -> bytes:
     """POST /v2/embed: {"model", "texts", "input_type", "embedding_types", ...} -> {"embeddings": {type: ...}, ...}."""
     payload = _body(payload, EMBED_FIELDS)
     texts = payload.get("texts")
@@ -226,4 +225,4 @@ async def embed(call: TaskCall, payload: object) -> Answer:
             return orjson.dumps(answer)
 
         encoded = await inference.encode(body)
-    return Answer(encoded, result)
+    return encoded

@@ -34,7 +34,6 @@ from service.pipeline.api import (
     SCHEDULING,
     TEXT_INPUT,
     InferenceRequest,
-    InferenceResult,
     InputTensor,
     ModelInfo,
     Pipeline,
@@ -151,9 +150,7 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
     return orjson.dumps(body)
 
 
-async def embeddings(
-    door: Envelope, context: RequestContext, request: EmbeddingsRequest, max_inputs: int
-) -> tuple[bytes, InferenceResult]:
+async def embeddings(door: Envelope, context: RequestContext, request: EmbeddingsRequest, max_inputs: int) -> bytes:
     """Answer a /v1/embeddings request (`parse_embeddings`): its texts in one inference, OpenAI's answer.
 
     The result comes back with the body: its bytes stay in the answer budget until the body is sent.
@@ -179,7 +176,7 @@ async def embeddings(
         result = inference.result
         vectors = result.outputs[output]
         body = await inference.encode(lambda: _embeddings_body(vectors, request, result.prompt_tokens))
-    return body, result
+    return body
 
 
 def _model_card(model: ModelInfo, created: int) -> dict[str, object]:

@@ -30,7 +30,6 @@ from service.pipeline.api import (
     InputTensor,
     ModelInfo,
     Pipeline,
-    PipelineResult,
     RowLimit,
 )
 
@@ -126,14 +125,6 @@ class TaskCall:
         return RowLimit(self.max_inputs, "--max-embedding-inputs")
 
 
-@dataclass(frozen=True)
-class Answer:
-    """A route's JSON body, with the pipeline's result its bytes are counted under in the answer budget until sent."""
-
-    body: bytes
-    result: PipelineResult
-
-
 async def answered(
     call: TaskCall,
     model: ModelInfo,
@@ -143,7 +134,7 @@ async def answered(
     *,
     body_of: Callable[[InferenceResult], Callable[[], object]],
     encoding: str = JSON,
-) -> Answer:
+) -> bytes:
     """One inference of a task route, answered: `body_of(result)` gives what the JSON answer is made from.
 
     `encoding`: what the answer budget counts the output's values as (answers.JSON: the output is the answer).
@@ -159,7 +150,7 @@ async def answered(
     async with call.envelope.inference(call.context, request) as inference:
         make = body_of(inference.result)
         body = await inference.encode(lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
-    return Answer(body, inference.result)
+    return body
 
 
 async def reranked(
@@ -170,7 +161,7 @@ async def reranked(
     parameters: dict,
     *,
     body_of: Callable[[InferenceResult], Callable[[], object]],
-) -> Answer:
+) -> bytes:
     """The reranker run on (query, document) pairs, answered; it must give one score per pair (one label, or MaxSim)."""
     if SCORE in model.signature.outputs:
         inputs = (bytes_tensor(QUERY_INPUT, [query] * len(documents)), bytes_tensor(TEXT_INPUT, documents))

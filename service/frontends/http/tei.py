@@ -29,7 +29,6 @@ from service.frontends.http.tasks import (
     RERANKER,
     SPARSE_EMBEDDER,
     TOKEN_VECTORS,
-    Answer,
     Need,
     TaskCall,
     answered,
@@ -149,7 +148,7 @@ def _text_route(
     return fields, texts, model
 
 
-async def embed(call: TaskCall, payload: object) -> Answer:
+async def embed(call: TaskCall, payload: object) -> bytes:
     """POST /embed: {"inputs": str | [str], "normalize", "truncate", "prompt_name", "dimensions"} -> [[float]].
 
     `embedding_type` (an extension: int8, uint8, binary, ubinary) answers that form of the model's own
@@ -173,7 +172,7 @@ async def embed(call: TaskCall, payload: object) -> Answer:
     return await answered(call, model, (bytes_tensor(TEXT_INPUT, texts),), output, parameters, body_of=body_of)
 
 
-async def embed_all(call: TaskCall, payload: object) -> Answer:
+async def embed_all(call: TaskCall, payload: object) -> bytes:
     """POST /embed_all: {"inputs": str | [str], "truncate", "prompt_name", "input_type"} -> [[[float]]], token vectors.
 
     An embedder's last hidden state of every token of each text, special tokens included, padding left
@@ -196,7 +195,7 @@ async def embed_all(call: TaskCall, payload: object) -> Answer:
     return await answered(call, model, inputs, TOKEN_STATES, parameters, body_of=body_of)
 
 
-async def _multivectors(call: TaskCall, model: ModelInfo, texts: list[str], parameters: dict) -> Answer:
+async def _multivectors(call: TaskCall, model: ModelInfo, texts: list[str], parameters: dict) -> bytes:
     """A multi-vector model's vectors of each text, as /embed_all answers them."""
     outputs = (MULTIVECTOR, MULTIVECTOR_LENGTHS)
     request = InferenceRequest(
@@ -215,7 +214,7 @@ async def _multivectors(call: TaskCall, model: ModelInfo, texts: list[str], para
                 option=orjson.OPT_SERIALIZE_NUMPY,
             )
         )
-    return Answer(body, inference.result)
+    return body
 
 
 def _sparse_rows(indices: np.ndarray, values: np.ndarray) -> list[list[dict[str, object]]]:
@@ -230,7 +229,7 @@ def _sparse_rows(indices: np.ndarray, values: np.ndarray) -> list[list[dict[str,
     ]
 
 
-async def embed_sparse(call: TaskCall, payload: object) -> Answer:
+async def embed_sparse(call: TaskCall, payload: object) -> bytes:
     """POST /embed_sparse: {"inputs": str | [str], "truncate", "prompt_name", "top_k"} -> [[{"index", "value"}]].
 
     A sparse model's (SPLADE's) non-zero terms per text, largest first; `top_k` (an extension) keeps the
@@ -251,10 +250,10 @@ async def embed_sparse(call: TaskCall, payload: object) -> Answer:
         body = await inference.encode(
             lambda: orjson.dumps(_sparse_rows(result.outputs[INDICES], result.outputs[VALUES]))
         )
-    return Answer(body, result)
+    return body
 
 
-async def similarity(call: TaskCall, payload: object) -> Answer:
+async def similarity(call: TaskCall, payload: object) -> bytes:
     """POST /similarity: {"inputs": {"source_sentence", "sentences"}, "parameters"} -> [float], one per sentence.
 
     The cosine of each sentence's embedding with the source sentence's, all embedded in one inference:
@@ -299,7 +298,7 @@ async def similarity(call: TaskCall, payload: object) -> Answer:
     )
 
 
-async def rerank(call: TaskCall, payload: object) -> Answer:
+async def rerank(call: TaskCall, payload: object) -> bytes:
     """POST /rerank: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}].
 
     Best first; a score is the sigmoid of the reranker's logit, or the logit itself with raw_scores.
@@ -342,7 +341,7 @@ def _predict_inputs(value: object) -> tuple[list[list[str]], bool]:
     raise InvalidArgument("inputs must be a string, a pair [a, b], or a list of [text] or [text, text_pair]")
 
 
-async def predict(call: TaskCall, payload: object) -> Answer:
+async def predict(call: TaskCall, payload: object) -> bytes:
     """POST /predict: {"inputs", "raw_scores", "truncate"} -> [{"label", "score"}] best first; a batch: a list each."""
     fields = _object(payload, PREDICT_FIELDS)
     if "inputs" not in fields:
@@ -372,7 +371,7 @@ async def predict(call: TaskCall, payload: object) -> Answer:
     return await answered(call, model, inputs, "logits", _parameters(fields, TRUNCATE), body_of=body_of)
 
 
-async def tokenize(call: TaskCall, payload: object) -> Answer:
+async def tokenize(call: TaskCall, payload: object) -> bytes:
     """POST /tokenize: {"inputs", "add_special_tokens", "prompt_name"} -> a list of tokens per text.
 
     Each token is {"id", "text", "special", "start", "stop"}: its place in the text (truncated at
@@ -398,10 +397,10 @@ async def tokenize(call: TaskCall, payload: object) -> Answer:
     async with call.envelope.inference(call.context, request) as tokenized:
         tokens = tokenized.result.tokens
         body = await tokenized.write(lambda: orjson.dumps([[_token(token) for token in row] for row in tokens]))
-    return Answer(body, tokenized.result)
+    return body
 
 
-async def decode(call: TaskCall, payload: object) -> Answer:
+async def decode(call: TaskCall, payload: object) -> bytes:
     """POST /decode: {"ids": [int] | [[int]], "skip_special_tokens": true} -> [str], one text per sequence.
 
     Through the tokenizer /tokenize uses, inside the envelope as /tokenize. The sequences are held to
@@ -419,7 +418,7 @@ async def decode(call: TaskCall, payload: object) -> Answer:
     async with call.envelope.inference(call.context, request) as decoded:
         texts = decoded.result.texts
         body = await decoded.write(lambda: orjson.dumps(texts))
-    return Answer(body, decoded.result)
+    return body
 
 
 def _id_sequences(value: object) -> list[list[int]]:
