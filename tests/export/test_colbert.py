@@ -18,7 +18,7 @@ from sentence_transformers import MultiVectorEncoder
 from tokenizers import Tokenizer
 
 from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
-from export.gate.references.library import follow_pylate
+from export.gate.references.multivector import follow_pylate
 from service.core.repository import MultiVectorSpec, read_model
 from service.pipeline import multivector
 from service.pipeline.tokenizer import TextTokenizer

@@ -14,7 +14,7 @@ from torch import nn
 
 from export.checkpoints.checkpoint import Checkpoint
 from export.gate.parity import GateRefused
-from export.gate.references import bge_m3, library, yes_no
+from export.gate.references import bge_m3, library, multivector, yes_no
 from service.pipeline.tokenizer import TextTokenizer
 
 
@@ -35,7 +35,7 @@ def check_with_libraries(
     """
     check = library.check_published
     if checkpoint.task == "multivector" and tokenizer is not None:
-        check = library.check_multivector
+        check = multivector.check_multivector
     if checkpoint.pair_template is not None and tokenizer is not None:
         stage("the model card: each published variant against its transformers scoring on the source folder")
         check = yes_no.check_published
