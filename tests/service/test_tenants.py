@@ -36,6 +36,7 @@ from tests.servers import (
     failed_start,
     metric_samples,
     metric_value,
+    post_json,
     start_server,
     wait_for_metric,
     wait_until,
@@ -437,13 +438,7 @@ def test_usage_is_counted_per_tenant_exactly_in_the_models_tokens(
 
 def tei_post(server: RunningServer, route: str, body: dict, key: str | None) -> tuple[int, object]:
     """One POST to a TEI route, with the key as a Bearer token if given: status and body."""
-    headers = {"content-type": "application/json"} | ({} if key is None else {"authorization": f"Bearer {key}"})
-    request = urllib.request.Request(f"{server.http_url}{route}", json.dumps(body).encode(), headers)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    return post_json(server, route, body, None if key is None else {"authorization": f"Bearer {key}"})
 
 
 def test_tokenize_and_decode_are_authenticated_admitted_and_charged_as_inferences(
