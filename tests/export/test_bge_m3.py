@@ -97,9 +97,9 @@ def test_the_published_graph_equals_flag_embedding(bge_m3: ExportedBgeM3) -> Non
             served, expected["lexical_weights"], expected["colbert_vecs"], strict=True
         ):
             theirs = {int(token): float(weight) for token, weight in lexical.items()}
-            # Each id's weight on both sides, a missing id at 0 (a weight at relu's edge may be 0 on one side only).
-            assert all(abs(terms.get(i, 0.0) - theirs.get(i, 0.0)) <= 1e-4 for i in set(terms) | set(theirs))
-            assert len(set(terms) ^ set(theirs)) <= 0.05 * len(theirs)
+            # Each id's weight on both sides, a missing id at 0: an id kept on one side only (a weight at relu's
+            # edge, e.g. 2e-7 here and 0 there) must weigh nearly nothing, and every other id is on both sides.
+            assert theirs and all(abs(terms.get(i, 0.0) - theirs.get(i, 0.0)) <= 1e-4 for i in set(terms) | set(theirs))
             assert vectors.shape == colbert.shape and np.abs(vectors - colbert).max(initial=0.0) <= 1e-4
         for query, passage in ((0, 1), (2, 3), (10, 11), (11, 0)):  # "ok" and the truncated text among them
             ours = float((served[query][2] @ served[passage][2].T).max(axis=1).mean())

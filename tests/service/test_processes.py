@@ -133,9 +133,17 @@ def test_metrics_and_statistics_add_up_over_every_process(held_server: RunningSe
 def wait_gone(pids: list[int]) -> None:
     deadline = time.monotonic() + EXIT_TIMEOUT_S
     for pid in pids:
-        while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        while _running(pid):
             assert time.monotonic() < deadline, f"process {pid} ({title(pid)}) still runs"
             time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (it may vanish between two reads of /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 @pytest.mark.parametrize("role", ["engine", "frontend 2"])
