@@ -51,7 +51,7 @@ from export.heads.yes_no import head_weights as yes_no_weights
 from export.heads.yes_no import read_head as read_yes_no_head
 from export.layers.task_adapters import adapter_folders
 from export.sources import UnusableSource
-from service.core.repository import PairTemplate
+from service.core.text_rules import PairTemplate
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from export.checkpoints.sentence_transformers_folder import FolderError, read_object
 from export.heads.head import Head
 from export.layers.pooling import pool
-from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS, MultiVectorSpec
+from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
+from service.core.text_rules import MultiVectorSpec
 
 COLBERT_HEAD_FILE = "colbert_linear.pt"
 SPARSE_HEAD_FILE = "sparse_linear.pt"

@@ -30,7 +30,8 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from export.heads.head import Head
-from service.core.repository import TOKEN_VECTORS, MultiVectorSpec
+from service.core.repository import TOKEN_VECTORS
+from service.core.text_rules import MultiVectorSpec
 
 IDENTITY_ACTIVATIONS = ("torch.nn.modules.linear.Identity",)
 """The Dense activations implemented (how sentence-transformers names nn.Identity)."""

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from export.heads.head import Head
 from export.layers.pooling import pool
-from service.core.repository import PairTemplate
+from service.core.text_rules import PairTemplate
 
 YES, NO = "yes", "no"
 QWEN3_RERANKER_TEMPLATE = PairTemplate(

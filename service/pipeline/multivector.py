@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.core.repository import ModelSpec, MultiVectorSpec
+from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
+from service.core.text_rules import MultiVectorSpec
 from service.errors import InvalidArgument
 from service.pipeline.tokenizer import TextTokenizer
 from service.pipeline.vocabulary import INPUT_TYPE

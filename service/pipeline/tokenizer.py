@@ -36,8 +36,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from service.core.repository import ModelSpec, PairTemplate
+from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
+from service.core.text_rules import PairTemplate
 from service.errors import InvalidArgument
 
 Pair = tuple[str, str]

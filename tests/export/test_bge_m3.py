@@ -20,7 +20,8 @@ from export.gate.references import library as reference_library
 from export.gate.references.bge_m3 import bge_m3_flag_model
 from export.heads.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 from service.core.fidelity import FidelityReference, compare, cosines
-from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS, ModelSpec, MultiVectorSpec, read_model
+from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS, ModelSpec, read_model
+from service.core.text_rules import MultiVectorSpec
 from service.pipeline.tokenizer import TextTokenizer
 from tests.multivector_models import BGE_M3_TEXTS, BGE_M3_WIDTH, ExportedBgeM3
 

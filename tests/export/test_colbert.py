@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 
 from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from export.gate.references.multivector import follow_pylate
-from service.core.repository import MultiVectorSpec, read_model
+from service.core.repository import read_model
+from service.core.text_rules import MultiVectorSpec
 from service.pipeline import multivector
 from service.pipeline.tokenizer import TextTokenizer
 from tests.multivector_models import DOCUMENT_LENGTH, QUERY_LENGTH, UNKNOWN_TEXTS, WIDTH, ExportedColbert

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.core.repository import MultiVectorSpec
 from service.core.rows import TokenRows
+from service.core.text_rules import MultiVectorSpec
 from service.pipeline import multivector
 from service.pipeline.sparse import token_terms
 from service.pipeline.tokenizer import TextTokenizer

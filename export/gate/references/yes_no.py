@@ -20,7 +20,7 @@ from export.checkpoints.checkpoint import Checkpoint
 from export.gate.cases import SENTENCE_BATCH, sentence_pairs
 from export.gate.references.library import LONG_TEXT_LABEL, LibraryReference, against, quiet_loading
 from export.gate.references.loop import Checked, each_variant
-from service.core.repository import PairTemplate
+from service.core.text_rules import PairTemplate
 from service.pipeline.tokenizer import TextTokenizer
 
 
