@@ -5,11 +5,16 @@
 #
 #   GPU (default): docker build -t encoder-serve:0.1.0-cuda13 .
 #   CPU:           docker build --build-arg BASE=python:3.11-slim -t encoder-serve:0.1.0-cpu .
+#   CPU, with the exporter (serves `--model org/name` or a raw folder, exported at start; torch's CPU build
+#   beside the server): docker build --build-arg BASE=python:3.11-slim --build-arg VENV=server-export \
+#                          -t encoder-serve:0.1.0-cpu-export .
 #
 # BASE is any glibc >= 2.28 image: the runtime brings its own interpreter (below), so the CUDA
 # image does not need a Python 3.11 package of its own. onnxruntime-gpu 1.31 is built for CUDA 13.0
 # and cuDNN 9; the host needs an NVIDIA driver >= 580 and the NVIDIA Container Toolkit.
 ARG BASE=nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04
+# The runtime's virtualenv: server (the serving dependencies alone) or server-export (and the exporter).
+ARG VENV=server
 
 # ---------------------------------------------------------------------------------------------
 # Build stage: export the default model (all-MiniLM-L6-v2) into a model repository at /models.
@@ -58,6 +63,18 @@ COPY protocol/ protocol/
 # A regular (non-editable) install: the runtime stage copies the venv, not the sources.
 RUN uv pip install --python /opt/venv/bin/python ".[server]"
 
+FROM venv AS venv-server
+
+# The exporter beside the server, for models served by name: torch's CPU build from PyTorch's own index
+# first (as in the export stage), which the `export` extra's pin (==2.13.0) then accepts.
+FROM venv AS venv-server-export
+RUN uv pip install --python /opt/venv/bin/python torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+    && uv pip install --python /opt/venv/bin/python ".[server,export]"
+
+# One of the two stages above, by name (hadolint takes a name built from an ARG for an untagged image).
+# hadolint ignore=DL3006
+FROM venv-${VENV} AS venv-chosen
+
 # ---------------------------------------------------------------------------------------------
 # Runtime.
 FROM ${BASE} AS runtime
@@ -74,7 +91,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     ENCODER_HEALTH_PORT=8003
 
 COPY --from=venv /opt/python /opt/python
-COPY --from=venv /opt/venv /opt/venv
+COPY --from=venv-chosen /opt/venv /opt/venv
 # Owned by root and read-only for the server: the pod runs with a read-only root filesystem.
 COPY --from=export /models /models
 

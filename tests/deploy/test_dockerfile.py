@@ -189,21 +189,51 @@ def test_export_stage(parsed: tuple[dict[str, str], list[Stage]]) -> None:
     assert "python -m export --repository /models" in commands
 
 
+def _lineage(stages: list[Stage], name: str, build_args: dict[str, str]) -> list[Stage]:
+    """A stage and the stages it is built FROM, nearest first (ARGs in a base substituted)."""
+    by_name = {stage.name: stage for stage in stages}
+    lineage = [by_name[name]]
+    while (base := re.sub(r"\$\{(\w+)\}", lambda m: build_args[m.group(1)], lineage[-1].base)) in by_name:
+        lineage.append(by_name[base])
+    return lineage
+
+
+def _installs(stages: list[Stage], name: str, build_args: dict[str, str]) -> str:
+    """Every RUN of a stage and of the stages beneath it."""
+    return " ".join(" ".join(stage.arguments("RUN")) for stage in _lineage(stages, name, build_args))
+
+
 def test_runtime_stage(parsed: tuple[dict[str, str], list[Stage]]) -> None:
     global_args, stages = parsed
     runtime = stages[-1]
     assert runtime.base == "${BASE}"
     assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-cudnn-runtime-ubuntu\d+\.\d+", global_args["BASE"])
+    assert global_args["VENV"] == "server"
     copies = [_copy_sources(arguments) for arguments in runtime.arguments("COPY")]
     assert all(origin is not None for origin, _ in copies), "the runtime copies nothing from the context"
-    by_name = {stage.name: stage for stage in stages}
     for origin, paths in copies:
         if paths == ["/models"]:
             continue
-        # Whatever else the runtime takes must have been built without torch.
-        installs = " ".join(by_name[origin].arguments("RUN"))
-        assert "torch" not in installs and "[export]" not in installs, origin
+        # Whatever else the runtime takes must have been built without torch (by default).
+        installs = _installs(stages, origin, global_args)
+        assert "torch" not in installs and "export]" not in installs, origin
     assert any(paths == ["/models"] for _, paths in copies)
+
+
+def test_the_exporter_image_adds_torch_cpu_and_the_export_extra(parsed: tuple[dict[str, str], list[Stage]]) -> None:
+    """`--build-arg VENV=server-export` (deploy/kserve/from-folder's image): the exporter in the runtime's venv."""
+    global_args, stages = parsed
+    (venv_copy,) = [
+        origin for origin, paths in map(_copy_sources, stages[-1].arguments("COPY")) if paths == ["/opt/venv"]
+    ]
+    installs = _installs(stages, venv_copy, global_args | {"VENV": "server-export"})
+    (pin,) = [
+        r
+        for r in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["export"]
+        if r.startswith("torch")
+    ]
+    assert f"{pin} --index-url https://download.pytorch.org/whl/cpu" in installs
+    assert installs.index("download.pytorch.org") < installs.index('".[server,export]"')
 
 
 def test_runtime_runs_the_server_as_non_root(parsed: tuple[dict[str, str], list[Stage]]) -> None:
