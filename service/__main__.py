@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import sys
 
-import uvloop
-
-from service.core.engine_process import run_engine
-from service.core.repository import RepositoryError
-from service.errors import ExecutionError
 from service.launch import envoy, processes
-from service.launch.server import FrontendRole, serve
 from service.ops import tracing
 from service.ops.security import SecurityError, check_files
-from service.ops.settings import Settings, SettingsError, load_settings
+from service.ops.settings import SettingsError, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -55,30 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"service: error: {error}", file=sys.stderr)
             return 2
         return processes.Supervisor(settings).run()
-    try:
-        tracing.configure(settings, role)  # each process its own tracer provider (or none: off)
-    except SettingsError as error:
-        print(f"service: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        # uvloop: less server CPU per gRPC call than asyncio's own loop (docs/decisions.md#uvloop).
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(_serve(role, settings))
-    except (RepositoryError, ExecutionError, SecurityError, OSError) as error:
-        print(f"service: error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        tracing.shutdown()
+    # Imported here: the supervisor, which lives as long as the server, never loads the modules of the
+    # roles it starts (the engine's and the front ends': numpy, the pipeline, grpc's server; ~25 MB of RSS).
+    from service.launch.roles import run_role  # noqa: PLC0415
 
-
-async def _serve(role: str, settings: Settings) -> int:
-    """Run one role until signalled: the whole server, the engine, or front end N."""
-    if role == "engine":
-        return await run_engine(settings, str(processes.runtime_folder() / processes.ENGINE_SOCKET))
-    if role.startswith("frontend"):
-        index = int(role.rsplit(maxsplit=1)[-1])
-        return await serve(settings, FrontendRole(index, str(processes.runtime_folder() / processes.ENGINE_SOCKET)))
-    return await serve(settings)
+    return run_role(role, settings)
 
 
 if __name__ == "__main__":
