@@ -252,3 +252,16 @@ def test_a_tenants_highest_priority_is_checked_at_load(table: str, message: str)
     with pytest.raises(ValueError, match=None) as refused:
         parse_key_file("tenants.toml", f"[tenants.a]\nkeys = ['s3cret-1']\n{table}\n")
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/embed"])
+def test_a_timeout_in_a_json_body_that_passes_in_the_queue_answers_504_without_running(
+    server: RunningServer, route: str
+) -> None:
+    before = statistics(server)
+    body = {"model": TINY_MODEL, "input": "late"} if route == "/v1/embeddings" else {"inputs": "late"}
+    status, answer = post_json(server, route, {**body, "timeout": 100_000}, SEARCH)  # alone: its batch never fills
+    assert status == 504, answer
+    assert "timeout passed while it was queued" in str(answer)
+    assert metric_value(metric_samples(server), "encoder_queue_depth", model=TINY_MODEL, version="1") == 0
+    assert statistics(server) == before  # Triton's execution_count did not move: its row never ran
