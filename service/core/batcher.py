@@ -11,8 +11,9 @@ padded far past its own length (the policy's padding factor and slack), waiting 
 `max_queue_delay` after the oldest request arrived. Each batch is padded to its own longest row.
 
 A request is refused at once when the queue at its priority or above holds `max_queue_size`
-requests, `max_queue_rows` rows or `max_queue_tokens` tokens: a bulk backlog never refuses a query
-of a higher priority.
+requests, `max_queue_rows` rows or `max_queue_tokens` tokens, or when those rows would take longer
+than `max_queue_wait_ms` to run at the model's measured rate (service.core.throughput, times the
+instances in service): a bulk backlog never refuses a query of a higher priority.
 
 With priorities, the express lane keeps a query from waiting for bulk work: when rows of the
 highest priority wait and every instance runs rows of a lower one, they run at once on another
@@ -46,6 +47,7 @@ from service.core.layout import Group, padded_feed, place_outputs, request_outpu
 from service.core.policy import SELECTION_WINDOW_BATCHES, BatchingPolicy, select_rows
 from service.core.rows import DEFAULT_SHARE, Done, Share, TokenRows, WorkItem, WorkResult
 from service.core.schedule import RunQueue
+from service.core.throughput import Throughput
 from service.errors import DeadlineExceeded, InvalidArgument, ModelFailure, Overloaded, Unavailable, past_deadline
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
@@ -150,8 +152,8 @@ class Batcher:
         self._runners = list(runners)
         self._pending = RunQueue(policy.priority_levels, policy.min_lower_priority_share, self._labels)
         """Requests with rows waiting for a batch, by priority level and turn."""
-        self._tokens_per_s = 0.0
-        """The model's recent rate (real tokens per second of run), for how long a full queue takes to clear."""
+        self._throughput = Throughput()
+        """The model's recent rates (rows and tokens per second of run), for how long the queue takes to clear."""
         self._idle: list[_Instance] = []
         self._instances: list[_Instance] = []
         self._express: _Instance | None = None
@@ -206,19 +208,34 @@ class Batcher:
             raise Unavailable("no model instance is in service (every one is stuck in an overlong run)", "no_instance")
         requests, rows, tokens = self._pending.ahead(priority)
         policy = self.policy
+        at = f" at priority {priority} or higher" if policy.priority_levels > 1 else ""
         for held, bound, what, setting in (
             (requests, policy.max_queue_size, "requests", "--max-queue-size"),
             (rows, policy.max_queue_rows, "rows", "--max-queue-rows"),
             (tokens, policy.max_queue_tokens, "tokens", "--max-queue-tokens"),
         ):
             if bound and held >= bound:
-                at = f" at priority {priority} or higher" if policy.priority_levels > 1 else ""
-                retry_after_s = max(1, math.ceil(tokens / self._tokens_per_s)) if self._tokens_per_s else 1
-                raise Overloaded(
-                    f"queue full: {held} {what} waiting{at} ({setting} {bound}); retry in {retry_after_s} s",
-                    "queue_full",
-                    retry_after_s,
+                raise self._queue_full(f"{held} {what} waiting{at} ({setting} {bound})", tokens)
+        if policy.max_queue_wait_ms and rows:
+            rows_per_s = self._throughput.rows_per_s * self._in_service
+            wait_ms = math.ceil(rows * 1000 / rows_per_s) if rows_per_s else 0
+            if wait_ms > policy.max_queue_wait_ms:
+                raise self._queue_full(
+                    f"{rows} rows waiting{at}, an expected wait of {wait_ms} ms at {rows_per_s:.4g} rows/s"
+                    f" (--max-queue-wait-ms {policy.max_queue_wait_ms})",
+                    tokens,
                 )
+
+    @property
+    def _in_service(self) -> int:
+        """Instances in service: each runs batches at the measured rate, side by side."""
+        return len(self._runners) - self._stuck
+
+    def _queue_full(self, what: str, tokens_ahead: int) -> Overloaded:
+        """The refusal of a full queue, with the seconds the tokens ahead take at the model's recent rate."""
+        tokens_per_s = self._throughput.tokens_per_s * self._in_service
+        retry_after_s = max(1, math.ceil(tokens_ahead / tokens_per_s)) if tokens_per_s else 1
+        return Overloaded(f"queue full: {what}; retry in {retry_after_s} s", "queue_full", retry_after_s)
 
     def enqueue(
         self,
@@ -488,9 +505,7 @@ class Batcher:
         model_metrics.padding_ratio.observe(1.0 - batch.real_tokens / (rows * length))
         model_metrics.sequences.inc(rows)
         model_metrics.tokens.inc(batch.real_tokens)
-        if compute_s > 0:
-            rate = batch.real_tokens / compute_s
-            self._tokens_per_s = rate if not self._tokens_per_s else 0.8 * self._tokens_per_s + 0.2 * rate
+        self._throughput.record(rows, batch.real_tokens, compute_s)
         self._statistics.record_execution(rows, compute_s)
 
     def _release(self, instance: _Instance) -> None:

@@ -37,6 +37,9 @@ class BatchingPolicy:
     """Rows waiting (at a new request's priority or higher) before it is rejected; 0 = no such bound."""
     max_queue_tokens: int = 0
     """Tokens of the rows waiting (at a new request's priority or higher) before it is rejected; 0 = no such bound."""
+    max_queue_wait_ms: int = 0
+    """Expected wait (the rows waiting at a new request's priority or higher, over the model's measured rows per
+    second) past which it is rejected; 0 = no such bound."""
     priority_levels: int = 1
     """Priorities a request may wait at, 1 the highest (Triton's priority_levels)."""
     default_priority: int = 1
@@ -160,6 +163,7 @@ def batching_policy(spec: ModelSpec, settings: Settings, device: str) -> Batchin
         max_queue_size=settings.max_queue_size or batching.default_queue_policy.max_queue_size or 1024,
         max_queue_rows=settings.max_queue_rows,
         max_queue_tokens=settings.max_queue_tokens,
+        max_queue_wait_ms=settings.max_queue_wait_ms,
         priority_levels=levels,
         default_priority=default_priority,
         min_lower_priority_share=settings.min_lower_priority_share,

@@ -155,6 +155,14 @@ class Settings:
             " RESOURCE_EXHAUSTED (HTTP 429) with a retry-after; 0 = no such bound"
         ),
     )
+    max_queue_wait_ms: int = field(
+        default=0,
+        metadata=_doc(
+            "expected wait, milliseconds, past which a new request is refused RESOURCE_EXHAUSTED (HTTP 429) with a"
+            " retry-after: the rows queued per model at its priority or higher over the model's measured rows per"
+            " second (its recent batches; no bound until one has run); 0 = no such bound"
+        ),
+    )
     priority_levels: int = field(
         default=0,
         metadata=_doc(
@@ -394,6 +402,7 @@ class Settings:
             "max_queue_size",
             "max_queue_rows",
             "max_queue_tokens",
+            "max_queue_wait_ms",
             "priority_levels",
             "default_priority",
             "length_bucket",

@@ -11,6 +11,7 @@ unlimited tenant named `default`, or a TOML file naming each tenant, its keys an
     tokens_burst = 50000
     weight = 3                     # optional (default 1): its share of a full engine against others of its priority
     priority = 1                   # optional: the priority its requests wait at when they name none
+    highest_priority = 1           # optional: the highest priority its requests may ask for
 
 Limits are token buckets, one per tenant and limit, in each front-end process (each takes its share,
 1/--frontends, of every rate and burst). A request is refused at the engine's door when its tenant's
@@ -102,6 +103,8 @@ class TenantLimits:
     """Its share of a full engine against the other tenants queued at the same priority; default 1."""
     priority: float | None = None
     """The priority (1 the highest) its requests wait at when they name none; default the model's."""
+    highest_priority: float | None = None
+    """The highest priority (1 the highest) its requests may ask for or wait at; default 1 (any)."""
 
 
 def _retry_after_s(seconds: float) -> int:
@@ -118,6 +121,8 @@ class Tenant:
         self.metrics = metrics.of_tenant(name)
         self.priority = int(limits.priority or 0)
         """The priority its requests wait at when they name none (0: the model's default)."""
+        self.highest_priority = int(limits.highest_priority or 1)
+        """The highest priority its requests may ask for or wait at (1: any)."""
         self.weight = limits.weight or 1.0
         """Its share of a full engine against the other tenants queued at the same priority."""
         self._requests: TokenBucket | None = None
@@ -237,12 +242,17 @@ def _tenant_limits(tenant: str, table: object) -> TenantLimits:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
             raise ValueError(f"tenant {tenant!r}: {name} must be a positive number")
-        if name == "priority" and not isinstance(value, int):
-            raise ValueError(f"tenant {tenant!r}: priority must be a whole number, 1 (the highest) or more")
+        if name in ("priority", "highest_priority") and not isinstance(value, int):
+            raise ValueError(f"tenant {tenant!r}: {name} must be a whole number, 1 (the highest) or more")
         values[name] = float(value)
     for burst, rate in (("requests_burst", "requests_per_second"), ("tokens_burst", "tokens_per_minute")):
         if burst in values and rate not in values:
             raise ValueError(f"tenant {tenant!r}: {burst} without {rate}")
     if values.get("requests_burst", 1.0) < 1:
         raise ValueError(f"tenant {tenant!r}: requests_burst must be at least 1")
+    if values.get("priority", math.inf) < values.get("highest_priority", 1.0):
+        raise ValueError(
+            f"tenant {tenant!r}: priority {values['priority']:g} is above its highest_priority"
+            f" {values['highest_priority']:g} (1 is the highest)"
+        )
     return TenantLimits(**values)

@@ -32,6 +32,7 @@ from service.pipeline.vocabulary import (
     CHUNKS,
     MULTIVECTOR,
     MULTIVECTOR_LENGTHS,
+    PRIORITY,
     SCORE,
     TOKEN_COUNTS,
     TOKEN_IDS,
@@ -211,12 +212,20 @@ class ServedModel:
     def share(self, priority: int, tenant: Tenant | None) -> Share:
         """Where a request's rows wait, and its tenant's share among those of that priority.
 
-        The priority it asked for, else its tenant's (at most the model's lowest), else the model's default.
+        The priority it asked for, else its tenant's (at most the model's lowest), else the model's default;
+        never above its tenant's highest_priority (asking for more is refused).
         """
         if tenant is None:
             return Share(priority or self.policy.default_priority)
-        chosen = priority or min(tenant.priority, self.policy.priority_levels) or self.policy.default_priority
-        return Share(chosen, tenant.name, tenant.weight)
+        levels = self.policy.priority_levels
+        highest = min(tenant.highest_priority, levels)
+        if priority and priority < highest:
+            raise InvalidArgument(
+                f"parameter {PRIORITY} may be no higher than {highest} for tenant {tenant.name!r} (its"
+                f" highest_priority in the tenants file; 1 is the highest), got {priority}"
+            )
+        chosen = priority or min(tenant.priority, levels) or self.policy.default_priority
+        return Share(max(chosen, highest), tenant.name, tenant.weight)
 
     async def tokens(
         self,

@@ -2,10 +2,10 @@
 
 One server holds work in its queue on purpose (a batching delay of 600 s and a batch of 3 rows: no
 batch runs until 3 rows wait), behind a tenants file: `search` at the model's default priority (1),
-`bulk` at priority 2. A batch holds rows of one priority, the highest waiting first, so when a query
-fills the batch behind two bulk rows queued before it, it runs alone and the bulk rows keep waiting.
-Nothing here waits on a clock: each test learns what the server did from /metrics and Triton's
-statistics, and releases what it held by filling the batch.
+`bulk` at priority 2, `capped` never above priority 2. A batch holds rows of one priority, the
+highest waiting first, so when a query fills the batch behind two bulk rows queued before it, it
+runs alone and the bulk rows keep waiting. Nothing here waits on a clock: each test learns what the
+server did from /metrics and Triton's statistics, and releases what it held by filling the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import tritonclient.grpc as triton_grpc
 
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
+from service.ops.tenants import parse_key_file
 from tests.conftest import TINY_MODEL
 from tests.servers import RunningServer, metric_samples, metric_value, post_json, start_server, wait_for_queue_depth
 
@@ -34,9 +35,14 @@ keys = ["search-key"]
 keys = ["bulk-key"]
 priority = 2
 weight = 3
+
+[tenants.capped]
+keys = ["capped-key"]
+highest_priority = 2
 """
 SEARCH = {"authorization": "Bearer search-key"}
 BULK = {"authorization": "Bearer bulk-key"}
+CAPPED = {"authorization": "Bearer capped-key"}
 HOLD = ("--max-queue-delay-us", "600000000", "--max-batch-size", "3")
 ANSWER_TIMEOUT_S = 60
 """Bounds the wait for an answer that should come; never what a test asserts."""
@@ -204,3 +210,58 @@ def test_kserve_rest_takes_priority_as_a_parameter(server: RunningServer) -> Non
     }
     status, answer = post_json(server, f"/v2/models/{TINY_MODEL}/infer", body, SEARCH)
     assert status == 400 and "parameter priority must be an integer from 1" in str(answer)
+
+
+def test_a_tenant_capped_at_a_priority_waits_there_and_is_refused_a_higher_one(
+    server: RunningServer, triton: triton_grpc.InferenceServerClient
+) -> None:
+    answers = Answers()
+    answers.send(triton, "capped", CAPPED)  # names no priority: the model's default (1) is above its cap
+    wait_for_queue_depth(server, 1, TINY_MODEL)
+    samples = metric_samples(server)
+    assert (
+        metric_value(samples, "encoder_queue_rows", model=TINY_MODEL, version="1", priority="2", tenant="capped") == 1
+    )
+
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(stream_request("urgent", priority=1), metadata=tuple(CAPPED.items()))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    message = "parameter priority may be no higher than 2 for tenant 'capped' (its highest_priority in the tenants"
+    assert message in refused.value.details()
+    body = {"model": TINY_MODEL, "input": "urgent", "priority": 1}
+    status, answer = post_json(server, "/v1/embeddings", body, CAPPED)
+    assert status == 400 and message in str(answer)
+    wait_for_queue_depth(server, 1, TINY_MODEL)  # nothing more was queued
+
+    answers.send(triton, "capped two", CAPPED, priority=2)
+    answers.send(triton, "bulk", BULK)  # three rows at priority 2: their batch runs
+    assert sorted(answers.next()[0] for _ in range(3)) == ["bulk", "capped", "capped two"]
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("highest_priority = 1.5", "highest_priority must be a whole number"),
+        ("highest_priority = 0", "highest_priority must be a positive number"),
+        ("priority = 1\nhighest_priority = 2", "priority 1 is above its highest_priority 2"),
+    ],
+)
+def test_a_tenants_highest_priority_is_checked_at_load(table: str, message: str) -> None:
+    with pytest.raises(ValueError, match=None) as refused:
+        parse_key_file("tenants.toml", f"[tenants.a]\nkeys = ['s3cret-1']\n{table}\n")
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/embed"])
+def test_a_timeout_in_a_json_body_that_passes_in_the_queue_answers_504_without_running(
+    server: RunningServer, route: str
+) -> None:
+    before = statistics(server)
+    body = {"model": TINY_MODEL, "input": "late"} if route == "/v1/embeddings" else {"inputs": "late"}
+    status, answer = post_json(server, route, {**body, "timeout": 100_000}, SEARCH)  # alone: its batch never fills
+    assert status == 504, answer
+    assert "timeout passed while it was queued" in str(answer)
+    assert metric_value(metric_samples(server), "encoder_queue_depth", model=TINY_MODEL, version="1") == 0
+    assert statistics(server) == before  # Triton's execution_count did not move: its row never ran
