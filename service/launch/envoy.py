@@ -10,7 +10,7 @@ server's runtime folder, for the front end to ask for its own drain and exit.
 Envoy's own limits follow the server's settings: streams per connection (--max-concurrent-streams),
 connection age (--max-connection-age-s, with gRPC's jitter, then a grace for the calls under way), no
 idle timeout on a stream (a Watch or a ModelStreamInfer may stay quiet for long), and its HTTP/2
-rapid-reset protection (--envoy-reset-flood-streams).
+rapid-reset protection (--envoy-reset-flood-streams). Its HTTP/2 codec is oghttp2, not nghttp2 (OGHTTP2_CODEC).
 """
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ RESET_FLOOD_RUNTIME_KEY = "overload.premature_reset_total_stream_count"
 RESET_FLOOD_NEVER = 2**62
 """The key's value for --envoy-reset-flood-streams 0: Envoy also closes a connection that reached half this many early
 resets before this many streams, so it must be out of reach, not merely large."""
+OGHTTP2_CODEC = True
+"""Envoy's HTTP/2 codec on the gRPC port: oghttp2 (its `use_oghttp2_codec`). This Envoy's default, nghttp2, now and then
+fails a whole connection (GOAWAY INTERNAL_ERROR, "dispatch error: The user callback function failed") while a client
+resets calls past their deadline as the server answers them, and every other call on that connection fails UNAVAILABLE;
+oghttp2 failed none in the same race (docs/operations.md, "A deadline's reset racing its answer")."""
 SERVER_SECRET = "server"
 CLIENT_CA_SECRET = "client-ca"
 
@@ -114,7 +119,10 @@ def _connection_manager(settings: Settings) -> dict[str, Any]:
             "stream_idle_timeout": "0s",
             "drain_timeout": f"{GOAWAY_GRACE_S}s",
             "common_http_protocol_options": protocol,
-            "http2_protocol_options": {"max_concurrent_streams": settings.max_concurrent_streams},
+            "http2_protocol_options": {
+                "max_concurrent_streams": settings.max_concurrent_streams,
+                "use_oghttp2_codec": OGHTTP2_CODEC,
+            },
             "route_config": {"virtual_hosts": [{"name": "grpc", "domains": ["*"]}]},
             "http_filters": [_app_filter()],
         },

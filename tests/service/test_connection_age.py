@@ -5,9 +5,11 @@ without pause through several recyclings, each on a connection of its own (tools
 clients). Every unary call must be answered OK (a client with 20 ms deadlines: OK or
 DEADLINE_EXCEEDED), and a stream end only with the server's end-of-stream message, every request
 answered once resent. A client whose calls mostly expire resets its streams early, as an HTTP/2
-rapid-reset attack would: its connection must stay open (Envoy closes such a one by default). A
-SIGTERM under load answers what was accepted and refuses the rest with a status that says the call
-never ran. Run on Envoy and on grpcio (make test's two passes), and with ENCODER_FRONTENDS=2.
+rapid-reset attack would: its connection must stay open (Envoy closes such a one by default); and
+one whose resets cross the server's DEADLINE_EXCEEDED answers must not lose the other calls on its
+connection (Envoy's nghttp2 codec failed such a connection now and then). A SIGTERM under load
+answers what was accepted and refuses the rest with a status that says the call never ran. Run on
+Envoy and on grpcio (make test's two passes), and with ENCODER_FRONTENDS=2.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.frontends.grpc.asgi import SHUTTING_DOWN_MESSAGE
 from service.launch import envoy
 from service.ops.settings import Settings
-from tests.conftest import TINY_MODEL
+from tests.conftest import DEFAULT_MODEL, TINY_MODEL
 from tests.servers import RunningServer, start_server, wait_for_queue_depth, wait_until
-from tools import mixed_load
+from tools import deadline_race, mixed_load
 
 CONNECTION_AGE_S = 2
 STREAM_ENDS = 4
@@ -39,6 +41,11 @@ WAIT_S = 120
 """Bounds every wait for something that should happen (never what a test asserts)."""
 GIVEN_UP_CALLS = 800
 """Calls reset before any answer: Envoy's default closes a connection once 250 of its streams were (half of 500)."""
+PATIENT_CALLS = 300
+"""Patient calls sent one at a time while EXPIRING_THREADS threads send calls that expire, on the same connection."""
+EXPIRING_THREADS = 8
+"""Envoy's nghttp2 codec failed 9 of the 300 patient calls in each of three runs beside this many (the default model,
+2 vCPUs)."""
 QUEUED_AT_SIGTERM = 4
 REFUSED_AS_NEVER_RUN = (SHUTTING_DOWN_MESSAGE, "failed to connect", "Connection refused")
 """What a call refused by a draining (or gone) server may say: each means it never ran."""
@@ -141,6 +148,20 @@ def test_a_client_that_gives_up_on_its_calls_keeps_its_connection(tiny_repositor
     assert outcomes["given up"] >= GIVEN_UP_CALLS
 
 
+def test_calls_expiring_beside_a_patient_call_do_not_fail_it(default_repository: Path, tmp_path: Path) -> None:
+    """Eight threads send calls with 20 ms deadlines, one thread patient calls, all on one channel.
+
+    Batches wait 50 ms for company, so the short calls expire in the queue: the server answers
+    DEADLINE_EXCEEDED as the client resets each stream. Neither may fail the connection the patient
+    calls share with them.
+    """
+    with start_server(default_repository, tmp_path / "server.log", "--max-queue-delay-us", "50000") as server:
+        outcomes = deadline_race.race(server.target, DEFAULT_MODEL, PATIENT_CALLS, EXPIRING_THREADS)
+    assert outcomes.counts["patient"] == {"OK": PATIENT_CALLS}, outcomes.counts
+    assert set(outcomes.counts["short"]) <= {"OK", "DEADLINE_EXCEEDED"}, outcomes.counts
+    assert outcomes.counts["short"]["DEADLINE_EXCEEDED"] > 0  # the race was run: calls expired
+
+
 def test_a_drain_under_load_answers_what_it_accepted_and_refuses_the_rest_as_never_run(
     tiny_repository: Path, tmp_path: Path
 ) -> None:
@@ -204,3 +225,9 @@ def test_envoy_keeps_connections_whose_streams_are_reset_early_unless_told_other
     never = runtime(Settings())
     assert never >= 2**40  # Envoy closes once half this many were reset early: out of any connection's reach
     assert float(never) == never  # the runtime layer is JSON: the number must survive a double
+
+
+def test_envoy_serves_http2_with_oghttp2(tmp_path: Path) -> None:
+    (listener,) = envoy.config(Settings(), tmp_path, 0)["static_resources"]["listeners"]
+    (manager,) = listener["filter_chains"][0]["filters"]
+    assert manager["typed_config"]["http2_protocol_options"]["use_oghttp2_codec"] is True
