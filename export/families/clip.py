@@ -285,5 +285,6 @@ FAMILY = Family(
     config_type=ClipConfig,
     build=ClipModel,
     formats=(Format(MODEL_TYPE, read_config, rename),),
+    towers=("image", "text"),
 )
 """CLIP (openai/clip-vit-*, LAION's OpenCLIP conversions): an image tower and a text tower."""

@@ -315,5 +315,6 @@ FAMILY = Family(
     config_type=SiglipConfig,
     build=SiglipModel,
     formats=(Format(MODEL_TYPE, read_config, rename),),
+    towers=("image", "text"),
 )
 """SigLIP (google/siglip-*) and SigLIP 2's fixed-resolution checkpoints: an image tower and a text tower."""

@@ -18,6 +18,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from export.__main__ import main as export_main
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.checkpoint import load_checkpoint
 from export.families import clip
@@ -157,6 +158,17 @@ def test_the_exporter_loads_the_folder_normalised(folder: Path, reference: trans
         expected = reference.get_image_features(pixel_values=pixel_values).pooler_output
         got = model.vision(pixel_values)
     assert float((got - torch.nn.functional.normalize(expected, dim=-1)).abs().max()) <= TOLERANCE
+
+
+def test_the_build_refuses_it_in_one_line(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Until the towers are published and served, the command line refuses a CLIP folder (status 2, one line)."""
+    status = export_main(["--source", str(folder), "--repository", str(tmp_path), "--variants", "fp32"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and error == (
+        "export: error: clip: a two-tower model (image and text): exporting its towers into a repository and"
+        " serving them is not implemented yet"
+    )
+    assert not any(tmp_path.iterdir())
 
 
 def _session(path: Path) -> ort.InferenceSession:
