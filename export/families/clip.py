@@ -78,6 +78,7 @@ TEXT_KEYS = (*LAYER_KEYS, "hidden_act", "layer_norm_eps", "vocab_size", "max_pos
 TEXT_KEYS += ("pad_token_id", "eos_token_id", "projection_dim")  # projection_dim: CLIPTextModelWithProjection's
 VISION_KEYS = (*LAYER_KEYS, "hidden_act", "layer_norm_eps", "image_size", "patch_size", "num_channels")
 VISION_KEYS += ("projection_dim",)  # CLIPVisionModelWithProjection's; CLIPModel projects to the top-level one
+VISION_KEYS += ("pad_token_id", "eos_token_id")  # transformers 4 wrote them (null) into every section; no image has ids
 TOP_KEYS = ("text_config", "vision_config", "projection_dim", "logit_scale_init_value", "initializer_factor")
 TOP_KEYS += ("text_config_dict", "vision_config_dict")  # transformers 4's legacy overrides, read only when null
 WEIGHT_RENAMES = {

@@ -77,7 +77,7 @@ VISION_DEFAULTS: dict[str, object] = {
 TEXT_KEYS = (*LAYER_KEYS, "hidden_act", "layer_norm_eps", "vocab_size", "max_position_embeddings")
 TEXT_KEYS += ("pad_token_id", "eos_token_id", "projection_size")
 VISION_KEYS = (*LAYER_KEYS, "hidden_act", "layer_norm_eps", "image_size", "patch_size", "num_channels")
-VISION_KEYS += ("vision_use_head",)
+VISION_KEYS += ("vision_use_head", "pad_token_id", "eos_token_id")  # token ids: written by transformers 4, unread
 TOP_KEYS = ("text_config", "vision_config", "initializer_factor")
 WEIGHT_RENAMES = {
     "vision_model.embeddings.patch_embedding.": "vision.patch_embedding.",

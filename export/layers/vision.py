@@ -57,7 +57,8 @@ BOOKKEEPING_KEYS = frozenset(
         "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
         "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
         "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-        "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+        "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "gradient_checkpointing",
+        "_attn_implementation", "_attn_implementation_autoset", "use_cache",
     }
 )  # fmt: skip
 """Keys transformers writes into every config (labels, generation settings, versions), which no tower reads.

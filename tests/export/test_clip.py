@@ -227,6 +227,34 @@ def test_unimplemented_settings_are_refused_by_name() -> None:
     assert (read.projection_dim, read.geometry.num_patches, read.eos_token_id) == (24, 9, EOS)
 
 
+TRANSFORMERS_4_SECTION = {
+    "_name_or_path": "", "add_cross_attention": False, "architectures": None, "bad_words_ids": None,
+    "chunk_size_feed_forward": 0, "cross_attention_hidden_size": None, "decoder_start_token_id": None,
+    "diversity_penalty": 0.0, "do_sample": False, "dropout": 0.0, "early_stopping": False,
+    "encoder_no_repeat_ngram_size": 0, "finetuning_task": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "is_decoder": False,
+    "is_encoder_decoder": False, "label2id": {"LABEL_0": 0, "LABEL_1": 1}, "length_penalty": 1.0, "max_length": 20,
+    "min_length": 0, "no_repeat_ngram_size": 0, "num_beam_groups": 1, "num_beams": 1, "num_return_sequences": 1,
+    "output_attentions": False, "output_hidden_states": False, "output_scores": False, "prefix": None,
+    "problem_type": None, "pruned_heads": {}, "remove_invalid_values": False, "repetition_penalty": 1.0,
+    "return_dict": True, "return_dict_in_generate": False, "sep_token_id": None, "task_specific_params": None,
+    "temperature": 1.0, "tie_encoder_decoder": False, "tie_word_embeddings": True, "tokenizer_class": None,
+    "top_k": 50, "top_p": 1.0, "torch_dtype": None, "torchscript": False, "transformers_version": "4.16.0.dev0",
+    "use_bfloat16": False,
+}  # fmt: skip
+"""What transformers 4.16 wrote into each section of a config (OpenAI's CLIP folders carry it), besides the model's."""
+
+
+def test_a_transformers_4_config_is_read_as_transformers_reads_it() -> None:
+    """OpenAI's folders: every section carries transformers 4's bookkeeping; eos_token_id 2 (the highest id)."""
+    hf = _hf_config(eos_token_id=2, bos_token_id=0, pad_token_id=1).to_dict()
+    hf["text_config"] |= TRANSFORMERS_4_SECTION
+    hf["vision_config"] |= TRANSFORMERS_4_SECTION | {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    hf |= {"text_config_dict": None, "vision_config_dict": None, "transformers_version": None}
+    config = clip.read_config(hf, "mean", False)
+    assert (config.pooling, config.text.activation, config.vision.d_model) == ("highest_id", "quick_gelu", 48)
+
+
 def test_weights_are_taken_by_name_and_strays_refused() -> None:
     tensor = torch.zeros(2)
     towers, scoring = clip.rename(
