@@ -209,8 +209,8 @@ def test_unimplemented_settings_are_refused_by_name() -> None:
     hf = _hf_config().to_dict()
     text, vision = hf["text_config"], hf["vision_config"]
     refusals = {
-        "unsupported text_config hidden_act 'swish'": hf | {"text_config": text | {"hidden_act": "swish"}},
-        "unsupported vision_config hidden_act 'relu'": hf | {"vision_config": vision | {"hidden_act": "relu"}},
+        "text_config: unsupported hidden_act 'swish'": hf | {"text_config": text | {"hidden_act": "swish"}},
+        "vision_config: unsupported hidden_act 'relu'": hf | {"vision_config": vision | {"hidden_act": "relu"}},
         "unsupported vision_config key 'use_rope' \\(=True\\)": hf | {"vision_config": vision | {"use_rope": True}},
         "unsupported config.json key 'text_embed_dim'": hf | {"text_embed_dim": 32},
         "vision_config image_size must be a positive integer, got \\[30, 40\\]": hf
@@ -218,7 +218,8 @@ def test_unimplemented_settings_are_refused_by_name() -> None:
         "unsupported text_config_dict": hf | {"text_config_dict": {"hidden_size": 64}},
         "unsupported text_config eos_token_id \\[98, 2\\]": hf | {"text_config": text | {"eos_token_id": [EOS, 2]}},
         "unsupported text_config is_decoder true": hf | {"text_config": text | {"is_decoder": True}},
-        "not divisible by num_attention_heads": hf | {"vision_config": vision | {"num_attention_heads": 5}},
+        "vision_config: hidden_size 48 is not divisible by num_attention_heads 5": hf
+        | {"vision_config": vision | {"num_attention_heads": 5}},
     }
     for message, config in refusals.items():
         with pytest.raises(ArchitectureError, match=message):

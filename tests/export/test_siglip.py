@@ -180,8 +180,8 @@ def test_unimplemented_settings_are_refused_by_name() -> None:
     hf = _hf_config().to_dict()
     text, vision = hf["text_config"], hf["vision_config"]
     refusals = {
-        "unsupported vision_config hidden_act 'silu'": hf | {"vision_config": vision | {"hidden_act": "silu"}},
-        "unsupported text_config hidden_act 'gelu_fast'": hf | {"text_config": text | {"hidden_act": "gelu_fast"}},
+        "vision_config: unsupported hidden_act 'silu'": hf | {"vision_config": vision | {"hidden_act": "silu"}},
+        "text_config: unsupported hidden_act 'gelu_fast'": hf | {"text_config": text | {"hidden_act": "gelu_fast"}},
         "unsupported vision_config vision_use_head False": hf | {"vision_config": vision | {"vision_use_head": False}},
         "text_config projection_size 32 is not the image embedding's width": hf
         | {"text_config": text | {"projection_size": 32}},
