@@ -19,7 +19,6 @@ logit_scale (the temperature of image-text scores) is set apart with the other s
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,21 +26,19 @@ from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.families.family import Family, Format
-from export.layers.vision import (
+from export.families.two_tower import (
     LAYER_KEYS,
-    ImageGeometry,
+    TwoTowerConfig,
+    check_keys,
+    common_fields,
+    config_section,
+    positive_int,
+    rename_weights,
+)
+from export.layers.vision import (
     ImageTower,
     TextTower,
-    TowerConfig,
-    attention_bias,
-    check_keys,
     embedding_output,
-    layer_stack,
-    patch_tokens,
-    positive_int,
-    read_geometry,
-    read_tower,
-    rename_weights,
     run_layers,
 )
 
@@ -101,28 +98,21 @@ POSITION_IDS = ("vision_model.embeddings.position_ids", "text_model.embeddings.p
 
 
 @dataclass(frozen=True)
-class ClipConfig:
+class ClipConfig(TwoTowerConfig):
     """Hyper-parameters of a CLIP model's two towers, validated on construction."""
 
-    vision: TowerConfig
-    text: TowerConfig
-    geometry: ImageGeometry
-    vocab_size: int
-    max_positions: int
-    """Longest text the position embedding covers (77 in OpenAI's CLIP)."""
-    pad_token_id: int
     eos_token_id: int
     """The end-of-text token whose state is the text's embedding (LEGACY_EOS_TOKEN_ID: the highest id's)."""
     projection_dim: int
     """Width of both embeddings."""
-    normalize: bool = False
-    """L2-normalise both embeddings."""
 
     def __post_init__(self) -> None:
-        for name in ("pad_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
-                raise ArchitectureError(f"text_config {name} {value!r} is not an id of the vocabulary")
+        super().__post_init__()
+        value = self.eos_token_id
+        if isinstance(value, list):
+            raise ArchitectureError(f"unsupported text_config eos_token_id {value!r}: one end-of-text id only")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+            raise ArchitectureError(f"text_config eos_token_id {value!r} is not an id of the vocabulary")
 
     @property
     def d_model(self) -> int:
@@ -130,54 +120,17 @@ class ClipConfig:
         return self.projection_dim
 
     @property
-    def num_heads(self) -> int:
-        """The text tower's attention heads."""
-        return self.text.num_heads
-
-    @property
-    def num_layers(self) -> int:
-        """The text tower's layers."""
-        return self.text.num_layers
-
-    @property
-    def head_dim(self) -> int:
-        """The text tower's d_k."""
-        return self.text.head_dim
-
-    @property
     def pooling(self) -> str:
         """How the text tower picks its token: the first end-of-text token, or (legacy configs) the highest id."""
         return "highest_id" if self.eos_token_id == LEGACY_EOS_TOKEN_ID else "eos_token"
 
-    @property
-    def uses_segments(self) -> bool:
-        """CLIP takes no token_type_ids."""
-        return False
-
-    @property
-    def max_sequence_positions(self) -> int:
-        """Longest text the model was made for."""
-        return self.max_positions
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json."""
-        return dataclasses.asdict(self)
-
 
 def _section(hf_config: dict, key: str) -> dict:
-    section = hf_config.get(key) or {}
-    if not isinstance(section, dict):
-        raise ArchitectureError(f"config.json {key} must be an object, got {type(section).__name__}")
+    """A tower's section; transformers 4's legacy override of it ({key}_dict) is read only when null."""
     legacy = f"{key}_dict"
     if hf_config.get(legacy) is not None:
         raise ArchitectureError(f"unsupported {legacy} (transformers 4's override of {key}): only {key} is read")
-    return section
-
-
-def _pad_token_id(text: dict) -> int:
-    """text_config's pad_token_id (transformers' default where absent; null: 0, the towers never read it)."""
-    pad_token_id = text.get("pad_token_id", TEXT_DEFAULTS["pad_token_id"])
-    return 0 if pad_token_id is None else pad_token_id
+    return config_section(hf_config, key)
 
 
 def read_config(hf_config: dict, pooling: str, normalize: bool) -> ClipConfig:
@@ -190,21 +143,10 @@ def read_config(hf_config: dict, pooling: str, normalize: bool) -> ClipConfig:
     text, vision = _section(hf_config, "text_config"), _section(hf_config, "vision_config")
     check_keys(text, "text_config", TEXT_KEYS)
     check_keys(vision, "vision_config", VISION_KEYS)
-    eos_token_id = text.get("eos_token_id", TEXT_DEFAULTS["eos_token_id"])
-    if isinstance(eos_token_id, list):
-        raise ArchitectureError(f"unsupported text_config eos_token_id {eos_token_id!r}: one end-of-text id only")
     return ClipConfig(
-        vision=read_tower(vision, "vision_config", VISION_DEFAULTS),
-        text=read_tower(text, "text_config", TEXT_DEFAULTS),
-        geometry=read_geometry(vision, "vision_config", VISION_DEFAULTS),
-        vocab_size=positive_int(text, "vocab_size", "text_config", TEXT_DEFAULTS["vocab_size"]),
-        max_positions=positive_int(
-            text, "max_position_embeddings", "text_config", TEXT_DEFAULTS["max_position_embeddings"]
-        ),
-        pad_token_id=_pad_token_id(text),
-        eos_token_id=eos_token_id,
+        **common_fields(text, vision, TEXT_DEFAULTS, VISION_DEFAULTS, normalize),
+        eos_token_id=text.get("eos_token_id", TEXT_DEFAULTS["eos_token_id"]),
         projection_dim=positive_int(hf_config, "projection_dim", "config.json", DEFAULT_PROJECTION_DIM),
-        normalize=normalize,
     )
 
 
@@ -217,22 +159,16 @@ class ClipVisionTower(ImageTower):
     """Patches and a class token, pre-LayerNorm, S layers, the class token's post-LayerNorm state, projected."""
 
     def __init__(self, config: ClipConfig) -> None:
-        super().__init__(config.geometry)
-        tower, geometry = config.vision, config.geometry
-        self.patch_embedding = nn.Conv2d(
-            geometry.num_channels, tower.d_model, geometry.patch_size, stride=geometry.patch_size, bias=False
-        )
+        tower = config.vision
+        super().__init__(config.geometry, tower, patch_bias=False, extra_positions=1, normalize=config.normalize)
         self.class_embedding = nn.Parameter(torch.zeros(tower.d_model))
-        self.position_embedding = nn.Embedding(geometry.num_patches + 1, tower.d_model)
         self.pre_norm = nn.LayerNorm(tower.d_model, eps=tower.layer_norm_eps)
-        self.layers = layer_stack(tower)
         self.post_norm = nn.LayerNorm(tower.d_model, eps=tower.layer_norm_eps)
         self.projection = nn.Linear(tower.d_model, config.projection_dim, bias=False)
-        self.normalize = config.normalize
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         """Pixel values [batch, channels, image_size, image_size] -> image embeddings [batch, projection_dim]."""
-        patches = patch_tokens(self.patch_embedding, pixel_values.to(self.patch_embedding.weight.dtype))
+        patches = self.patches(pixel_values)
         class_token = self.class_embedding.expand(patches.shape[0], 1, -1)
         hidden = torch.cat([class_token, patches], dim=1) + self.position_embedding.weight
         hidden = run_layers(self.layers, self.pre_norm(hidden), None)
@@ -240,18 +176,17 @@ class ClipVisionTower(ImageTower):
 
 
 class ClipTextTower(TextTower):
-    """Token and position embeddings, S causal layers, final LayerNorm, the end-of-text state, projected."""
+    """Token and position embeddings, S causal layers, final LayerNorm, the end-of-text state, projected (no bias)."""
 
     def __init__(self, config: ClipConfig) -> None:
-        super().__init__()
-        tower = config.text
-        self.token_embedding = nn.Embedding(config.vocab_size, tower.d_model)
-        self.position_embedding = nn.Embedding(config.max_positions, tower.d_model)
-        self.layers = layer_stack(tower)
-        self.final_norm = nn.LayerNorm(tower.d_model, eps=tower.layer_norm_eps)
-        self.projection = nn.Linear(tower.d_model, config.projection_dim, bias=False)
+        super().__init__(
+            config.text,
+            vocab_size=config.vocab_size,
+            max_positions=config.max_positions,
+            projection=(config.projection_dim, False),
+            normalize=config.normalize,
+        )
         self.eos_token_id = config.eos_token_id
-        self.normalize = config.normalize
 
     def end_of_text(self, input_ids: Tensor) -> Tensor:
         """Each row's end-of-text position [batch]: its first eos_token_id (legacy configs: its highest id)."""
@@ -263,12 +198,10 @@ class ClipTextTower(TextTower):
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Token ids and their 0/1 mask [batch, seq] -> text embeddings [batch, projection_dim]."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        hidden = self.token_embedding(input_ids) + self.position_embedding(positions)
         causal = positions[None, :] <= positions[:, None]  # key j ≤ query i
-        allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
-        hidden = self.final_norm(run_layers(self.layers, hidden, attention_bias(allowed, hidden.dtype)))
+        states = self.final_states(input_ids, causal[None, None] & attention_mask[:, None, None, :].bool())
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return embedding_output(self.projection(hidden[rows, self.end_of_text(input_ids)]), self.normalize)
+        return self.embedding(states[rows, self.end_of_text(input_ids)])
 
 
 class ClipModel(nn.Module):

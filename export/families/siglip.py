@@ -22,7 +22,6 @@ logit_scale and logit_bias (the sigmoid's temperature and offset) are set apart 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,22 +29,21 @@ from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.families.family import Family, Format
-from export.layers.vision import (
+from export.families.two_tower import (
     LAYER_KEYS,
+    TwoTowerConfig,
+    check_keys,
+    common_fields,
+    config_section,
+    positive_int,
+    rename_weights,
+)
+from export.layers.vision import (
     MLP,
-    ImageGeometry,
     ImageTower,
     TextTower,
     TowerConfig,
-    attention_bias,
-    check_keys,
     embedding_output,
-    layer_stack,
-    patch_tokens,
-    positive_int,
-    read_geometry,
-    read_tower,
-    rename_weights,
     run_layers,
 )
 
@@ -100,31 +98,22 @@ POSITION_IDS = ("vision_model.embeddings.position_ids", "text_model.embeddings.p
 
 
 @dataclass(frozen=True)
-class SiglipConfig:
-    """Hyper-parameters of a SigLIP model's two towers, validated on construction."""
+class SiglipConfig(TwoTowerConfig):
+    """Hyper-parameters of a SigLIP model's two towers, validated on construction.
 
-    vision: TowerConfig
-    text: TowerConfig
-    geometry: ImageGeometry
-    vocab_size: int
-    max_positions: int
-    """The text length SigLIP was trained on (texts padded to it) and the most its positions cover."""
-    pad_token_id: int
+    max_positions is also the text length SigLIP was trained on (texts padded to it).
+    """
+
     projection_size: int
     """Width of the text head's output, which is the image embedding's width too."""
-    normalize: bool = False
-    """L2-normalise both embeddings."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.projection_size != self.vision.d_model:
             raise ArchitectureError(
                 f"text_config projection_size {self.projection_size} is not the image embedding's width"
                 f" (vision_config hidden_size {self.vision.d_model}): the two embeddings would not share a space"
             )
-        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
-            raise ArchitectureError(f"text_config pad_token_id must be an integer, got {self.pad_token_id!r}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ArchitectureError(f"text_config pad_token_id {self.pad_token_id} is not an id of the vocabulary")
 
     @property
     def d_model(self) -> int:
@@ -132,45 +121,9 @@ class SiglipConfig:
         return self.projection_size
 
     @property
-    def num_heads(self) -> int:
-        """The text tower's attention heads."""
-        return self.text.num_heads
-
-    @property
-    def num_layers(self) -> int:
-        """The text tower's layers."""
-        return self.text.num_layers
-
-    @property
-    def head_dim(self) -> int:
-        """The text tower's d_k."""
-        return self.text.head_dim
-
-    @property
     def pooling(self) -> str:
         """How the text tower picks its token: the sequence's last position."""
         return "last_position"
-
-    @property
-    def uses_segments(self) -> bool:
-        """SigLIP takes no token_type_ids."""
-        return False
-
-    @property
-    def max_sequence_positions(self) -> int:
-        """Longest text the model was made for."""
-        return self.max_positions
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json."""
-        return dataclasses.asdict(self)
-
-
-def _section(hf_config: dict, key: str) -> dict:
-    section = hf_config.get(key) or {}
-    if not isinstance(section, dict):
-        raise ArchitectureError(f"config.json {key} must be an object, got {type(section).__name__}")
-    return section
 
 
 def read_config(hf_config: dict, pooling: str, normalize: bool) -> SiglipConfig:
@@ -180,7 +133,7 @@ def read_config(hf_config: dict, pooling: str, normalize: bool) -> SiglipConfig:
     """
     del pooling
     check_keys(hf_config, "config.json", TOP_KEYS)
-    text, vision = _section(hf_config, "text_config"), _section(hf_config, "vision_config")
+    text, vision = config_section(hf_config, "text_config"), config_section(hf_config, "vision_config")
     check_keys(text, "text_config", TEXT_KEYS)
     check_keys(vision, "vision_config", VISION_KEYS)
     if vision.get("vision_use_head", True) is not True:
@@ -188,23 +141,11 @@ def read_config(hf_config: dict, pooling: str, normalize: bool) -> SiglipConfig:
             f"unsupported vision_config vision_use_head {vision['vision_use_head']!r}: without its attention-pooling"
             " head SigLIP's image tower makes no image embedding"
         )
-    text_tower = read_tower(text, "text_config", TEXT_DEFAULTS)
+    fields = common_fields(text, vision, TEXT_DEFAULTS, VISION_DEFAULTS, normalize)
     projection_size = text.get("projection_size")
-    pad_token_id = text.get("pad_token_id", TEXT_DEFAULTS["pad_token_id"])
-    return SiglipConfig(
-        vision=read_tower(vision, "vision_config", VISION_DEFAULTS),
-        text=text_tower,
-        geometry=read_geometry(vision, "vision_config", VISION_DEFAULTS),
-        vocab_size=positive_int(text, "vocab_size", "text_config", TEXT_DEFAULTS["vocab_size"]),
-        max_positions=positive_int(
-            text, "max_position_embeddings", "text_config", TEXT_DEFAULTS["max_position_embeddings"]
-        ),
-        pad_token_id=0 if pad_token_id is None else pad_token_id,
-        projection_size=text_tower.d_model
-        if projection_size is None
-        else positive_int(text, "projection_size", "text_config"),
-        normalize=normalize,
-    )
+    if projection_size is not None:
+        projection_size = positive_int(text, "projection_size", "text_config")
+    return SiglipConfig(**fields, projection_size=projection_size or fields["text"].d_model)
 
 
 def rename(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -260,21 +201,14 @@ class SiglipVisionTower(ImageTower):
     """Patches plus positions, S layers, post-LayerNorm, attention pooling."""
 
     def __init__(self, config: SiglipConfig) -> None:
-        super().__init__(config.geometry)
-        tower, geometry = config.vision, config.geometry
-        self.patch_embedding = nn.Conv2d(
-            geometry.num_channels, tower.d_model, geometry.patch_size, stride=geometry.patch_size
-        )
-        self.position_embedding = nn.Embedding(geometry.num_patches, tower.d_model)
-        self.layers = layer_stack(tower)
+        tower = config.vision
+        super().__init__(config.geometry, tower, patch_bias=True, extra_positions=0, normalize=config.normalize)
         self.post_norm = nn.LayerNorm(tower.d_model, eps=tower.layer_norm_eps)
         self.head = AttentionPooling(tower)
-        self.normalize = config.normalize
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         """Pixel values [batch, channels, image_size, image_size] -> image embeddings [batch, hidden_size]."""
-        patches = patch_tokens(self.patch_embedding, pixel_values.to(self.patch_embedding.weight.dtype))
-        hidden = run_layers(self.layers, patches + self.position_embedding.weight, None)
+        hidden = run_layers(self.layers, self.patches(pixel_values) + self.position_embedding.weight, None)
         return embedding_output(self.head(self.post_norm(hidden)), self.normalize)
 
 
@@ -282,22 +216,18 @@ class SiglipTextTower(TextTower):
     """Token and position embeddings, S bidirectional layers, final LayerNorm, the last position through the head."""
 
     def __init__(self, config: SiglipConfig) -> None:
-        super().__init__()
-        tower = config.text
-        self.token_embedding = nn.Embedding(config.vocab_size, tower.d_model)
-        self.position_embedding = nn.Embedding(config.max_positions, tower.d_model)
-        self.layers = layer_stack(tower)
-        self.final_norm = nn.LayerNorm(tower.d_model, eps=tower.layer_norm_eps)
-        self.projection = nn.Linear(tower.d_model, config.projection_size)
-        self.normalize = config.normalize
+        super().__init__(
+            config.text,
+            vocab_size=config.vocab_size,
+            max_positions=config.max_positions,
+            projection=(config.projection_size, True),
+            normalize=config.normalize,
+        )
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Token ids and their 0/1 mask [batch, seq] -> text embeddings [batch, projection_size]."""
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        hidden = self.token_embedding(input_ids) + self.position_embedding(positions)
-        bias = attention_bias(attention_mask[:, None, None, :].bool(), hidden.dtype)
-        hidden = self.final_norm(run_layers(self.layers, hidden, bias))
-        return embedding_output(self.projection(hidden[:, -1]), self.normalize)
+        states = self.final_states(input_ids, attention_mask[:, None, None, :].bool())
+        return self.embedding(states[:, -1])
 
 
 class SiglipModel(nn.Module):
