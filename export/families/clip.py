@@ -38,6 +38,7 @@ from export.families.two_tower import (
 from export.layers.vision import (
     ImageTower,
     TextTower,
+    TwoTowerModel,
     embedding_output,
     run_layers,
 )
@@ -204,20 +205,15 @@ class ClipTextTower(TextTower):
         return self.embedding(states[rows, self.end_of_text(input_ids)])
 
 
-class ClipModel(nn.Module):
-    """Both towers of a CLIP model, each exported as its own graph (export.graph.towers)."""
-
-    def __init__(self, config: ClipConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.vision = ClipVisionTower(config)
-        self.text = ClipTextTower(config)
+def build(config: ClipConfig) -> TwoTowerModel:
+    """Both towers, randomly initialised."""
+    return TwoTowerModel(config, ClipVisionTower(config), ClipTextTower(config))
 
 
 FAMILY = Family(
     name="clip",
     config_type=ClipConfig,
-    build=ClipModel,
+    build=build,
     formats=(Format(MODEL_TYPE, read_config, rename),),
     towers=("image", "text"),
 )

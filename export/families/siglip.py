@@ -43,6 +43,7 @@ from export.layers.vision import (
     ImageTower,
     TextTower,
     TowerConfig,
+    TwoTowerModel,
     embedding_output,
     run_layers,
 )
@@ -230,20 +231,15 @@ class SiglipTextTower(TextTower):
         return self.embedding(states[:, -1])
 
 
-class SiglipModel(nn.Module):
-    """Both towers of a SigLIP model, each exported as its own graph (export.graph.towers)."""
-
-    def __init__(self, config: SiglipConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.vision = SiglipVisionTower(config)
-        self.text = SiglipTextTower(config)
+def build(config: SiglipConfig) -> TwoTowerModel:
+    """Both towers, randomly initialised."""
+    return TwoTowerModel(config, SiglipVisionTower(config), SiglipTextTower(config))
 
 
 FAMILY = Family(
     name="siglip",
     config_type=SiglipConfig,
-    build=SiglipModel,
+    build=build,
     formats=(Format(MODEL_TYPE, read_config, rename),),
     towers=("image", "text"),
 )

@@ -245,3 +245,14 @@ class TextTower(nn.Module):
         """Inputs to trace the tower with: batch rows of 8 tokens, all attended."""
         ones = torch.ones(batch, 8, dtype=torch.int64)
         return ones, ones
+
+
+class TwoTowerModel(nn.Module):
+    """Both towers of a two-tower model (CLIP, SigLIP), each exported as its own graph (export.graph.towers)."""
+
+    def __init__(self, config: object, vision: ImageTower, text: TextTower) -> None:
+        super().__init__()
+        self.config = config
+        """The family's configuration."""
+        self.vision = vision
+        self.text = text

@@ -24,6 +24,7 @@ from export.checkpoints.checkpoint import load_checkpoint
 from export.families import clip
 from export.families.registry import family_of, model_format
 from export.graph.towers import export_tower
+from export.layers.vision import TwoTowerModel
 from tests.export.tiny_models import _randomise
 
 VOCAB_SIZE = 99
@@ -78,7 +79,7 @@ def reference(folder: Path) -> transformers.CLIPModel:
     return transformers.CLIPModel.from_pretrained(str(folder)).eval()
 
 
-def _read(folder: Path, normalize: bool = False) -> clip.ClipModel:
+def _read(folder: Path, normalize: bool = False) -> TwoTowerModel:
     """The towers as the family reads a folder: config.json, then the weights by name (strict)."""
     form = model_format(json.loads((folder / "config.json").read_text())["model_type"])
     config = form.read_config(json.loads((folder / "config.json").read_text()), "mean", normalize)
@@ -90,7 +91,7 @@ def _read(folder: Path, normalize: bool = False) -> clip.ClipModel:
 
 
 @pytest.fixture(scope="module")
-def ours(folder: Path) -> clip.ClipModel:
+def ours(folder: Path) -> TwoTowerModel:
     """Our towers on the saved weights."""
     return _read(folder)
 
@@ -113,7 +114,7 @@ def _texts(lengths: list[int], pad: int, seed: int = 0) -> tuple[torch.Tensor, t
     return input_ids, attention_mask
 
 
-def test_image_features_equal_transformers(reference: transformers.CLIPModel, ours: clip.ClipModel) -> None:
+def test_image_features_equal_transformers(reference: transformers.CLIPModel, ours: TwoTowerModel) -> None:
     pixel_values = _images(3)
     with torch.inference_mode():
         expected = reference.get_image_features(pixel_values=pixel_values).pooler_output
@@ -122,7 +123,7 @@ def test_image_features_equal_transformers(reference: transformers.CLIPModel, ou
     assert float((got - expected).abs().max()) <= TOLERANCE
 
 
-def test_text_features_equal_transformers(reference: transformers.CLIPModel, ours: clip.ClipModel) -> None:
+def test_text_features_equal_transformers(reference: transformers.CLIPModel, ours: TwoTowerModel) -> None:
     """Right-padded rows of three lengths (one using every position), padding with the end-of-text id."""
     input_ids, attention_mask = _texts([5, 9, MAX_POSITIONS], pad=EOS)
     with torch.inference_mode():
@@ -138,7 +139,7 @@ def test_a_legacy_end_of_text_id_reads_the_highest_id() -> None:
     hf = _hf_model(_hf_config(eos_token_id=2, pad_token_id=0), seed=7)
     config = clip.read_config(hf.config.to_dict(), "mean", False)
     assert config.pooling == "highest_id"
-    ours = clip.ClipModel(config).eval()
+    ours = clip.build(config).eval()
     ours.load_state_dict(clip.rename(hf.state_dict())[0], strict=True)
     input_ids, attention_mask = _texts([4, 11, 7], pad=0, seed=3)  # EOS (98) is every row's highest id
     with torch.inference_mode():
@@ -175,7 +176,7 @@ def _session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-def test_image_graph_equals_the_tower(ours: clip.ClipModel, tmp_path: Path) -> None:
+def test_image_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:
     """Batches of 1 and 5 (traced with 2) through the graph and the tower."""
     path = tmp_path / "image.onnx"
     export_tower(ours.vision, path)
@@ -190,7 +191,7 @@ def test_image_graph_equals_the_tower(ours: clip.ClipModel, tmp_path: Path) -> N
         assert np.abs(got - expected).max() <= TOLERANCE
 
 
-def test_text_graph_equals_the_tower(ours: clip.ClipModel, tmp_path: Path) -> None:
+def test_text_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:
     """Batches of other sizes and lengths than traced, padded, through the graph and the tower."""
     path = tmp_path / "text.onnx"
     export_tower(ours.text, path)

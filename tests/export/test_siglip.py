@@ -24,6 +24,7 @@ from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from export.families import siglip
 from export.families.registry import family_of, model_format
 from export.graph.towers import export_tower
+from export.layers.vision import TwoTowerModel
 from tests.export.tiny_models import _randomise
 
 VOCAB_SIZE = 99
@@ -76,7 +77,7 @@ def reference(folder: Path) -> transformers.SiglipModel:
 
 
 @pytest.fixture(scope="module")
-def ours(folder: Path) -> siglip.SiglipModel:
+def ours(folder: Path) -> TwoTowerModel:
     """Our towers as the family reads the folder: config.json, then the weights by name (strict)."""
     hf_config = json.loads((folder / "config.json").read_text())
     form = model_format(hf_config["model_type"])
@@ -105,7 +106,7 @@ def _texts(lengths: list[int], width: int, seed: int = 0) -> tuple[torch.Tensor,
     return input_ids, attention_mask
 
 
-def test_image_features_equal_transformers(reference: transformers.SiglipModel, ours: siglip.SiglipModel) -> None:
+def test_image_features_equal_transformers(reference: transformers.SiglipModel, ours: TwoTowerModel) -> None:
     pixel_values = _images(3)
     with torch.inference_mode():
         expected = reference.get_image_features(pixel_values=pixel_values).pooler_output
@@ -115,7 +116,7 @@ def test_image_features_equal_transformers(reference: transformers.SiglipModel, 
 
 
 def test_text_features_equal_transformers_as_the_processor_feeds_them(
-    reference: transformers.SiglipModel, ours: siglip.SiglipModel
+    reference: transformers.SiglipModel, ours: TwoTowerModel
 ) -> None:
     """Padded to max_position_embeddings, padding attended, no mask given to transformers."""
     input_ids, _ = _texts([4, 9, MAX_POSITIONS], MAX_POSITIONS)
@@ -127,7 +128,7 @@ def test_text_features_equal_transformers_as_the_processor_feeds_them(
 
 
 def test_text_features_equal_transformers_with_a_padding_mask(
-    reference: transformers.SiglipModel, ours: siglip.SiglipModel
+    reference: transformers.SiglipModel, ours: TwoTowerModel
 ) -> None:
     """Padded to the longest row with a mask: the last position (padding for the shorter rows) is read, masked."""
     input_ids, attention_mask = _texts([5, 11, 7], 11, seed=2)
@@ -141,7 +142,7 @@ def _session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-def test_image_graph_equals_the_tower(ours: siglip.SiglipModel, tmp_path: Path) -> None:
+def test_image_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:
     """Batches of 1 and 5 (traced with 2) through the graph and the tower."""
     path = tmp_path / "image.onnx"
     export_tower(ours.vision, path)
@@ -155,7 +156,7 @@ def test_image_graph_equals_the_tower(ours: siglip.SiglipModel, tmp_path: Path) 
         assert np.abs(got - expected).max() <= TOLERANCE
 
 
-def test_text_graph_equals_the_tower(ours: siglip.SiglipModel, tmp_path: Path) -> None:
+def test_text_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:
     """Other batch sizes and lengths than traced, at max_position_embeddings and masked, through graph and tower."""
     path = tmp_path / "text.onnx"
     export_tower(ours.text, path)
