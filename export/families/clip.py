@@ -81,21 +81,12 @@ TOP_KEYS = ("text_config", "vision_config", "projection_dim", "logit_scale_init_
 TOP_KEYS += ("text_config_dict", "vision_config_dict")  # transformers 4's legacy overrides, read only when null
 WEIGHT_RENAMES = {
     "vision_model.embeddings.class_embedding": "vision.class_embedding",
-    "vision_model.embeddings.patch_embedding.": "vision.patch_embedding.",
-    "vision_model.embeddings.position_embedding.": "vision.position_embedding.",
     "vision_model.pre_layrnorm.": "vision.pre_norm.",
-    "vision_model.encoder.layers.": "vision.layers.",
-    "vision_model.post_layernorm.": "vision.post_norm.",
     "visual_projection.": "vision.projection.",
-    "text_model.embeddings.token_embedding.": "text.token_embedding.",
-    "text_model.embeddings.position_embedding.": "text.position_embedding.",
-    "text_model.encoder.layers.": "text.layers.",
-    "text_model.final_layer_norm.": "text.final_norm.",
     "text_projection.": "text.projection.",
 }
-"""CLIPModel's weight prefixes -> the towers' (layers keep transformers' names)."""
+"""CLIPModel's own weight prefixes -> the towers' (besides two_tower.SHARED_RENAMES)."""
 SCORING_WEIGHTS = ("logit_scale",)
-POSITION_IDS = ("vision_model.embeddings.position_ids", "text_model.embeddings.position_ids")
 
 
 @dataclass(frozen=True)
@@ -153,7 +144,7 @@ def read_config(hf_config: dict, pooling: str, normalize: bool) -> ClipConfig:
 
 def rename(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """CLIPModel's weights under the towers' names; logit_scale apart; any other weight refused."""
-    return rename_weights(weights, WEIGHT_RENAMES, SCORING_WEIGHTS, POSITION_IDS)
+    return rename_weights(weights, WEIGHT_RENAMES, SCORING_WEIGHTS)
 
 
 class ClipVisionTower(ImageTower):

@@ -79,23 +79,14 @@ VISION_KEYS = (*LAYER_KEYS, "hidden_act", "layer_norm_eps", "image_size", "patch
 VISION_KEYS += ("vision_use_head", "pad_token_id", "eos_token_id")  # token ids: written by transformers 4, unread
 TOP_KEYS = ("text_config", "vision_config", "initializer_factor")
 WEIGHT_RENAMES = {
-    "vision_model.embeddings.patch_embedding.": "vision.patch_embedding.",
-    "vision_model.embeddings.position_embedding.": "vision.position_embedding.",
-    "vision_model.encoder.layers.": "vision.layers.",
-    "vision_model.post_layernorm.": "vision.post_norm.",
     "vision_model.head.probe": "vision.head.probe",
     "vision_model.head.attention.": "vision.head.attention.",
     "vision_model.head.layernorm.": "vision.head.norm.",
     "vision_model.head.mlp.": "vision.head.mlp.",
-    "text_model.embeddings.token_embedding.": "text.token_embedding.",
-    "text_model.embeddings.position_embedding.": "text.position_embedding.",
-    "text_model.encoder.layers.": "text.layers.",
-    "text_model.final_layer_norm.": "text.final_norm.",
     "text_model.head.": "text.projection.",
 }
-"""SiglipModel's weight prefixes -> the towers' (layers keep transformers' names)."""
+"""SiglipModel's own weight prefixes -> the towers' (besides two_tower.SHARED_RENAMES)."""
 SCORING_WEIGHTS = ("logit_scale", "logit_bias")
-POSITION_IDS = ("vision_model.embeddings.position_ids", "text_model.embeddings.position_ids")
 
 
 @dataclass(frozen=True)
@@ -151,7 +142,7 @@ def read_config(hf_config: dict, pooling: str, normalize: bool) -> SiglipConfig:
 
 def rename(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """SiglipModel's weights under the towers' names; logit_scale and logit_bias apart; any other weight refused."""
-    return rename_weights(weights, WEIGHT_RENAMES, SCORING_WEIGHTS, POSITION_IDS)
+    return rename_weights(weights, WEIGHT_RENAMES, SCORING_WEIGHTS)
 
 
 class ProbeAttention(nn.Module):

@@ -174,20 +174,36 @@ class TwoTowerConfig:
         return dataclasses.asdict(self)
 
 
+SHARED_RENAMES = {
+    "vision_model.embeddings.patch_embedding.": "vision.patch_embedding.",
+    "vision_model.embeddings.position_embedding.": "vision.position_embedding.",
+    "vision_model.encoder.layers.": "vision.layers.",
+    "vision_model.post_layernorm.": "vision.post_norm.",
+    "text_model.embeddings.token_embedding.": "text.token_embedding.",
+    "text_model.embeddings.position_embedding.": "text.position_embedding.",
+    "text_model.encoder.layers.": "text.layers.",
+    "text_model.final_layer_norm.": "text.final_norm.",
+}
+"""The weight prefixes CLIPModel and SiglipModel share -> the towers' (layers keep transformers' names)."""
+POSITION_IDS = ("vision_model.embeddings.position_ids", "text_model.embeddings.position_ids")
+"""Buffers of positions 0, 1, 2, ... that older checkpoints saved."""
+
+
 def rename_weights(
-    weights: dict[str, Tensor], renames: dict[str, str], heads: tuple[str, ...], position_ids: tuple[str, ...]
+    weights: dict[str, Tensor], renames: dict[str, str], heads: tuple[str, ...]
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """A two-tower checkpoint's weights under the towers' names, and its scoring weights (heads) apart.
 
-    renames: checkpoint prefix -> ours. position_ids: buffers older checkpoints saved (0, 1, 2, ...),
+    renames: the family's checkpoint prefixes -> ours, besides SHARED_RENAMES. POSITION_IDS buffers are
     checked and dropped. Any other weight is refused by name.
     """
+    renames = SHARED_RENAMES | renames
     towers: dict[str, Tensor] = {}
     head_weights: dict[str, Tensor] = {}
     for name, tensor in weights.items():
         if name in heads:
             head_weights[name] = tensor
-        elif name in position_ids:
+        elif name in POSITION_IDS:
             if not torch.equal(tensor.reshape(-1).to(torch.int64), torch.arange(tensor.numel())):
                 raise ArchitectureError(f"{name} is not the positions 0, 1, 2, ... in order")
         else:
