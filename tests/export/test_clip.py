@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 import transformers
@@ -23,16 +21,15 @@ from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.checkpoint import load_checkpoint
 from export.families import clip
 from export.families.registry import family_of, model_format
-from export.graph.towers import export_tower
 from export.layers.vision import TwoTowerModel
 from tests.export.tiny_models import _randomise
+from tests.export.two_towers import TOLERANCE, assert_graph_equals_tower, exported, images, texts
 
 VOCAB_SIZE = 99
 EOS = 98
 """The end-of-text id, which pads too (OpenAI's CLIP pads with it)."""
 MAX_POSITIONS = 16
 IMAGE_SIZE = 30
-TOLERANCE = 1e-5
 
 
 def _hf_config(**text_overrides: object) -> transformers.CLIPConfig:
@@ -97,21 +94,11 @@ def ours(folder: Path) -> TwoTowerModel:
 
 
 def _images(count: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(count, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+    return images(count, IMAGE_SIZE, seed)
 
 
 def _texts(lengths: list[int], pad: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of random ids each ended by EOS, right-padded with `pad` to the longest: (input_ids, attention_mask)."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), pad, dtype=torch.int64)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        input_ids[row, : length - 1] = torch.randint(0, EOS - 2, (length - 1,), generator=generator)
-        input_ids[row, length - 1] = EOS
-        attention_mask[row, :length] = 1
-    return input_ids, attention_mask
+    return texts(lengths, width=max(lengths), eos=EOS, pad=pad, seed=seed)
 
 
 def test_image_features_equal_transformers(reference: transformers.CLIPModel, ours: TwoTowerModel) -> None:
@@ -172,38 +159,20 @@ def test_the_build_refuses_it_in_one_line(folder: Path, tmp_path: Path, capsys: 
     assert not any(tmp_path.iterdir())
 
 
-def _session(path: Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-
 def test_image_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:
     """Batches of 1 and 5 (traced with 2) through the graph and the tower."""
-    path = tmp_path / "image.onnx"
-    export_tower(ours.vision, path)
-    session = _session(path)
+    session = exported(ours.vision, tmp_path / "image.onnx")
     assert [i.name for i in session.get_inputs()] == ["pixel_values"]
     assert session.get_outputs()[0].shape == ["batch", 24]
-    for count in (1, 5):
-        pixel_values = _images(count, seed=count)
-        with torch.inference_mode():
-            expected = ours.vision(pixel_values).numpy()
-        (got,) = session.run(["embedding"], {"pixel_values": pixel_values.numpy()})
-        assert np.abs(got - expected).max() <= TOLERANCE
+    assert_graph_equals_tower(session, ours.vision, [(_images(count, seed=count),) for count in (1, 5)])
 
 
 def test_text_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:
     """Batches of other sizes and lengths than traced, padded, through the graph and the tower."""
-    path = tmp_path / "text.onnx"
-    export_tower(ours.text, path)
-    session = _session(path)
+    session = exported(ours.text, tmp_path / "text.onnx")
     assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]
-    for lengths in ([3], [5, 9, MAX_POSITIONS], [2, 4, 6, 12, 3]):
-        input_ids, attention_mask = _texts(lengths, pad=EOS, seed=len(lengths))
-        with torch.inference_mode():
-            expected = ours.text(input_ids, attention_mask).numpy()
-        feed = {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()}
-        (got,) = session.run(["embedding"], feed)
-        assert np.abs(got - expected).max() <= TOLERANCE
+    lengths = ([3], [5, 9, MAX_POSITIONS], [2, 4, 6, 12, 3])
+    assert_graph_equals_tower(session, ours.text, [_texts(row, pad=EOS, seed=len(row)) for row in lengths])
 
 
 def test_unimplemented_settings_are_refused_by_name() -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 import transformers
@@ -23,16 +21,15 @@ from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from export.families import siglip
 from export.families.registry import family_of, model_format
-from export.graph.towers import export_tower
 from export.layers.vision import TwoTowerModel
 from tests.export.tiny_models import _randomise
+from tests.export.two_towers import TOLERANCE, assert_graph_equals_tower, exported, images, texts
 
 VOCAB_SIZE = 99
 EOS = 98
 PAD = 1
 MAX_POSITIONS = 16
 IMAGE_SIZE = 32
-TOLERANCE = 1e-5
 
 
 def _hf_config(**vision_overrides: object) -> transformers.SiglipConfig:
@@ -90,20 +87,11 @@ def ours(folder: Path) -> TwoTowerModel:
 
 
 def _images(count: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(count, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+    return images(count, IMAGE_SIZE, seed)
 
 
 def _texts(lengths: list[int], width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of random ids each ended by EOS, right-padded with PAD to width: (input_ids, attention_mask)."""
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.full((len(lengths), width), PAD, dtype=torch.int64)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        input_ids[row, : length - 1] = torch.randint(2, EOS - 2, (length - 1,), generator=generator)
-        input_ids[row, length - 1] = EOS
-        attention_mask[row, :length] = 1
-    return input_ids, attention_mask
+    return texts(lengths, width=width, eos=EOS, pad=PAD, seed=seed)
 
 
 def test_image_features_equal_transformers(reference: transformers.SiglipModel, ours: TwoTowerModel) -> None:
@@ -138,36 +126,18 @@ def test_text_features_equal_transformers_with_a_padding_mask(
     assert float((got - expected).abs().max()) <= TOLERANCE
 
 
-def _session(path: Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-
 def test_image_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:
     """Batches of 1 and 5 (traced with 2) through the graph and the tower."""
-    path = tmp_path / "image.onnx"
-    export_tower(ours.vision, path)
-    session = _session(path)
+    session = exported(ours.vision, tmp_path / "image.onnx")
     assert session.get_outputs()[0].shape == ["batch", 48]
-    for count in (1, 5):
-        pixel_values = _images(count, seed=count)
-        with torch.inference_mode():
-            expected = ours.vision(pixel_values).numpy()
-        (got,) = session.run(["embedding"], {"pixel_values": pixel_values.numpy()})
-        assert np.abs(got - expected).max() <= TOLERANCE
+    assert_graph_equals_tower(session, ours.vision, [(_images(count, seed=count),) for count in (1, 5)])
 
 
 def test_text_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:
     """Other batch sizes and lengths than traced, at max_position_embeddings and masked, through graph and tower."""
-    path = tmp_path / "text.onnx"
-    export_tower(ours.text, path)
-    session = _session(path)
+    session = exported(ours.text, tmp_path / "text.onnx")
     feeds = [_texts([3], MAX_POSITIONS), _texts([5, 9, MAX_POSITIONS], MAX_POSITIONS), _texts([2, 6, 4, 3], 6)]
-    for input_ids, attention_mask in feeds:
-        with torch.inference_mode():
-            expected = ours.text(input_ids, attention_mask).numpy()
-        feed = {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()}
-        (got,) = session.run(["embedding"], feed)
-        assert np.abs(got - expected).max() <= TOLERANCE
+    assert_graph_equals_tower(session, ours.text, feeds)
 
 
 def test_the_exporter_loads_the_folder(folder: Path) -> None:
