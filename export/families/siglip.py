@@ -10,9 +10,10 @@ attended vector a. No projection follows: the embedding is hidden_size wide.
 Text tower: token + learned position embeddings, S pre-norm layers attending in both directions over the
 tokens the mask keeps, a final LayerNorm, and the state at the sequence's last position goes through a
 linear head (with bias) to projection_size. The last position is the sequence's, not the text's: SigLIP
-was trained on texts padded to max_position_embeddings (64) with padding attended, so the embedding of a
-text is the one it has fed that way, as the reference processor feeds it (padding="max_length"); the
-tower answers as transformers does for whatever ids and mask it is given.
+was trained on texts padded to max_position_embeddings (64), and its processor pads them so
+(padding="max_length"), so a text's embedding is read at a padding position unless it fills all 64. The
+tower answers as transformers does for whatever ids and 0/1 mask it is given (all ones: padding attended,
+as the original model and transformers without a mask; the padding mask: as transformers with one).
 
 SigLIP 2's fixed-resolution checkpoints (google/siglip2-*-patch16-224 and the like) are SiglipModel folders
 and read here; its NaFlex models (model_type siglip2) are not. Both embeddings are raw, as
