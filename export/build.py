@@ -26,6 +26,7 @@ import onnxruntime as ort
 
 from export.checkpoints import library_tokenizer
 from export.checkpoints.checkpoint import Checkpoint
+from export.families.registry import family_of
 from export.gate import cases, parity
 from export.gate.parity import GateRefused
 from export.gate.references.published import check_with_libraries
@@ -36,6 +37,7 @@ from export.graph.onnx_export import OPSET, export_onnx, input_names
 from export.graph.quantize import quantize_int8
 from export.graph.timing import compare_throughput, cpu_session, token_feed
 from export.publish import ServingDefaults, build_config, publish
+from export.sources import UnusableSource
 from service.core.fidelity import (
     FIDELITY_MIN_COSINE,
     LOGITS_FIDELITY_MAX_ABS_DIFF,
@@ -436,6 +438,12 @@ def export_model(
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
+    towers = family_of(checkpoint.config).towers
+    if towers:
+        raise UnusableSource(
+            f"{checkpoint.model_type}: a two-tower model ({' and '.join(towers)}): exporting its towers into a"
+            " repository and serving them is not implemented yet"
+        )
     options = _gated_options(checkpoint, options)
     stage = stage or (lambda name: log.info("export stage: %s", name))
     with tempfile.TemporaryDirectory(prefix="encoder-export-", dir=scratch) as workdir:

@@ -82,6 +82,8 @@ class Family:
     formats: tuple[Format, ...]
     graph_forms: tuple[str, ...] = UNFUSED
     """The CPU candidate graph forms (BERT_FUSIONS where ONNX Runtime's BERT fusions fit the graph)."""
+    towers: tuple[str, ...] = ()
+    """What a two-tower model's towers take ("image", "text"), each tower its own graph; empty: one encoder graph."""
 
     @property
     def fp16_form(self) -> str:

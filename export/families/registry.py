@@ -7,7 +7,7 @@ adding one is that module and one line in FAMILIES.
 from __future__ import annotations
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.families import bert, deberta, eurobert, gemma, modernbert, qwen3, rotary_bert
+from export.families import bert, clip, deberta, eurobert, gemma, modernbert, qwen3, rotary_bert, siglip
 from export.families.family import EncoderSettings, Family, Format
 
 FAMILIES: tuple[Family, ...] = (
@@ -18,6 +18,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen3.FAMILY,
     gemma.FAMILY,
     eurobert.FAMILY,
+    clip.FAMILY,
+    siglip.FAMILY,
 )
 """Every family the exporter reads."""
 FORMATS: dict[str, Format] = {form.model_type: form for family in FAMILIES for form in family.formats}
@@ -28,6 +30,8 @@ REFUSAL_REASONS = {
     " its transformers-native form (model_type 'gte', as alibaba-nlp-community/gte-base-en-v1.5) is supported",
     "gemma3": "Gemma3's image-and-text model; its text model (model_type 'gemma3_text', as EmbeddingGemma)"
     " is supported",
+    "siglip2": "SigLIP 2's NaFlex model (patches at each image's own aspect ratio) is not implemented; SigLIP 2's"
+    " fixed-resolution checkpoints (model_type 'siglip', as google/siglip2-base-patch16-224) are",
     "embedding_gemma2": "EmbeddingGemma 2, a Gemma4-based model (per-layer embeddings, images and audio), is not"
     " implemented; EmbeddingGemma (model_type 'gemma3_text') is",
     "embedding_gemma2_text": "EmbeddingGemma 2's text model (Gemma4's per-layer embeddings) is not implemented;"
