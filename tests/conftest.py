@@ -5,6 +5,7 @@ The servers of the client and tools tests too: a deliberately slow one, and ones
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -174,25 +175,27 @@ def exported_tasks() -> ExportedTasks:
     """
     made_by = (Path(tiny_models.__file__),)
     root = cached_export("exported-tasks", tiny_models.TASK_SOURCES, _export_tasks, made_by=made_by)
-    return ExportedTasks(root / "repository", {name: _task_source(root, name) for name in tiny_models.TASK_SOURCES})
+    sources = json.loads((root / TASK_SOURCE_FOLDERS).read_text())
+    return ExportedTasks(root / "repository", {name: root / folder for name, folder in sources.items()})
 
 
-def _task_source(root: Path, name: str) -> Path:
-    """Where the task repository's folder `root` keeps the source of TASK_SOURCES entry `name`."""
-    return root / "sources" / name
+TASK_SOURCE_FOLDERS = "sources.json"
+"""In the task repository's cache folder: each TASK_SOURCES entry's source folder, relative to it."""
 
 
 def _export_tasks(root: Path) -> None:
     """Save every TASK_SOURCES entry under root/sources and export it into root/repository, two at a time."""
-    commands = []
+    sources, commands = {}, []
     for seed, (name, source) in enumerate(tiny_models.TASK_SOURCES.items()):
-        folder = tiny_models.save_task_source(name, _task_source(root, name), seed)
-        command = [sys.executable, "-m", "export", "--source", str(folder), "--repository", str(root / "repository")]
-        command += ["--name", name, "--threads", "1"]
+        sources[name] = tiny_models.save_task_source(name, root / "sources" / name, seed)
+        command = [sys.executable, "-m", "export", "--source", str(sources[name])]
+        command += ["--repository", str(root / "repository"), "--name", name, "--threads", "1"]
         command += ["--variants", "fp32,int8,fp16" if name == "bert-reranker" else "fp32"]
         if source.matryoshka_dimensions:
             command += ["--matryoshka-dimensions", ",".join(map(str, source.matryoshka_dimensions))]
         commands.append(command)
+    folders = {name: folder.relative_to(root).as_posix() for name, folder in sources.items()}
+    (root / TASK_SOURCE_FOLDERS).write_text(json.dumps(folders))
 
     def export(command: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
