@@ -57,6 +57,12 @@ lint: $(VENV)/.installed
 # run again against servers of two front-end processes and an engine process (ENCODER_FRONTENDS=2),
 # with the clients we did not write; and every suite that calls the gRPC port runs again with that
 # port on grpcio (ENCODER_GRPC_TRANSPORT=grpcio: the main pass serves it on Envoy, auto's choice here).
+# Every suite listed serves through the front ends, or calls the gRPC port, whose process layout the two
+# settings change (grpcio with one front end is a single process; Envoy or two front ends, a supervisor and
+# children), so none is dropped. The passes share the exported test models: the first pass writes each
+# into .test-cache/exports/ (keyed by its inputs and the exporter's sources: tests/export_cache.py) and the
+# later passes reuse it, as they reuse the default model's export (TEST_REPOSITORY); `rm -rf .test-cache`
+# makes each run export them afresh.
 MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py test_http_openai.py \
 	test_http_kserve.py test_http_security.py test_http_lifecycle.py test_security.py test_shutdown.py \
 	test_cancellation.py test_limits.py test_readiness.py test_statistics.py test_metrics.py test_row_batching.py \

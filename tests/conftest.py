@@ -5,6 +5,7 @@ The servers of the client and tools tests too: a deliberately slow one, and ones
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -24,7 +25,18 @@ from export.checkpoints.checkpoint import default_model_folder, load_checkpoint,
 from export.families.bert import EncoderConfig
 from protocol.channel_security import ClientSecurity
 from tests.export import tiny_models
-from tests.multivector_models import ExportedBgeM3, ExportedColbert, exported_bge_m3, exported_colbert, pylate_path
+from tests.export_cache import cached_export
+from tests.multivector_models import (
+    MULTIVECTOR_MADE_BY,
+    PYLATE_PINS,
+    ExportedBgeM3,
+    ExportedColbert,
+    make_bge_m3,
+    make_colbert,
+    pylate_path,
+    read_bge_m3,
+    read_colbert,
+)
 from tests.servers import RunningServer, cuda_usable, free_port, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,8 +44,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TINY_MODEL = "tiny-text-encoder"
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 SHARED_DEFAULT_REPOSITORY = "ENCODER_TEST_DEFAULT_REPOSITORY"
-"""Where `make test`'s pytest runs share one export of the default model (it takes minutes); unset: a temp folder."""
+"""A folder holding (or to hold) the default model's export, shared by several checkouts; unset: the export cache."""
 TINY_CONFIG = EncoderConfig(vocab_size=30522, d_model=32, num_heads=2, num_layers=2, ffn_dim=64, max_positions=128)
+TINY_SEED = 1
 INT8_PROMISED_COSINE = 0.997
 """The README's promise for int8: cosine >= 0.997 to the model on the gate sentences (export/data/sentences.txt).
 
@@ -108,28 +121,40 @@ def default_folder() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_repository(tmp_path_factory: pytest.TempPathFactory, default_folder: Path) -> Path:
+def tiny_repository(default_folder: Path) -> Path:
     """A repository with a small random encoder that uses the default model's tokenizer (fp32 only)."""
-    repository = tmp_path_factory.mktemp("tiny-repository")
-    checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=1, tokenizer_folder=default_folder)
-    export_model(checkpoint, repository, ExportOptions(variants=("fp32",), threads=1))
-    return repository
+    options = ExportOptions(variants=("fp32",), threads=1)
+
+    def build(repository: Path) -> None:
+        checkpoint = random_checkpoint(TINY_CONFIG, TINY_MODEL, seed=TINY_SEED, tokenizer_folder=default_folder)
+        export_model(checkpoint, repository, options)
+
+    inputs = [TINY_CONFIG, TINY_MODEL, TINY_SEED, options]
+    return cached_export("tiny-repository", inputs, build, made_by=(default_folder,))
 
 
 @pytest.fixture(scope="session")
-def default_repository(tmp_path_factory: pytest.TempPathFactory, default_folder: Path) -> Path:
+def default_repository(default_folder: Path) -> Path:
     """The default model exported with every variant, as the README's serve command does.
+
+    Where ENCODER_TEST_DEFAULT_REPOSITORY names a folder, the export is there (made there if missing);
+    otherwise in the export cache (tests.export_cache).
 
     The int8 speed bar is a timing, so it is left to the real export and the benchmarks: on a
     shared CI machine a timing must not decide whether the suite can run (a test below checks
     that the bar refuses a variant, with a bar no machine meets).
     """
-    shared = os.environ.get(SHARED_DEFAULT_REPOSITORY)
-    repository = Path(shared) if shared else tmp_path_factory.mktemp("default-repository")
-    if (repository / DEFAULT_MODEL / "config.pbtxt").is_file():
-        return repository  # exported by an earlier pytest run of the same `make test`
     options = ExportOptions(int8_min_speedup=0.0)
-    export_model(load_checkpoint(default_folder, DEFAULT_MODEL), repository, options)
+
+    def build(repository: Path) -> None:
+        export_model(load_checkpoint(default_folder, DEFAULT_MODEL), repository, options)
+
+    shared = os.environ.get(SHARED_DEFAULT_REPOSITORY)
+    if not shared:
+        return cached_export("default-repository", [DEFAULT_MODEL, options], build, made_by=(default_folder,))
+    repository = Path(shared)
+    if not (repository / DEFAULT_MODEL / "config.pbtxt").is_file():
+        build(repository)
     return repository
 
 
@@ -142,23 +167,35 @@ class ExportedTasks:
 
 
 @pytest.fixture(scope="session")
-def exported_tasks(tmp_path_factory: pytest.TempPathFactory) -> ExportedTasks:
+def exported_tasks() -> ExportedTasks:
     """Every architecture and head, tiny and random with a real tokenizer, exported once for every test that needs it.
 
     Each by the command line (`python -m export --source`), two at a time. The BERT reranker is
     asked for every variant: a classifier is published in fp32 and fp16 (int8 is not gated for logits).
     """
-    root = tmp_path_factory.mktemp("exported-tasks")
-    repository = root / "repository"
+    made_by = (Path(tiny_models.__file__),)
+    root = cached_export("exported-tasks", tiny_models.TASK_SOURCES, _export_tasks, made_by=made_by)
+    sources = json.loads((root / TASK_SOURCE_FOLDERS).read_text())
+    return ExportedTasks(root / "repository", {name: root / folder for name, folder in sources.items()})
+
+
+TASK_SOURCE_FOLDERS = "sources.json"
+"""In the task repository's cache folder: each TASK_SOURCES entry's source folder, relative to it."""
+
+
+def _export_tasks(root: Path) -> None:
+    """Save every TASK_SOURCES entry under root/sources and export it into root/repository, two at a time."""
     sources, commands = {}, []
     for seed, (name, source) in enumerate(tiny_models.TASK_SOURCES.items()):
         sources[name] = tiny_models.save_task_source(name, root / "sources" / name, seed)
-        command = [sys.executable, "-m", "export", "--source", str(sources[name]), "--repository", str(repository)]
-        command += ["--name", name, "--threads", "1"]
+        command = [sys.executable, "-m", "export", "--source", str(sources[name])]
+        command += ["--repository", str(root / "repository"), "--name", name, "--threads", "1"]
         command += ["--variants", "fp32,int8,fp16" if name == "bert-reranker" else "fp32"]
         if source.matryoshka_dimensions:
             command += ["--matryoshka-dimensions", ",".join(map(str, source.matryoshka_dimensions))]
         commands.append(command)
+    folders = {name: folder.relative_to(root).as_posix() for name, folder in sources.items()}
+    (root / TASK_SOURCE_FOLDERS).write_text(json.dumps(folders))
 
     def export(command: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
@@ -166,19 +203,21 @@ def exported_tasks(tmp_path_factory: pytest.TempPathFactory) -> ExportedTasks:
     with ThreadPoolExecutor(max_workers=2) as pool:
         for done in pool.map(export, commands):
             assert done.returncode == 0, done.stderr[-3000:]
-    return ExportedTasks(repository, sources)
 
 
 @pytest.fixture(scope="session")
-def colbert(tmp_path_factory: pytest.TempPathFactory) -> ExportedColbert:
+def colbert() -> ExportedColbert:
     """A tiny ColBERT model made by PyLate and exported once, with PyLate's own answers (tests.multivector_models)."""
-    return exported_colbert(tmp_path_factory.mktemp("colbert"), pylate_path())
+    folder = cached_export(
+        "colbert", PYLATE_PINS, lambda target: make_colbert(target, pylate_path()), made_by=MULTIVECTOR_MADE_BY
+    )
+    return read_colbert(folder)
 
 
 @pytest.fixture(scope="session")
-def bge_m3(tmp_path_factory: pytest.TempPathFactory) -> ExportedBgeM3:
+def bge_m3() -> ExportedBgeM3:
     """A tiny bge-m3 model exported once (tests.multivector_models)."""
-    return exported_bge_m3(tmp_path_factory.mktemp("bge-m3"))
+    return read_bge_m3(cached_export("bge-m3", [], make_bge_m3, made_by=MULTIVECTOR_MADE_BY))
 
 
 @pytest.fixture

@@ -94,29 +94,34 @@ def colbert_texts(tokenizer_file: Path) -> list[str]:
     return [*texts, *UNKNOWN_TEXTS, " ".join(texts[:6])]
 
 
+MULTIVECTOR_MADE_BY = (Path(__file__), Path(tiny_models.__file__))
+"""The helpers that make the multi-vector source folders (what their cached exports are keyed by, besides inputs)."""
+TEXTS_FILE, PYLATE_ANSWERS = "texts.json", "pylate.npz"
+PUBLISHED = "repository"
+
+
 @dataclass(frozen=True)
 class ExportedColbert:
-    """The PyLate-made folder, its published model folder, the export's report, and PyLate's answers."""
+    """The PyLate-made folder, its published model folder, and PyLate's answers."""
 
     source: Path
     published: Path
-    report: dict
     texts: list[str]
     pylate: dict[str, np.ndarray]
 
 
-def exported_colbert(folder: Path, pylate_path: Path) -> ExportedColbert:
+def make_colbert(folder: Path, pylate_path: Path) -> None:
     """A tiny ColBERT folder made and answered by PyLate in `folder`, exported in fp32 (the gate's sentences: a few,
     and UNKNOWN_TEXTS)."""
     base = tiny_models.save_model("bert", folder / "base")
     texts = colbert_texts(base / "tokenizer.json")
-    (folder / "texts.json").write_text(json.dumps(texts))
+    (folder / TEXTS_FILE).write_text(json.dumps(texts))
     script = folder / "pylate_answers.py"
     script.write_text(PYLATE_SCRIPT.format(width=WIDTH, query_length=QUERY_LENGTH, document_length=DOCUMENT_LENGTH))
-    source, answers = folder / "model", folder / "pylate.npz"
+    source, answers = folder / "model", folder / PYLATE_ANSWERS
     environment = os.environ | {"PYTHONPATH": str(pylate_path), "HF_HUB_OFFLINE": "1"}
     made = subprocess.run(
-        [sys.executable, str(script), str(base), str(source), str(folder / "texts.json"), str(answers)],
+        [sys.executable, str(script), str(base), str(source), str(folder / TEXTS_FILE), str(answers)],
         check=False,
         capture_output=True,
         text=True,
@@ -126,12 +131,15 @@ def exported_colbert(folder: Path, pylate_path: Path) -> ExportedColbert:
     assert made.returncode == 0, made.stderr
     sentences = folder / "sentences.txt"
     sentences.write_text("\n".join([*tiny_models.training_sentences()[:24], *UNKNOWN_TEXTS]) + "\n")
-    repository = folder / "repository"
-    report = export_model(
-        load_checkpoint(source, name="colbert"), repository, ExportOptions(variants=("fp32",), sentences=sentences)
-    )
-    with np.load(answers) as pylate:
-        return ExportedColbert(source, repository / "colbert", report, texts, dict(pylate))
+    options = ExportOptions(variants=("fp32",), sentences=sentences)
+    export_model(load_checkpoint(source, name="colbert"), folder / PUBLISHED, options)
+
+
+def read_colbert(folder: Path) -> ExportedColbert:
+    """What make_colbert left in `folder`."""
+    with np.load(folder / PYLATE_ANSWERS) as pylate:
+        texts = json.loads((folder / TEXTS_FILE).read_text())
+        return ExportedColbert(folder / "model", folder / PUBLISHED / "colbert", texts, dict(pylate))
 
 
 BGE_M3_TEXTS = [*tiny_models.training_sentences()[:10], "ok", " ".join(tiny_models.training_sentences()[10:30])]
@@ -178,22 +186,31 @@ class _Warnings(logging.Handler):
 
 @dataclass(frozen=True)
 class ExportedBgeM3:
-    """The tiny source folder, its published model folder, the export's report and warnings."""
+    """The tiny source folder, its published model folder, and the export's warnings."""
 
     source: Path
     published: Path
-    report: dict
     warnings: list[str]
 
 
-def exported_bge_m3(folder: Path) -> ExportedBgeM3:
-    """The tiny bge-m3 folder exported in `folder` (every variant asked for: fp32 alone is published)."""
+WARNINGS_FILE = "export-warnings.json"
+
+
+def make_bge_m3(folder: Path) -> None:
+    """The tiny bge-m3 folder exported in `folder` (every variant asked for: fp32 alone is published), with the
+    export's warnings."""
     source = save_bge_m3(folder / "source")
     warnings = _Warnings()
     logger = logging.getLogger("export")
     logger.addHandler(warnings)
     try:
-        report = export_model(load_checkpoint(source, name="bge-m3"), folder / "repository", ExportOptions())
+        export_model(load_checkpoint(source, name="bge-m3"), folder / PUBLISHED, ExportOptions())
     finally:
         logger.removeHandler(warnings)
-    return ExportedBgeM3(source, folder / "repository" / "bge-m3", report, warnings.messages)
+    (folder / WARNINGS_FILE).write_text(json.dumps(warnings.messages))
+
+
+def read_bge_m3(folder: Path) -> ExportedBgeM3:
+    """What make_bge_m3 left in `folder`."""
+    warnings = json.loads((folder / WARNINGS_FILE).read_text())
+    return ExportedBgeM3(folder / "source" / "model", folder / PUBLISHED / "bge-m3", warnings)

@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 from client import EmbeddingClient
 from service.pipeline.sparse import terms
 from tests.export import tiny_models
+from tests.export_cache import cached_export
 from tests.servers import RunningServer, start_server
 from tests.servers import post_json as post
 
@@ -29,20 +30,31 @@ MODEL = "splade"
 TEXTS = tiny_models.training_sentences()[:6]
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny SPLADE folder, as SparseEncoder saved it."""
-    return tiny_models.save_sparse_encoder(tmp_path_factory.mktemp("splade-source"))
-
-
-@pytest.fixture(scope="module")
-def server(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """The folder exported by `python -m export --source` and served."""
-    repository = tmp_path_factory.mktemp("splade-repository")
-    command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(repository)]
+def _export(folder: Path) -> None:
+    """The tiny SPLADE folder as SparseEncoder saves it (folder/source/model), exported by `python -m export --source`
+    into folder/repository."""
+    source = tiny_models.save_sparse_encoder(folder / "source")
+    command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(folder / "repository")]
     done = subprocess.run([*command, "--name", MODEL, "--threads", "1"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    with start_server(repository, tmp_path_factory.mktemp("splade-server") / "server.log") as running:
+
+
+@pytest.fixture(scope="module")
+def exported() -> Path:
+    """The folder _export filled, shared across pytest runs (tests.export_cache)."""
+    return cached_export("served-splade", [MODEL], _export, made_by=(Path(tiny_models.__file__),))
+
+
+@pytest.fixture(scope="module")
+def source(exported: Path) -> Path:
+    """The tiny SPLADE folder, as SparseEncoder saved it."""
+    return exported / "source" / "model"
+
+
+@pytest.fixture(scope="module")
+def server(exported: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The folder exported by `python -m export --source` and served."""
+    with start_server(exported / "repository", tmp_path_factory.mktemp("splade-server") / "server.log") as running:
         yield running
 
 
