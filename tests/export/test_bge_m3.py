@@ -200,7 +200,7 @@ def test_a_folder_without_sentence_transformers_files_is_read_as_flag_embedding_
         shutil.rmtree(folder / name)
     checkpoint = load_checkpoint(folder)
     assert (checkpoint.task, checkpoint.config.pooling, checkpoint.config.normalize) == ("embed", "cls", True)
-    assert checkpoint.bge_m3.colbert_width == BGE_M3_WIDTH
+    assert checkpoint.head.colbert_width == BGE_M3_WIDTH
     tokenizer = TextTokenizer(folder / "tokenizer.json", checkpoint.max_seq_length, checkpoint.config.pad_token_id)
     assert "FlagEmbedding is its reference" in reference_library.unavailable_reason(checkpoint, tokenizer)
 
