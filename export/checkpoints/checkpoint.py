@@ -19,7 +19,7 @@ from export.checkpoints.sentence_transformers_folder import FolderError, folder_
 from export.families.bert import Encoder, EncoderConfig
 from export.families.family import EncoderSettings, Format
 from export.families.registry import adapter_model_types, family_of, model_format
-from export.heads.head import Head, HeadFolder, HeadWeights, UnreadableHead
+from export.heads.head import Head, HeadConfiguration, HeadFolder, HeadWeights, UnreadableHead
 from export.heads.registry import claiming_head, head_of, scores_pairs
 from export.layers.task_adapters import adapter_folders
 from export.sources import UnusableSource
@@ -70,8 +70,8 @@ class Checkpoint:
     """The source's architecture (config.json model_type)."""
     serving: SentenceTransformerSettings = field(default_factory=SentenceTransformerSettings)
     """Prompts, similarity function and Matryoshka widths the source declares."""
-    head: object | None = None
-    """The configuration of the head on the encoder (its type names its head: export.heads.registry); None: a plain
+    head: HeadConfiguration | None = None
+    """The configuration of the head on the encoder (its type says which head: export.heads.registry); None: a plain
     embedder."""
 
     @property

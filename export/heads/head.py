@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from torch import Tensor, nn
 
@@ -29,6 +29,14 @@ SEQUENCE = "sequence"
 
 Checked = tuple[dict[str, dict[str, object]], list[str]]
 """Figures per variant for parity.json, and every failure."""
+
+
+class HeadConfiguration(Protocol):
+    """What every head's configuration is: plain data parity.json records."""
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form, for parity.json."""
+        ...
 
 
 class UnreadableHead(ValueError):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from export.families.family import EncoderSettings
 from export.heads import bge_m3, classifier, colbert, dense, splade, yes_no
-from export.heads.head import GraphOutput, Head, HeadFolder, embedder_outputs
+from export.heads.head import GraphOutput, Head, HeadConfiguration, HeadFolder, embedder_outputs
 
 HEADS: tuple[Head, ...] = (
     bge_m3.HEAD,
@@ -35,6 +35,6 @@ def claiming_head(source: HeadFolder) -> Head | None:
     return next((head for head in HEADS if head.claims(source)), None)
 
 
-def graph_outputs(config: EncoderSettings, head: object | None) -> tuple[GraphOutput, ...]:
+def graph_outputs(config: EncoderSettings, head: HeadConfiguration | None) -> tuple[GraphOutput, ...]:
     """The graph's outputs for an encoder and its head's configuration (None: a plain embedder)."""
     return embedder_outputs(config) if head is None else head_of(head).outputs(config, head)
