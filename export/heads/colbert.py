@@ -36,17 +36,6 @@ from service.core.text_rules import MultiVectorSpec
 
 IDENTITY_ACTIVATIONS = ("torch.nn.modules.linear.Identity",)
 """The Dense activations implemented (how sentence-transformers names nn.Identity)."""
-DENSE_FIELDS = {"in_features", "out_features", "bias", "activation_function", "use_residual"}
-COLBERT_FIELDS = {
-    "query_prefix",
-    "document_prefix",
-    "query_length",
-    "document_length",
-    "attend_to_expansion_tokens",
-    "skiplist_words",
-    "do_query_expansion",
-}
-"""config_sentence_transformers.json fields of a ColBERT folder (PyLate's), all read here."""
 
 
 class ColbertError(UnreadableHead):
