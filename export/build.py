@@ -36,6 +36,7 @@ from export.graph.calibration import calibration_ranges
 from export.graph.onnx_export import OPSET, export_onnx, input_names
 from export.graph.quantize import quantize_int8
 from export.graph.timing import compare_throughput, cpu_session, token_feed
+from export.heads.head import Reference
 from export.publish import ServingDefaults, build_config, publish
 from export.sources import UnusableSource
 from service.core.fidelity import (
@@ -417,8 +418,7 @@ def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
         + ("int8" in variants) * 2  # quantisation, speed bar
         + ("fp16" in variants)
         + 1  # the reference library
-        + (checkpoint.bge_m3 is not None)
-        + (checkpoint.task == "sparse" and with_tokenizer)
+        + sum(reference.runs(with_tokenizer) for reference in _head_references(checkpoint))
         + (checkpoint.task == "embed" and with_tokenizer)  # embedding ranges
     )
 
@@ -501,21 +501,14 @@ def export_model(
 
 def _ungated_variants(checkpoint: Checkpoint) -> tuple[tuple[str, ...], str] | None:
     """The variants a model's outputs are not gated in (never published), and why; None: all are gated."""
-    fp32_only = ("int8", "fp16")
-    if checkpoint.bge_m3 is not None:
-        reason = "bge-m3: published in fp32 only (int8 and fp16 are not gated for token vectors and token weights)"
-        return fp32_only, reason
-    return {
-        "classify": (("int8",), "a classifier: published in fp32 and fp16 (int8 is not gated for logits)"),
-        "sparse": (
-            fp32_only,
-            "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
-        ),
-        "multivector": (
-            fp32_only,
-            "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)",
-        ),
-    }.get(checkpoint.task)
+    declaration = checkpoint.head_declaration
+    return None if declaration is None else declaration.ungated
+
+
+def _head_references(checkpoint: Checkpoint) -> tuple[Reference, ...]:
+    """The library checks the model's head adds after the reference library's."""
+    declaration = checkpoint.head_declaration
+    return () if declaration is None else declaration.references
 
 
 def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dict[str, object]:
@@ -528,20 +521,7 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
         "model_type": checkpoint.model_type,
         "task": checkpoint.task,
         "encoder": checkpoint.config.to_dict(),
-        "head": next(
-            (
-                head.to_dict()
-                for head in (
-                    checkpoint.head,
-                    checkpoint.splade,
-                    checkpoint.colbert,
-                    checkpoint.bge_m3,
-                    checkpoint.dense,
-                )
-                if head is not None
-            ),
-            None,
-        ),
+        "head": None if checkpoint.head is None else checkpoint.head.to_dict(),
         "max_sequence_length": checkpoint.max_seq_length,
         "onnx": {"exporter": "torch.onnx (TorchScript)", "opset": OPSET, "attention_mask": "raw 0/1 mask"},
         "cpu_graph_forms": {

@@ -18,9 +18,8 @@ import onnx
 from export.checkpoints.checkpoint import Checkpoint
 from export.graph.forms import FP32_GRAPH_OPTIMIZATION
 from export.graph.onnx_export import save_onnx
-from export.heads.bge_m3 import MULTIVECTOR
-from export.heads.classifier import labels_parameter
-from export.heads.splade import SPARSE_OUTPUT
+from export.heads.head import SEQUENCE
+from export.heads.registry import graph_outputs
 from protocol import model_config_pb2 as mc
 from service.core.fidelity import FidelityReference
 from service.core.repository import (
@@ -32,15 +31,11 @@ from service.core.repository import (
     P_DEFAULT_PROMPT_NAME,
     P_EMBEDDING_CALIBRATION,
     P_EMBEDDING_RANGES,
-    P_LABELS,
     P_MATRYOSHKA_DIMENSIONS,
     P_MAX_SEQUENCE_LENGTH,
     P_MODEL_TYPE,
-    P_MULTIVECTOR,
     P_NORMALIZE,
     P_PAD_TOKEN_ID,
-    P_PAIR_TEMPLATE,
-    P_POOLED_PROJECTION,
     P_POOLING,
     P_PREFERRED_PREFIX,
     P_PROMPTS,
@@ -52,8 +47,6 @@ from service.core.repository import (
     P_VOCAB_SIZE,
     PARITY_FILE,
     PLATFORM,
-    TOKEN_VECTORS,
-    TOKEN_WEIGHTS,
     VARIANT_FILES,
     config_text,
     write_embedding_ranges,
@@ -128,44 +121,27 @@ def build_config(
 
 
 def _declare_outputs(config: mc.ModelConfig, checkpoint: Checkpoint) -> None:
-    """The graph's outputs: the task's own, then bge-m3's token vectors and weights where it has them."""
-    d_model = checkpoint.config.d_model
-    if checkpoint.task == "sparse":
-        config.output.add(name=SPARSE_OUTPUT, data_type=mc.TYPE_FP32, dims=[checkpoint.config.vocab_size])
-    elif checkpoint.task == "multivector":
-        config.output.add(name=TOKEN_VECTORS, data_type=mc.TYPE_FP32, dims=[-1, checkpoint.colbert.out_features])
-    elif checkpoint.task == "classify":
-        config.output.add(name="logits", data_type=mc.TYPE_FP32, dims=[checkpoint.head.num_labels])
-    else:
-        config.output.add(name="last_hidden_state", data_type=mc.TYPE_FP32, dims=[-1, d_model])
-        config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[d_model])
-    if checkpoint.bge_m3 is not None:
-        config.output.add(name=TOKEN_VECTORS, data_type=mc.TYPE_FP32, dims=[-1, checkpoint.bge_m3.colbert_width])
-        config.output.add(name=TOKEN_WEIGHTS, data_type=mc.TYPE_FP32, dims=[-1, 1])
+    """The graph's outputs, as the head declares them (a plain embedder's: its hidden states and embedding)."""
+    for output in graph_outputs(checkpoint.config, checkpoint.head):
+        dims = [-1 if dim == SEQUENCE else dim for dim in output.dims]
+        config.output.add(name=output.name, data_type=mc.TYPE_FP32, dims=dims)
 
 
 def _task_parameters(checkpoint: Checkpoint) -> dict[str, str]:
-    """The task's own parameters: prompts, labels, pooling and what the embedding declares, the multivector rules."""
-    if checkpoint.task == "sparse":
-        return _prompt_parameters(checkpoint)
-    if checkpoint.task == "multivector":
-        return _prompt_parameters(checkpoint) | {P_MULTIVECTOR: checkpoint.colbert.rules.to_json()}
+    """The task's own parameters (prompts, pooling and what the embedding declares), then the head's own."""
+    declaration = checkpoint.head_declaration
+    head_parameters = {} if declaration is None else declaration.parameters(checkpoint.head)
+    if checkpoint.task in ("sparse", "multivector"):
+        return _prompt_parameters(checkpoint) | head_parameters
     if checkpoint.task == "classify":
-        template = checkpoint.pair_template
-        return {P_LABELS: labels_parameter(checkpoint.head)} | (
-            {P_PAIR_TEMPLATE: template.to_json()} if template else {}
-        )
+        return head_parameters
     parameters = {
         P_POOLING: checkpoint.config.pooling,
         P_NORMALIZE: str(checkpoint.config.normalize).lower(),
     } | _embedding_parameters(checkpoint)
-    if checkpoint.dense is not None:
-        parameters[P_POOLED_PROJECTION] = "dense"
-    if checkpoint.bge_m3 is not None:
-        parameters[P_MULTIVECTOR] = MULTIVECTOR.to_json()
     if getattr(checkpoint.config, "tasks", ()):
         parameters[P_ADAPTER_TASKS] = json.dumps(list(checkpoint.config.tasks))
-    return parameters
+    return parameters | head_parameters
 
 
 def _prompt_parameters(checkpoint: Checkpoint) -> dict[str, str]:

@@ -15,40 +15,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.checkpoints.sentence_transformers_folder import (
-    Declarations,
-    FolderError,
-    folder_task,
-    read_declarations,
-    read_object,
-)
+from export.checkpoints.sentence_transformers_folder import FolderError, folder_task, read_declarations, read_object
 from export.families.bert import Encoder, EncoderConfig
 from export.families.family import EncoderSettings, Format
 from export.families.registry import adapter_model_types, family_of, model_format
-from export.heads.bge_m3 import (
-    DENSE_POOLING,
-    BgeM3Config,
-    BgeM3Error,
-    has_heads,
-    read_heads,
-    unused_token_ids,
-)
-from export.heads.bge_m3 import MODEL_TYPE as BGE_M3_MODEL_TYPE
-from export.heads.classifier import (
-    HeadConfig,
-    HeadError,
-    head_config,
-    is_classifier,
-    rename_head_weights,
-)
-from export.heads.colbert import ColbertConfig, ColbertError, colbert_config, dense_weights
-from export.heads.dense import DenseConfig, DenseError, check_width, dense_layer, layer_weights
-from export.heads.registry import head_of
-from export.heads.splade import SpladeConfig, SpladeError, splade_config
-from export.heads.splade import rename_head_weights as rename_masked_lm_weights
-from export.heads.yes_no import QWEN3_RERANKER_TEMPLATE, YesNoError, YesNoHead, is_causal_lm
-from export.heads.yes_no import head_weights as yes_no_weights
-from export.heads.yes_no import read_head as read_yes_no_head
+from export.heads.head import Head, HeadConfiguration, HeadFolder, HeadWeights, UnreadableHead
+from export.heads.registry import claiming_head, head_of, scores_pairs
 from export.layers.task_adapters import adapter_folders
 from export.sources import UnusableSource
 from service.core.text_rules import PairTemplate
@@ -98,18 +70,9 @@ class Checkpoint:
     """The source's architecture (config.json model_type)."""
     serving: SentenceTransformerSettings = field(default_factory=SentenceTransformerSettings)
     """Prompts, similarity function and Matryoshka widths the source declares."""
-    head: HeadConfig | YesNoHead | None = None
-    """The classification head of a reranker or classifier (or a causal LM's yes/no); None: an embedding model."""
-    splade: SpladeConfig | None = None
-    """A sparse embedder's masked-LM head and SPLADE pooling; None: not a sparse embedder."""
-    colbert: ColbertConfig | None = None
-    """A ColBERT model's Dense projection and multi-vector rules; None: not a ColBERT model."""
-    bge_m3: BgeM3Config | None = None
-    """bge-m3's ColBERT and sparse heads beside the dense embedding (task embed); None: not bge-m3."""
-    dense: DenseConfig | None = None
-    """An embedder's Dense modules after pooling (EmbeddingGemma's projection); None: it has none."""
-    pair_template: PairTemplate | None = None
-    """How a reranker that reads a prompt (Qwen3-Reranker) makes a pair one sequence; None: the tokenizer's form."""
+    head: HeadConfiguration | None = None
+    """The configuration of the head on the encoder (its type says which head: export.heads.registry); None: a plain
+    embedder."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -120,10 +83,9 @@ class Checkpoint:
         return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
     @property
-    def task_head(self) -> HeadConfig | YesNoHead | SpladeConfig | ColbertConfig | BgeM3Config | DenseConfig | None:
-        """The configuration of the head on the encoder (at most one is set); None: a plain embedder."""
-        heads = (self.head, self.splade, self.colbert, self.bge_m3, self.dense)
-        return next((head for head in heads if head is not None), None)
+    def head_declaration(self) -> Head | None:
+        """The declaration of the head on the encoder (export.heads); None: a plain embedder."""
+        return None if self.head is None else head_of(self.head)
 
     @property
     def task(self) -> str:
@@ -131,12 +93,19 @@ class Checkpoint:
 
         bge-m3 is an embedder whose graph also answers token vectors and token weights.
         """
-        return "embed" if self.task_head is None else head_of(self.task_head).task
+        declaration = self.head_declaration
+        return "embed" if declaration is None else declaration.task
+
+    @property
+    def pair_template(self) -> PairTemplate | None:
+        """How a reranker that reads a prompt (Qwen3-Reranker) makes a pair one sequence; None: the tokenizer's form."""
+        declaration = self.head_declaration
+        return None if declaration is None else declaration.pair_template
 
     def build_model(self) -> nn.Module:
         """An eval-mode model holding these weights: the encoder, or the encoder with its head (export.heads)."""
         encoder = build_encoder(self.config)
-        head = self.task_head
+        head = self.head
         model = encoder if head is None else head_of(head).wrap(encoder, head)
         model.load_state_dict(self.state_dict, strict=True)
         return model.eval()
@@ -227,17 +196,20 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         raise CheckpointError(f"{folder}: no config.json")
     try:
         hf_config = read_object(config_file)
-        yes_no = is_causal_lm(hf_config) and not (folder / "modules.json").is_file()
-        task = folder_task(folder, is_classifier(hf_config) or yes_no)
+        task = folder_task(folder, scores_pairs(folder, hf_config))
         declarations = read_declarations(folder, task)
     except FolderError as error:
         raise CheckpointError(str(error)) from error
-    bge_m3_heads = _is_bge_m3(folder, hf_config, task)
-    pooling, normalize = declarations.pooling, declarations.normalize
-    if bge_m3_heads:
-        pooling, normalize = _bge_m3_pooling(folder, declarations)
-    if yes_no:
-        pooling, normalize = "lasttoken", False
+    head_folder = HeadFolder(folder, hf_config, task, declarations)
+    try:
+        head = claiming_head(head_folder)
+        pooling, normalize = (
+            (declarations.pooling, declarations.normalize)
+            if head is None or head.pooling is None
+            else head.pooling(head_folder)
+        )
+    except UnreadableHead as error:
+        raise CheckpointError(str(error)) from error
     try:
         source = model_format(hf_config.get("model_type"))
         config = source.read_config(hf_config, pooling, normalize)
@@ -254,21 +226,16 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     if any(d <= 0 or d > config.d_model for d in matryoshka_dimensions):
         raise CheckpointError(f"Matryoshka dimensions must be within 1..{config.d_model}, got {matryoshka_dimensions}")
     state_dict = _encoder_weights(folder, config, state_dict)
-    heads = _task_head(
-        folder,
-        hf_config,
-        source.model_type,
-        task,
-        declarations,
-        d_model=config.d_model,
-        encoder_weights=state_dict,
-        head_weights=head_weights,
-        bge_m3_heads=bge_m3_heads,
-        yes_no=yes_no,
-    )
-    if heads.state is not None:
+    head_config = None
+    if head is not None:
+        try:
+            head_config, head_state = head.read(
+                head_folder, HeadWeights(source.model_type, config.d_model, state_dict, head_weights, _read_weights)
+            )
+        except UnreadableHead as error:
+            raise CheckpointError(str(error)) from error
         state_dict = {f"encoder.{k}": v for k, v in state_dict.items()} | {
-            f"head.{k}": v for k, v in heads.state.items()
+            f"head.{k}": v for k, v in head_state.items()
         }
     return Checkpoint(
         name=name or folder.name,
@@ -281,12 +248,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
         serving=_sentence_transformer_settings(
             folder, declarations.model_config or {}, tuple(sorted(set(matryoshka_dimensions), reverse=True)), task
         ),
-        head=heads.head,
-        splade=heads.splade,
-        colbert=heads.colbert,
-        bge_m3=heads.bge_m3,
-        dense=heads.dense,
-        pair_template=QWEN3_RERANKER_TEMPLATE if yes_no else None,
+        head=head_config,
     )
 
 
@@ -301,150 +263,6 @@ def _task_adapters(
         readers = ", ".join(adapter_model_types())
         raise ArchitectureError(f"task adapters ({names}) are implemented for {readers} only")
     return config, {}
-
-
-@dataclass(frozen=True)
-class _Heads:
-    """The head on the encoder and its weights; all None: a plain embedder."""
-
-    head: HeadConfig | YesNoHead | None = None
-    splade: SpladeConfig | None = None
-    bge_m3: BgeM3Config | None = None
-    colbert: ColbertConfig | None = None
-    dense: DenseConfig | None = None
-    state: dict[str, torch.Tensor] | None = None
-
-
-def _task_head(
-    folder: Path,
-    hf_config: dict,
-    model_type: str,
-    task: str,
-    declarations: Declarations,
-    *,
-    d_model: int,
-    encoder_weights: dict[str, torch.Tensor],
-    head_weights: dict[str, torch.Tensor],
-    bge_m3_heads: bool,
-    yes_no: bool = False,
-) -> _Heads:
-    """The head on the encoder (a classifier's, a causal LM's yes/no, SPLADE's, ColBERT's or bge-m3's), its weights."""
-    if yes_no:
-        try:
-            head = read_yes_no_head(folder, model_type)
-            return _Heads(head=head, state=yes_no_weights(hf_config, head, encoder_weights, head_weights))
-        except YesNoError as error:
-            raise CheckpointError(f"{folder}: {error}") from error
-    if bge_m3_heads:
-        bge_m3, state = _bge_m3_heads(folder, d_model)
-        return _Heads(bge_m3=bge_m3, state=state)
-    if task == "multivector":
-        colbert, state = _colbert_head(folder, declarations, d_model)
-        return _Heads(colbert=colbert, state=state)
-    if task == "sparse":
-        splade, state = _splade_head(
-            folder, hf_config, model_type, declarations, encoder_weights=encoder_weights, head_weights=head_weights
-        )
-        return _Heads(splade=splade, state=state)
-    if task == "classify":
-        try:
-            head = head_config(hf_config, model_type)
-            return _Heads(head=head, state=rename_head_weights(head_weights, head))
-        except HeadError as error:
-            raise CheckpointError(f"{folder}: {error}") from error
-    return _dense_heads(declarations.pooled_dense, d_model)
-
-
-def _dense_heads(modules: tuple[tuple[Path, dict], ...], d_model: int) -> _Heads:
-    """An embedder's Dense modules after pooling (none: no head), checked, with their weights."""
-    if not modules:
-        return _Heads()
-    layers: list = []
-    state: dict[str, torch.Tensor] = {}
-    try:
-        for index, (module_folder, settings) in enumerate(modules):
-            width = layers[-1].out_features if layers else d_model
-            layer = dense_layer(module_folder / "config.json", settings, width)
-            state |= layer_weights(module_folder, _read_weights(module_folder), index, layer)
-            layers.append(layer)
-        config = DenseConfig(tuple(layers))
-        check_width(modules[-1][0] / "config.json", config, d_model)
-    except DenseError as error:
-        raise CheckpointError(str(error)) from error
-    return _Heads(dense=config, state=state)
-
-
-def _is_bge_m3(folder: Path, hf_config: dict, task: str) -> bool:
-    """Whether the folder is bge-m3 (an XLM-RoBERTa embedder with FlagEmbedding's two head files), checked."""
-    try:
-        heads = has_heads(folder)
-    except BgeM3Error as error:
-        raise CheckpointError(str(error)) from error
-    if heads and (hf_config.get("model_type") != BGE_M3_MODEL_TYPE or task != "embed"):
-        raise CheckpointError(
-            f"{folder}: bge-m3's heads (colbert_linear.pt, sparse_linear.pt) are implemented on an XLM-RoBERTa"
-            f" embedder only, this folder's task is {task} and its model_type {hf_config.get('model_type')!r}"
-        )
-    return heads
-
-
-def _bge_m3_pooling(folder: Path, declarations: Declarations) -> tuple[str, bool]:
-    """bge-m3's dense pooling: FlagEmbedding's, which the folder's sentence-transformers files must declare too."""
-    if (folder / "modules.json").is_file() and (declarations.pooling, declarations.normalize) != DENSE_POOLING:
-        raise CheckpointError(
-            f"{declarations.pooling_file or folder / 'modules.json'}: declares {declarations.pooling} pooling"
-            f"{'' if declarations.normalize else ' without Normalize'}, but FlagEmbedding's BGEM3FlagModel"
-            " makes bge-m3's dense embedding from the first position, normalised"
-        )
-    return DENSE_POOLING
-
-
-def _bge_m3_heads(folder: Path, d_model: int) -> tuple[BgeM3Config, dict[str, torch.Tensor]]:
-    """bge-m3's ColBERT and sparse heads and the ids its term weights leave out, checked."""
-    try:
-        width, weights = read_heads(folder, d_model)
-        return BgeM3Config(width, unused_token_ids(folder)), weights
-    except BgeM3Error as error:
-        raise CheckpointError(str(error)) from error
-
-
-def _colbert_head(
-    folder: Path, declarations: Declarations, d_model: int
-) -> tuple[ColbertConfig, dict[str, torch.Tensor]]:
-    """A ColBERT model's Dense projection and rules, checked, with the projection's weights."""
-    try:
-        colbert = colbert_config(declarations.dense, declarations.model_config, d_model, folder)
-        return colbert, dense_weights(_read_weights(declarations.dense_folder), colbert)
-    except ColbertError as error:
-        raise CheckpointError(f"{folder}: {error}") from error
-
-
-def _splade_head(
-    folder: Path,
-    hf_config: dict,
-    model_type: str,
-    declarations: Declarations,
-    *,
-    encoder_weights: dict[str, torch.Tensor],
-    head_weights: dict[str, torch.Tensor],
-) -> tuple[SpladeConfig, dict[str, torch.Tensor]]:
-    """A sparse embedder's masked-LM head and SPLADE pooling, checked, with the head's weights."""
-    strategy, activation = declarations.splade_pooling
-    try:
-        splade = splade_config(hf_config, model_type, strategy, activation)
-    except SpladeError as error:
-        where = declarations.pooling_file if str(error).startswith("SpladePooling") else folder
-        raise CheckpointError(f"{where}: {error}") from error
-    word_embeddings = encoder_weights["embeddings.token.weight"]  # the BERT family's (splade_config checked it)
-    if declarations.splade_dimension not in (None, word_embeddings.shape[0]):
-        raise CheckpointError(
-            f"{declarations.pooling_file}: embedding dimension {declarations.splade_dimension}"
-            f" is not the vocabulary's size {word_embeddings.shape[0]}"
-        )
-    try:
-        return splade, rename_masked_lm_weights(head_weights, word_embeddings, splade)
-    except SpladeError as error:
-        raise CheckpointError(f"{folder}: {error}") from error
 
 
 def random_checkpoint(

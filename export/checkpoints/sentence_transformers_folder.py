@@ -19,8 +19,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from export.heads.colbert import COLBERT_FIELDS, DENSE_FIELDS
-
 TRANSFORMER_TYPES = (
     "sentence_transformers.models.Transformer",  # sentence-transformers 2 to 5.3
     "sentence_transformers.base.modules.transformer.Transformer",  # 5.4 on
@@ -51,6 +49,18 @@ DENSE_TYPES = (
 """sentence-transformers' Dense (a linear map of the pooled embedding): accepted after an embedder's Pooling."""
 PYLATE_DENSE_TYPES = ("pylate.models.Dense.Dense",)
 """PyLate's Dense (a ColBERT model's projection): accepted in a ColBERT folder only."""
+PYLATE_DENSE_FIELDS = {"in_features", "out_features", "bias", "activation_function", "use_residual"}
+"""A PyLate Dense config.json's fields (export.heads.colbert reads and checks each)."""
+COLBERT_FIELDS = {
+    "query_prefix",
+    "document_prefix",
+    "query_length",
+    "document_length",
+    "attend_to_expansion_tokens",
+    "skiplist_words",
+    "do_query_expansion",
+}
+"""config_sentence_transformers.json fields of a ColBERT folder (PyLate's; export.heads.colbert reads each)."""
 MODULE_KINDS = (
     {name: "Transformer" for name in TRANSFORMER_TYPES}
     | {name: "Pooling" for name in POOLING_TYPES}
@@ -311,7 +321,7 @@ def _pylate_dense(path: Path) -> dict:
     if not path.is_file():
         raise FolderError(f"{path}: the Dense module's config.json is missing")
     settings = read_object(path)
-    unknown = sorted(set(settings) - DENSE_FIELDS)
+    unknown = sorted(set(settings) - PYLATE_DENSE_FIELDS)
     if unknown:
         raise FolderError(f"{path}: Dense field {unknown[0]!r} is not implemented here")
     return settings

@@ -11,7 +11,8 @@ import torch
 from google.protobuf.message import EncodeError
 from torch import nn
 
-from service.core.repository import ADAPTER_IDS, TOKEN_VECTORS, TOKEN_WEIGHTS
+from export.heads.registry import graph_outputs
+from service.core.repository import ADAPTER_IDS
 
 OPSET = 17
 # Protobuf's 2 GiB message limit: larger models keep their weights beside the graph.
@@ -55,21 +56,9 @@ def save_onnx(model_proto: onnx.ModelProto, path: Path) -> None:
 
 
 def output_shapes(model: nn.Module) -> dict[str, tuple[str | int, ...]]:
-    """Each output's shape: named dynamic axes and fixed widths (vectors, logits, vocabulary, token vectors)."""
-    d_model = model.config.d_model
-    shapes: dict[str, tuple[str | int, ...]] = {
-        "last_hidden_state": ("batch", "sequence", d_model),
-        "embedding": ("batch", d_model),
-        "sparse_embedding": ("batch", model.config.vocab_size),
-        TOKEN_WEIGHTS: ("batch", "sequence", 1),
-    }
-    if hasattr(model, "bge_m3"):
-        shapes[TOKEN_VECTORS] = ("batch", "sequence", model.bge_m3.colbert_width)
-    if hasattr(model, "head_config"):
-        shapes["logits"] = ("batch", model.head_config.num_labels)
-    if hasattr(model, "colbert"):
-        shapes[TOKEN_VECTORS] = ("batch", "sequence", model.colbert.out_features)
-    return {name: shapes[name] for name in model.output_names}
+    """Each output's shape, as the model's head declares it: named dynamic axes and fixed widths."""
+    outputs = graph_outputs(model.config, getattr(model, "head_config", None))
+    return {output.name: ("batch", *output.dims) for output in outputs}
 
 
 def _declare_output_shapes(graph: onnx.ModelProto, shapes: dict[str, tuple[str | int, ...]]) -> None:

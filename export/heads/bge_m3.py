@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +24,32 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from export.checkpoints.sentence_transformers_folder import FolderError, read_object
-from export.heads.head import Head
+from export.families.family import EncoderSettings
+from export.gate.references import bge_m3 as flag_embedding
+from export.gate.references import library
+from export.gate.references.loop import unchecked
+from export.heads.head import (
+    SEQUENCE,
+    Checked,
+    GraphOutput,
+    Head,
+    HeadFolder,
+    HeadWeights,
+    Reference,
+    ReferenceInputs,
+    Ungated,
+    UnreadableHead,
+    embedder_outputs,
+)
 from export.layers.pooling import pool
-from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
+from service.core.repository import P_MULTIVECTOR, TOKEN_VECTORS, TOKEN_WEIGHTS
 from service.core.text_rules import MultiVectorSpec
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+    from export.checkpoints.checkpoint import Checkpoint
+    from service.pipeline.tokenizer import TextTokenizer
 
 COLBERT_HEAD_FILE = "colbert_linear.pt"
 SPARSE_HEAD_FILE = "sparse_linear.pt"
@@ -40,7 +63,7 @@ MULTIVECTOR = MultiVectorSpec(score="mean", skip_first_token=True)
 """FlagEmbedding's ColBERT rule: the first position's vector dropped, MaxSim averaged over the query's vectors."""
 
 
-class BgeM3Error(ValueError):
+class BgeM3Error(UnreadableHead):
     """A bge-m3 folder whose heads or tokenizer cannot be read as FlagEmbedding reads them; the message names it."""
 
 
@@ -168,7 +191,7 @@ class BgeM3Encoder(nn.Module):
     def __init__(self, encoder: nn.Module, heads: BgeM3Config) -> None:
         super().__init__()
         self.config = encoder.config
-        self.bge_m3 = heads
+        self.head_config = heads
         self.encoder = encoder
         self.head = BgeM3Heads(encoder.config.d_model, heads)
 
@@ -181,5 +204,88 @@ class BgeM3Encoder(nn.Module):
         return hidden, embedding, *self.head(hidden, mask, input_ids)
 
 
-HEAD = Head(name="bge_m3", config_type=BgeM3Config, task="embed", wrap=BgeM3Encoder)
+def _claims(source: HeadFolder) -> bool:
+    """Whether the folder is bge-m3 (an XLM-RoBERTa embedder with FlagEmbedding's two head files), checked."""
+    heads = has_heads(source.folder)
+    model_type = source.hf_config.get("model_type")
+    if heads and (model_type != MODEL_TYPE or source.task != "embed"):
+        raise BgeM3Error(
+            f"{source.folder}: bge-m3's heads ({COLBERT_HEAD_FILE}, {SPARSE_HEAD_FILE}) are implemented on an"
+            f" XLM-RoBERTa embedder only, this folder's task is {source.task} and its model_type {model_type!r}"
+        )
+    return heads
+
+
+def _pooling(source: HeadFolder) -> tuple[str, bool]:
+    """bge-m3's dense pooling: FlagEmbedding's, which the folder's sentence-transformers files must declare too."""
+    declarations = source.declarations
+    if (source.folder / "modules.json").is_file() and (declarations.pooling, declarations.normalize) != DENSE_POOLING:
+        raise BgeM3Error(
+            f"{declarations.pooling_file or source.folder / 'modules.json'}: declares {declarations.pooling} pooling"
+            f"{'' if declarations.normalize else ' without Normalize'}, but FlagEmbedding's BGEM3FlagModel"
+            " makes bge-m3's dense embedding from the first position, normalised"
+        )
+    return DENSE_POOLING
+
+
+def _read(source: HeadFolder, weights: HeadWeights) -> tuple[BgeM3Config, dict[str, Tensor]]:
+    """bge-m3's ColBERT and sparse heads and the ids its term weights leave out, checked."""
+    width, head_weights = read_heads(source.folder, weights.d_model)
+    return BgeM3Config(width, unused_token_ids(source.folder)), head_weights
+
+
+def _outputs(config: EncoderSettings, heads: BgeM3Config) -> tuple[GraphOutput, ...]:
+    """The embedder's outputs, then every position's ColBERT vector and term weight."""
+    return (
+        *embedder_outputs(config),
+        GraphOutput(TOKEN_VECTORS, (SEQUENCE, heads.colbert_width)),
+        GraphOutput(TOKEN_WEIGHTS, (SEQUENCE, 1)),
+    )
+
+
+def _sentence_transformers_check(
+    checkpoint: Checkpoint,
+    tokenizer: TextTokenizer,
+    input_names: list[str],
+    sessions: dict[str, ort.InferenceSession],
+    sentences: list[str],
+) -> Checked:
+    """sentence-transformers' check where the folder has its files; FlagEmbedding alone checks one without them."""
+    if not (checkpoint.folder / "modules.json").is_file():
+        reason = "bge-m3 without sentence-transformers files: FlagEmbedding is its reference (flag_embedding)"
+        return unchecked(sessions, reason, failed=False)
+    return library.check_published(checkpoint, tokenizer, input_names, sessions, sentences)
+
+
+def _flag_embedding_check(run: ReferenceInputs) -> tuple[dict[str, object], list[str]]:
+    """Every published variant against FlagEmbedding's BGEM3FlagModel on the folder."""
+    return flag_embedding.check_published(run.checkpoint, run.tokenizer, run.input_names, run.sessions, run.sentences)
+
+
+HEAD = Head(
+    name="bge_m3",
+    config_type=BgeM3Config,
+    task="embed",
+    claims=_claims,
+    read=_read,
+    wrap=BgeM3Encoder,
+    outputs=_outputs,
+    parameters=lambda heads: {P_MULTIVECTOR: MULTIVECTOR.to_json()},
+    pooling=_pooling,
+    ungated=Ungated(
+        ("int8", "fp16"),
+        "bge-m3: published in fp32 only (int8 and fp16 are not gated for token vectors and token weights)",
+    ),
+    library_check=_sentence_transformers_check,
+    references=(
+        Reference(
+            stage="FlagEmbedding: each published variant against BGEM3FlagModel on the source folder",
+            library="FlagEmbedding",
+            report_key="flag_embedding",
+            per_variant=True,
+            needs_tokenizer=False,
+            check=_flag_embedding_check,
+        ),
+    ),
+)
 """bge-m3's ColBERT and sparse heads beside its dense embedding."""

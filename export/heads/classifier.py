@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
+from export.families.family import EncoderSettings
 from export.families.registry import classifier_model_types, classifier_style
-from export.heads.head import Head
+from export.heads.head import GraphOutput, Head, HeadFolder, HeadWeights, Ungated, UnreadableHead
 from export.layers.pooling import pool
+from service.core.repository import P_LABELS
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 OUTPUT_NAMES = ("logits",)
@@ -41,7 +44,7 @@ _EUROBERT_POOLING = {"bos": "cls", "mean": "mean", "late": "late"}
 """EuroBERT's classifier_pooling -> what the head reads."""
 
 
-class HeadError(ValueError):
+class HeadError(UnreadableHead):
     """A classification checkpoint whose head cannot be built; the message names the problem."""
 
 
@@ -204,10 +207,45 @@ def rename_head_weights(weights: dict[str, torch.Tensor], head: HeadConfig) -> d
     return renamed
 
 
-def labels_parameter(head: HeadConfig) -> str:
+class PairScorer(Protocol):
+    """A pair scorer's head configuration (a classifier's, a yes/no reranker's): its labels, in id order."""
+
+    labels: tuple[str, ...]
+
+
+def labels_parameter(head: PairScorer) -> str:
     """The labels as config.pbtxt stores them: a JSON list in id order."""
     return json.dumps(list(head.labels))
 
 
-HEAD = Head(name="classifier", config_type=HeadConfig, task="classify", wrap=SequenceClassifier)
+def logits_output(config: EncoderSettings, head: PairScorer) -> tuple[GraphOutput, ...]:
+    """A pair scorer's one output: its logits [batch, num_labels] (a classifier's, or a yes/no reranker's)."""
+    return (GraphOutput(OUTPUT_NAMES[0], (len(head.labels),)),)
+
+
+CLASSIFIER_UNGATED = Ungated(("int8",), "a classifier: published in fp32 and fp16 (int8 is not gated for logits)")
+"""A pair scorer's variants: its logits are gated in fp32 and fp16, not int8."""
+
+
+def _read(source: HeadFolder, weights: HeadWeights) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
+    """The head config.json declares, with its weights under ClassificationHead's names."""
+    try:
+        head = head_config(source.hf_config, weights.model_type)
+        return head, rename_head_weights(weights.rest, head)
+    except HeadError as error:
+        raise HeadError(f"{source.folder}: {error}") from error
+
+
+HEAD = Head(
+    name="classifier",
+    config_type=HeadConfig,
+    task="classify",
+    claims=lambda source: source.task == "classify",
+    read=_read,
+    wrap=SequenceClassifier,
+    outputs=logits_output,
+    parameters=lambda head: {P_LABELS: labels_parameter(head)},
+    scores_pairs=lambda folder, hf_config: is_classifier(hf_config),
+    ungated=CLASSIFIER_UNGATED,
+)
 """A cross-encoder reranker's or a text classifier's head."""

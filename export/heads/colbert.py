@@ -29,26 +29,16 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from export.heads.head import Head
-from service.core.repository import TOKEN_VECTORS
+from export.gate.references.multivector import check_multivector
+from export.heads.head import SEQUENCE, GraphOutput, Head, HeadFolder, HeadWeights, Ungated, UnreadableHead
+from service.core.repository import P_MULTIVECTOR, TOKEN_VECTORS
 from service.core.text_rules import MultiVectorSpec
 
 IDENTITY_ACTIVATIONS = ("torch.nn.modules.linear.Identity",)
 """The Dense activations implemented (how sentence-transformers names nn.Identity)."""
-DENSE_FIELDS = {"in_features", "out_features", "bias", "activation_function", "use_residual"}
-COLBERT_FIELDS = {
-    "query_prefix",
-    "document_prefix",
-    "query_length",
-    "document_length",
-    "attend_to_expansion_tokens",
-    "skiplist_words",
-    "do_query_expansion",
-}
-"""config_sentence_transformers.json fields of a ColBERT folder (PyLate's), all read here."""
 
 
-class ColbertError(ValueError):
+class ColbertError(UnreadableHead):
     """A ColBERT folder whose projection or rules cannot be built; the message names the problem."""
 
 
@@ -210,7 +200,7 @@ class ColbertEncoder(nn.Module):
     def __init__(self, encoder: nn.Module, colbert: ColbertConfig) -> None:
         super().__init__()
         self.config = encoder.config
-        self.colbert = colbert
+        self.head_config = colbert
         self.encoder = encoder
         self.head = ColbertProjection(colbert)
 
@@ -220,5 +210,28 @@ class ColbertEncoder(nn.Module):
         return F.normalize(self.head(hidden), p=2, dim=-1, eps=1e-12)
 
 
-HEAD = Head(name="colbert", config_type=ColbertConfig, task="multivector", wrap=ColbertEncoder)
+def _read(source: HeadFolder, weights: HeadWeights) -> tuple[ColbertConfig, dict[str, Tensor]]:
+    """The Dense projection and rules a PyLate folder declares, checked, with the projection's weights."""
+    declarations = source.declarations
+    try:
+        colbert = colbert_config(declarations.dense, declarations.model_config, weights.d_model, source.folder)
+        return colbert, dense_weights(weights.read_file(declarations.dense_folder), colbert)
+    except ColbertError as error:
+        raise ColbertError(f"{source.folder}: {error}") from error
+
+
+HEAD = Head(
+    name="colbert",
+    config_type=ColbertConfig,
+    task="multivector",
+    claims=lambda source: source.task == "multivector",
+    read=_read,
+    wrap=ColbertEncoder,
+    outputs=lambda config, colbert: (GraphOutput(TOKEN_VECTORS, (SEQUENCE, colbert.out_features)),),
+    parameters=lambda colbert: {P_MULTIVECTOR: colbert.rules.to_json()},
+    ungated=Ungated(
+        ("int8", "fp16"), "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)"
+    ),
+    library_check=check_multivector,
+)
 """A ColBERT model's projection of every token."""

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from export.heads.head import Head
+from export.heads.head import Head, HeadFolder, HeadWeights, UnreadableHead, embedder_outputs
 from export.layers.pooling import pool
+from service.core.repository import P_POOLED_PROJECTION
 
 DENSE_FIELDS = {
     "in_features",
@@ -35,7 +36,7 @@ IDENTITY_ACTIVATION = "torch.nn.modules.linear.Identity"
 SENTENCE_EMBEDDING = "sentence_embedding"
 
 
-class DenseError(ValueError):
+class DenseError(UnreadableHead):
     """A Dense module the exporter does not implement; the message names the file and field."""
 
 
@@ -136,7 +137,7 @@ class DenseEmbedder(nn.Module):
     def __init__(self, encoder: nn.Module, config: DenseConfig) -> None:
         super().__init__()
         self.config = encoder.config
-        self.dense = config
+        self.head_config = config
         self.encoder = encoder
         self.head = DenseProjection(config)
 
@@ -151,5 +152,29 @@ class DenseEmbedder(nn.Module):
         return hidden, projected
 
 
-HEAD = Head(name="dense", config_type=DenseConfig, task="embed", wrap=DenseEmbedder)
+def _read(source: HeadFolder, weights: HeadWeights) -> tuple[DenseConfig, dict[str, Tensor]]:
+    """The Dense modules after Pooling, checked, with their weights under DenseProjection's names."""
+    modules = source.declarations.pooled_dense
+    layers: list[DenseLayer] = []
+    state: dict[str, Tensor] = {}
+    for index, (module_folder, settings) in enumerate(modules):
+        width = layers[-1].out_features if layers else weights.d_model
+        layer = dense_layer(module_folder / "config.json", settings, width)
+        state |= layer_weights(module_folder, weights.read_file(module_folder), index, layer)
+        layers.append(layer)
+    config = DenseConfig(tuple(layers))
+    check_width(modules[-1][0] / "config.json", config, weights.d_model)
+    return config, state
+
+
+HEAD = Head(
+    name="dense",
+    config_type=DenseConfig,
+    task="embed",
+    claims=lambda source: source.task == "embed" and bool(source.declarations.pooled_dense),
+    read=_read,
+    wrap=DenseEmbedder,
+    outputs=lambda config, dense: embedder_outputs(config),
+    parameters=lambda dense: {P_POOLED_PROJECTION: "dense"},
+)
 """An embedder's Dense modules after pooling (EmbeddingGemma's projection)."""

@@ -20,7 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from export.heads.head import Head
+from export.gate.references.library import check_masked_lm
+from export.heads.head import (
+    GraphOutput,
+    Head,
+    HeadFolder,
+    HeadWeights,
+    Reference,
+    ReferenceInputs,
+    Ungated,
+    UnreadableHead,
+)
 
 SPARSE_OUTPUT = "sparse_embedding"
 POOLING_STRATEGIES = ("max", "sum")
@@ -67,7 +77,7 @@ _HEAD_LAYOUTS = {
 }
 
 
-class SpladeError(ValueError):
+class SpladeError(UnreadableHead):
     """A SPLADE checkpoint whose head or pooling cannot be built; the message names the problem."""
 
 
@@ -188,15 +198,65 @@ class SpladeEncoder(nn.Module):
     def __init__(self, encoder: nn.Module, splade: SpladeConfig) -> None:
         super().__init__()
         self.config = encoder.config
-        self.splade = splade
+        self.head_config = splade
         self.encoder = encoder
         self.head = MaskedLMHead(encoder.config.d_model, encoder.config.vocab_size, splade)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         """The sparse embedding [batch, vocab_size]: each token id's weight for the text (0 for most)."""
         hidden, mask = self.encoder.hidden_states(input_ids, attention_mask, token_type_ids)
-        return splade_pool(self.head(hidden), mask, self.splade.pooling_strategy, self.splade.activation_function)
+        return splade_pool(
+            self.head(hidden), mask, self.head_config.pooling_strategy, self.head_config.activation_function
+        )
 
 
-HEAD = Head(name="splade", config_type=SpladeConfig, task="sparse", wrap=SpladeEncoder)
+def _read(source: HeadFolder, weights: HeadWeights) -> tuple[SpladeConfig, dict[str, Tensor]]:
+    """The masked-LM head and SPLADE pooling the folder declares, checked, with the head's weights."""
+    declarations = source.declarations
+    strategy, activation = declarations.splade_pooling
+    try:
+        splade = splade_config(source.hf_config, weights.model_type, strategy, activation)
+    except SpladeError as error:
+        where = declarations.pooling_file if str(error).startswith("SpladePooling") else source.folder
+        raise SpladeError(f"{where}: {error}") from error
+    word_embeddings = weights.encoder["embeddings.token.weight"]  # the BERT family's (splade_config checked it)
+    if declarations.splade_dimension not in (None, word_embeddings.shape[0]):
+        raise SpladeError(
+            f"{declarations.pooling_file}: embedding dimension {declarations.splade_dimension}"
+            f" is not the vocabulary's size {word_embeddings.shape[0]}"
+        )
+    try:
+        return splade, rename_head_weights(weights.rest, word_embeddings, splade)
+    except SpladeError as error:
+        raise SpladeError(f"{source.folder}: {error}") from error
+
+
+def _masked_lm_reference(run: ReferenceInputs) -> tuple[dict[str, object], list[str]]:
+    """The PyTorch model against transformers' AutoModelForMaskedLM on the folder, pooled by hand."""
+    return check_masked_lm(run.checkpoint, run.model, run.tokenizer, run.input_names, run.sentences)
+
+
+HEAD = Head(
+    name="splade",
+    config_type=SpladeConfig,
+    task="sparse",
+    claims=lambda source: source.task == "sparse",
+    read=_read,
+    wrap=SpladeEncoder,
+    outputs=lambda config, splade: (GraphOutput(SPARSE_OUTPUT, (config.vocab_size,)),),
+    ungated=Ungated(
+        ("int8", "fp16"),
+        "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
+    ),
+    references=(
+        Reference(
+            stage="transformers: the PyTorch model against AutoModelForMaskedLM on the source folder",
+            library="transformers",
+            report_key="masked_lm_reference",
+            per_variant=False,
+            needs_tokenizer=True,
+            check=_masked_lm_reference,
+        ),
+    ),
+)
 """A sparse embedder's masked-LM head and SPLADE pooling."""

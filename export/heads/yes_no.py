@@ -21,8 +21,11 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from export.heads.head import Head
+from export.gate.references import yes_no as model_card
+from export.heads.classifier import CLASSIFIER_UNGATED, labels_parameter, logits_output
+from export.heads.head import Head, HeadFolder, HeadWeights, UnreadableHead
 from export.layers.pooling import pool
+from service.core.repository import P_LABELS, P_PAIR_TEMPLATE
 from service.core.text_rules import PairTemplate
 
 YES, NO = "yes", "no"
@@ -42,7 +45,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3",)
 OUTPUT_NAMES = ("logits",)
 
 
-class YesNoError(ValueError):
+class YesNoError(UnreadableHead):
     """A causal-LM folder that cannot be read as a yes/no reranker; the message names the problem."""
 
 
@@ -124,5 +127,34 @@ class YesNoReranker(nn.Module):
         return no_yes[:, 1:] - no_yes[:, :1]
 
 
-HEAD = Head(name="yes_no", config_type=YesNoHead, task="classify", wrap=YesNoReranker)
+def is_yes_no_reranker(folder: Path, hf_config: dict) -> bool:
+    """A causal LM without sentence-transformers modules is read as a yes/no reranker (with them, as an embedder)."""
+    return is_causal_lm(hf_config) and not (folder / "modules.json").is_file()
+
+
+def _read(source: HeadFolder, weights: HeadWeights) -> tuple[YesNoHead, dict[str, Tensor]]:
+    """The ids of "yes" and "no", with the language-model head's rows of them."""
+    try:
+        head = read_head(source.folder, weights.model_type)
+        return head, head_weights(source.hf_config, head, weights.encoder, weights.rest)
+    except YesNoError as error:
+        raise YesNoError(f"{source.folder}: {error}") from error
+
+
+HEAD = Head(
+    name="yes_no",
+    config_type=YesNoHead,
+    task="classify",
+    claims=lambda source: is_yes_no_reranker(source.folder, source.hf_config),
+    read=_read,
+    wrap=YesNoReranker,
+    outputs=logits_output,
+    parameters=lambda head: {P_LABELS: labels_parameter(head), P_PAIR_TEMPLATE: QWEN3_RERANKER_TEMPLATE.to_json()},
+    scores_pairs=is_yes_no_reranker,
+    pooling=lambda source: ("lasttoken", False),
+    pair_template=QWEN3_RERANKER_TEMPLATE,
+    ungated=CLASSIFIER_UNGATED,
+    library_check=model_card.check_published,
+    library_stage="the model card: each published variant against its transformers scoring on the source folder",
+)
 """A causal LM's yes/no reranker (Qwen3-Reranker)."""

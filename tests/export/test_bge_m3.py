@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
-from export.gate.references import library as reference_library
 from export.gate.references.bge_m3 import bge_m3_flag_model
 from export.heads.bge_m3 import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 from service.core.fidelity import FidelityReference, compare, cosines
@@ -200,9 +199,10 @@ def test_a_folder_without_sentence_transformers_files_is_read_as_flag_embedding_
         shutil.rmtree(folder / name)
     checkpoint = load_checkpoint(folder)
     assert (checkpoint.task, checkpoint.config.pooling, checkpoint.config.normalize) == ("embed", "cls", True)
-    assert checkpoint.bge_m3.colbert_width == BGE_M3_WIDTH
+    assert checkpoint.head.colbert_width == BGE_M3_WIDTH
     tokenizer = TextTokenizer(folder / "tokenizer.json", checkpoint.max_seq_length, checkpoint.config.pad_token_id)
-    assert "FlagEmbedding is its reference" in reference_library.unavailable_reason(checkpoint, tokenizer)
+    figures, failures = checkpoint.head_declaration.library_check(checkpoint, tokenizer, [], {"fp32": None}, [])
+    assert "FlagEmbedding is its reference" in figures["fp32"]["reason"] and not failures
 
 
 def test_the_heads_on_another_architecture_are_refused(folder: Path) -> None:

@@ -193,7 +193,7 @@ def test_the_folder_reads_as_embeddinggemma(source: Source) -> None:
     checkpoint = load_checkpoint(source.model)
     assert (checkpoint.model_type, checkpoint.task) == ("gemma3_text", "embed")
     assert (checkpoint.config.pooling, checkpoint.config.normalize) == ("mean", True)
-    assert [(layer.in_features, layer.out_features, layer.bias) for layer in checkpoint.dense.layers] == [
+    assert [(layer.in_features, layer.out_features, layer.bias) for layer in checkpoint.head.layers] == [
         (tiny_models.HIDDEN, 4 * tiny_models.HIDDEN, False),
         (4 * tiny_models.HIDDEN, tiny_models.HIDDEN, False),
     ]

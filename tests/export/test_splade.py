@@ -122,7 +122,7 @@ def test_the_published_graph_equals_sparse_encoder(splade: ExportedSplade) -> No
 def test_each_masked_lm_family_and_pooling_equals_sparse_encoder(tmp_path: Path, family: str, settings: dict) -> None:
     source = tiny_models.save_sparse_encoder(tmp_path, family=family, **settings)
     checkpoint = load_checkpoint(source)
-    assert checkpoint.splade.tied_decoder is settings.get("tie_word_embeddings", True)
+    assert checkpoint.head.tied_decoder is settings.get("tie_word_embeddings", True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(source))
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if checkpoint.config.uses_segments else [])

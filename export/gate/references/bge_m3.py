@@ -23,16 +23,19 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
 
-from export.checkpoints.checkpoint import Checkpoint
 from export.gate.references.loop import Checked, each_variant, unchecked
 from export.gate.served import served_feeds
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
 from service.pipeline.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:  # the heads list these checks, and the checkpoint lists the heads
+    from export.checkpoints.checkpoint import Checkpoint
 
 MIN_COSINE = FIDELITY_MIN_COSINE
 """The dense embedding's least cosine to FlagEmbedding's."""
@@ -98,9 +101,7 @@ class M3Reference:
 def m3_reference(checkpoint: Checkpoint, sentences: list[str]) -> M3Reference:
     """BGEM3FlagModel(folder, use_fp16=False) on the gate sentences and their concatenation, on the CPU."""
     flag_model = bge_m3_flag_model()
-    model = flag_model(
-        str(checkpoint.folder), use_fp16=False, devices="cpu", colbert_dim=checkpoint.bge_m3.colbert_width
-    )
+    model = flag_model(str(checkpoint.folder), use_fp16=False, devices="cpu", colbert_dim=checkpoint.head.colbert_width)
     texts = [*sentences, " ".join(sentences)]
     labels = [f"input {i + 1}: {text[:40]!r}" for i, text in enumerate(sentences)] + [LONG_TEXT_LABEL]
     encoded = model.encode(

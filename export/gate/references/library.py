@@ -25,18 +25,19 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from export.checkpoints.checkpoint import Checkpoint
 from export.gate.cases import SENTENCE_BATCH, sentence_pairs
 from export.gate.parity import TOLERANCES
 from export.gate.references.loop import Checked, VariantCheck, each_variant, unchecked
 from export.gate.served import served_feeds
-from export.heads.splade import SPARSE_OUTPUT
 from export.layers.task_adapters import adapter_folders
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.pipeline.tokenizer import TextTokenizer
+from service.pipeline.vocabulary import SPARSE
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the heads list these checks, and the checkpoint lists the heads
     from sentence_transformers import SentenceTransformer
+
+    from export.checkpoints.checkpoint import Checkpoint
 
 FP32_MIN_COSINE = FIDELITY_MIN_COSINE
 """fp32's least cosine to the library's embeddings: the fidelity rule (served embeddings equal the model's)."""
@@ -82,7 +83,7 @@ class LibraryReference:
             return self.compared
         if self.output == "logits":
             return "CrossEncoder.predict logits (no activation) on sentence pairs"
-        if self.output == SPARSE_OUTPUT:
+        if self.output == SPARSE:
             return (
                 "SparseEncoder.encode sparse embeddings densified, default prompt applied;"
                 " max_abs_diff relative to each row's largest value"
@@ -154,7 +155,7 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
             sparse_encoder = sentence_transformers.SparseEncoder(folder, **loading)
         encoded = sparse_encoder.encode(texts, convert_to_tensor=True, show_progress_bar=False)
         expected = encoded.to_dense().numpy().astype(np.float32)
-        return LibraryReference(library, "SparseEncoder", served, labels, expected, SPARSE_OUTPUT, normalized=False)
+        return LibraryReference(library, "SparseEncoder", served, labels, expected, SPARSE, normalized=False)
     with quiet_loading():
         model = sentence_transformers.SentenceTransformer(folder, **loading)
     expected = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
@@ -251,7 +252,7 @@ def measure(
     if reference.normalized:
         expected, answers = _unit(expected), [_unit(answer) for answer in answers]
     differences = np.max([np.abs(answer - expected).max(axis=1) for answer in answers], axis=0)
-    if reference.output == SPARSE_OUTPUT:  # a SPLADE row's scale is the model's: its values relative to its largest
+    if reference.output == SPARSE:  # a SPLADE row's scale is the model's: its values relative to its largest
         differences = differences / np.maximum(np.abs(expected).max(axis=1), 1e-30)
     worst_diff = int(np.argmax(differences))
     required = required_figures(variant, reference.output)
@@ -309,8 +310,6 @@ def unavailable_reason(checkpoint: Checkpoint, tokenizer: TextTokenizer | None) 
         return "random initialisation: there is no folder for a library to load"
     if tokenizer is None:
         return "no tokenizer.json: the server takes token ids only, and the library answers texts"
-    if checkpoint.bge_m3 is not None and not (checkpoint.folder / "modules.json").is_file():
-        return "bge-m3 without sentence-transformers files: FlagEmbedding is its reference (flag_embedding)"
     return None
 
 
@@ -367,7 +366,7 @@ def check_masked_lm(
     """
     import transformers  # noqa: PLC0415  (build-time only: the server never imports it)
 
-    splade = checkpoint.splade
+    splade = checkpoint.head
     with quiet_loading():
         masked_lm = transformers.AutoModelForMaskedLM.from_pretrained(
             str(checkpoint.folder), dtype=torch.float32, local_files_only=True

@@ -16,7 +16,6 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from export.checkpoints.checkpoint import Checkpoint
 from export.gate.cases import SENTENCE_BATCH
 from export.gate.references.library import LONG_TEXT_LABEL, quiet_loading, required_figures
 from export.gate.references.loop import Checked, each_variant
@@ -26,8 +25,10 @@ from service.core.repository import TOKEN_VECTORS, ModelSpec
 from service.pipeline import multivector
 from service.pipeline.tokenizer import TextTokenizer
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the heads list these checks, and the checkpoint lists the heads
     from sentence_transformers import MultiVectorEncoder
+
+    from export.checkpoints.checkpoint import Checkpoint
 
 MAXSIM_MAX_ABS_DIFF = 1e-4
 """fp32's largest MaxSim difference from the library's (sum over a query's vectors of its best dot product)."""
@@ -53,7 +54,7 @@ def served_spec(checkpoint: Checkpoint, input_names: list[str]) -> ModelSpec:
 
     The server reads the same fields from config.pbtxt (publish.build_config writes them from this checkpoint).
     """
-    colbert = checkpoint.colbert
+    colbert = checkpoint.head
     return ModelSpec(
         name=checkpoint.name,
         version="1",

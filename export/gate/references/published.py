@@ -1,8 +1,8 @@
 """Which libraries check a published model, and their verdicts in parity.json (export.build asks here).
 
-sentence-transformers (SentenceTransformer, CrossEncoder, SparseEncoder, MultiVectorEncoder) for what it made,
-the model card's transformers scoring for Qwen3-Reranker, FlagEmbedding for bge-m3, and transformers'
-masked-LM for a SPLADE model's PyTorch reading.
+sentence-transformers (SentenceTransformer, CrossEncoder, SparseEncoder) for what it made, unless the model's
+head declares its own library check (MultiVectorEncoder for ColBERT, the model card's transformers scoring for
+Qwen3-Reranker); then the checks the head adds (FlagEmbedding for bge-m3, transformers' masked LM for SPLADE).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from torch import nn
 
 from export.checkpoints.checkpoint import Checkpoint
 from export.gate.parity import GateRefused
-from export.gate.references import bge_m3, library, multivector, yes_no
+from export.gate.references import library
+from export.heads.head import ReferenceInputs
 from service.pipeline.tokenizer import TextTokenizer
 
 
@@ -33,30 +34,28 @@ def check_with_libraries(
 
     Their figures go into the report (parity.json); raises GateRefused at the first library that disagrees.
     """
+    declaration = checkpoint.head_declaration
     check = library.check_published
-    if checkpoint.task == "multivector" and tokenizer is not None:
-        check = multivector.check_multivector
-    if checkpoint.pair_template is not None and tokenizer is not None:
-        stage("the model card: each published variant against its transformers scoring on the source folder")
-        check = yes_no.check_published
-    else:
-        stage("reference library: each published variant against sentence-transformers on the source folder")
+    stage_name = "reference library: each published variant against sentence-transformers on the source folder"
+    if declaration is not None and declaration.library_check is not None and tokenizer is not None:
+        check = declaration.library_check
+        stage_name = declaration.library_stage or stage_name
+    stage(stage_name)
     library_figures, library_failures = check(checkpoint, tokenizer, input_names, sessions, sentences)
     if library_failures:
         raise GateRefused("reference library refused: " + "; ".join(library_failures))
     for variant, figures in library_figures.items():
         report["variants"][variant]["reference_library"] = figures
-    if checkpoint.bge_m3 is not None:
-        stage("FlagEmbedding: each published variant against BGEM3FlagModel on the source folder")
-        flag_embedding, flag_failures = bge_m3.check_published(checkpoint, tokenizer, input_names, sessions, sentences)
-        if flag_failures:
-            raise GateRefused("FlagEmbedding refused: " + "; ".join(flag_failures))
-        for variant, figures in flag_embedding.items():
-            report["variants"][variant]["flag_embedding"] = figures
-    if checkpoint.task == "sparse" and tokenizer is not None:
-        stage("transformers: the PyTorch model against AutoModelForMaskedLM on the source folder")
-        report["masked_lm_reference"], masked_lm_failures = library.check_masked_lm(
-            checkpoint, model, tokenizer, input_names, sentences
-        )
-        if masked_lm_failures:
-            raise GateRefused("transformers refused: " + "; ".join(masked_lm_failures))
+    inputs = ReferenceInputs(checkpoint, model, tokenizer, input_names, sessions, sentences)
+    for reference in () if declaration is None else declaration.references:
+        if not reference.runs(tokenizer is not None):
+            continue
+        stage(reference.stage)
+        figures, failures = reference.check(inputs)
+        if failures:
+            raise GateRefused(f"{reference.library} refused: " + "; ".join(failures))
+        if reference.per_variant:
+            for variant, variant_figures in figures.items():
+                report["variants"][variant][reference.report_key] = variant_figures
+        else:
+            report[reference.report_key] = figures

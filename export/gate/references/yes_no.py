@@ -12,16 +12,20 @@ it (right padding, each pair alone and in batches), must give the same logits.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import onnxruntime as ort
 import torch
 
-from export.checkpoints.checkpoint import Checkpoint
 from export.gate.cases import SENTENCE_BATCH, sentence_pairs
 from export.gate.references.library import LONG_TEXT_LABEL, LibraryReference, against, quiet_loading
 from export.gate.references.loop import Checked, each_variant
 from service.core.text_rules import PairTemplate
 from service.pipeline.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:  # the heads list these checks, and the checkpoint lists the heads
+    from export.checkpoints.checkpoint import Checkpoint
 
 
 def model_card_logits(checkpoint: Checkpoint, pairs: list[tuple[str, str]], template: PairTemplate) -> np.ndarray:
