@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from torch import Tensor, nn
 
+from export.gate.references.loop import Checked
 from service.core.text_rules import PairTemplate
 
 if TYPE_CHECKING:  # the checkpoint and the gate read heads; heads name them in annotations only
@@ -26,9 +27,6 @@ if TYPE_CHECKING:  # the checkpoint and the gate read heads; heads name them in 
 
 SEQUENCE = "sequence"
 """The dynamic sequence axis of an output."""
-
-Checked = tuple[dict[str, dict[str, object]], list[str]]
-"""Figures per variant for parity.json, and every failure."""
 
 
 class HeadConfiguration(Protocol):
