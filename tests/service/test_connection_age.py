@@ -30,7 +30,7 @@ from service.frontends.grpc.asgi import SHUTTING_DOWN_MESSAGE
 from service.launch import envoy
 from service.ops.settings import Settings
 from tests.conftest import DEFAULT_MODEL, TINY_MODEL
-from tests.servers import RunningServer, start_server, wait_for_queue_depth, wait_until
+from tests.servers import GRPC_TRANSPORT, RunningServer, start_server, wait_for_queue_depth, wait_until
 from tools import deadline_race, mixed_load
 
 CONNECTION_AGE_S = 2
@@ -47,6 +47,10 @@ EXPIRING_THREADS = 8
 """Envoy's nghttp2 codec failed 9 of the 300 patient calls in each of three runs beside this many (the default model,
 2 vCPUs)."""
 QUEUED_AT_SIGTERM = 4
+GRPC_CORE_AGE_RACE = "UNAVAILABLE: Stream removed (Socket closed (GOAWAY received; Error code: 0; Debug Text: max_age))"
+"""gRPC core's own race (grpcio on both ends): a call a client cancels at its deadline just as the server's
+connection reaches its age can fail so, after a graceful GOAWAY; seen 1 in 341 such calls here, and 2 in 19,500
+in a 3-minute mixed load, never on a call without a deadline (docs/operations.md)."""
 REFUSED_AS_NEVER_RUN = (SHUTTING_DOWN_MESSAGE, "failed to connect", "Connection refused")
 """What a call refused by a draining (or gone) server may say: each means it never ran."""
 
@@ -102,10 +106,13 @@ def test_calls_and_streams_through_several_recyclings_are_all_answered(recycling
     assert not any(thread.is_alive() for thread in threads)
     for name in ("unary-0", "unary-1", "unary-2"):
         assert set(counts[name]) == {"OK"}, counts[name]
-    assert set(counts["deadline"]) <= {"OK", "DEADLINE_EXCEEDED"}, counts["deadline"]
+    deadline_outcomes = set(counts["deadline"]) - {"OK", "DEADLINE_EXCEEDED"}
+    if GRPC_TRANSPORT == "grpcio":
+        deadline_outcomes -= {GRPC_CORE_AGE_RACE}
+    assert not deadline_outcomes, counts["deadline"]
     assert set(counts["stream"]) == {"OK"}, counts["stream"]  # nothing left unanswered after resending
     assert set(counts["stream ends"]) <= {mixed_load.SERVER_ENDED, mixed_load.CLIENT_CLOSED}, counts["stream ends"]
-    assert outcomes.lost() == 0
+    assert outcomes.lost() == counts["deadline"][GRPC_CORE_AGE_RACE]
 
 
 def test_a_client_that_gives_up_on_its_calls_keeps_its_connection(tiny_repository: Path, tmp_path: Path) -> None:
