@@ -11,7 +11,7 @@ from pathlib import Path
 import onnx
 import torch
 from google.protobuf.message import EncodeError
-from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 from torch import nn
 
 from export.families.family import EncoderSettings
@@ -73,7 +73,15 @@ def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 yield from _tensors(subgraph)
 
 
-def _gather_weights(graph: onnx.ModelProto, path: Path) -> None:
+def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Say where an external tensor's bytes are (onnx's set_external_data wants the bytes in memory)."""
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def gather_weights(graph: onnx.ModelProto, path: Path) -> None:
     """Move a graph's external weights (wherever beside it they are) into one file, PATH.data, a tensor at a time.
 
     Each tensor starts at a multiple of WEIGHT_ALIGNMENT_BYTES (ONNX Runtime maps aligned weights rather than
@@ -94,7 +102,7 @@ def _gather_weights(graph: onnx.ModelProto, path: Path) -> None:
             gathered.write(b"\0" * (-gathered.tell() % WEIGHT_ALIGNMENT_BYTES))
             offset = gathered.tell()
             gathered.write(raw)
-            set_external_data(tensor, data.name, offset, len(raw))
+            _point_to(tensor, data.name, offset, len(raw))
             sources.add(source)
     for source in sources:
         source.unlink()
@@ -174,7 +182,7 @@ def export_onnx(model: nn.Module, path: Path) -> None:
     graph = onnx.load(str(path), load_external_data=False)
     _declare_output_shapes(graph, shapes)
     if any(uses_external_data(tensor) for tensor in _tensors(graph.graph)):
-        _gather_weights(graph, path)
+        gather_weights(graph, path)
         onnx.save_model(graph, str(path))
     else:
         save_onnx(graph, path)
