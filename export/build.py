@@ -12,8 +12,7 @@ the other gates compare with our own reading of the folder.
 
 Memory: what needs PyTorch runs first and one model at a time (the libraries answer and are let go, then our
 model is built, exported, answers every reference and is let go), and ONNX Runtime sessions come after, one
-graph at a time, each closed when its checks are done: a 0.6B model's export never holds two copies of its
-weights (docs/benchmarks.md, "An export's memory").
+graph at a time, each closed when its checks are done (docs/benchmarks.md, "An export's memory").
 """
 
 from __future__ import annotations
