@@ -93,7 +93,7 @@ class Ungated(NamedTuple):
 
 @dataclass(frozen=True)
 class ReferenceInputs:
-    """What a library check is given: the checkpoint and the gate texts, as the server tokenises them."""
+    """What a library check is given: the checkpoint, the server's tokenizer and graph inputs, and the gate texts."""
 
     checkpoint: Checkpoint
     tokenizer: TextTokenizer | None
