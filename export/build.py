@@ -6,15 +6,20 @@ whole export, except fp16: CUDA's alternative to fp32, a refused fp16 is withdra
 the reason in parity.json) and fp32 serves CUDA. What a user of the server gets (texts in,
 `embedding` out) is measured for every published variant and decides the default on CUDA (the
 fidelity rule, service.core.fidelity).
-Last, every published variant is held to the library that made the source folder, run on that
+Every published variant is also held to the library that made the source folder, run on that
 folder (export.gate.references.library; FlagEmbedding for bge-m3's three outputs, export.gate.references.bge_m3):
-the gates before it compare with our own reading of the folder.
+the other gates compare with our own reading of the folder.
+
+Memory: what needs PyTorch runs first and one model at a time (the libraries answer and are let go, then our
+model is built, exported, answers every reference and is let go), and ONNX Runtime sessions come after, one
+graph at a time, each closed when its checks are done (docs/benchmarks.md, "An export's memory").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import logging
 import tempfile
 from collections.abc import Callable, Iterable
@@ -23,20 +28,27 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from torch import nn
 
 from export.checkpoints import library_tokenizer
 from export.checkpoints.checkpoint import Checkpoint
 from export.families.registry import family_of
 from export.gate import cases, parity
 from export.gate.parity import GateRefused
-from export.gate.references.published import check_with_libraries
-from export.gate.served import ServedFigures, ServedPath, fidelity_reference
+from export.gate.references.published import (
+    LibraryAnswers,
+    LibraryVerdicts,
+    ModelVerdict,
+    library_answers,
+    model_verdicts,
+)
+from export.gate.served import ServedFigures, ServedPath, embed_each, fidelity_reference
 from export.graph import forms as optimize
-from export.graph.calibration import calibration_ranges
+from export.graph.calibration import calibration_feeds, calibration_ranges
 from export.graph.onnx_export import OPSET, export_onnx, input_names
 from export.graph.quantize import quantize_int8
 from export.graph.timing import compare_throughput, cpu_session, token_feed
-from export.heads.head import Reference
+from export.heads.head import LibraryStep
 from export.publish import ServingDefaults, build_config, publish
 from export.sources import UnusableSource
 from service.core.fidelity import (
@@ -103,8 +115,8 @@ class _Gate:
     load_checks: dict[str, FidelityCheck] = field(default_factory=dict)
     forms: dict[str, dict[str, parity.GateResult]] = field(default_factory=dict)
     """variant -> CPU graph form -> verdict, for every form measured."""
-    sessions: dict[str, ort.InferenceSession] = field(default_factory=dict)
-    """variant -> the session of its graph as published (for the reference library's check)."""
+    libraries: LibraryVerdicts = field(default_factory=lambda: LibraryVerdicts([]))
+    """The reference libraries' answers, and each recorded variant's figures against them."""
 
     def check(self, variant: str, session: ort.InferenceSession) -> parity.GateResult:
         return parity.check_variant(variant, session, self.references)
@@ -125,9 +137,9 @@ class _Gate:
         return passing
 
     def record(self, variant: str, form: str | None, session: ort.InferenceSession) -> None:
-        """The verdict, served figures and load check of the variant as published."""
+        """The verdict, served figures, load check and reference libraries' figures of the variant as published."""
         self.results[variant] = self.forms[variant][form] if form is not None else self.check(variant, session)
-        self.sessions[variant] = session
+        self.libraries.check(variant, session)
         if self.served is not None:
             self.served_figures[variant] = self.served.measure(session)
         (embedding,) = session.run([self.fidelity.output], self.fidelity.feed)
@@ -190,6 +202,17 @@ def _int8_speedup(fp32: Path, int8: Path, checkpoint: Checkpoint, names: list[st
     }
 
 
+def _known_embeddings(references: list[parity.Reference], feeds: list[dict[str, np.ndarray]]) -> np.ndarray | None:
+    """The references' embeddings of these feeds when the gate's sentence cases are exactly these batches; else None."""
+    sentences = [reference for reference in references if reference.case.kind == "sentences"]
+    same = len(sentences) == len(feeds) and all(
+        reference.case.feed.keys() == feed.keys()
+        and all(np.array_equal(reference.case.feed[name], feed[name]) for name in feed)
+        for reference, feed in zip(sentences, feeds, strict=False)
+    )
+    return np.concatenate([reference.output for reference in sentences]) if same else None
+
+
 def _fidelity_basis(gate: _Gate, variant: str) -> tuple[bool, str]:
     """Whether a variant meets the fidelity rule, and the figure it rests on.
 
@@ -248,8 +271,9 @@ class _Build:
 
     def __init__(self, checkpoint: Checkpoint, options: ExportOptions, workdir: Path, stage: Stage) -> None:
         self.checkpoint, self.options, self.workdir, self.stage = checkpoint, options, workdir, stage
-        self.model = checkpoint.build_model()
-        self.names = input_names(self.model)
+        self.model: nn.Module | None = None
+        """The PyTorch model, from build_model to release_model (the stages after it run ONNX Runtime sessions only)."""
+        self.names = input_names(checkpoint.config)
         self.tokenizer = None
         if checkpoint.tokenizer_files:
             self.tokenizer = TextTokenizer(
@@ -267,9 +291,25 @@ class _Build:
         """variant -> why it was left out of what is published (the export goes on without it)."""
         self.cuda_problem: str | None = None
 
+    def build_model(self) -> nn.Module:
+        """Build the PyTorch model from the checkpoint's weights."""
+        self.model = self.checkpoint.build_model()
+        return self.model
+
+    def pytorch_model(self) -> nn.Module:
+        """The PyTorch model (from build_model to release_model)."""
+        if self.model is None:
+            raise RuntimeError("the PyTorch model is used outside build_model ... release_model")
+        return self.model
+
+    def release_model(self) -> None:
+        """Let the PyTorch model go before any ONNX Runtime session is built (a 0.6B model holds 2.4 GB)."""
+        self.model = None
+        gc.collect()
+
     def references(self) -> _Gate:
         """The gate: PyTorch references for every case kind, the served path, the server's fidelity reference."""
-        checkpoint, names, tokenizer = self.checkpoint, self.names, self.tokenizer
+        checkpoint, names, tokenizer, model = self.checkpoint, self.names, self.tokenizer, self.pytorch_model()
         gate_cases = cases.token_cases(names, checkpoint.config.vocab_size, checkpoint.max_seq_length)
         sentences: list = cases.read_sentences(self.options.sentences) if tokenizer is not None else []
         if checkpoint.task == "classify":  # a classifier is gated on pairs, as a reranker is asked
@@ -277,7 +317,7 @@ class _Build:
         if tokenizer is not None:
             gate_cases += cases.sentence_cases(names, tokenizer, sentences)
             gate_cases += cases.sentence_mask_cases(names, tokenizer, sentences)
-        references = parity.reference_outputs(self.model, gate_cases)
+        references = parity.reference_outputs(model, gate_cases)
         served = None
         if tokenizer is not None and checkpoint.task == "embed":
             expected = np.concatenate([r.output for r in references if r.case.kind == "sentences"])
@@ -289,8 +329,39 @@ class _Build:
                 max_length=checkpoint.max_seq_length,
                 pad_token_id=checkpoint.config.pad_token_id,
             )
-        fidelity = fidelity_reference(self.model, names, tokenizer, sentences, checkpoint.max_seq_length)
+        fidelity = fidelity_reference(model, names, tokenizer, sentences, checkpoint.max_seq_length)
         return _Gate(references, served, fidelity, self.options.threads)
+
+    def embedding_ranges(self, gate: _Gate) -> tuple[dict[int, np.ndarray], dict[str, object] | None]:
+        """An embedder's calibrated ranges and what they rest on (none without a tokenizer: ({}, None)).
+
+        The gate's references answer for the calibration texts where they are the same batches (the gate
+        sentences without a prompt, the default); else the PyTorch model embeds them.
+        """
+        if self.checkpoint.task != "embed" or self.tokenizer is None:
+            return {}, None
+        self.stage("embedding ranges for int8 and uint8 embeddings")
+        corpus = self.options.embedding_calibration
+        feeds = calibration_feeds(self.checkpoint, self.tokenizer, self.names, corpus)
+        embeddings = _known_embeddings(gate.references, feeds)
+        if embeddings is None:
+            embeddings = embed_each(self.pytorch_model(), feeds)
+        return calibration_ranges(self.checkpoint, embeddings, corpus)
+
+    def library_answers(self) -> list[LibraryAnswers]:
+        """The reference libraries' answers on the folder, each library run and let go before our model is built.
+
+        Every published variant is held to them later, while its session is open (gate.libraries).
+        """
+        sentences = cases.read_sentences(self.options.sentences)
+        return library_answers(self.checkpoint, self.tokenizer, self.names, sentences=sentences, stage=self.stage)
+
+    def model_verdicts(self) -> list[ModelVerdict]:
+        """The libraries the head holds the PyTorch model to (SPLADE's masked LM), on the folder."""
+        sentences = cases.read_sentences(self.options.sentences)
+        return model_verdicts(
+            self.checkpoint, self.pytorch_model(), self.tokenizer, self.names, sentences=sentences, stage=self.stage
+        )
 
     def cpu_variants(self, gate: _Gate, forms: dict[str, Path]) -> None:
         """fp32 (and int8) in every CPU form; each variant's fastest form among those the gate passes."""
@@ -418,7 +489,7 @@ def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
         + ("int8" in variants) * 2  # quantisation, speed bar
         + ("fp16" in variants)
         + 1  # the reference library
-        + sum(reference.runs(with_tokenizer) for reference in _head_references(checkpoint))
+        + sum(step.runs(with_tokenizer) for step in _head_library_steps(checkpoint))
         + (checkpoint.task == "embed" and with_tokenizer)  # embedding ranges
     )
 
@@ -450,11 +521,17 @@ def export_model(
         stage("load checkpoint")
         checkpoint = library_tokenizer.with_library_tokenizer(checkpoint, Path(workdir), options.sentences)
         build = _Build(checkpoint, options, Path(workdir), stage)
+        # What needs PyTorch runs first, one model at a time: the libraries' models, then ours, which is let go
+        # before any ONNX Runtime session is built.
+        libraries = build.library_answers()
         stage("export to ONNX")
-        export_onnx(build.model, build.raw)
+        export_onnx(build.build_model(), build.raw)
         forms = optimize.write_cpu_forms(build.raw, build.workdir, checkpoint.config, stage)
         stage("PyTorch references")
         gate = build.references()
+        ranges, calibration = build.embedding_ranges(gate)
+        gate.libraries = LibraryVerdicts(libraries, build.model_verdicts())
+        build.release_model()
         build.cpu_variants(gate, forms)
         if "fp16" in options.variants:
             build.fp16_variant(gate)
@@ -466,31 +543,17 @@ def export_model(
         preferred = preferred_variants(gate, list(build.files), build.withdrawn, build.cuda_problem)
         report["preferred_variants"] = {device: choice["variant"] for device, choice in preferred.items()}
         report["preferred_variants_basis"] = preferred
-        check_with_libraries(
-            build.checkpoint,
-            build.model,
-            build.tokenizer,
-            build.names,
-            {variant: gate.sessions[variant] for variant in build.files},
-            sentences=cases.read_sentences(build.options.sentences),
-            stage=build.stage,
-            report=report,
-        )
-        ranges: dict[int, np.ndarray] = {}
-        if checkpoint.task == "embed" and build.tokenizer is not None:
-            stage("embedding ranges for int8 and uint8 embeddings")
-            ranges, report["embedding_ranges"] = calibration_ranges(
-                checkpoint, build.model, build.tokenizer, build.names, options.embedding_calibration
-            )
+        gate.libraries.record(list(build.files), report)
+        if calibration is not None:
+            report["embedding_ranges"] = calibration
         stage("publish")
-        variants = list(build.files)
         config = build_config(
             checkpoint,
             build.names,
-            variants,
+            list(build.files),
             report["preferred_variants"],
             options.serving,
-            calibration=report.get("embedding_ranges"),
+            calibration=calibration,
         )
         target = publish(
             repository, checkpoint, config, build.files, parity=report, fidelity=gate.fidelity, embedding_ranges=ranges
@@ -505,10 +568,10 @@ def _ungated_variants(checkpoint: Checkpoint) -> tuple[tuple[str, ...], str] | N
     return None if declaration is None else declaration.ungated
 
 
-def _head_references(checkpoint: Checkpoint) -> tuple[Reference, ...]:
-    """The library checks the model's head adds after the reference library's."""
+def _head_library_steps(checkpoint: Checkpoint) -> tuple[LibraryStep, ...]:
+    """The library checks the model's head adds to the reference library's (on each variant, then on the model)."""
     declaration = checkpoint.head_declaration
-    return () if declaration is None else declaration.references
+    return () if declaration is None else (*declaration.references, *declaration.model_references)
 
 
 def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dict[str, object]:

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from export.checkpoints.checkpoint import Checkpoint
 from export.graph.forms import FP32_GRAPH_OPTIMIZATION
-from export.graph.onnx_export import save_onnx
+from export.graph.onnx_export import copy_onnx
 from export.heads.head import SEQUENCE
 from export.heads.registry import graph_outputs
 from protocol import model_config_pb2 as mc
@@ -194,8 +193,7 @@ def publish(
         version_dir = staging / VERSION
         version_dir.mkdir(parents=True)
         for variant, source in variant_files.items():
-            # Re-saved rather than copied: external weights are renamed with the graph.
-            save_onnx(onnx.load(str(source)), version_dir / VARIANT_FILES[variant])
+            copy_onnx(source, version_dir / VARIANT_FILES[variant])
         for tokenizer_file in checkpoint.tokenizer_files:
             shutil.copyfile(tokenizer_file, staging / tokenizer_file.name)
         (staging / PARITY_FILE).write_text(json.dumps(parity, indent=2) + "\n")

@@ -1,6 +1,7 @@
 """Each encoder family at its example checkpoint's size (random weights): export, size, RSS, texts/s.
 
     python -m tools.family_bench --work DIR [--families gte,qwen3] [--seconds 20] [--output FILE]
+    python -m tools.family_bench --work DIR --families qwen3 --export-only   # the export's time and memory only
 
 For each family, in one run on this machine:
 1. A folder of the example checkpoint's shape (its config's sizes, transformers' own random
@@ -10,8 +11,10 @@ For each family, in one run on this machine:
    The tokenizer's vocabulary does not change the graph's cost: the config's vocab_size sets the
    embedding table. max_seq_length is 512 everywhere, so that the export gate's cases stay
    small; it does not change the graph.
-2. `python -m export --variants fp32 --threads 2`, timed (the parity gate included), and the
-   size of the published graph and its weights.
+2. `python -m export --variants fp32 --threads 2`, timed (the parity gate included), its peak
+   resident memory (the kernel's maximum RSS of the exporter's process), each stage's time and
+   resident memory (VmRSS sampled every RSS_SAMPLE_S from /proc), and the size of the published
+   graph and its weights. --export-only stops there (no server).
 3. A server on that model alone (`--intra-op-threads 2`), warmed up, then one tritonclient gRPC
    client sending 8 rows of 128 random tokens (token inputs) one request at a time for
    --seconds: texts/s, and the resident memory of every server process (VmRSS from /proc,
@@ -24,12 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -49,6 +56,10 @@ from tools.stress.monitor import read_rss_bytes
 ROWS, TOKENS = 8, 128
 THREADS = 2
 MAX_SEQ_LENGTH = 512
+RSS_SAMPLE_S = 0.05
+"""How often the exporter's resident memory is read while it runs."""
+STAGE_LINE = re.compile(r"stage\s+\d+ of \d+: (?P<stage>.*)$")
+"""A stage line of `python -m export` on stderr."""
 
 
 @dataclass(frozen=True)
@@ -63,14 +74,38 @@ class Family:
 
 
 @dataclass
+class StageFigures:
+    """One export stage: how long it took and the exporter's resident memory while it ran."""
+
+    stage: str
+    seconds: float
+    start_rss_mb: float
+    """VmRSS at the stage's first sample: what the stages before it left held."""
+    peak_rss_mb: float
+    """The largest VmRSS sampled during the stage (a spike shorter than RSS_SAMPLE_S can be missed)."""
+
+
+@dataclass
+class ExportFigures:
+    """One export's time and memory."""
+
+    seconds: float
+    peak_rss_mb: float
+    """The kernel's maximum resident set of the exporter's process (wait4's ru_maxrss): nothing is missed."""
+    stages: list[StageFigures]
+
+
+@dataclass
 class Figures:
     """One family's measured figures."""
 
     example: str
     export_s: float
+    export_peak_rss_mb: float
     model_mb: float
-    rss_mb: float
-    texts_per_s: float
+    rss_mb: float | None
+    """None: not served (--export-only)."""
+    texts_per_s: float | None
 
 
 def _embedder(
@@ -306,14 +341,68 @@ FAMILIES = {
 }
 
 
-def _export(source: Path, repository: Path, name: str) -> float:
+class _StageLog:
+    """The exporter's stderr, read as it comes: when each stage started, and the last lines (for a failure)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.started: list[tuple[str, float]] = [("start", time.perf_counter())]
+        self.tail: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            found = STAGE_LINE.search(line.rstrip())
+            if found:
+                self.started.append((found["stage"], time.perf_counter()))
+            self.tail = [*self.tail[-40:], line]
+
+
+def _status_mb(pid: int, field_name: str) -> float | None:
+    """A memory field of /proc/PID/status in MB (VmRSS, VmHWM); None when the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = re.search(rf"^{field_name}:\s+(\d+) kB$", text, re.MULTILINE)
+    return None if found is None else int(found.group(1)) * 1024 / 1e6
+
+
+def _export(source: Path, repository: Path, name: str) -> ExportFigures:
+    """Run `python -m export` on a folder: its time, peak RSS and each stage's time and RSS."""
     command = [sys.executable, "-m", "export", "--source", str(source), "--repository", str(repository)]
     command += ["--name", name, "--variants", "fp32", "--threads", str(THREADS)]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name}: export failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return time.perf_counter() - started
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stages = _StageLog(process.stderr)
+    samples: list[tuple[float, float]] = []
+    while True:
+        # wait4 rather than Popen.wait: it answers the child's own maximum resident set.
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            break
+        rss = _status_mb(process.pid, "VmRSS")
+        if rss is not None:
+            samples.append((time.perf_counter(), rss))
+        time.sleep(RSS_SAMPLE_S)
+    elapsed = time.perf_counter() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    stages.thread.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"{name}: export failed ({process.returncode}):\n{''.join(stages.tail)[-3000:]}")
+    return ExportFigures(
+        round(elapsed, 1), round(usage.ru_maxrss * 1024 / 1e6), _stage_figures(stages.started, samples)
+    )
+
+
+def _stage_figures(started: list[tuple[str, float]], samples: list[tuple[float, float]]) -> list[StageFigures]:
+    """Each stage's seconds and the RSS samples taken while it ran."""
+    ends = [at for _, at in started[1:]] + [samples[-1][0] if samples else started[-1][1]]
+    figures = []
+    for (stage, begin), end in zip(started, ends, strict=True):
+        during = [rss for at, rss in samples if begin <= at <= end] or [0.0]
+        figures.append(StageFigures(stage, round(end - begin, 1), round(during[0]), round(max(during))))
+    return figures
 
 
 def _model_bytes(repository: Path, name: str) -> int:
@@ -352,29 +441,46 @@ def _serve(repository: Path, name: str, vocab: int, seconds: float, parameters: 
     return texts_per_s, rss
 
 
-def measure(name: str, family: Family, work: Path, seconds: float, reuse: bool) -> Figures:
+def _print_stages(name: str, export: ExportFigures) -> None:
+    """One export's stages as a table."""
+    print(f"\n{name}: export {export.seconds} s, peak RSS {export.peak_rss_mb} MB")
+    print("| stage | s | RSS at start MB | peak RSS MB |")
+    print("| --- | --- | --- | --- |")
+    for stage in export.stages:
+        print(f"| {stage.stage} | {stage.seconds} | {stage.start_rss_mb} | {stage.peak_rss_mb} |")
+
+
+def measure(name: str, family: Family, work: Path, seconds: float | None, reuse: str) -> Figures:
     """Make, export and serve one family; its figures.
 
-    `reuse`: serve a repository an earlier run exported under `work`, with the export time it recorded.
+    `reuse`: "exports" serves a repository an earlier run exported under `work`, with the export figures it
+    recorded; "sources" exports the folder an earlier run made there again; "": makes the folder anew.
+    `seconds` None: the export only, no server.
     """
     repository = work / "repositories" / name
-    recorded = repository / "export_seconds.json"
-    if reuse and recorded.exists():
-        source = work / "sources" / name / "model"
-        export_s = json.loads(recorded.read_text())["export_s"]
+    recorded = repository / "export.json"
+    source = work / "sources" / name / "model"
+    if reuse == "exports" and recorded.exists():
+        export = json.loads(recorded.read_text())
+        export = ExportFigures(**export | {"stages": [StageFigures(**stage) for stage in export["stages"]]})
     else:
-        torch.manual_seed(0)
-        source = family.make(work / "sources" / name)
-        export_s = _export(source, repository, name)
-        recorded.write_text(json.dumps({"export_s": export_s}) + "\n")
-    vocab = min(len(transformers.AutoTokenizer.from_pretrained(str(source))), 400)
-    texts_per_s, rss = _serve(repository, name, vocab, seconds, family.parameters)
+        if not (reuse == "sources" and source.is_dir()):
+            torch.manual_seed(0)
+            source = family.make(work / "sources" / name)
+        export = _export(source, repository, name)
+        recorded.write_text(json.dumps(asdict(export)) + "\n")
+        _print_stages(name, export)
+    texts_per_s, rss = None, None
+    if seconds is not None:
+        vocab = min(len(transformers.AutoTokenizer.from_pretrained(str(source))), 400)
+        texts_per_s, rss = _serve(repository, name, vocab, seconds, family.parameters)
     return Figures(
         family.example,
-        round(export_s, 1),
+        export.seconds,
+        export.peak_rss_mb,
         round(_model_bytes(repository, name) / 1e6, 1),
-        round(rss / 1e6),
-        round(texts_per_s, 1),
+        None if rss is None else round(rss / 1e6),
+        None if texts_per_s is None else round(texts_per_s, 1),
     )
 
 
@@ -385,22 +491,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each model is driven")
     parser.add_argument("--output", type=Path, help="also write the figures here as JSON")
-    parser.add_argument(
-        "--reuse-exports", action="store_true", help="serve what an earlier run exported under --work (its export time)"
+    reuse = parser.add_mutually_exclusive_group()
+    reuse.add_argument(
+        "--reuse-exports", action="store_true", help="serve what an earlier run exported under --work (its figures)"
     )
+    reuse.add_argument(
+        "--reuse-sources", action="store_true", help="export again the folders an earlier run made under --work"
+    )
+    parser.add_argument("--export-only", action="store_true", help="measure the exports only, serve nothing")
     options = parser.parse_args(argv)
     names = [name for name in options.families.split(",") if name]
     unknown = [name for name in names if name not in FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    reused = "exports" if options.reuse_exports else "sources" if options.reuse_sources else ""
+    seconds = None if options.export_only else options.seconds
     figures = {}
     for name in names:
-        figures[name] = asdict(measure(name, FAMILIES[name], options.work, options.seconds, options.reuse_exports))
+        figures[name] = asdict(measure(name, FAMILIES[name], options.work, seconds, reused))
         print(name, json.dumps(figures[name]), flush=True)
-    print(f"\n| family | example | export s | model MB | RSS served MB | texts/s at {ROWS}x{TOKENS} |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    columns = "export s | export peak RSS MB | model MB | RSS served MB"
+    print(f"\n| family | example | {columns} | texts/s at {ROWS}x{TOKENS} |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, row in figures.items():
-        cells = [name, *(str(value) for value in row.values())]
+        cells = [name, *("-" if value is None else str(value) for value in row.values())]
         print("| " + " | ".join(cells) + " |")
     if options.output:
         options.output.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from onnxruntime.transformers.optimizer import optimize_model
 
 from export.families.family import BERT_FUSIONS, EncoderSettings
 from export.families.registry import family_of
-from export.graph.onnx_export import save_onnx, too_large_for_one_file
+from export.graph.onnx_export import copy_onnx, too_large_for_one_file
 from export.graph.timing import compare_throughput, cpu_session, token_feed
 from service.core.repository import online_optimization
 
@@ -107,7 +107,7 @@ def fp16_form(config: EncoderSettings) -> str:
 def write_cpu_form(raw: Path, output: Path, config: EncoderSettings, form: str) -> None:
     """Write one CPU candidate form of the exported graph."""
     if form == "unfused":
-        save_onnx(onnx.load(str(raw)), output)
+        copy_onnx(raw, output)
     else:
         _save(_optimise(raw, config, form, use_gpu=False), output)
 

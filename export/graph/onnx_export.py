@@ -3,30 +3,36 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
 import torch
 from google.protobuf.message import EncodeError
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 from torch import nn
 
+from export.families.family import EncoderSettings
 from export.heads.registry import graph_outputs
 from service.core.repository import ADAPTER_IDS
 
 OPSET = 17
 # Protobuf's 2 GiB message limit: larger models keep their weights beside the graph.
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
+WEIGHT_ALIGNMENT_BYTES = 4096
+"""Where each external weight starts: a page boundary."""
 
 log = logging.getLogger(__name__)
 
 
-def input_names(model: nn.Module) -> list[str]:
+def input_names(config: EncoderSettings) -> list[str]:
     """The graph's inputs, in order: token_type_ids only with segments, adapter_ids only with task adapters."""
     names = ["input_ids", "attention_mask"]
-    if model.config.uses_segments:
+    if config.uses_segments:
         names.append("token_type_ids")
-    if getattr(model.config, "tasks", ()):
+    if getattr(config, "tasks", ()):
         names.append(ADAPTER_IDS)
     return names
 
@@ -55,6 +61,78 @@ def save_onnx(model_proto: onnx.ModelProto, path: Path) -> None:
     )
 
 
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor a graph holds: its initializers and its nodes' tensor attributes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for subgraph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                yield from _tensors(subgraph)
+
+
+def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Say where an external tensor's bytes are (onnx's set_external_data wants the bytes in memory)."""
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def gather_weights(graph: onnx.ModelProto, path: Path) -> None:
+    """Move a graph's external weights (wherever beside it they are) into one file, PATH.data, a tensor at a time.
+
+    Each tensor starts at a multiple of WEIGHT_ALIGNMENT_BYTES (ONNX Runtime maps aligned weights rather than
+    reading them); the files the weights came from are removed.
+    """
+    data = path.parent / f"{path.name}.data"
+    writing = path.parent / f"{data.name}.partial"
+    sources = set()
+    with writing.open("wb") as gathered:
+        for tensor in _tensors(graph.graph):
+            if not uses_external_data(tensor):
+                continue
+            info = ExternalDataInfo(tensor)
+            source = path.parent / info.location
+            with source.open("rb") as scattered:
+                scattered.seek(info.offset or 0)
+                raw = scattered.read(info.length or -1)
+            gathered.write(b"\0" * (-gathered.tell() % WEIGHT_ALIGNMENT_BYTES))
+            offset = gathered.tell()
+            gathered.write(raw)
+            _point_to(tensor, data.name, offset, len(raw))
+            sources.add(source)
+    for source in sources:
+        source.unlink()
+    writing.rename(data)
+
+
+def copy_onnx(source: Path, target: Path) -> None:
+    """Copy a graph saved by save_onnx to another name, its external weights (if any) renamed with it.
+
+    Only the graph's structure is loaded: the weights file is copied as bytes, never held in memory
+    (a 0.6B model's 2.4 GB would be, twice, by a load and a save).
+    """
+    graph = onnx.load(str(source), load_external_data=False)
+    tensors = [tensor for tensor in _tensors(graph.graph) if uses_external_data(tensor)]
+    locations = {entry.value for tensor in tensors for entry in tensor.external_data if entry.key == "location"}
+    if not tensors:
+        shutil.copyfile(source, target)
+        return
+    if len(locations) != 1:
+        save_onnx(onnx.load(str(source)), target)
+        return
+    data = f"{target.name}.data"
+    for tensor in tensors:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = data
+    shutil.copyfile(source.parent / locations.pop(), target.parent / data)
+    onnx.save_model(graph, str(target))
+
+
 def output_shapes(model: nn.Module) -> dict[str, tuple[str | int, ...]]:
     """Each output's shape, as the model's head declares it: named dynamic axes and fixed widths."""
     outputs = graph_outputs(model.config, getattr(model, "head_config", None))
@@ -78,7 +156,7 @@ def export_onnx(model: nn.Module, path: Path) -> None:
     The TorchScript exporter is used on purpose: its plain MatMul/Softmax attention is the form
     ONNX Runtime's transformer optimiser can fuse (the dynamo exporter's graph is not).
     """
-    names = input_names(model)
+    names = input_names(model.config)
     # input_ids and attention_mask by position, the optional inputs by name (adapter_ids may come without segments).
     ones = torch.ones(2, 8, dtype=torch.int64)
     example = (ones, ones, {name: ones for name in names[2:]})
@@ -99,8 +177,14 @@ def export_onnx(model: nn.Module, path: Path) -> None:
             dynamic_axes=dynamic_axes,
             do_constant_folding=True,
         )
-    graph = onnx.load(str(path))
+    # The weights stay where the exporter wrote them (a large model's: one file per tensor beside the graph)
+    # until they are gathered into one file a tensor at a time: never the whole model in memory here.
+    graph = onnx.load(str(path), load_external_data=False)
     _declare_output_shapes(graph, shapes)
-    save_onnx(graph, path)
+    if any(uses_external_data(tensor) for tensor in _tensors(graph.graph)):
+        gather_weights(graph, path)
+        onnx.save_model(graph, str(path))
+    else:
+        save_onnx(graph, path)
     onnx.checker.check_model(str(path), full_check=True)
     log.info("exported %s (%d nodes)", path, len(graph.graph.node))

@@ -27,10 +27,9 @@ from export.checkpoints.sentence_transformers_folder import FolderError, read_ob
 from export.families.family import EncoderSettings
 from export.gate.references import bge_m3 as flag_embedding
 from export.gate.references import library
-from export.gate.references.loop import unchecked
+from export.gate.references.loop import VariantCheck, unchecked
 from export.heads.head import (
     SEQUENCE,
-    Checked,
     GraphOutput,
     Head,
     HeadFolder,
@@ -46,8 +45,6 @@ from service.core.repository import P_MULTIVECTOR, TOKEN_VECTORS, TOKEN_WEIGHTS
 from service.core.text_rules import MultiVectorSpec
 
 if TYPE_CHECKING:
-    import onnxruntime as ort
-
     from export.checkpoints.checkpoint import Checkpoint
     from service.pipeline.tokenizer import TextTokenizer
 
@@ -244,22 +241,18 @@ def _outputs(config: EncoderSettings, heads: BgeM3Config) -> tuple[GraphOutput, 
 
 
 def _sentence_transformers_check(
-    checkpoint: Checkpoint,
-    tokenizer: TextTokenizer,
-    input_names: list[str],
-    sessions: dict[str, ort.InferenceSession],
-    sentences: list[str],
-) -> Checked:
+    checkpoint: Checkpoint, tokenizer: TextTokenizer, input_names: list[str], sentences: list[str]
+) -> VariantCheck:
     """sentence-transformers' check where the folder has its files; FlagEmbedding alone checks one without them."""
     if not (checkpoint.folder / "modules.json").is_file():
         reason = "bge-m3 without sentence-transformers files: FlagEmbedding is its reference (flag_embedding)"
-        return unchecked(sessions, reason, failed=False)
-    return library.check_published(checkpoint, tokenizer, input_names, sessions, sentences)
+        return unchecked(reason, failed=False)
+    return library.published_check(checkpoint, tokenizer, input_names, sentences)
 
 
-def _flag_embedding_check(run: ReferenceInputs) -> tuple[dict[str, object], list[str]]:
-    """Every published variant against FlagEmbedding's BGEM3FlagModel on the folder."""
-    return flag_embedding.check_published(run.checkpoint, run.tokenizer, run.input_names, run.sessions, run.sentences)
+def _flag_embedding_answers(run: ReferenceInputs) -> VariantCheck:
+    """FlagEmbedding's BGEM3FlagModel on the folder, as each published variant's check."""
+    return flag_embedding.published_check(run.checkpoint, run.tokenizer, run.input_names, run.sentences)
 
 
 HEAD = Head(
@@ -279,12 +272,11 @@ HEAD = Head(
     library_check=_sentence_transformers_check,
     references=(
         Reference(
-            stage="FlagEmbedding: each published variant against BGEM3FlagModel on the source folder",
+            stage="FlagEmbedding: BGEM3FlagModel on the source folder, for each published variant",
             library="FlagEmbedding",
             report_key="flag_embedding",
-            per_variant=True,
             needs_tokenizer=False,
-            check=_flag_embedding_check,
+            answers=_flag_embedding_answers,
         ),
     ),
 )

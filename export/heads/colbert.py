@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from export.gate.references.multivector import check_multivector
+from export.gate.references.multivector import multivector_check
 from export.heads.head import SEQUENCE, GraphOutput, Head, HeadFolder, HeadWeights, Ungated, UnreadableHead
 from service.core.repository import P_MULTIVECTOR, TOKEN_VECTORS
 from service.core.text_rules import MultiVectorSpec
@@ -232,6 +232,6 @@ HEAD = Head(
     ungated=Ungated(
         ("int8", "fp16"), "a ColBERT model: published in fp32 only (int8 and fp16 are not gated for token vectors)"
     ),
-    library_check=check_multivector,
+    library_check=multivector_check,
 )
 """A ColBERT model's projection of every token."""

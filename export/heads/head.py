@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from torch import Tensor, nn
 
-from export.gate.references.loop import Checked
+from export.gate.references.loop import VariantCheck
 from service.core.text_rules import PairTemplate
 
 if TYPE_CHECKING:  # the checkpoint and the gate read heads; heads name them in annotations only
-    import onnxruntime as ort
-
     from export.checkpoints.checkpoint import Checkpoint
     from export.checkpoints.sentence_transformers_folder import Declarations
     from export.families.family import EncoderSettings
@@ -95,19 +93,17 @@ class Ungated(NamedTuple):
 
 @dataclass(frozen=True)
 class ReferenceInputs:
-    """What a library check is given: the checkpoint, its PyTorch model, and every published variant's session."""
+    """What a library check is given: the checkpoint, the server's tokenizer and graph inputs, and the gate texts."""
 
     checkpoint: Checkpoint
-    model: nn.Module
     tokenizer: TextTokenizer | None
     input_names: list[str]
-    sessions: dict[str, ort.InferenceSession]
     sentences: list[str]
 
 
 @dataclass(frozen=True)
-class Reference:
-    """A library check a head runs after the reference library's (bge-m3's FlagEmbedding, SPLADE's masked LM)."""
+class LibraryStep:
+    """What a head's further library check says of itself: its stage, its library and where its figures go."""
 
     stage: str
     """The export stage it is announced as."""
@@ -115,20 +111,37 @@ class Reference:
     """The library, as a refusal names it ("FlagEmbedding refused: ...")."""
     report_key: str
     """Where parity.json keeps its figures."""
-    per_variant: bool
-    """Figures per published variant (under each variant), or one set for the model (at the top)."""
     needs_tokenizer: bool
     """Run only when the server tokenises (the check feeds texts)."""
-    check: Callable[[ReferenceInputs], tuple[dict[str, object], list[str]]]
-    """-> (figures, failures)."""
 
     def runs(self, with_tokenizer: bool) -> bool:
         """Whether it runs for a model with (or without) a tokenizer."""
         return with_tokenizer or not self.needs_tokenizer
 
 
-LibraryCheck = Callable[..., Checked]
-"""(checkpoint, tokenizer, input names, sessions by variant, sentences) -> figures per variant and failures."""
+@dataclass(frozen=True)
+class Reference(LibraryStep):
+    """A library every published variant is also held to, after the reference library (bge-m3's FlagEmbedding).
+
+    Its figures go under each variant in parity.json.
+    """
+
+    answers: Callable[[ReferenceInputs], VariantCheck]
+    """Runs the library on the folder now (before our model is built; its model is let go after) -> the check each
+    published variant is held to while its session is open."""
+
+
+@dataclass(frozen=True)
+class ModelReference(LibraryStep):
+    """A library the PyTorch model itself is held to (SPLADE's masked LM): one set of figures at parity.json's top."""
+
+    check: Callable[[ReferenceInputs, nn.Module], tuple[dict[str, object], list[str]]]
+    """(inputs, the PyTorch model, while it is built) -> (figures, failures)."""
+
+
+LibraryCheck = Callable[..., VariantCheck]
+"""(checkpoint, tokenizer, input names, sentences) -> the check each published variant is held to (the library runs on
+the folder when this is called, and only its answers are kept)."""
 
 
 def _no_parameters(head: Any) -> dict[str, str]:
@@ -167,4 +180,6 @@ class Head:
     library_stage: str | None = None
     """How library_check's stage is announced (None: as sentence-transformers')."""
     references: tuple[Reference, ...] = ()
-    """Library checks after the reference library's."""
+    """Libraries every published variant is also held to, after the reference library."""
+    model_references: tuple[ModelReference, ...] = ()
+    """Libraries the PyTorch model is held to."""

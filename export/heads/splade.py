@@ -26,7 +26,7 @@ from export.heads.head import (
     Head,
     HeadFolder,
     HeadWeights,
-    Reference,
+    ModelReference,
     ReferenceInputs,
     Ungated,
     UnreadableHead,
@@ -231,9 +231,9 @@ def _read(source: HeadFolder, weights: HeadWeights) -> tuple[SpladeConfig, dict[
         raise SpladeError(f"{source.folder}: {error}") from error
 
 
-def _masked_lm_reference(run: ReferenceInputs) -> tuple[dict[str, object], list[str]]:
+def _masked_lm_reference(run: ReferenceInputs, model: nn.Module) -> tuple[dict[str, object], list[str]]:
     """The PyTorch model against transformers' AutoModelForMaskedLM on the folder, pooled by hand."""
-    return check_masked_lm(run.checkpoint, run.model, run.tokenizer, run.input_names, run.sentences)
+    return check_masked_lm(run.checkpoint, model, run.tokenizer, run.input_names, run.sentences)
 
 
 HEAD = Head(
@@ -248,12 +248,11 @@ HEAD = Head(
         ("int8", "fp16"),
         "a sparse embedder: published in fp32 only (int8 and fp16 are not gated for sparse embeddings)",
     ),
-    references=(
-        Reference(
+    model_references=(
+        ModelReference(
             stage="transformers: the PyTorch model against AutoModelForMaskedLM on the source folder",
             library="transformers",
             report_key="masked_lm_reference",
-            per_variant=False,
             needs_tokenizer=True,
             check=_masked_lm_reference,
         ),

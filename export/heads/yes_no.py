@@ -154,7 +154,7 @@ HEAD = Head(
     pooling=lambda source: ("lasttoken", False),
     pair_template=QWEN3_RERANKER_TEMPLATE,
     ungated=CLASSIFIER_UNGATED,
-    library_check=model_card.check_published,
-    library_stage="the model card: each published variant against its transformers scoring on the source folder",
+    library_check=model_card.published_check,
+    library_stage="the model card: transformers' scoring on the source folder, for each published variant",
 )
 """A causal LM's yes/no reranker (Qwen3-Reranker)."""

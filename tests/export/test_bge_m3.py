@@ -201,8 +201,9 @@ def test_a_folder_without_sentence_transformers_files_is_read_as_flag_embedding_
     assert (checkpoint.task, checkpoint.config.pooling, checkpoint.config.normalize) == ("embed", "cls", True)
     assert checkpoint.head.colbert_width == BGE_M3_WIDTH
     tokenizer = TextTokenizer(folder / "tokenizer.json", checkpoint.max_seq_length, checkpoint.config.pad_token_id)
-    figures, failures = checkpoint.head_declaration.library_check(checkpoint, tokenizer, [], {"fp32": None}, [])
-    assert "FlagEmbedding is its reference" in figures["fp32"]["reason"] and not failures
+    check = checkpoint.head_declaration.library_check(checkpoint, tokenizer, [], [])
+    figures, failures = check("fp32", None)
+    assert "FlagEmbedding is its reference" in figures["reason"] and not failures
 
 
 def test_the_heads_on_another_architecture_are_refused(folder: Path) -> None:

@@ -65,7 +65,7 @@ def tiny_graphs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     )
     fused = folder / "fp32_fused.onnx"
     optimized.save_model_to_file(str(fused))
-    names = input_names(model)
+    names = input_names(model.config)
     rng = np.random.default_rng(0)
     return {
         "folder": folder,

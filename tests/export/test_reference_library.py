@@ -22,9 +22,9 @@ from export.gate.cases import read_sentences
 from export.gate.references.library import (
     FP32_MAX_ABS_DIFF,
     LONG_TEXT_LABEL,
-    check_published,
     library_reference,
     measure,
+    published_check,
 )
 from export.graph.onnx_export import export_onnx, input_names
 from service.core.repository import read_model
@@ -120,7 +120,7 @@ def test_a_plain_folder_is_compared_after_normalising_both(tmp_path: Path) -> No
     assert reference.normalized and "after L2-normalising both" in reference.describe()
     assert reference.labels[-1] == LONG_TEXT_LABEL
     assert np.abs(np.linalg.norm(reference.expected, axis=1) - 1).min() > 0.01  # the library's are not unit vectors
-    arguments = (session, tokenizer, input_names(model))
+    arguments = (session, tokenizer, input_names(model.config))
     lengths = {"max_length": checkpoint.max_seq_length, "pad_token_id": checkpoint.config.pad_token_id}
     figures = measure(reference, "fp32", *arguments, **lengths)
     assert not figures.failures and figures.min_cosine >= 0.9999 and figures.max_abs_diff <= FP32_MAX_ABS_DIFF
@@ -139,10 +139,11 @@ def test_a_folder_the_library_cannot_answer_for_is_refused(tmp_path: Path, expor
     spec = read_model(exported_tasks.repository / "roberta-embed")
     session = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
     tokenizer = TextTokenizer(spec.tokenizer_file, spec.max_sequence_length, spec.pad_token_id)
-    figures, failures = check_published(checkpoint, tokenizer, list(spec.input_names), {"fp32": session}, SENTENCES)
+    check = published_check(checkpoint, tokenizer, list(spec.input_names), SENTENCES)
+    figures, failures = check("fp32", session)
     (failure,) = failures
     assert failure.startswith(f"sentence-transformers could not answer for {source}: RuntimeError: index ")
-    assert figures == {"fp32": {"library": None, "reason": failure}}
+    assert figures == {"library": None, "reason": failure}
 
 
 def _library_figures(directory: Path) -> dict[str, dict]:

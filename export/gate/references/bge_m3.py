@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnxruntime as ort
 
-from export.gate.references.loop import Checked, each_variant, unchecked
+from export.gate.references.loop import VariantCheck, unchecked
 from export.gate.served import served_feeds
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
@@ -257,19 +257,15 @@ def _rounded(figures: dict[str, object]) -> dict[str, object]:
     return rounded
 
 
-def check_published(
-    checkpoint: Checkpoint,
-    tokenizer: TextTokenizer,
-    input_names: list[str],
-    sessions: dict[str, ort.InferenceSession],
-    sentences: list[str],
-) -> Checked:
-    """Every published variant (its session) against FlagEmbedding: figures per variant for parity.json, failures."""
+def published_check(
+    checkpoint: Checkpoint, tokenizer: TextTokenizer, input_names: list[str], sentences: list[str]
+) -> VariantCheck:
+    """FlagEmbedding's answers on the gate texts, as each published variant's check (figures for parity.json)."""
     try:
         reference = m3_reference(checkpoint, sentences)
     except Exception as error:  # whatever stops the library from answering: the folder cannot be checked
         failure = f"FlagEmbedding could not answer for {checkpoint.folder}: {type(error).__name__}: {error}"
-        return unchecked(sessions, failure, failed=True)
+        return unchecked(failure, failed=True)
     feeds = served_feeds(
         tokenizer,
         reference.texts,
@@ -296,4 +292,4 @@ def check_published(
             "passed": not variant_failures,
         }, variant_failures
 
-    return each_variant(sessions, check)
+    return check

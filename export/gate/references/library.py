@@ -27,7 +27,7 @@ import torch
 
 from export.gate.cases import SENTENCE_BATCH, sentence_pairs
 from export.gate.parity import TOLERANCES
-from export.gate.references.loop import Checked, VariantCheck, each_variant, unchecked
+from export.gate.references.loop import VariantCheck, unchecked
 from export.gate.served import served_feeds
 from export.layers.task_adapters import adapter_folders
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
@@ -313,23 +313,22 @@ def unavailable_reason(checkpoint: Checkpoint, tokenizer: TextTokenizer | None) 
     return None
 
 
-def check_published(
-    checkpoint: Checkpoint,
-    tokenizer: TextTokenizer | None,
-    input_names: list[str],
-    sessions: dict[str, ort.InferenceSession],
-    sentences: list[str],
-) -> Checked:
-    """Every published variant (its session) against the library: figures per variant for parity.json, and failures."""
+def published_check(
+    checkpoint: Checkpoint, tokenizer: TextTokenizer | None, input_names: list[str], sentences: list[str]
+) -> VariantCheck:
+    """The library's answers on the gate inputs, as the check each published variant is held to.
+
+    The library's model is loaded, run and let go here: only its answers are kept.
+    """
     reason = unavailable_reason(checkpoint, tokenizer)
     if reason is not None:
-        return unchecked(sessions, reason, failed=False)
+        return unchecked(reason, failed=False)
     try:
         reference = library_reference(checkpoint, sentences)
     except Exception as error:  # whatever stops the library from answering: the folder cannot be checked
         failure = f"sentence-transformers could not answer for {checkpoint.folder}: {type(error).__name__}: {error}"
-        return unchecked(sessions, failure, failed=True)
-    return each_variant(sessions, against(reference, checkpoint, tokenizer, input_names))
+        return unchecked(failure, failed=True)
+    return against(reference, checkpoint, tokenizer, input_names)
 
 
 def against(

@@ -18,7 +18,7 @@ import torch
 
 from export.gate.cases import SENTENCE_BATCH
 from export.gate.references.library import LONG_TEXT_LABEL, quiet_loading, required_figures
-from export.gate.references.loop import Checked, each_variant
+from export.gate.references.loop import VariantCheck
 from protocol import model_config_pb2 as mc
 from service.core.fidelity import cosines
 from service.core.repository import TOKEN_VECTORS, ModelSpec
@@ -188,14 +188,10 @@ def follow_pylate(encoder: MultiVectorEncoder) -> None:
             module.resolve_with_tokenizer(tokenizer)
 
 
-def check_multivector(
-    checkpoint: Checkpoint,
-    tokenizer: TextTokenizer,
-    input_names: list[str],
-    sessions: dict[str, ort.InferenceSession],
-    sentences: list[str],
-) -> Checked:
-    """Every published variant, fed as the server feeds it, against MultiVectorEncoder's encode_query/encode_document.
+def multivector_check(
+    checkpoint: Checkpoint, tokenizer: TextTokenizer, input_names: list[str], sentences: list[str]
+) -> VariantCheck:
+    """MultiVectorEncoder's encode_query/encode_document, as each published variant's check (fed as the server feeds).
 
     The gate sentences, and all of them as one text (longer than document_length: truncation), as
     queries and as documents: the same vectors kept per text, each within the variant's bounds, and
@@ -238,4 +234,4 @@ def check_multivector(
             "passed": not figures.failures,
         }, figures.failures
 
-    return each_variant(sessions, check)
+    return check

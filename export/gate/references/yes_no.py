@@ -15,12 +15,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
 import torch
 
 from export.gate.cases import SENTENCE_BATCH, sentence_pairs
 from export.gate.references.library import LONG_TEXT_LABEL, LibraryReference, against, quiet_loading
-from export.gate.references.loop import Checked, each_variant
+from export.gate.references.loop import VariantCheck
 from service.core.text_rules import PairTemplate
 from service.pipeline.tokenizer import TextTokenizer
 
@@ -65,14 +64,10 @@ def model_card_logits(checkpoint: Checkpoint, pairs: list[tuple[str, str]], temp
     return np.concatenate(logits).astype(np.float32)
 
 
-def check_published(
-    checkpoint: Checkpoint,
-    tokenizer: TextTokenizer,
-    input_names: list[str],
-    sessions: dict[str, ort.InferenceSession],
-    sentences: list[str],
-) -> Checked:
-    """Every published variant against the model card's scoring of the gate pairs (and one long pair, truncated)."""
+def published_check(
+    checkpoint: Checkpoint, tokenizer: TextTokenizer, input_names: list[str], sentences: list[str]
+) -> VariantCheck:
+    """The model card's scoring of the gate pairs (and one long pair, truncated), as each published variant's check."""
     import transformers  # noqa: PLC0415  (build-time only)
 
     texts = [*sentences, " ".join(sentences)]
@@ -92,4 +87,4 @@ def check_published(
         ),
         against="the model card's scoring with transformers' AutoModelForCausalLM on the folder",
     )
-    return each_variant(sessions, against(reference, checkpoint, tokenizer, input_names))
+    return against(reference, checkpoint, tokenizer, input_names)
