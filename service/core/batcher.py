@@ -500,6 +500,8 @@ class Batcher:
     def _record(self, batch: _Batch, compute_s: float) -> None:
         rows, length = batch.feed["input_ids"].shape
         model_metrics = self._metrics
+        for group in batch.groups:
+            model_metrics.ran(group.item.share.priority, group.item.share.tenant, len(group.rows))
         model_metrics.compute_duration.observe(compute_s)
         model_metrics.batch_size.observe(rows)
         model_metrics.padding_ratio.observe(1.0 - batch.real_tokens / (rows * length))

@@ -122,6 +122,12 @@ PADDING_RATIO = Histogram(
 )
 SEQUENCES = Counter(f"{PREFIX}_sequences", "Sequences run through the model.", MODEL_LABELS)
 TOKENS = Counter(f"{PREFIX}_tokens", "Real (unpadded) tokens run through the model.", MODEL_LABELS)
+ROWS_RUN = Counter(
+    f"{PREFIX}_rows_run",
+    "Rows (sequences) run through the model, by priority (1 the highest) and tenant (empty without API keys): how"
+    " the engine was shared. They sum to encoder_sequences_total.",
+    (*MODEL_LABELS, "priority", "tenant"),
+)
 DROPPED = Counter(
     f"{PREFIX}_requests_dropped",
     "Queued requests dropped before running, by reason (cancelled, expired).",
@@ -263,6 +269,7 @@ class ModelMetrics:
         self.sequences = SEQUENCES.labels(*values)
         self.tokens = TOKENS.labels(*values)
         self._answered: dict[str, tuple[Any, Any]] = {}
+        self._rows_run: dict[tuple[int, str], Any] = {}
 
     def answered(self, code: str, seconds: float) -> None:
         """Count one answered request with its status code's name and its time in the server."""
@@ -276,6 +283,13 @@ class ModelMetrics:
     def dropped(self, reason: str) -> None:
         """Count one queued request dropped before it ran (cancelled, expired)."""
         DROPPED.labels(*self.labels.values(), reason).inc()
+
+    def ran(self, priority: int, tenant: str, rows: int) -> None:
+        """Count `rows` of a tenant's request, queued at `priority`, run in a batch that returned."""
+        child = self._rows_run.get((priority, tenant))
+        if child is None:
+            child = self._rows_run[priority, tenant] = ROWS_RUN.labels(*self.labels.values(), str(priority), tenant)
+        child.inc(rows)
 
 
 _BY_MODEL: dict[ModelLabels, ModelMetrics] = {}
