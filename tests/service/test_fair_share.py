@@ -20,8 +20,8 @@ it, which changes no batch's rows). Two more batches, and the 5 of priority 1 ra
 server's counters (encoder_rows_run_total, encoder_queue_rows) and Triton's statistics, never
 from a clock, then fills a last batch with 3 more heavy rows so every request is answered.
 
-Over gRPC unary (tritonclient) and ModelStreamInfer streams (one a tenant); over two front ends
-in the Makefile's ENCODER_FRONTENDS=2 pass (the engine decides). The one speed assumption: the
+Over gRPC unary (tritonclient) and ModelStreamInfer streams, each tenant over two connections;
+over two front ends in the Makefile's ENCODER_FRONTENDS=2 pass (the engine decides). The one speed assumption: the
 test queues its 46 requests while the slow batch runs (seconds); a machine too slow for that
 fails the wait for 46 queued requests, and never passes wrongly.
 """
@@ -29,9 +29,11 @@ fails the wait for 46 queued requests, and never passes wrongly.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -71,6 +73,10 @@ BATCH_ROWS = 8
 HEAVY_ROWS, LIGHT_ROWS = 33, 12
 TEXT = "a fair share"
 """Every queued text: rows of one length, so a batch takes them in their turns' order."""
+CONNECTIONS = 2
+"""Connections each tenant sends over, its requests taking turns: the kernel spreads connections over front ends."""
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+"""Channels to one target otherwise share one connection (gRPC's global subchannel pool)."""
 ANSWER_TIMEOUT_S = 60
 """Bounds the wait for an answer that should come; never what a test asserts."""
 
@@ -92,7 +98,6 @@ def server(tiny_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     arguments = ("--no-warmup", "--device", "cpu", "--api-key-file", str(folder / "tenants.toml"))
     arguments += ("--max-batch-size", str(BATCH_ROWS), "--max-queue-delay-us", "600000000")
     arguments += ("--min-lower-priority-share", "0.25")
-    arguments += ("--max-stream-inflight", "64")  # all of heavy's requests on its one stream
     running = start_server(repository, folder / "server.log", *arguments)
     try:
         yield running
@@ -162,7 +167,7 @@ def test_two_tenants_weighted_3_to_1_get_rows_3_to_1_and_a_lower_priority_still_
         held = hold_engine(server, stub)
         bulk_metadata = tuple(headers("bulk").items())
         bulk = stub.ModelInfer.future(stream_request(TEXT), metadata=bulk_metadata, timeout=ANSWER_TIMEOUT_S)
-        send, answered = send_unary(server) if protocol == "unary" else send_streamed(server, (heavy, light))
+        send, answered = (send_unary if protocol == "unary" else send_streamed)(server, (heavy, light))
         for row in range(HEAVY_ROWS):
             send(heavy)
             if row < LIGHT_ROWS:
@@ -190,15 +195,21 @@ def text_input() -> list[triton_grpc.InferInput]:
     return [tensor]
 
 
-def send_unary(server: RunningServer) -> tuple[Sender, Collector]:
+def send_unary(server: RunningServer, tenants: tuple[str, ...]) -> tuple[Sender, Collector]:
     """One-text requests from tritonclient's async_infer; the tenants whose answers came, once all came."""
-    client = triton_grpc.InferenceServerClient(server.target)
+    clients = {
+        tenant: [
+            triton_grpc.InferenceServerClient(server.target, channel_args=OWN_CONNECTION) for _ in range(CONNECTIONS)
+        ]
+        for tenant in tenants
+    }
+    turns = {tenant: itertools.cycle(connections) for tenant, connections in clients.items()}
     done: queue.Queue[tuple[str, object]] = queue.Queue()
     sent = []
 
     def send(tenant: str) -> None:
         sent.append(tenant)
-        client.async_infer(
+        next(turns[tenant]).async_infer(
             TINY_MODEL, text_input(), lambda result, error: done.put((tenant, error)), headers=headers(tenant)
         )
 
@@ -206,39 +217,56 @@ def send_unary(server: RunningServer) -> tuple[Sender, Collector]:
         try:
             answers = [done.get(timeout=ANSWER_TIMEOUT_S) for _ in sent]
         finally:
-            client.close()
+            for client in itertools.chain(*clients.values()):
+                client.close()
         assert [error for _, error in answers if error is not None] == []
         return [tenant for tenant, _ in answers]
 
     return send, answered
 
 
+@dataclass
+class Stream:
+    """A tenant's ModelStreamInfer stream, on a connection of its own."""
+
+    tenant: str
+    channel: grpc.Channel
+    outgoing: queue.Queue[pb.ModelInferRequest | None]
+    answers: Iterator[pb.ModelStreamInferResponse]
+    sent: int = 0
+
+
 def send_streamed(server: RunningServer, tenants: tuple[str, ...]) -> tuple[Sender, Collector]:
-    """One-text requests over one ModelStreamInfer stream per tenant; the tenants whose answers came, once all came."""
-    channel = grpc.insecure_channel(server.target)
-    stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    outgoing: dict[str, queue.Queue[pb.ModelInferRequest | None]] = {tenant: queue.Queue() for tenant in tenants}
-    streams = {
-        tenant: stub.ModelStreamInfer(iter(outgoing[tenant].get, None), metadata=tuple(headers(tenant).items()))
-        for tenant in tenants
-    }
-    sent = dict.fromkeys(tenants, 0)
+    """One-text requests over ModelStreamInfer streams; the tenants whose answers came, once all came."""
+    streams = []
+    for tenant in tenants:
+        for _ in range(CONNECTIONS):
+            channel = grpc.insecure_channel(server.target, OWN_CONNECTION)
+            outgoing: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
+            metadata = tuple(headers(tenant).items())
+            answers = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                iter(outgoing.get, None), metadata=metadata
+            )
+            streams.append(Stream(tenant, channel, outgoing, answers))
+    turns = {tenant: itertools.cycle([stream for stream in streams if stream.tenant == tenant]) for tenant in tenants}
 
     def send(tenant: str) -> None:
-        outgoing[tenant].put(stream_request(TEXT, request_id=str(sent[tenant])))
-        sent[tenant] += 1
+        stream = next(turns[tenant])
+        stream.outgoing.put(stream_request(TEXT, request_id=str(stream.sent)))
+        stream.sent += 1
 
     def answered() -> list[str]:
+        tenants_answered = []
         try:
-            tenants_answered = []
-            for tenant, stream in streams.items():
-                answers = [next(stream) for _ in range(sent[tenant])]
+            for stream in streams:
+                answers = [next(stream.answers) for _ in range(stream.sent)]
                 assert [answer.error_message for answer in answers if answer.error_message] == []
-                assert sorted(int(answer.infer_response.id) for answer in answers) == list(range(sent[tenant]))
-                tenants_answered += [tenant] * len(answers)
-                outgoing[tenant].put(None)
+                assert sorted(int(answer.infer_response.id) for answer in answers) == list(range(stream.sent))
+                tenants_answered += [stream.tenant] * len(answers)
+                stream.outgoing.put(None)
         finally:
-            channel.close()
+            for stream in streams:
+                stream.channel.close()
         return tenants_answered
 
     return send, answered
