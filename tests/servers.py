@@ -40,6 +40,7 @@ __all__ = [
     "start_server",
     "wait_for_metric",
     "wait_for_queue_depth",
+    "wait_until",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -424,12 +424,12 @@ class Batcher:
         instance.run(batch, tuple(name for name in self._output_names if name in wanted))
 
     def _full(self) -> bool:
-        """Whether the waiting rows fill a batch (its rows, or its tokens at the longest waiting row)."""
+        """Whether the waiting rows fill a batch (its rows, or its tokens at the longest waiting row, padded)."""
         waiting_rows = self._pending.waiting_rows
         if waiting_rows >= self.policy.max_batch_size:
             return True
         longest = max(item.next_length for item in self._pending)
-        return waiting_rows * longest >= self.policy.max_batch_tokens
+        return waiting_rows * self.policy.padded_length(longest) >= self.policy.max_batch_tokens
 
     def _drop_dead(self) -> None:
         """Remove cancelled requests and fail expired ones among those the next batch is chosen from, counting both.

@@ -161,6 +161,20 @@ async def test_batches_respect_row_and_token_budgets() -> None:
     await batcher.close(WAIT_S)
 
 
+async def test_rows_filling_the_token_budget_at_their_bucketed_length_run_without_waiting_the_delay() -> None:
+    """Two rows of 3 tokens, bucketed to 4, fill 8 tokens: a full batch, not one waiting out the 600 s delay."""
+    runner = FakeRunner()
+    batcher = await make_batcher(
+        "bucketed-full", [runner], max_batch_tokens=8, length_bucket=4, max_queue_delay_s=600.0
+    )
+    first = submit(batcher, [[1, 2, 3]])
+    await queued("bucketed-full", 1)
+    second = submit(batcher, [[4, 5, 6]])
+    await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
+    assert runner.batches == [(2, 4)]
+    await batcher.close(WAIT_S)
+
+
 def test_selection_groups_similar_lengths_around_the_oldest() -> None:
     loop = asyncio.new_event_loop()
     try:
