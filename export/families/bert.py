@@ -15,19 +15,19 @@ apart, for export.heads.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
-from export.layers.pooling import POOLING_MODES, Pooling, pool
+from export.layers.pooling import pool
 from export.sources import UnusableSource
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
@@ -39,20 +39,10 @@ class ConfigError(UnusableSource):
     """An encoder configuration that cannot describe a working model."""
 
 
-@dataclass(frozen=True)
-class EncoderConfig:
+@dataclass(frozen=True, kw_only=True)
+class EncoderConfig(EncoderConfigBase):
     """Hyper-parameters of a BERT-style encoder, validated on construction."""
 
-    vocab_size: int
-    """Number of token ids."""
-    d_model: int
-    """Width of every hidden state."""
-    num_heads: int
-    """Attention heads per layer; each has d_k = d_model / num_heads."""
-    num_layers: int
-    """Encoder layers stacked (S)."""
-    ffn_dim: int
-    """Inner width of the position-wise feed-forward network."""
     max_positions: int = 512
     """Longest sequence the position embedding covers."""
     type_vocab_size: int = 2
@@ -70,27 +60,17 @@ class EncoderConfig:
     """Buckets of a relative position bias shared by every layer (MPNet); 0: none."""
     relative_attention_max_distance: int = 128
     """Distance from which relative positions share the last (logarithmic) bucket."""
-    pooling: Pooling = "mean"
-    """How one vector is made per sequence (export.layers.pooling): mean, cls, max or lasttoken."""
-    normalize: bool = True
-    """L2-normalise the pooled embedding."""
-    pad_token_id: int = 0
-    """Id used to pad sequences."""
+
+    invalid: ClassVar[type[ValueError]] = ConfigError
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        super().__post_init__()
         if self.d_model % self.num_heads:
             raise ConfigError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
         if self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
         if self.activation not in ("gelu", "gelu_tanh", "relu"):
             raise ConfigError(f"unsupported activation {self.activation!r}")
-        if self.pooling not in POOLING_MODES:
-            raise ConfigError(f"unsupported pooling {self.pooling!r}")
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ConfigError(f"unsupported position embedding {self.position_embedding!r}")
         if self.position_ids not in ("sequential", "after_padding"):
@@ -99,18 +79,12 @@ class EncoderConfig:
             raise ConfigError(f"max_positions {self.max_positions} leaves no position after pad_token_id")
         if self.relative_attention_buckets < 0 or self.relative_attention_max_distance <= 0:
             raise ConfigError("relative attention buckets must be >= 0 and their max distance positive")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ConfigError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+        self.check_pad_token_id()
 
     @property
     def head_dim(self) -> int:
         """d_k: the width of one attention head."""
         return self.d_model // self.num_heads
-
-    @property
-    def uses_segments(self) -> bool:
-        """Whether the model takes token_type_ids (a single segment row needs no input)."""
-        return self.type_vocab_size > 1
 
     @property
     def max_sequence_positions(self) -> int:
@@ -119,14 +93,18 @@ class EncoderConfig:
             return self.max_positions - self.pad_token_id - 1
         return self.max_positions
 
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json and the repository's parameters."""
-        return dataclasses.asdict(self)
-
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 HEAD_PREFIXES = ("pooler.", "classifier.", "pre_classifier.", "lm_head.", "vocab_", "cls.")
 """Weights of task heads, kept apart from the encoder's."""
+DISTILBERT_SIZE_KEYS = {
+    "vocab_size": "vocab_size",
+    "d_model": "dim",
+    "num_heads": "n_heads",
+    "num_layers": "n_layers",
+    "ffn_dim": "hidden_dim",
+}
+"""DistilBERT's config.json keys for the shared sizes."""
 MPNET_PADDING_ID = 1
 """MPNet's embeddings take id 1 as padding whatever the config says (its vocabulary pads with 1)."""
 
@@ -180,13 +158,6 @@ JINA_REMOTE_CODE = (
 )
 
 
-def _activation(hf_config: dict, key: str) -> str:
-    activation = hf_config.get(key, "gelu")
-    if activation not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported {key} {activation!r} (supported: {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[activation]
-
-
 def _build(**fields: object) -> EncoderConfig:
     try:
         return EncoderConfig(**fields)
@@ -194,14 +165,8 @@ def _build(**fields: object) -> EncoderConfig:
         raise ArchitectureError(f"config.json: {error}") from error
 
 
-def _require(hf_config: dict, *keys: str) -> None:
-    for key in keys:
-        if key not in hf_config:
-            raise ArchitectureError(f"config.json lacks {key!r}")
-
-
 def _bert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
-    _require(hf_config, "vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+    shared = read_shared_fields(hf_config, pooling, normalize)
     if "lora_adaptations" in hf_config:
         raise ArchitectureError(f"unsupported {JINA_REMOTE_CODE}")
     if hf_config.get("position_embedding_type", "absolute") != "absolute":
@@ -212,38 +177,22 @@ def _bert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfi
     if hf_config.get("model_type") == "mpnet" and hf_config.get("pad_token_id", MPNET_PADDING_ID) != MPNET_PADDING_ID:
         raise ArchitectureError(f"MPNet counts positions after id {MPNET_PADDING_ID}: pad_token_id must be it")
     return _build(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["hidden_size"],
-        num_heads=hf_config["num_attention_heads"],
-        num_layers=hf_config["num_hidden_layers"],
-        ffn_dim=hf_config["intermediate_size"],
+        **shared,
         max_positions=hf_config.get("max_position_embeddings", 512),
         type_vocab_size=hf_config.get("type_vocab_size", 0 if hf_config.get("model_type") == "mpnet" else 2),
-        activation=_activation(hf_config, "hidden_act"),
+        activation=read_activation(hf_config, "hidden_act", ACTIVATIONS, "gelu"),
         layer_norm_eps=hf_config.get("layer_norm_eps", 1e-12),
         position_ids="after_padding" if roberta_style else "sequential",
         relative_attention_buckets=hf_config.get("relative_attention_num_buckets", 0),
-        pooling=pooling,
-        normalize=normalize,
-        pad_token_id=hf_config.get("pad_token_id") or 0,
     )
 
 
 def _distilbert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
-    _require(hf_config, "vocab_size", "dim", "n_heads", "n_layers", "hidden_dim")
     return _build(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["dim"],
-        num_heads=hf_config["n_heads"],
-        num_layers=hf_config["n_layers"],
-        ffn_dim=hf_config["hidden_dim"],
+        **read_shared_fields(hf_config, pooling, normalize, DISTILBERT_SIZE_KEYS),
         max_positions=hf_config.get("max_position_embeddings", 512),
         type_vocab_size=0,
-        activation=_activation(hf_config, "activation"),
-        layer_norm_eps=1e-12,
-        pooling=pooling,
-        normalize=normalize,
-        pad_token_id=hf_config.get("pad_token_id") or 0,
+        activation=read_activation(hf_config, "activation", ACTIVATIONS, "gelu"),
     )
 
 

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import unwrapped
-from export.families.family import BERT_FUSIONS, Family, Format, OwnEncoderFacts
+from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
+from export.families.family import BERT_FUSIONS, Family, Format
 from export.layers.pooling import pool
 
 ACTIVATIONS = {
@@ -50,15 +51,10 @@ UNUSED_POSITION_TABLE = "embeddings.position_embeddings.weight"
 """An absolute position table some checkpoints carry with position_biased_input false; transformers ignores it too."""
 
 
-@dataclass(frozen=True)
-class DebertaConfig(OwnEncoderFacts):
+@dataclass(frozen=True, kw_only=True)
+class DebertaConfig(EncoderConfigBase):
     """Hyper-parameters of a DeBERTa-v2/v3 encoder, validated on construction."""
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
     max_positions: int = 512
     """Longest sequence: the relative distances are tabulated up to it."""
     type_vocab_size: int = 0
@@ -80,13 +76,10 @@ class DebertaConfig(OwnEncoderFacts):
     """The convolution beside the first layer (DeBERTa-v2 xlarge); 0: none."""
     conv_groups: int = 1
     conv_activation: str = "tanh"
-    pad_token_id: int = 0
-    pooling: str = "mean"
-    normalize: bool = True
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions")
-        self.check_sizes_and_pooling((*positive, "max_relative_positions", "conv_groups"))
+        super().__post_init__()
+        self.check_positive(("max_relative_positions", "conv_groups"))
         if self.d_model % self.num_heads:
             raise ArchitectureError(f"hidden_size {self.d_model} is not divisible by num_attention_heads")
         unknown = [term for term in self.attention_terms if term not in ATTENTION_TERMS]
@@ -104,8 +97,7 @@ class DebertaConfig(OwnEncoderFacts):
                 f"conv_kernel_size {self.conv_kernel_size} / conv_groups {self.conv_groups}: an odd kernel"
                 " (an even one changes the sequence length) over groups that divide hidden_size"
             )
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ArchitectureError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+        self.check_pad_token_id()
 
     @property
     def head_dim(self) -> int:
@@ -121,13 +113,6 @@ class DebertaConfig(OwnEncoderFacts):
     def scale_factor(self) -> int:
         """The scores are divided by √(d_k · this): one for content, one for each position term."""
         return 1 + len(self.attention_terms)
-
-
-def _activation_name(hf_config: dict, key: str, default: str) -> str:
-    name = hf_config.get(key, default)
-    if name not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported {key} {name!r} (supported: {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
 
 
 def _refuse_unimplemented(hf_config: dict) -> None:
@@ -146,9 +131,7 @@ def _refuse_unimplemented(hf_config: dict) -> None:
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> DebertaConfig:
     """Translate a Hugging Face DeBERTa-v2 config.json (DeBERTa-v3 uses the same model_type)."""
-    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
-        if key not in hf_config:
-            raise ArchitectureError(f"config.json lacks {key!r}")
+    shared = read_shared_fields(hf_config, pooling, normalize)
     _refuse_unimplemented(hf_config)
     terms = hf_config.get("pos_att_type") or ()
     if isinstance(terms, str):
@@ -159,14 +142,10 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> DebertaCon
     max_positions = hf_config.get("max_position_embeddings", 512)
     max_relative = hf_config.get("max_relative_positions", -1)
     return DebertaConfig(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["hidden_size"],
-        num_heads=hf_config["num_attention_heads"],
-        num_layers=hf_config["num_hidden_layers"],
-        ffn_dim=hf_config["intermediate_size"],
+        **shared,
         max_positions=max_positions,
         type_vocab_size=hf_config.get("type_vocab_size", 0),
-        activation=_activation_name(hf_config, "hidden_act", "gelu"),
+        activation=read_activation(hf_config, "hidden_act", ACTIVATIONS, "gelu"),
         layer_norm_eps=hf_config.get("layer_norm_eps", 1e-7),
         relative_attention=bool(hf_config.get("relative_attention", False)),
         attention_terms=tuple(terms),
@@ -176,10 +155,7 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> DebertaCon
         norm_rel_embeddings="layer_norm" in norm,
         conv_kernel_size=max(hf_config.get("conv_kernel_size", 0), 0),
         conv_groups=hf_config.get("conv_groups", 1),
-        conv_activation=_activation_name(hf_config, "conv_act", "tanh"),
-        pad_token_id=hf_config.get("pad_token_id") or 0,
-        pooling=pooling,
-        normalize=normalize,
+        conv_activation=read_activation(hf_config, "conv_act", ACTIVATIONS, "tanh"),
     )
 
 

@@ -20,25 +20,19 @@ from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import split_weights
-from export.families.family import BERT_FUSIONS, Family, Format, OwnEncoderFacts
+from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
+from export.families.family import BERT_FUSIONS, Family, Format
 from export.layers.pooling import pool
 from export.layers.rotary import RotaryTable, rotate
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 
-@dataclass(frozen=True)
-class ModernBertConfig(OwnEncoderFacts):
-    """Hyper-parameters of a ModernBERT encoder, validated on construction."""
+@dataclass(frozen=True, kw_only=True)
+class ModernBertConfig(EncoderConfigBase):
+    """Hyper-parameters of a ModernBERT encoder, validated on construction (ffn_dim: W_in projects to twice it)."""
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
-    """Width of the MLP's gated inner layer (W_in projects to twice this: input and gate)."""
     max_positions: int = 8192
-    pad_token_id: int = 0
     layer_norm_eps: float = 1e-5
     norm_bias: bool = False
     attention_bias: bool = False
@@ -50,13 +44,10 @@ class ModernBertConfig(OwnEncoderFacts):
     """The local window: a local layer's token sees local_attention // 2 tokens on either side."""
     global_layers: tuple[bool, ...] = ()
     """Per layer: global attention (True) or local (False)."""
-    pooling: str = "mean"
-    normalize: bool = True
 
     def __post_init__(self) -> None:
-        self.check_sizes_and_pooling(
-            ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions", "local_attention")
-        )
+        super().__post_init__()
+        self.check_positive(("local_attention",))
         if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
             raise ArchitectureError(f"d_model {self.d_model} / num_heads {self.num_heads} must be an even head width")
         if len(self.global_layers) != self.num_layers:
@@ -72,9 +63,7 @@ class ModernBertConfig(OwnEncoderFacts):
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> ModernBertConfig:
     """Translate a Hugging Face ModernBERT config.json."""
-    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
-        if key not in hf_config:
-            raise ArchitectureError(f"config.json lacks {key!r}")
+    shared = read_shared_fields(hf_config, pooling, normalize)
     layers = hf_config["num_hidden_layers"]
     types = hf_config.get("layer_types")
     if types:
@@ -83,25 +72,18 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> ModernBert
         every = hf_config.get("global_attn_every_n_layers", 3)
         global_layers = tuple(index % every == 0 for index in range(layers))
     rope = hf_config.get("rope_parameters") or {}
-    activation = hf_config.get("hidden_activation", "gelu")
-    if activation not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported hidden_activation {activation!r} (supported: {', '.join(ACTIVATIONS)})")
+    activation = read_activation(hf_config, "hidden_activation", ACTIVATIONS, "gelu")
     for kind in ("full_attention", "sliding_attention"):
         if rope.get(kind, {}).get("rope_type", "default") != "default":
             raise ArchitectureError(f"unsupported rope_type {rope[kind]['rope_type']!r}: only default rotary angles")
     return ModernBertConfig(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["hidden_size"],
-        num_heads=hf_config["num_attention_heads"],
-        num_layers=layers,
-        ffn_dim=hf_config["intermediate_size"],
+        **shared,
         max_positions=hf_config.get("max_position_embeddings", 8192),
-        pad_token_id=hf_config.get("pad_token_id") or 0,
         layer_norm_eps=hf_config.get("norm_eps", 1e-5),
         norm_bias=hf_config.get("norm_bias", False),
         attention_bias=hf_config.get("attention_bias", False),
         mlp_bias=hf_config.get("mlp_bias", False),
-        activation=ACTIVATIONS[activation],
+        activation=activation,
         global_rope_theta=rope.get("full_attention", {}).get(
             "rope_theta", hf_config.get("global_rope_theta", 160_000.0)
         ),
@@ -110,8 +92,6 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> ModernBert
         ),
         local_attention=hf_config.get("local_attention", 128),
         global_layers=global_layers,
-        pooling=pooling,
-        normalize=normalize,
     )
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.families.encoder_config import read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
 from export.families.rotary_bert_encoder import RotaryBertConfig, RotaryBertEncoder
 from export.layers.task_adapters import Target, adapter_folders, read_task_adapters
@@ -73,21 +73,39 @@ HEAD_PREFIXES = ("pooler.", "classifier.", "lm_head.", "cls.")
 WRAPPERS = ("0.auto_model.", "model.")
 
 
-@dataclass(frozen=True)
-class _Defaults:
-    """A family's native configuration defaults (transformers' GteConfig / NomicBertConfig)."""
-
-    vocab_size: int
-    hidden_act: str
-    max_position_embeddings: int
-    type_vocab_size: int
-    pad_token_id: int
-    rope_theta: float
-
-
-GTE_DEFAULTS = _Defaults(250048, "gelu", 8192, 1, 1, 160_000.0)
-JINA_DEFAULTS = _Defaults(250002, "gelu", 8194, 1, 1, 20_000.0)
-NOMIC_BERT_DEFAULTS = _Defaults(30528, "silu", 2048, 2, 0, 1000.0)
+BERT_DEFAULTS = {
+    "hidden_size": 768,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "intermediate_size": 3072,
+    "layer_norm_eps": 1e-12,
+}
+"""transformers' defaults of the BERT-style keys the three families' native configurations share."""
+GTE_DEFAULTS = BERT_DEFAULTS | {
+    "vocab_size": 250048,
+    "hidden_act": "gelu",
+    "max_position_embeddings": 8192,
+    "type_vocab_size": 1,
+    "pad_token_id": 1,
+    "rope_theta": 160_000.0,
+}
+"""transformers' GteConfig defaults: a key config.json leaves out takes its value here."""
+JINA_DEFAULTS = GTE_DEFAULTS | {
+    "vocab_size": 250002,
+    "max_position_embeddings": 8194,
+    "rope_theta": 20_000.0,
+    "layer_norm_eps": 1e-5,
+}
+"""transformers' JinaEmbeddingsV3Config defaults (the rest as GTE's)."""
+NOMIC_BERT_DEFAULTS = BERT_DEFAULTS | {
+    "vocab_size": 30528,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "type_vocab_size": 2,
+    "pad_token_id": 0,
+    "rope_theta": 1000.0,
+}
+"""transformers' NomicBertConfig defaults."""
 
 
 def _shown(value: object) -> str:
@@ -100,7 +118,7 @@ def _check_fixed(hf_config: dict, fixed: dict[str, object]) -> None:
             raise ArchitectureError(f"unsupported {key} {_shown(hf_config[key])} (only {_shown(implemented)})")
 
 
-def _rope(hf_config: dict, default_theta: float) -> tuple[float, float]:
+def _rope(hf_config: dict) -> tuple[float, float]:
     """(θ, linear factor) of rope_scaling / rope_parameters / rope_theta, read as transformers reads them."""
     rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
     for key, value in rope.items():
@@ -114,34 +132,23 @@ def _rope(hf_config: dict, default_theta: float) -> tuple[float, float]:
     partial = rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ArchitectureError(f"unsupported partial_rotary_factor {partial!r}: only rotary over whole heads")
-    theta = rope.get("rope_theta", hf_config.get("rope_theta", default_theta))
+    theta = rope.get("rope_theta", hf_config["rope_theta"])
     return float(theta), float(rope["factor"]) if kind == "linear" else 1.0
 
 
-def _common(hf_config: dict, defaults: _Defaults, pooling: str, normalize: bool) -> dict[str, object]:
-    """The fields both families read alike (transformers' BERT-style keys with the family's defaults)."""
-    d_model = hf_config.get("hidden_size", 768)
-    num_heads = hf_config.get("num_attention_heads", 12)
-    activation = hf_config.get("hidden_act", defaults.hidden_act)
-    if activation not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported hidden_act {activation!r} (supported: {', '.join(ACTIVATIONS)})")
-    theta, factor = _rope(hf_config, defaults.rope_theta)
-    pad_token_id = hf_config.get("pad_token_id", defaults.pad_token_id)
-    return {
-        "vocab_size": hf_config.get("vocab_size", defaults.vocab_size),
-        "d_model": d_model,
-        "num_heads": num_heads,
-        "num_layers": hf_config.get("num_hidden_layers", 12),
-        "ffn_dim": hf_config.get("intermediate_size", 3072),
-        "head_dim": hf_config.get("head_dim") or d_model // num_heads,
+def _common(hf_config: dict, defaults: dict[str, object], pooling: str, normalize: bool) -> dict[str, object]:
+    """The fields the three families read alike: config.json's keys over the family's defaults (as transformers)."""
+    read = defaults | hf_config
+    shared = read_shared_fields(read, pooling, normalize)
+    theta, factor = _rope(read)
+    return shared | {
+        "head_dim": read.get("head_dim") or shared["d_model"] // shared["num_heads"],
         "rope_theta": theta,
         "rope_linear_factor": factor,
-        "type_vocab_size": hf_config.get("type_vocab_size", defaults.type_vocab_size),
-        "activation": ACTIVATIONS[activation],
-        "layer_norm_eps": hf_config.get("layer_norm_eps", 1e-12),
-        "pooling": pooling,
-        "normalize": normalize,
-        "pad_token_id": 0 if pad_token_id is None else pad_token_id,
+        "type_vocab_size": read["type_vocab_size"],
+        "activation": read_activation(read, "hidden_act", ACTIVATIONS, defaults["hidden_act"]),
+        "layer_norm_eps": read["layer_norm_eps"],
+        "max_positions": read["max_position_embeddings"],
     }
 
 
@@ -150,7 +157,6 @@ def gte_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertConf
     _check_fixed(hf_config, GTE_FIXED)
     return RotaryBertConfig(
         **_common(hf_config, GTE_DEFAULTS, pooling, normalize),
-        max_positions=hf_config.get("max_position_embeddings", GTE_DEFAULTS.max_position_embeddings),
         attention_bias=True,
         up_gate_bias=False,
         down_bias=True,
@@ -180,7 +186,7 @@ def nomic_bert_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryB
         )
     gated, activation = (
         hf_config.get("activation_function"),
-        hf_config.get("hidden_act", NOMIC_BERT_DEFAULTS.hidden_act),
+        hf_config.get("hidden_act", NOMIC_BERT_DEFAULTS["hidden_act"]),
     )
     if gated is not None and NOMIC_GATED_ACTIVATIONS.get(gated) != activation:
         raise ArchitectureError(
@@ -190,8 +196,7 @@ def nomic_bert_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryB
     # The remote-code form names its length n_positions; rotary angles do not depend on it.
     max_positions = hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
     return RotaryBertConfig(
-        **common,
-        max_positions=max_positions or NOMIC_BERT_DEFAULTS.max_position_embeddings,
+        **(common | {"max_positions": max_positions or NOMIC_BERT_DEFAULTS["max_position_embeddings"]}),
         attention_bias=False,
         up_gate_bias=False,
         down_bias=False,
@@ -203,10 +208,8 @@ def jina_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertCon
 
     Its task adapters are not in config.json: export.layers.task_adapters reads them from their folders.
     """
-    common = _common(hf_config, JINA_DEFAULTS, pooling, normalize)
     return RotaryBertConfig(
-        **{**common, "layer_norm_eps": hf_config.get("layer_norm_eps", 1e-5)},
-        max_positions=hf_config.get("max_position_embeddings", JINA_DEFAULTS.max_position_embeddings),
+        **_common(hf_config, JINA_DEFAULTS, pooling, normalize),
         attention_bias=True,
         up_gate_bias=True,
         down_bias=True,

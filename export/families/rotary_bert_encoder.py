@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.families.family import OwnEncoderFacts
+from export.families.encoder_config import EncoderConfigBase
 from export.layers.pooling import pool
 from export.layers.rotary import RotaryTable, rotate
 from export.layers.task_adapters import TaskLora
@@ -31,20 +31,16 @@ from export.layers.task_adapters import TaskLora
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 
 
-@dataclass(frozen=True)
-class RotaryBertConfig(OwnEncoderFacts):
-    """Hyper-parameters of a rotary, gated, post-norm BERT (GTE, NomicBERT), validated on construction."""
+@dataclass(frozen=True, kw_only=True)
+class RotaryBertConfig(EncoderConfigBase):
+    """Hyper-parameters of a rotary, post-norm BERT (GTE, NomicBERT, Jina), validated on construction.
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
-    """Width of the gated inner layer (W_up and W_gate each project to it)."""
+    ffn_dim is the width of the inner layer (W_up and, gated, W_gate each project to it); max_positions the
+    longest sequence the model was made for (rotary angles themselves have no limit).
+    """
+
     head_dim: int
     """d_k: the width of one attention head (num_heads · head_dim need not be d_model)."""
-    max_positions: int
-    """Longest sequence the model was made for (rotary angles themselves have no limit)."""
     rope_theta: float
     """The rotary base θ."""
     rope_linear_factor: float = 1.0
@@ -65,14 +61,10 @@ class RotaryBertConfig(OwnEncoderFacts):
     """Task adapters, id = position + 1 in adapter_ids (0: none); empty: the model has none."""
     lora_columns: tuple[tuple[str, int], ...] = ()
     """Each adapted module (as the encoder names it, e.g. layers.0.attention.qkv) and its LoRA columns."""
-    pooling: str = "mean"
-    normalize: bool = True
-    pad_token_id: int = 0
 
     def __post_init__(self) -> None:
-        self.check_sizes_and_pooling(
-            ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "head_dim", "max_positions")
-        )
+        super().__post_init__()
+        self.check_positive(("head_dim",))
         if self.head_dim % 2:
             raise ArchitectureError(f"head width {self.head_dim} must be even for rotary positions")
         if self.rope_theta <= 0 or self.rope_linear_factor <= 0:
@@ -81,8 +73,7 @@ class RotaryBertConfig(OwnEncoderFacts):
             raise ArchitectureError(f"type_vocab_size must be >= 0, got {self.type_vocab_size!r}")
         if self.activation not in ACTIVATIONS:
             raise ArchitectureError(f"unsupported activation {self.activation!r} (supported: {', '.join(ACTIVATIONS)})")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ArchitectureError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+        self.check_pad_token_id()
         if self.tasks and self.uses_segments:
             raise ArchitectureError("task adapters with segment ids (type_vocab_size > 1) are not implemented")
 
