@@ -16,7 +16,6 @@ apart, for export.heads.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
 from export.layers.pooling import pool
@@ -109,48 +109,6 @@ MPNET_PADDING_ID = 1
 """MPNet's embeddings take id 1 as padding whatever the config says (its vocabulary pads with 1)."""
 
 
-@dataclass(frozen=True)
-class WeightNames:
-    """How a BERT-family checkpoint names its weights, and the encoder's names for them."""
-
-    prefixes: tuple[str, ...]
-    """Prefixes that wrap the base model inside task models and sentence-transformers modules."""
-    layer_key: re.Pattern[str]
-    """Matches a layer weight: groups are the layer index, the module and weight/bias."""
-    layer_renames: dict[str, str]
-    other_renames: dict[str, str]
-    """Modules outside the layers (embeddings, relative attention bias) -> the encoder's."""
-
-    def rename(self, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The encoder's weights under its names, and the task-head weights (prefix stripped) apart."""
-        encoder: dict[str, torch.Tensor] = {}
-        heads: dict[str, torch.Tensor] = {}
-        for original, tensor in weights.items():
-            key = original
-            for prefix in self.prefixes:
-                if key.startswith(prefix):
-                    key = key[len(prefix) :]
-                    break
-            key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
-            if key.endswith("position_ids"):
-                continue
-            if key.startswith(HEAD_PREFIXES):
-                heads[key] = tensor
-                continue
-            layer = self.layer_key.match(key)
-            if layer:
-                index, module, kind = layer.groups()
-                if module not in self.layer_renames:
-                    raise ArchitectureError(f"unexpected weight {original!r}")
-                encoder[f"layers.{index}.{self.layer_renames[module]}.{kind}"] = tensor
-                continue
-            module, _, kind = key.rpartition(".")
-            if module not in self.other_renames:
-                raise ArchitectureError(f"unexpected weight {original!r}")
-            encoder[f"{self.other_renames[module]}.{kind}"] = tensor
-        return encoder, heads
-
-
 JINA_REMOTE_CODE = (
     "jina-embeddings-v3 remote-code form (xlm-roberta with lora_adaptations, XLMRobertaLoRA), which transformers"
     " runs only with trust_remote_code: its transformers-native form (model_type 'jina_embeddings_v3' with one"
@@ -196,34 +154,25 @@ def _distilbert_config(hf_config: dict, pooling: str, normalize: bool) -> Encode
     )
 
 
-_BERT_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
-_BERT_LAYER_RENAMES = {
+_WRAPPERS = ("0.auto_model.", "model.")
+_EMBEDDINGS = {**BERT_EMBEDDINGS, "embeddings.position_embeddings": "embeddings.position"}
+
+
+def _names(prefix: str, layers: str, modules: dict[str, str], others: dict[str, str] = _EMBEDDINGS) -> ModuleRenames:
+    """A model type's weight names: its model under `prefix`, its layer list `layers`, a layer's `modules`."""
+    return ModuleRenames((prefix, *_WRAPPERS), HEAD_PREFIXES, layers, modules, others, ("position_ids",), True)
+
+
+_BERT_LAYER = {
     "attention.self.query": "attention.query",
     "attention.self.key": "attention.key",
     "attention.self.value": "attention.value",
-    "attention.output.dense": "attention.output",
-    "attention.output.LayerNorm": "attention_norm",
-    "intermediate.dense": "feed_forward.inner",
-    "output.dense": "feed_forward.outer",
-    "output.LayerNorm": "output_norm",
+    **BERT_ATTENTION_OUTPUT,
+    **BERT_FEED_FORWARD,
 }
-_EMBEDDING_RENAMES = {
-    "embeddings.word_embeddings": "embeddings.token",
-    "embeddings.position_embeddings": "embeddings.position",
-    "embeddings.token_type_embeddings": "embeddings.segment",
-    "embeddings.LayerNorm": "embeddings.norm",
-}
-_WRAPPERS = ("0.auto_model.", "model.")
-
-
-def _bert_like(model_type: str, prefix: str, classifier_style: str) -> Format:
-    names = WeightNames((prefix, *_WRAPPERS), _BERT_LAYER, _BERT_LAYER_RENAMES, _EMBEDDING_RENAMES)
-    return Format(model_type, _bert_config, names.rename, classifier_style)
-
-
-_DISTILBERT_NAMES = WeightNames(
-    ("distilbert.", *_WRAPPERS),
-    re.compile(r"^transformer\.layer\.(\d+)\.(.+)\.(weight|bias)$"),
+_DISTILBERT_NAMES = _names(
+    "distilbert.",
+    r"transformer\.layer",
     {
         "attention.q_lin": "attention.query",
         "attention.k_lin": "attention.key",
@@ -234,23 +183,25 @@ _DISTILBERT_NAMES = WeightNames(
         "ffn.lin2": "feed_forward.outer",
         "output_layer_norm": "output_norm",
     },
-    _EMBEDDING_RENAMES,
 )
-_MPNET_NAMES = WeightNames(
-    ("mpnet.", *_WRAPPERS),
-    _BERT_LAYER,
+_MPNET_NAMES = _names(
+    "mpnet.",
+    r"encoder\.layer",
     {
         "attention.attn.q": "attention.query",
         "attention.attn.k": "attention.key",
         "attention.attn.v": "attention.value",
         "attention.attn.o": "attention.output",
         "attention.LayerNorm": "attention_norm",
-        "intermediate.dense": "feed_forward.inner",
-        "output.dense": "feed_forward.outer",
-        "output.LayerNorm": "output_norm",
+        **BERT_FEED_FORWARD,
     },
-    {**_EMBEDDING_RENAMES, "encoder.relative_attention_bias": "relative_attention_bias"},
+    {**_EMBEDDINGS, "encoder.relative_attention_bias": "relative_attention_bias"},
 )
+
+
+def _bert_like(model_type: str, prefix: str, classifier_style: str) -> Format:
+    names = _names(prefix, r"encoder\.layer", _BERT_LAYER)
+    return Format(model_type, _bert_config, names.split, classifier_style)
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> Tensor:
@@ -435,8 +386,8 @@ FAMILY = Family(
         _bert_like("bert", "bert.", "bert"),
         _bert_like("roberta", "roberta.", "roberta"),
         _bert_like("xlm-roberta", "roberta.", "roberta"),
-        Format("distilbert", _distilbert_config, _DISTILBERT_NAMES.rename, "distilbert"),
-        Format("mpnet", _bert_config, _MPNET_NAMES.rename, "roberta"),
+        Format("distilbert", _distilbert_config, _DISTILBERT_NAMES.split, "distilbert"),
+        Format("mpnet", _bert_config, _MPNET_NAMES.split, "roberta"),
     ),
     graph_forms=BERT_FUSIONS,
 )

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.checkpoints.weight_names import unwrapped
+from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
 from export.layers.pooling import pool
@@ -159,49 +159,29 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> DebertaCon
     )
 
 
-_LAYER_RENAMES = {
-    "attention.self.query_proj": "attention.query",
-    "attention.self.key_proj": "attention.key",
-    "attention.self.value_proj": "attention.value",
-    "attention.self.pos_key_proj": "attention.position_key",
-    "attention.self.pos_query_proj": "attention.position_query",
-    "attention.output.dense": "attention.output",
-    "attention.output.LayerNorm": "attention_norm",
-    "intermediate.dense": "feed_forward.inner",
-    "output.dense": "feed_forward.outer",
-    "output.LayerNorm": "output_norm",
-}
-_OTHER_RENAMES = {
-    "embeddings.word_embeddings": "embeddings.token",
-    "embeddings.token_type_embeddings": "embeddings.segment",
-    "embeddings.LayerNorm": "embeddings.norm",
-    "encoder.rel_embeddings": "relative_embeddings",
-    "encoder.LayerNorm": "relative_norm",
-    "encoder.conv.conv": "conv.conv",
-    "encoder.conv.LayerNorm": "conv.norm",
-}
-
-
-def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """DeBERTa-v2's parameter names -> this module's, and the task heads' weights apart."""
-    encoder: dict[str, Tensor] = {}
-    heads: dict[str, Tensor] = {}
-    for original, tensor in weights.items():
-        key = unwrapped(original, ("deberta.", "0.auto_model.", "model."))
-        if key.startswith(HEAD_PREFIXES):
-            heads[key] = tensor
-            continue
-        if key == UNUSED_POSITION_TABLE or key.endswith("position_ids"):
-            continue  # position_biased_input true is refused, so the table is never read
-        parts = key.split(".")
-        module, kind = ".".join(parts[:-1]), parts[-1]
-        if parts[:2] == ["encoder", "layer"] and len(parts) > 3 and ".".join(parts[3:-1]) in _LAYER_RENAMES:
-            encoder[f"layers.{parts[2]}.{_LAYER_RENAMES['.'.join(parts[3:-1])]}.{kind}"] = tensor
-        elif module in _OTHER_RENAMES:
-            encoder[f"{_OTHER_RENAMES[module]}.{kind}"] = tensor
-        else:
-            raise ArchitectureError(f"unexpected weight {original!r}")
-    return encoder, heads
+rename_weights = ModuleRenames(
+    ("deberta.", "0.auto_model.", "model."),
+    HEAD_PREFIXES,
+    r"encoder\.layer",
+    {
+        "attention.self.query_proj": "attention.query",
+        "attention.self.key_proj": "attention.key",
+        "attention.self.value_proj": "attention.value",
+        "attention.self.pos_key_proj": "attention.position_key",
+        "attention.self.pos_query_proj": "attention.position_query",
+        **BERT_ATTENTION_OUTPUT,
+        **BERT_FEED_FORWARD,
+    },
+    {
+        **BERT_EMBEDDINGS,
+        "encoder.rel_embeddings": "relative_embeddings",
+        "encoder.LayerNorm": "relative_norm",
+        "encoder.conv.conv": "conv.conv",
+        "encoder.conv.LayerNorm": "conv.norm",
+    },
+    unread=("position_ids", UNUSED_POSITION_TABLE),  # position_biased_input true is refused: the table is not read
+).split
+"""DeBERTa-v2's parameter names -> this module's, and the task heads' weights apart."""
 
 
 def _activate(name: str, x: Tensor) -> Tensor:

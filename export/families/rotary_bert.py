@@ -17,12 +17,12 @@ jinaai/jina-embeddings-v3-hf ships it), its task adapters by export.layers.task_
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import torch
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.weight_names import BERT_EMBEDDINGS, ModuleRenames, Slot, as_slot
 from export.families.encoder_config import read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
 from export.families.rotary_bert_encoder import RotaryBertConfig, RotaryBertEncoder
@@ -217,113 +217,70 @@ def jina_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertCon
     )
 
 
-Slot = tuple[str, int, int]
-"""A checkpoint module's place in the encoder: (module, part, parts): part of a matrix joined from parts."""
-_LAYER = re.compile(r"^(?:encoder\.layers?|layers)\.(\d+)\.(.+)\.(weight|bias)$")
-_EMBEDDINGS = {
-    "embeddings.word_embeddings": "embeddings.token",
-    "embeddings.token_type_embeddings": "embeddings.segment",
-    "embeddings.LayerNorm": "embeddings.norm",
-    "emb_ln": "embeddings.norm",
+_EMBEDDINGS = {**BERT_EMBEDDINGS, "emb_ln": "embeddings.norm"}
+_NATIVE_LAYER: dict[str, str | Slot] = {
+    "self_attn.q_proj": Slot("attention.qkv", 0, 3),
+    "self_attn.k_proj": Slot("attention.qkv", 1, 3),
+    "self_attn.v_proj": Slot("attention.qkv", 2, 3),
+    "self_attn.o_proj": "attention.output",
+    "post_attention_layernorm": "attention_norm",
+    "mlp.up_proj": Slot("feed_forward.up_gate", 0, 2),
+    "mlp.gate_proj": Slot("feed_forward.up_gate", 1, 2),
+    "mlp.down_proj": "feed_forward.down",
+    "post_mlp_layernorm": "output_norm",
 }
-_NATIVE_LAYER: dict[str, Slot] = {
-    "self_attn.q_proj": ("attention.qkv", 0, 3),
-    "self_attn.k_proj": ("attention.qkv", 1, 3),
-    "self_attn.v_proj": ("attention.qkv", 2, 3),
-    "self_attn.o_proj": ("attention.output", 0, 1),
-    "post_attention_layernorm": ("attention_norm", 0, 1),
-    "mlp.up_proj": ("feed_forward.up_gate", 0, 2),
-    "mlp.gate_proj": ("feed_forward.up_gate", 1, 2),
-    "mlp.down_proj": ("feed_forward.down", 0, 1),
-    "post_mlp_layernorm": ("output_norm", 0, 1),
-}
-_JINA_LAYER: dict[str, Slot] = {
+"""The layer modules as transformers' modules name them (Q, K and V, W_up and W_gate, apart)."""
+_ORIGINAL_NORMS = {"norm1": "attention_norm", "norm2": "output_norm"}
+"""NomicBERT's and Jina's original names of a layer's two LayerNorms."""
+_JINA_LAYER: dict[str, str | Slot] = {
     **{module: slot for module, slot in _NATIVE_LAYER.items() if not module.startswith("mlp.")},
-    "mlp.fc1": ("feed_forward.up", 0, 1),
-    "mlp.fc2": ("feed_forward.down", 0, 1),
-    "mixer.Wqkv": ("attention.qkv", 0, 1),
-    "mixer.out_proj": ("attention.output", 0, 1),
-    "norm1": ("attention_norm", 0, 1),
-    "norm2": ("output_norm", 0, 1),
+    **_ORIGINAL_NORMS,
+    "mlp.fc1": "feed_forward.up",
+    "mlp.fc2": "feed_forward.down",
+    "mixer.Wqkv": "attention.qkv",
+    "mixer.out_proj": "attention.output",
 }
 """jina-embeddings-v3's layer modules, as transformers' modules name them and as its checkpoints do (what
 save_pretrained writes: the original model's names, Q, K and V in one Wqkv)."""
-_GTE_LAYER: dict[str, Slot] = {
+_GTE_LAYER: dict[str, str | Slot] = {
     **_NATIVE_LAYER,
-    "attention.qkv_proj": ("attention.qkv", 0, 1),
-    "attention.o_proj": ("attention.output", 0, 1),
-    "attn_ln": ("attention_norm", 0, 1),
-    "mlp.up_gate_proj": ("feed_forward.up_gate", 0, 1),
-    "mlp_ln": ("output_norm", 0, 1),
+    "attention.qkv_proj": "attention.qkv",
+    "attention.o_proj": "attention.output",
+    "attn_ln": "attention_norm",
+    "mlp.up_gate_proj": "feed_forward.up_gate",
+    "mlp_ln": "output_norm",
 }
-_NOMIC_LAYER: dict[str, Slot] = {
+_NOMIC_LAYER: dict[str, str | Slot] = {
     **_NATIVE_LAYER,
-    "attn.Wqkv": ("attention.qkv", 0, 1),
-    "attn.out_proj": ("attention.output", 0, 1),
-    "norm1": ("attention_norm", 0, 1),
-    "mlp.fc11": ("feed_forward.up_gate", 0, 2),
-    "mlp.fc12": ("feed_forward.up_gate", 1, 2),
-    "mlp.fc2": ("feed_forward.down", 0, 1),
-    "norm2": ("output_norm", 0, 1),
+    **_ORIGINAL_NORMS,
+    "attn.Wqkv": "attention.qkv",
+    "attn.out_proj": "attention.output",
+    "mlp.fc11": Slot("feed_forward.up_gate", 0, 2),
+    "mlp.fc12": Slot("feed_forward.up_gate", 1, 2),
+    "mlp.fc2": "feed_forward.down",
 }
+_LAYERS = r"encoder\.layers?|layers"
+"""The layer list: encoder.layer (GTE's original), encoder.layers (NomicBERT's, Jina's), layers (transformers')."""
 
 
-def _rename(
-    weights: dict[str, torch.Tensor], prefixes: tuple[str, ...], layer_slots: dict[str, Slot]
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The encoder's weights under its names (parts joined), and the task heads' weights (prefix stripped) apart."""
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    counts: dict[str, int] = {}
-    heads: dict[str, torch.Tensor] = {}
-    for original, tensor in weights.items():
-        key = next((original[len(p) :] for p in prefixes if original.startswith(p)), original)
-        if key.rpartition(".")[2] in BUFFERS:
-            continue
-        if key.startswith(HEAD_PREFIXES):
-            heads[key] = tensor
-            continue
-        layer = _LAYER.match(key)
-        module, _, kind = key.rpartition(".")
-        if layer and layer.group(2) in layer_slots:
-            target, part, count = layer_slots[layer.group(2)]
-            target = f"layers.{layer.group(1)}.{target}.{kind}"
-        elif not layer and module in _EMBEDDINGS:
-            target, part, count = f"{_EMBEDDINGS[module]}.{kind}", 0, 1
-        else:
-            raise ArchitectureError(f"unexpected weight {original!r}")
-        if counts.setdefault(target, count) != count or part in parts.setdefault(target, {}):
-            raise ArchitectureError(f"weight {original!r} given twice (in two namings)")
-        parts[target][part] = tensor
-    encoder = {}
-    for target, pieces in parts.items():
-        if len(pieces) != counts[target]:
-            raise ArchitectureError(f"{target}: {len(pieces)} of its {counts[target]} parts in the checkpoint")
-        encoder[target] = torch.cat([pieces[i] for i in range(counts[target])], dim=0)
-    return encoder, heads
+def _names(prefixes: tuple[str, ...], layer_modules: dict[str, str | Slot]) -> ModuleRenames:
+    return ModuleRenames((*prefixes, *WRAPPERS), HEAD_PREFIXES, _LAYERS, layer_modules, _EMBEDDINGS, BUFFERS)
 
 
-def rename_gte_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """GTE's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
-    return _rename(weights, ("new.", "gte.", *WRAPPERS), _GTE_LAYER)
-
-
-def rename_nomic_bert_weights(
-    weights: dict[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """NomicBERT's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
-    return _rename(weights, ("nomic_bert.", *WRAPPERS), _NOMIC_LAYER)
-
-
-def rename_jina_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """jina-embeddings-v3's parameter names (transformers') -> the encoder's, and the task heads' weights apart."""
-    return _rename(weights, ("roberta.", *WRAPPERS), _JINA_LAYER)
+rename_gte_weights = _names(("new.", "gte."), _GTE_LAYER).split
+"""GTE's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
+rename_nomic_bert_weights = _names(("nomic_bert.",), _NOMIC_LAYER).split
+"""NomicBERT's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
+rename_jina_weights = _names(("roberta.",), _JINA_LAYER).split
+"""jina-embeddings-v3's parameter names (transformers') -> the encoder's, and the task heads' weights apart."""
 
 
 def jina_adapter_targets(num_layers: int) -> dict[str, Target]:
     """Where a LoRA of each of jina-embeddings-v3's modules (transformers' names) lands in the encoder."""
     targets = {"embeddings.word_embeddings": Target("embeddings.token")}
     for index in range(num_layers):
-        for module, (slot, part, parts) in _JINA_LAYER.items():
+        for module, place in _JINA_LAYER.items():
+            slot, part, parts = as_slot(place)
             if "norm" not in module:
                 for layer in (f"layers.{index}", f"encoder.layers.{index}"):
                     targets[f"{layer}.{module}"] = Target(f"layers.{index}.{slot}", part, parts)
