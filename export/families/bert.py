@@ -27,7 +27,7 @@ from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
-from export.layers.pooling import pool
+from export.layers.pooling import PooledEncoder
 from export.sources import UnusableSource
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
@@ -338,14 +338,11 @@ class EncoderLayer(nn.Module):
         return self.output_norm(hidden + self.feed_forward(hidden))
 
 
-class Encoder(nn.Module):
+class Encoder(PooledEncoder):
     """The whole encoder: embeddings, S layers, pooling and optional normalisation."""
 
-    output_names = ("last_hidden_state", "embedding")
-
     def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
         buckets = config.relative_attention_buckets
@@ -369,13 +366,6 @@ class Encoder(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, attention_bias)
         return hidden, mask
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
 
 
 FAMILY = Family(

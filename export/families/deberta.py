@@ -33,7 +33,7 @@ from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
-from export.layers.pooling import pool
+from export.layers.pooling import PooledEncoder
 
 ACTIVATIONS = {
     "gelu": "gelu",
@@ -334,14 +334,11 @@ class Convolution(nn.Module):
         return self.norm(hidden + _activate(self.activation, convolved)) * mask.unsqueeze(-1)
 
 
-class DebertaEncoder(nn.Module):
+class DebertaEncoder(PooledEncoder):
     """The whole encoder: embeddings, S layers of disentangled attention (and the convolution), pooling."""
 
-    output_names = ("last_hidden_state", "embedding")
-
     def __init__(self, config: DebertaConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         relative = config.relative_attention
@@ -386,13 +383,6 @@ class DebertaEncoder(nn.Module):
             if index == 0 and self.conv is not None:
                 hidden = self.conv(embedded, hidden, mask)
         return hidden, mask
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
 
 
 FAMILY = Family(

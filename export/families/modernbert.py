@@ -22,7 +22,7 @@ from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import split_weights
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
-from export.layers.pooling import pool
+from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable, rotate
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
@@ -177,14 +177,11 @@ class Layer(nn.Module):
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
-class ModernBertEncoder(nn.Module):
+class ModernBertEncoder(PooledEncoder):
     """The whole encoder: embeddings, S layers of global or local attention, final LayerNorm, pooling."""
 
-    output_names = ("last_hidden_state", "embedding")
-
     def __init__(self, config: ModernBertConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config, index) for index in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
@@ -213,13 +210,6 @@ class ModernBertEncoder(nn.Module):
         for layer, is_global in zip(self.layers, self.config.global_layers, strict=True):
             hidden = layer(hidden, *layer_inputs[is_global])
         return self.final_norm(hidden), mask
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
 
 
 FAMILY = Family(

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.families.encoder_config import EncoderConfigBase
-from export.layers.pooling import pool
+from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable, rotate
 from export.layers.task_adapters import TaskLora
 
@@ -190,14 +190,11 @@ class Layer(nn.Module):
         return self.output_norm(hidden + self.feed_forward(hidden, adapter_ids))
 
 
-class RotaryBertEncoder(nn.Module):
+class RotaryBertEncoder(PooledEncoder):
     """The whole encoder: embeddings, S rotary post-norm layers, pooling."""
 
-    output_names = ("last_hidden_state", "embedding")
-
     def __init__(self, config: RotaryBertConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config, index) for index in range(config.num_layers))
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_positions, config.rope_linear_factor)
@@ -220,17 +217,6 @@ class RotaryBertEncoder(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, rotary, attention_bias, adapter_ids)
         return hidden, mask
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        token_type_ids: Tensor | None = None,
-        adapter_ids: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids, adapter_ids)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
 
 
 def _adapted(linear: nn.Linear, lora: TaskLora | None, x: Tensor, adapter_ids: Tensor | None) -> Tensor:

@@ -22,7 +22,7 @@ from export.checkpoints.weight_names import split_weights
 from export.families.encoder_config import EncoderConfigBase, read_shared_fields
 from export.families.family import Renamer
 from export.layers.grouped_attention import GroupedQueryAttention
-from export.layers.pooling import pool
+from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable
 
 WRAPPERS = ("model.", "0.auto_model.")
@@ -166,13 +166,11 @@ def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-class DecoderEncoder(nn.Module):
+class DecoderEncoder(PooledEncoder):
     """Embeddings, S decoder layers, final norm, pooling; a family says what each layer attends to.
 
     By default every layer reads every token the mask keeps, with one rotary table (base rope_theta).
     """
-
-    output_names = ("last_hidden_state", "embedding")
 
     def __init__(
         self,
@@ -185,8 +183,7 @@ class DecoderEncoder(nn.Module):
         sandwich: bool = False,
         rotary: nn.Module | None = None,
     ) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(
             DecoderLayer(config, norm=norm, activation=activation, scale=scale, head_norm=head_norm, sandwich=sandwich)
@@ -217,10 +214,3 @@ class DecoderEncoder(nn.Module):
         for layer, (rotary, bias) in zip(self.layers, self.layer_inputs(attention_mask, hidden.dtype), strict=True):
             hidden = layer(hidden, rotary, bias)
         return self.norm(hidden), mask
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
