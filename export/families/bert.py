@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
+from export.layers.feed_forward import FeedForward
 from export.layers.pooling import PooledEncoder
+from export.layers.segments import SegmentEmbedding
 from export.sources import UnusableSource
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
@@ -224,7 +225,7 @@ class Embeddings(nn.Module):
         if config.position_embedding == "sinusoidal":
             self.position.weight.data.copy_(sinusoidal_positions(config.max_positions, config.d_model))
             self.position.weight.requires_grad_(False)
-        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.segment = SegmentEmbedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.pad_token_id = config.pad_token_id
         self.positions_after_padding = config.position_ids == "after_padding"
@@ -241,12 +242,7 @@ class Embeddings(nn.Module):
         """Embed ids [batch, seq] into hidden states [batch, seq, d_model]."""
         hidden = self.token(input_ids) + self.position(self.positions(input_ids))
         if self.segment is not None:
-            if self.segment.num_embeddings == 1:
-                hidden = hidden + self.segment.weight[0]
-            else:
-                if token_type_ids is None:
-                    token_type_ids = torch.zeros_like(input_ids)
-                hidden = hidden + self.segment(token_type_ids)
+            hidden = hidden + self.segment(input_ids, token_type_ids)
         return self.norm(hidden)
 
 
@@ -303,25 +299,6 @@ class MultiHeadAttention(nn.Module):
         return self.output(concatenated)
 
 
-class FeedForward(nn.Module):
-    """Position-wise feed-forward network: Linear, activation, Linear."""
-
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        self.inner = nn.Linear(config.d_model, config.ffn_dim)
-        self.outer = nn.Linear(config.ffn_dim, config.d_model)
-        self.activation = config.activation
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        """Apply the network to every position independently."""
-        inner = self.inner(hidden)
-        if self.activation == "relu":
-            inner = F.relu(inner)
-        else:
-            inner = F.gelu(inner, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.outer(inner)
-
-
 class EncoderLayer(nn.Module):
     """One post-norm layer: x = LN(x + Attention(x)); x = LN(x + FFN(x))."""
 
@@ -329,7 +306,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.attention = MultiHeadAttention(config.d_model, config.num_heads)
         self.attention_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config.d_model, config.ffn_dim, config.activation)
         self.output_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, hidden: Tensor, attention_bias: Tensor) -> Tensor:

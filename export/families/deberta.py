@@ -26,14 +26,15 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
+from export.layers.feed_forward import FeedForward, activate
 from export.layers.pooling import PooledEncoder
+from export.layers.segments import SegmentEmbedding
 
 ACTIVATIONS = {
     "gelu": "gelu",
@@ -184,14 +185,6 @@ rename_weights = ModuleRenames(
 """DeBERTa-v2's parameter names -> this module's, and the task heads' weights apart."""
 
 
-def _activate(name: str, x: Tensor) -> Tensor:
-    if name == "relu":
-        return F.relu(x)
-    if name == "tanh":
-        return torch.tanh(x)
-    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
-
-
 def relative_buckets(distances: Tensor, buckets: int, max_distance: int) -> Tensor:
     """The bucket of each relative distance (query - key): exact below buckets / 2, log-spaced beyond.
 
@@ -224,18 +217,14 @@ class Embeddings(nn.Module):
     def __init__(self, config: DebertaConfig) -> None:
         super().__init__()
         self.token = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
-        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.segment = SegmentEmbedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, mask: Tensor) -> Tensor:
         """Embed ids [batch, seq] into [batch, seq, d_model]; mask is the float attention mask [batch, seq]."""
         hidden = self.token(input_ids)
         if self.segment is not None:
-            if self.segment.num_embeddings == 1:
-                hidden = hidden + self.segment.weight[0]
-            else:
-                segments = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-                hidden = hidden + self.segment(segments)
+            hidden = hidden + self.segment(input_ids, token_type_ids)
         return self.norm(hidden) * mask.unsqueeze(-1)
 
 
@@ -288,20 +277,6 @@ class DisentangledAttention(nn.Module):
         return self.output(context)
 
 
-class FeedForward(nn.Module):
-    """Position-wise feed-forward network: Linear, activation, Linear."""
-
-    def __init__(self, config: DebertaConfig) -> None:
-        super().__init__()
-        self.inner = nn.Linear(config.d_model, config.ffn_dim)
-        self.outer = nn.Linear(config.ffn_dim, config.d_model)
-        self.activation = config.activation
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        """Apply the network to every position independently."""
-        return self.outer(_activate(self.activation, self.inner(hidden)))
-
-
 class Layer(nn.Module):
     """One post-norm layer: x = LN(x + Attention(x)); x = LN(x + FFN(x))."""
 
@@ -309,7 +284,7 @@ class Layer(nn.Module):
         super().__init__()
         self.attention = DisentangledAttention(config)
         self.attention_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config.d_model, config.ffn_dim, config.activation)
         self.output_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, hidden: Tensor, key_bias: Tensor, relative: Relative | None) -> Tensor:
@@ -331,7 +306,7 @@ class Convolution(nn.Module):
     def forward(self, embedded: Tensor, hidden: Tensor, mask: Tensor) -> Tensor:
         """embedded: the embeddings [batch, seq, d_model]; hidden: the first layer's output; mask [batch, seq]."""
         convolved = self.conv(embedded.transpose(1, 2)).transpose(1, 2) * mask.unsqueeze(-1)
-        return self.norm(hidden + _activate(self.activation, convolved)) * mask.unsqueeze(-1)
+        return self.norm(hidden + activate(self.activation, convolved)) * mask.unsqueeze(-1)
 
 
 class DebertaEncoder(PooledEncoder):

@@ -15,13 +15,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import split_weights
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
+from export.layers.feed_forward import activate
 from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable, rotate
 
@@ -105,12 +105,6 @@ def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[
     )
 
 
-def _activation(name: str, x: Tensor) -> Tensor:
-    if name == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
-
-
 class Embeddings(nn.Module):
     """Token embeddings, then LayerNorm."""
 
@@ -157,7 +151,7 @@ class MLP(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """Apply the network to every position independently."""
         inner, gate = self.Wi(hidden).chunk(2, dim=-1)
-        return self.Wo(_activation(self.activation, inner) * gate)
+        return self.Wo(activate(self.activation, inner) * gate)
 
 
 class Layer(nn.Module):

@@ -19,13 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.families.encoder_config import EncoderConfigBase
+from export.layers.feed_forward import activate
 from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable, rotate
+from export.layers.segments import SegmentEmbedding
 from export.layers.task_adapters import TaskLora
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
@@ -83,14 +84,6 @@ class RotaryBertConfig(EncoderConfigBase):
         return None if columns is None else TaskLora(width_in, width_out, columns, embedding)
 
 
-def _activation(name: str, x: Tensor) -> Tensor:
-    if name == "silu":
-        return F.silu(x)
-    if name == "relu":
-        return F.relu(x)
-    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
-
-
 class Embeddings(nn.Module):
     """Token (+ segment) embeddings, then LayerNorm."""
 
@@ -98,7 +91,7 @@ class Embeddings(nn.Module):
         super().__init__()
         self.token = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
         self.token_lora = config.lora("embeddings.token", config.vocab_size, config.d_model, embedding=True)
-        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.segment = SegmentEmbedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, adapter_ids: Tensor | None = None) -> Tensor:
@@ -107,12 +100,7 @@ class Embeddings(nn.Module):
         if self.token_lora is not None and adapter_ids is not None:
             hidden = hidden + self.token_lora(input_ids, adapter_ids)
         if self.segment is not None:
-            if self.segment.num_embeddings == 1:
-                hidden = hidden + self.segment.weight[0]
-            else:
-                if token_type_ids is None:
-                    token_type_ids = torch.zeros_like(input_ids)
-                hidden = hidden + self.segment(token_type_ids)
+            hidden = hidden + self.segment(input_ids, token_type_ids)
         return self.norm(hidden)
 
 
@@ -166,9 +154,9 @@ class FeedForward(nn.Module):
         """Apply the network to every position independently."""
         if self.gated:
             up, gate = self.up_gate(hidden).chunk(2, dim=-1)
-            inner = _activation(self.activation, gate) * up
+            inner = activate(self.activation, gate) * up
         else:
-            inner = _activation(self.activation, _adapted(self.up, self.up_lora, hidden, adapter_ids))
+            inner = activate(self.activation, _adapted(self.up, self.up_lora, hidden, adapter_ids))
         return _adapted(self.down, self.down_lora, inner, adapter_ids)
 
 
@@ -204,6 +192,7 @@ class RotaryBertEncoder(PooledEncoder):
         input_ids: Tensor,
         attention_mask: Tensor,
         token_type_ids: Tensor | None = None,
+        *,
         adapter_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The last hidden states [batch, seq, d_model] and the float mask [batch, seq] (task heads start here).
