@@ -32,6 +32,7 @@ from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
+from export.layers.attention import attend
 from export.layers.feed_forward import FeedForward, activate
 from export.layers.pooling import PooledEncoder
 from export.layers.segments import SegmentEmbedding
@@ -272,8 +273,7 @@ class DisentangledAttention(nn.Module):
             p2c = torch.matmul(key, self._heads(projection(relative.embeddings)).transpose(-1, -2))
             index = relative.p2c_rows.expand(batch, heads, length, length)  # p2c: [batch, heads, key, 2·span]
             scores = scores + torch.gather(p2c, -1, index).transpose(-1, -2) / self.scale
-        weights = torch.softmax(scores + key_bias, dim=-1)
-        context = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
+        context = attend(scores, key_bias, value, batch, length)
         return self.output(context)
 
 

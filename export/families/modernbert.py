@@ -21,6 +21,7 @@ from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import split_weights
 from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
+from export.layers.attention import attend
 from export.layers.feed_forward import activate
 from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable, rotate
@@ -134,8 +135,7 @@ class Attention(nn.Module):
         query, key, value = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, seq, d_k]
         query, key = rotate(query, *rotary), rotate(key, *rotary)
         scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        weights = torch.softmax(scores + attention_bias, dim=-1)
-        context = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
+        context = attend(scores, attention_bias, value, batch, length)
         return self.Wo(context)
 
 

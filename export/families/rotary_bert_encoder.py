@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.families.encoder_config import EncoderConfigBase
+from export.layers.attention import attend
 from export.layers.feed_forward import activate
 from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable, rotate
@@ -127,8 +128,7 @@ class Attention(nn.Module):
         query, key, value = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, seq, d_k]
         query, key = rotate(query, *rotary), rotate(key, *rotary)
         scores = torch.matmul(query, key.transpose(-1, -2)) * self.head_dim**-0.5
-        weights = torch.softmax(scores + attention_bias, dim=-1)
-        context = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
+        context = attend(scores, attention_bias, value, batch, length)
         return _adapted(self.output, self.output_lora, context, adapter_ids)
 
 
