@@ -15,19 +15,20 @@ apart, for export.heads.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
+from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
-from export.layers.pooling import POOLING_MODES, Pooling, pool
+from export.layers.feed_forward import FeedForward
+from export.layers.pooling import PooledEncoder
+from export.layers.segments import SegmentEmbedding
 from export.sources import UnusableSource
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
@@ -39,20 +40,10 @@ class ConfigError(UnusableSource):
     """An encoder configuration that cannot describe a working model."""
 
 
-@dataclass(frozen=True)
-class EncoderConfig:
+@dataclass(frozen=True, kw_only=True)
+class EncoderConfig(EncoderConfigBase):
     """Hyper-parameters of a BERT-style encoder, validated on construction."""
 
-    vocab_size: int
-    """Number of token ids."""
-    d_model: int
-    """Width of every hidden state."""
-    num_heads: int
-    """Attention heads per layer; each has d_k = d_model / num_heads."""
-    num_layers: int
-    """Encoder layers stacked (S)."""
-    ffn_dim: int
-    """Inner width of the position-wise feed-forward network."""
     max_positions: int = 512
     """Longest sequence the position embedding covers."""
     type_vocab_size: int = 2
@@ -70,27 +61,17 @@ class EncoderConfig:
     """Buckets of a relative position bias shared by every layer (MPNet); 0: none."""
     relative_attention_max_distance: int = 128
     """Distance from which relative positions share the last (logarithmic) bucket."""
-    pooling: Pooling = "mean"
-    """How one vector is made per sequence (export.layers.pooling): mean, cls, max or lasttoken."""
-    normalize: bool = True
-    """L2-normalise the pooled embedding."""
-    pad_token_id: int = 0
-    """Id used to pad sequences."""
+
+    invalid: ClassVar[type[ValueError]] = ConfigError
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        super().__post_init__()
         if self.d_model % self.num_heads:
             raise ConfigError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
         if self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
         if self.activation not in ("gelu", "gelu_tanh", "relu"):
             raise ConfigError(f"unsupported activation {self.activation!r}")
-        if self.pooling not in POOLING_MODES:
-            raise ConfigError(f"unsupported pooling {self.pooling!r}")
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ConfigError(f"unsupported position embedding {self.position_embedding!r}")
         if self.position_ids not in ("sequential", "after_padding"):
@@ -99,18 +80,12 @@ class EncoderConfig:
             raise ConfigError(f"max_positions {self.max_positions} leaves no position after pad_token_id")
         if self.relative_attention_buckets < 0 or self.relative_attention_max_distance <= 0:
             raise ConfigError("relative attention buckets must be >= 0 and their max distance positive")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ConfigError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+        self.check_pad_token_id()
 
     @property
     def head_dim(self) -> int:
         """d_k: the width of one attention head."""
         return self.d_model // self.num_heads
-
-    @property
-    def uses_segments(self) -> bool:
-        """Whether the model takes token_type_ids (a single segment row needs no input)."""
-        return self.type_vocab_size > 1
 
     @property
     def max_sequence_positions(self) -> int:
@@ -119,58 +94,20 @@ class EncoderConfig:
             return self.max_positions - self.pad_token_id - 1
         return self.max_positions
 
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json and the repository's parameters."""
-        return dataclasses.asdict(self)
-
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 HEAD_PREFIXES = ("pooler.", "classifier.", "pre_classifier.", "lm_head.", "vocab_", "cls.")
 """Weights of task heads, kept apart from the encoder's."""
+DISTILBERT_SIZE_KEYS = {
+    "vocab_size": "vocab_size",
+    "d_model": "dim",
+    "num_heads": "n_heads",
+    "num_layers": "n_layers",
+    "ffn_dim": "hidden_dim",
+}
+"""DistilBERT's config.json keys for the shared sizes."""
 MPNET_PADDING_ID = 1
 """MPNet's embeddings take id 1 as padding whatever the config says (its vocabulary pads with 1)."""
-
-
-@dataclass(frozen=True)
-class WeightNames:
-    """How a BERT-family checkpoint names its weights, and the encoder's names for them."""
-
-    prefixes: tuple[str, ...]
-    """Prefixes that wrap the base model inside task models and sentence-transformers modules."""
-    layer_key: re.Pattern[str]
-    """Matches a layer weight: groups are the layer index, the module and weight/bias."""
-    layer_renames: dict[str, str]
-    other_renames: dict[str, str]
-    """Modules outside the layers (embeddings, relative attention bias) -> the encoder's."""
-
-    def rename(self, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The encoder's weights under its names, and the task-head weights (prefix stripped) apart."""
-        encoder: dict[str, torch.Tensor] = {}
-        heads: dict[str, torch.Tensor] = {}
-        for original, tensor in weights.items():
-            key = original
-            for prefix in self.prefixes:
-                if key.startswith(prefix):
-                    key = key[len(prefix) :]
-                    break
-            key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
-            if key.endswith("position_ids"):
-                continue
-            if key.startswith(HEAD_PREFIXES):
-                heads[key] = tensor
-                continue
-            layer = self.layer_key.match(key)
-            if layer:
-                index, module, kind = layer.groups()
-                if module not in self.layer_renames:
-                    raise ArchitectureError(f"unexpected weight {original!r}")
-                encoder[f"layers.{index}.{self.layer_renames[module]}.{kind}"] = tensor
-                continue
-            module, _, kind = key.rpartition(".")
-            if module not in self.other_renames:
-                raise ArchitectureError(f"unexpected weight {original!r}")
-            encoder[f"{self.other_renames[module]}.{kind}"] = tensor
-        return encoder, heads
 
 
 JINA_REMOTE_CODE = (
@@ -180,13 +117,6 @@ JINA_REMOTE_CODE = (
 )
 
 
-def _activation(hf_config: dict, key: str) -> str:
-    activation = hf_config.get(key, "gelu")
-    if activation not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported {key} {activation!r} (supported: {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[activation]
-
-
 def _build(**fields: object) -> EncoderConfig:
     try:
         return EncoderConfig(**fields)
@@ -194,14 +124,8 @@ def _build(**fields: object) -> EncoderConfig:
         raise ArchitectureError(f"config.json: {error}") from error
 
 
-def _require(hf_config: dict, *keys: str) -> None:
-    for key in keys:
-        if key not in hf_config:
-            raise ArchitectureError(f"config.json lacks {key!r}")
-
-
 def _bert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
-    _require(hf_config, "vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+    shared = read_shared_fields(hf_config, pooling, normalize)
     if "lora_adaptations" in hf_config:
         raise ArchitectureError(f"unsupported {JINA_REMOTE_CODE}")
     if hf_config.get("position_embedding_type", "absolute") != "absolute":
@@ -212,69 +136,44 @@ def _bert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfi
     if hf_config.get("model_type") == "mpnet" and hf_config.get("pad_token_id", MPNET_PADDING_ID) != MPNET_PADDING_ID:
         raise ArchitectureError(f"MPNet counts positions after id {MPNET_PADDING_ID}: pad_token_id must be it")
     return _build(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["hidden_size"],
-        num_heads=hf_config["num_attention_heads"],
-        num_layers=hf_config["num_hidden_layers"],
-        ffn_dim=hf_config["intermediate_size"],
+        **shared,
         max_positions=hf_config.get("max_position_embeddings", 512),
         type_vocab_size=hf_config.get("type_vocab_size", 0 if hf_config.get("model_type") == "mpnet" else 2),
-        activation=_activation(hf_config, "hidden_act"),
+        activation=read_activation(hf_config, "hidden_act", ACTIVATIONS, "gelu"),
         layer_norm_eps=hf_config.get("layer_norm_eps", 1e-12),
         position_ids="after_padding" if roberta_style else "sequential",
         relative_attention_buckets=hf_config.get("relative_attention_num_buckets", 0),
-        pooling=pooling,
-        normalize=normalize,
-        pad_token_id=hf_config.get("pad_token_id") or 0,
     )
 
 
 def _distilbert_config(hf_config: dict, pooling: str, normalize: bool) -> EncoderConfig:
-    _require(hf_config, "vocab_size", "dim", "n_heads", "n_layers", "hidden_dim")
     return _build(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["dim"],
-        num_heads=hf_config["n_heads"],
-        num_layers=hf_config["n_layers"],
-        ffn_dim=hf_config["hidden_dim"],
+        **read_shared_fields(hf_config, pooling, normalize, DISTILBERT_SIZE_KEYS),
         max_positions=hf_config.get("max_position_embeddings", 512),
         type_vocab_size=0,
-        activation=_activation(hf_config, "activation"),
-        layer_norm_eps=1e-12,
-        pooling=pooling,
-        normalize=normalize,
-        pad_token_id=hf_config.get("pad_token_id") or 0,
+        activation=read_activation(hf_config, "activation", ACTIVATIONS, "gelu"),
     )
 
 
-_BERT_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
-_BERT_LAYER_RENAMES = {
+_WRAPPERS = ("0.auto_model.", "model.")
+_EMBEDDINGS = {**BERT_EMBEDDINGS, "embeddings.position_embeddings": "embeddings.position"}
+
+
+def _names(prefix: str, layers: str, modules: dict[str, str], others: dict[str, str] = _EMBEDDINGS) -> ModuleRenames:
+    """A model type's weight names: its model under `prefix`, its layer list `layers`, a layer's `modules`."""
+    return ModuleRenames((prefix, *_WRAPPERS), HEAD_PREFIXES, layers, modules, others, ("position_ids",), True)
+
+
+_BERT_LAYER = {
     "attention.self.query": "attention.query",
     "attention.self.key": "attention.key",
     "attention.self.value": "attention.value",
-    "attention.output.dense": "attention.output",
-    "attention.output.LayerNorm": "attention_norm",
-    "intermediate.dense": "feed_forward.inner",
-    "output.dense": "feed_forward.outer",
-    "output.LayerNorm": "output_norm",
+    **BERT_ATTENTION_OUTPUT,
+    **BERT_FEED_FORWARD,
 }
-_EMBEDDING_RENAMES = {
-    "embeddings.word_embeddings": "embeddings.token",
-    "embeddings.position_embeddings": "embeddings.position",
-    "embeddings.token_type_embeddings": "embeddings.segment",
-    "embeddings.LayerNorm": "embeddings.norm",
-}
-_WRAPPERS = ("0.auto_model.", "model.")
-
-
-def _bert_like(model_type: str, prefix: str, classifier_style: str) -> Format:
-    names = WeightNames((prefix, *_WRAPPERS), _BERT_LAYER, _BERT_LAYER_RENAMES, _EMBEDDING_RENAMES)
-    return Format(model_type, _bert_config, names.rename, classifier_style)
-
-
-_DISTILBERT_NAMES = WeightNames(
-    ("distilbert.", *_WRAPPERS),
-    re.compile(r"^transformer\.layer\.(\d+)\.(.+)\.(weight|bias)$"),
+_DISTILBERT_NAMES = _names(
+    "distilbert.",
+    r"transformer\.layer",
     {
         "attention.q_lin": "attention.query",
         "attention.k_lin": "attention.key",
@@ -285,23 +184,25 @@ _DISTILBERT_NAMES = WeightNames(
         "ffn.lin2": "feed_forward.outer",
         "output_layer_norm": "output_norm",
     },
-    _EMBEDDING_RENAMES,
 )
-_MPNET_NAMES = WeightNames(
-    ("mpnet.", *_WRAPPERS),
-    _BERT_LAYER,
+_MPNET_NAMES = _names(
+    "mpnet.",
+    r"encoder\.layer",
     {
         "attention.attn.q": "attention.query",
         "attention.attn.k": "attention.key",
         "attention.attn.v": "attention.value",
         "attention.attn.o": "attention.output",
         "attention.LayerNorm": "attention_norm",
-        "intermediate.dense": "feed_forward.inner",
-        "output.dense": "feed_forward.outer",
-        "output.LayerNorm": "output_norm",
+        **BERT_FEED_FORWARD,
     },
-    {**_EMBEDDING_RENAMES, "encoder.relative_attention_bias": "relative_attention_bias"},
+    {**_EMBEDDINGS, "encoder.relative_attention_bias": "relative_attention_bias"},
 )
+
+
+def _bert_like(model_type: str, prefix: str, classifier_style: str) -> Format:
+    names = _names(prefix, r"encoder\.layer", _BERT_LAYER)
+    return Format(model_type, _bert_config, names.split, classifier_style)
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> Tensor:
@@ -324,7 +225,7 @@ class Embeddings(nn.Module):
         if config.position_embedding == "sinusoidal":
             self.position.weight.data.copy_(sinusoidal_positions(config.max_positions, config.d_model))
             self.position.weight.requires_grad_(False)
-        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.segment = SegmentEmbedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.pad_token_id = config.pad_token_id
         self.positions_after_padding = config.position_ids == "after_padding"
@@ -341,12 +242,7 @@ class Embeddings(nn.Module):
         """Embed ids [batch, seq] into hidden states [batch, seq, d_model]."""
         hidden = self.token(input_ids) + self.position(self.positions(input_ids))
         if self.segment is not None:
-            if self.segment.num_embeddings == 1:
-                hidden = hidden + self.segment.weight[0]
-            else:
-                if token_type_ids is None:
-                    token_type_ids = torch.zeros_like(input_ids)
-                hidden = hidden + self.segment(token_type_ids)
+            hidden = hidden + self.segment(input_ids, token_type_ids)
         return self.norm(hidden)
 
 
@@ -403,25 +299,6 @@ class MultiHeadAttention(nn.Module):
         return self.output(concatenated)
 
 
-class FeedForward(nn.Module):
-    """Position-wise feed-forward network: Linear, activation, Linear."""
-
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        self.inner = nn.Linear(config.d_model, config.ffn_dim)
-        self.outer = nn.Linear(config.ffn_dim, config.d_model)
-        self.activation = config.activation
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        """Apply the network to every position independently."""
-        inner = self.inner(hidden)
-        if self.activation == "relu":
-            inner = F.relu(inner)
-        else:
-            inner = F.gelu(inner, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.outer(inner)
-
-
 class EncoderLayer(nn.Module):
     """One post-norm layer: x = LN(x + Attention(x)); x = LN(x + FFN(x))."""
 
@@ -429,7 +306,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.attention = MultiHeadAttention(config.d_model, config.num_heads)
         self.attention_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config.d_model, config.ffn_dim, config.activation)
         self.output_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, hidden: Tensor, attention_bias: Tensor) -> Tensor:
@@ -438,14 +315,11 @@ class EncoderLayer(nn.Module):
         return self.output_norm(hidden + self.feed_forward(hidden))
 
 
-class Encoder(nn.Module):
+class Encoder(PooledEncoder):
     """The whole encoder: embeddings, S layers, pooling and optional normalisation."""
 
-    output_names = ("last_hidden_state", "embedding")
-
     def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
         buckets = config.relative_attention_buckets
@@ -470,13 +344,6 @@ class Encoder(nn.Module):
             hidden = layer(hidden, attention_bias)
         return hidden, mask
 
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
-
 
 FAMILY = Family(
     name="bert",
@@ -486,8 +353,8 @@ FAMILY = Family(
         _bert_like("bert", "bert.", "bert"),
         _bert_like("roberta", "roberta.", "roberta"),
         _bert_like("xlm-roberta", "roberta.", "roberta"),
-        Format("distilbert", _distilbert_config, _DISTILBERT_NAMES.rename, "distilbert"),
-        Format("mpnet", _bert_config, _MPNET_NAMES.rename, "roberta"),
+        Format("distilbert", _distilbert_config, _DISTILBERT_NAMES.split, "distilbert"),
+        Format("mpnet", _bert_config, _MPNET_NAMES.split, "roberta"),
     ),
     graph_forms=BERT_FUSIONS,
 )

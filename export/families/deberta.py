@@ -26,13 +26,16 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.checkpoints.weight_names import unwrapped
-from export.families.family import BERT_FUSIONS, Family, Format, OwnEncoderFacts
-from export.layers.pooling import pool
+from export.checkpoints.weight_names import BERT_ATTENTION_OUTPUT, BERT_EMBEDDINGS, BERT_FEED_FORWARD, ModuleRenames
+from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
+from export.families.family import BERT_FUSIONS, Family, Format
+from export.layers.attention import attend
+from export.layers.feed_forward import FeedForward, activate
+from export.layers.pooling import PooledEncoder
+from export.layers.segments import SegmentEmbedding
 
 ACTIVATIONS = {
     "gelu": "gelu",
@@ -50,15 +53,10 @@ UNUSED_POSITION_TABLE = "embeddings.position_embeddings.weight"
 """An absolute position table some checkpoints carry with position_biased_input false; transformers ignores it too."""
 
 
-@dataclass(frozen=True)
-class DebertaConfig(OwnEncoderFacts):
+@dataclass(frozen=True, kw_only=True)
+class DebertaConfig(EncoderConfigBase):
     """Hyper-parameters of a DeBERTa-v2/v3 encoder, validated on construction."""
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
     max_positions: int = 512
     """Longest sequence: the relative distances are tabulated up to it."""
     type_vocab_size: int = 0
@@ -80,13 +78,10 @@ class DebertaConfig(OwnEncoderFacts):
     """The convolution beside the first layer (DeBERTa-v2 xlarge); 0: none."""
     conv_groups: int = 1
     conv_activation: str = "tanh"
-    pad_token_id: int = 0
-    pooling: str = "mean"
-    normalize: bool = True
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions")
-        self.check_sizes_and_pooling((*positive, "max_relative_positions", "conv_groups"))
+        super().__post_init__()
+        self.check_positive(("max_relative_positions", "conv_groups"))
         if self.d_model % self.num_heads:
             raise ArchitectureError(f"hidden_size {self.d_model} is not divisible by num_attention_heads")
         unknown = [term for term in self.attention_terms if term not in ATTENTION_TERMS]
@@ -104,8 +99,7 @@ class DebertaConfig(OwnEncoderFacts):
                 f"conv_kernel_size {self.conv_kernel_size} / conv_groups {self.conv_groups}: an odd kernel"
                 " (an even one changes the sequence length) over groups that divide hidden_size"
             )
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ArchitectureError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+        self.check_pad_token_id()
 
     @property
     def head_dim(self) -> int:
@@ -121,13 +115,6 @@ class DebertaConfig(OwnEncoderFacts):
     def scale_factor(self) -> int:
         """The scores are divided by √(d_k · this): one for content, one for each position term."""
         return 1 + len(self.attention_terms)
-
-
-def _activation_name(hf_config: dict, key: str, default: str) -> str:
-    name = hf_config.get(key, default)
-    if name not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported {key} {name!r} (supported: {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
 
 
 def _refuse_unimplemented(hf_config: dict) -> None:
@@ -146,9 +133,7 @@ def _refuse_unimplemented(hf_config: dict) -> None:
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> DebertaConfig:
     """Translate a Hugging Face DeBERTa-v2 config.json (DeBERTa-v3 uses the same model_type)."""
-    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
-        if key not in hf_config:
-            raise ArchitectureError(f"config.json lacks {key!r}")
+    shared = read_shared_fields(hf_config, pooling, normalize)
     _refuse_unimplemented(hf_config)
     terms = hf_config.get("pos_att_type") or ()
     if isinstance(terms, str):
@@ -159,14 +144,10 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> DebertaCon
     max_positions = hf_config.get("max_position_embeddings", 512)
     max_relative = hf_config.get("max_relative_positions", -1)
     return DebertaConfig(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["hidden_size"],
-        num_heads=hf_config["num_attention_heads"],
-        num_layers=hf_config["num_hidden_layers"],
-        ffn_dim=hf_config["intermediate_size"],
+        **shared,
         max_positions=max_positions,
         type_vocab_size=hf_config.get("type_vocab_size", 0),
-        activation=_activation_name(hf_config, "hidden_act", "gelu"),
+        activation=read_activation(hf_config, "hidden_act", ACTIVATIONS, "gelu"),
         layer_norm_eps=hf_config.get("layer_norm_eps", 1e-7),
         relative_attention=bool(hf_config.get("relative_attention", False)),
         attention_terms=tuple(terms),
@@ -176,64 +157,33 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> DebertaCon
         norm_rel_embeddings="layer_norm" in norm,
         conv_kernel_size=max(hf_config.get("conv_kernel_size", 0), 0),
         conv_groups=hf_config.get("conv_groups", 1),
-        conv_activation=_activation_name(hf_config, "conv_act", "tanh"),
-        pad_token_id=hf_config.get("pad_token_id") or 0,
-        pooling=pooling,
-        normalize=normalize,
+        conv_activation=read_activation(hf_config, "conv_act", ACTIVATIONS, "tanh"),
     )
 
 
-_LAYER_RENAMES = {
-    "attention.self.query_proj": "attention.query",
-    "attention.self.key_proj": "attention.key",
-    "attention.self.value_proj": "attention.value",
-    "attention.self.pos_key_proj": "attention.position_key",
-    "attention.self.pos_query_proj": "attention.position_query",
-    "attention.output.dense": "attention.output",
-    "attention.output.LayerNorm": "attention_norm",
-    "intermediate.dense": "feed_forward.inner",
-    "output.dense": "feed_forward.outer",
-    "output.LayerNorm": "output_norm",
-}
-_OTHER_RENAMES = {
-    "embeddings.word_embeddings": "embeddings.token",
-    "embeddings.token_type_embeddings": "embeddings.segment",
-    "embeddings.LayerNorm": "embeddings.norm",
-    "encoder.rel_embeddings": "relative_embeddings",
-    "encoder.LayerNorm": "relative_norm",
-    "encoder.conv.conv": "conv.conv",
-    "encoder.conv.LayerNorm": "conv.norm",
-}
-
-
-def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """DeBERTa-v2's parameter names -> this module's, and the task heads' weights apart."""
-    encoder: dict[str, Tensor] = {}
-    heads: dict[str, Tensor] = {}
-    for original, tensor in weights.items():
-        key = unwrapped(original, ("deberta.", "0.auto_model.", "model."))
-        if key.startswith(HEAD_PREFIXES):
-            heads[key] = tensor
-            continue
-        if key == UNUSED_POSITION_TABLE or key.endswith("position_ids"):
-            continue  # position_biased_input true is refused, so the table is never read
-        parts = key.split(".")
-        module, kind = ".".join(parts[:-1]), parts[-1]
-        if parts[:2] == ["encoder", "layer"] and len(parts) > 3 and ".".join(parts[3:-1]) in _LAYER_RENAMES:
-            encoder[f"layers.{parts[2]}.{_LAYER_RENAMES['.'.join(parts[3:-1])]}.{kind}"] = tensor
-        elif module in _OTHER_RENAMES:
-            encoder[f"{_OTHER_RENAMES[module]}.{kind}"] = tensor
-        else:
-            raise ArchitectureError(f"unexpected weight {original!r}")
-    return encoder, heads
-
-
-def _activate(name: str, x: Tensor) -> Tensor:
-    if name == "relu":
-        return F.relu(x)
-    if name == "tanh":
-        return torch.tanh(x)
-    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
+rename_weights = ModuleRenames(
+    ("deberta.", "0.auto_model.", "model."),
+    HEAD_PREFIXES,
+    r"encoder\.layer",
+    {
+        "attention.self.query_proj": "attention.query",
+        "attention.self.key_proj": "attention.key",
+        "attention.self.value_proj": "attention.value",
+        "attention.self.pos_key_proj": "attention.position_key",
+        "attention.self.pos_query_proj": "attention.position_query",
+        **BERT_ATTENTION_OUTPUT,
+        **BERT_FEED_FORWARD,
+    },
+    {
+        **BERT_EMBEDDINGS,
+        "encoder.rel_embeddings": "relative_embeddings",
+        "encoder.LayerNorm": "relative_norm",
+        "encoder.conv.conv": "conv.conv",
+        "encoder.conv.LayerNorm": "conv.norm",
+    },
+    unread=("position_ids", UNUSED_POSITION_TABLE),  # position_biased_input true is refused: the table is not read
+).split
+"""DeBERTa-v2's parameter names -> this module's, and the task heads' weights apart."""
 
 
 def relative_buckets(distances: Tensor, buckets: int, max_distance: int) -> Tensor:
@@ -268,18 +218,14 @@ class Embeddings(nn.Module):
     def __init__(self, config: DebertaConfig) -> None:
         super().__init__()
         self.token = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
-        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.segment = SegmentEmbedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, mask: Tensor) -> Tensor:
         """Embed ids [batch, seq] into [batch, seq, d_model]; mask is the float attention mask [batch, seq]."""
         hidden = self.token(input_ids)
         if self.segment is not None:
-            if self.segment.num_embeddings == 1:
-                hidden = hidden + self.segment.weight[0]
-            else:
-                segments = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-                hidden = hidden + self.segment(segments)
+            hidden = hidden + self.segment(input_ids, token_type_ids)
         return self.norm(hidden) * mask.unsqueeze(-1)
 
 
@@ -327,23 +273,8 @@ class DisentangledAttention(nn.Module):
             p2c = torch.matmul(key, self._heads(projection(relative.embeddings)).transpose(-1, -2))
             index = relative.p2c_rows.expand(batch, heads, length, length)  # p2c: [batch, heads, key, 2·span]
             scores = scores + torch.gather(p2c, -1, index).transpose(-1, -2) / self.scale
-        weights = torch.softmax(scores + key_bias, dim=-1)
-        context = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
+        context = attend(scores, key_bias, value, batch, length)
         return self.output(context)
-
-
-class FeedForward(nn.Module):
-    """Position-wise feed-forward network: Linear, activation, Linear."""
-
-    def __init__(self, config: DebertaConfig) -> None:
-        super().__init__()
-        self.inner = nn.Linear(config.d_model, config.ffn_dim)
-        self.outer = nn.Linear(config.ffn_dim, config.d_model)
-        self.activation = config.activation
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        """Apply the network to every position independently."""
-        return self.outer(_activate(self.activation, self.inner(hidden)))
 
 
 class Layer(nn.Module):
@@ -353,7 +284,7 @@ class Layer(nn.Module):
         super().__init__()
         self.attention = DisentangledAttention(config)
         self.attention_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config.d_model, config.ffn_dim, config.activation)
         self.output_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, hidden: Tensor, key_bias: Tensor, relative: Relative | None) -> Tensor:
@@ -375,17 +306,14 @@ class Convolution(nn.Module):
     def forward(self, embedded: Tensor, hidden: Tensor, mask: Tensor) -> Tensor:
         """embedded: the embeddings [batch, seq, d_model]; hidden: the first layer's output; mask [batch, seq]."""
         convolved = self.conv(embedded.transpose(1, 2)).transpose(1, 2) * mask.unsqueeze(-1)
-        return self.norm(hidden + _activate(self.activation, convolved)) * mask.unsqueeze(-1)
+        return self.norm(hidden + activate(self.activation, convolved)) * mask.unsqueeze(-1)
 
 
-class DebertaEncoder(nn.Module):
+class DebertaEncoder(PooledEncoder):
     """The whole encoder: embeddings, S layers of disentangled attention (and the convolution), pooling."""
 
-    output_names = ("last_hidden_state", "embedding")
-
     def __init__(self, config: DebertaConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         relative = config.relative_attention
@@ -430,13 +358,6 @@ class DebertaEncoder(nn.Module):
             if index == 0 and self.conv is not None:
                 hidden = self.conv(embedded, hidden, mask)
         return hidden, mask
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
 
 
 FAMILY = Family(

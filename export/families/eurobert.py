@@ -17,58 +17,45 @@ two tokens only, so a left-padded row gives the same states as right-padded
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch.nn.functional as F
-from torch import Tensor
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.families.encoder_config import read_activation
 from export.families.family import Family, Format
-from export.layers.decoder import (
-    DecoderConfig,
-    DecoderEncoder,
-    check_activation,
-    read_config,
-    require_keys,
-    split_decoder_weights,
-)
+from export.layers.decoder import SWIGLU_ACTIVATION, DecoderConfig, DecoderEncoder, decoder_weights, read_decoder_fields
 from export.layers.rotary import rope_theta
 
 HEAD_PREFIXES = ("dense.", "classifier.", "lm_head.")
 """Weights of the sequence-classification head (dense, classifier) or the masked-LM head, set apart."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EuroBertConfig(DecoderConfig):
-    """Hyper-parameters of a EuroBERT encoder, validated on construction."""
+    """Hyper-parameters of a EuroBERT encoder, validated on construction (rotary angles have no length limit)."""
 
     max_positions: int = 8192
-    """Longest sequence the model was made for (rotary angles themselves have no limit)."""
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10_000.0
-
-    OTHER_SIZES: ClassVar[tuple[str, ...]] = ("max_positions",)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rope_theta <= 0:
             raise ArchitectureError(f"rope_theta {self.rope_theta} must be > 0")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ArchitectureError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+        self.check_pad_token_id()
 
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> EuroBertConfig:
     """Translate a Hugging Face EuroBERT config.json (EuroBertModel, -ForMaskedLM, -ForSequenceClassification)."""
-    require_keys(hf_config)
-    check_activation(hf_config, "hidden_act", ("silu",), "silu")
+    fields = read_decoder_fields(EuroBertConfig, hf_config, pooling, normalize)
+    read_activation(hf_config, "hidden_act", SWIGLU_ACTIVATION, "silu")
     if hf_config.get("mlp_bias"):
         raise ArchitectureError("unsupported mlp_bias true: only MLP projections without biases")
-    return read_config(EuroBertConfig, hf_config, pooling, normalize, rope_theta=rope_theta(hf_config))
+    return EuroBertConfig(**fields, rope_theta=rope_theta(hf_config))
 
 
-def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """EuroBERT's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
-    return split_decoder_weights(weights, HEAD_PREFIXES)
+rename_weights = decoder_weights(HEAD_PREFIXES)
+"""EuroBERT's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
 
 
 class EuroBertEncoder(DecoderEncoder):

@@ -8,16 +8,12 @@ transformer fusions fit its graph (export.graph.forms).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from torch import Tensor, nn
-
-from export.checkpoints.architecture_error import ArchitectureError
-from export.layers.pooling import POOLING_MODES
 
 BERT_FUSIONS = ("unfused", "attention_fused", "fully_fused")
 """Graph forms of a model ONNX Runtime's BERT fusions fit: the raw graph, fused attention, everything fused."""
@@ -89,38 +85,3 @@ class Family:
     def fp16_form(self) -> str:
         """The graph form converted to fp16 for CUDA: the fully fused one where it fits, else the unfused one."""
         return "fully_fused" if "fully_fused" in self.graph_forms else "unfused"
-
-
-class OwnEncoderFacts:
-    """What the configurations of the families with their own encoder module answer alike.
-
-    A mixin for their frozen dataclasses: segments as type_vocab_size says (none when the family has
-    no such field), the longest sequence as max_positions, the plain-data form, and the checks every
-    one of them makes.
-    """
-
-    max_positions: int
-    pooling: str
-
-    @property
-    def uses_segments(self) -> bool:
-        """Whether the model takes token_type_ids (a single segment row needs no input)."""
-        return getattr(self, "type_vocab_size", 0) > 1
-
-    @property
-    def max_sequence_positions(self) -> int:
-        """Longest sequence the model was made for."""
-        return self.max_positions
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain-data form, for parity.json."""
-        return dataclasses.asdict(self)
-
-    def check_sizes_and_pooling(self, positive: tuple[str, ...]) -> None:
-        """ArchitectureError unless each of `positive` is a positive integer and the pooling is one we have."""
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ArchitectureError(f"{name} must be a positive integer, got {value!r}")
-        if self.pooling not in POOLING_MODES:
-            raise ArchitectureError(f"unsupported pooling {self.pooling!r}")

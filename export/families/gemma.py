@@ -21,55 +21,55 @@ and rotary scaling are refused by name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.families import qwen3
+from export.families.encoder_config import read_activation
 from export.families.family import Family, Format
 from export.layers.decoder import (
     DecoderConfig,
     DecoderEncoder,
+    RMSNorm,
     Rotary,
     attention_bias,
-    check_activation,
-    read_config,
-    require_keys,
+    decoder_weights,
+    read_decoder_fields,
 )
 from export.layers.rotary import RotaryTable
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
-ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 """config.json's hidden_activation names for GELU's tanh form (the only MLP activation implemented)."""
+HEAD_PREFIXES = ("lm_head.", "score.")
+"""Weights of a causal-LM or classification head, set apart from the text model's."""
 SLIDING_WINDOW_PATTERN = 6
 """transformers' default when config.json lists no layer_types: every sixth layer is a full_attention one."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GemmaConfig(DecoderConfig):
     """Hyper-parameters of a bidirectional Gemma3 text encoder, validated on construction."""
 
     max_positions: int = 2048
     rope_theta: float = 1_000_000.0
     """Rotary base of the full_attention layers."""
-    layer_types: tuple[str, ...] = field(kw_only=True)
+    layer_types: tuple[str, ...]
     """Each layer's attention: sliding_attention (a window) or full_attention."""
-    sliding_window: int = field(kw_only=True)
+    sliding_window: int
     """config.json's sliding_window: a sliding layer's token attends to those at most sliding_window // 2 away."""
-    query_pre_attn_scalar: float = field(kw_only=True)
+    query_pre_attn_scalar: float
     """Scores are q·k / √query_pre_attn_scalar."""
     rope_local_theta: float = 10_000.0
     """Rotary base of the sliding_attention layers."""
 
-    OTHER_SIZES: ClassVar[tuple[str, ...]] = ("sliding_window",)
-
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_positive(("sliding_window",))
         if len(self.layer_types) != self.num_layers:
             raise ArchitectureError(f"layer_types lists {len(self.layer_types)} layers, not {self.num_layers}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -112,7 +112,7 @@ def _layer_types(hf_config: dict) -> tuple[str, ...]:
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> GemmaConfig:
     """Translate a Hugging Face gemma3_text config.json with use_bidirectional_attention (EmbeddingGemma)."""
-    require_keys(hf_config)
+    fields = read_decoder_fields(GemmaConfig, hf_config, pooling, normalize)
     if hf_config.get("use_bidirectional_attention") is not True:
         raise ArchitectureError(
             "unsupported use_bidirectional_attention false (Gemma3's causal decoder form): only the bidirectional"
@@ -121,13 +121,10 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> GemmaConfi
     for key in ("attn_logit_softcapping",):
         if hf_config.get(key) is not None:
             raise ArchitectureError(f"unsupported {key} {hf_config[key]!r} (only null)")
-    check_activation(hf_config, "hidden_activation", ACTIVATIONS, "gelu_pytorch_tanh")
+    read_activation(hf_config, "hidden_activation", ACTIVATIONS, "gelu_pytorch_tanh")
     full_theta, local_theta = _rope_thetas(hf_config)
-    return read_config(
-        GemmaConfig,
-        hf_config,
-        pooling,
-        normalize,
+    return GemmaConfig(
+        **fields,
         layer_types=_layer_types(hf_config),
         sliding_window=hf_config.get("sliding_window", 4096),
         query_pre_attn_scalar=float(hf_config.get("query_pre_attn_scalar", 256)),
@@ -136,19 +133,16 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> GemmaConfi
     )
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """(1 + w) ⊙ x / √(mean(x²) + ε) over the last axis, computed in fp32 (w starts at 0)."""
 
     def __init__(self, width: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(width))
-        self.eps = eps
+        super().__init__(width, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """Normalise hidden [..., width]."""
-        values = hidden.to(torch.float32)
-        values = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (values * (1.0 + self.weight.to(torch.float32))).to(hidden.dtype)
+        return (self.normalised(hidden) * (1.0 + self.weight.to(torch.float32))).to(hidden.dtype)
 
 
 def _gelu_tanh(hidden: Tensor) -> Tensor:
@@ -194,7 +188,6 @@ FAMILY = Family(
     name="gemma",
     config_type=GemmaConfig,
     build=GemmaEncoder,
-    # Gemma3's text model names its weights as Qwen3's decoder does (embed_tokens, layers, norm).
-    formats=(Format("gemma3_text", config_from_hf, qwen3.rename_weights),),
+    formats=(Format("gemma3_text", config_from_hf, decoder_weights(HEAD_PREFIXES)),),
 )
 """Gemma3's bidirectional text model (EmbeddingGemma)."""

@@ -15,30 +15,25 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import split_weights
-from export.families.family import BERT_FUSIONS, Family, Format, OwnEncoderFacts
-from export.layers.pooling import pool
+from export.families.encoder_config import EncoderConfigBase, read_activation, read_shared_fields
+from export.families.family import BERT_FUSIONS, Family, Format
+from export.layers.attention import attend
+from export.layers.feed_forward import activate
+from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable, rotate
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 
-@dataclass(frozen=True)
-class ModernBertConfig(OwnEncoderFacts):
-    """Hyper-parameters of a ModernBERT encoder, validated on construction."""
+@dataclass(frozen=True, kw_only=True)
+class ModernBertConfig(EncoderConfigBase):
+    """Hyper-parameters of a ModernBERT encoder, validated on construction (ffn_dim: W_in projects to twice it)."""
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
-    """Width of the MLP's gated inner layer (W_in projects to twice this: input and gate)."""
     max_positions: int = 8192
-    pad_token_id: int = 0
     layer_norm_eps: float = 1e-5
     norm_bias: bool = False
     attention_bias: bool = False
@@ -50,13 +45,10 @@ class ModernBertConfig(OwnEncoderFacts):
     """The local window: a local layer's token sees local_attention // 2 tokens on either side."""
     global_layers: tuple[bool, ...] = ()
     """Per layer: global attention (True) or local (False)."""
-    pooling: str = "mean"
-    normalize: bool = True
 
     def __post_init__(self) -> None:
-        self.check_sizes_and_pooling(
-            ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "max_positions", "local_attention")
-        )
+        super().__post_init__()
+        self.check_positive(("local_attention",))
         if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
             raise ArchitectureError(f"d_model {self.d_model} / num_heads {self.num_heads} must be an even head width")
         if len(self.global_layers) != self.num_layers:
@@ -72,9 +64,7 @@ class ModernBertConfig(OwnEncoderFacts):
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> ModernBertConfig:
     """Translate a Hugging Face ModernBERT config.json."""
-    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
-        if key not in hf_config:
-            raise ArchitectureError(f"config.json lacks {key!r}")
+    shared = read_shared_fields(hf_config, pooling, normalize)
     layers = hf_config["num_hidden_layers"]
     types = hf_config.get("layer_types")
     if types:
@@ -83,25 +73,18 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> ModernBert
         every = hf_config.get("global_attn_every_n_layers", 3)
         global_layers = tuple(index % every == 0 for index in range(layers))
     rope = hf_config.get("rope_parameters") or {}
-    activation = hf_config.get("hidden_activation", "gelu")
-    if activation not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported hidden_activation {activation!r} (supported: {', '.join(ACTIVATIONS)})")
+    activation = read_activation(hf_config, "hidden_activation", ACTIVATIONS, "gelu")
     for kind in ("full_attention", "sliding_attention"):
         if rope.get(kind, {}).get("rope_type", "default") != "default":
             raise ArchitectureError(f"unsupported rope_type {rope[kind]['rope_type']!r}: only default rotary angles")
     return ModernBertConfig(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["hidden_size"],
-        num_heads=hf_config["num_attention_heads"],
-        num_layers=layers,
-        ffn_dim=hf_config["intermediate_size"],
+        **shared,
         max_positions=hf_config.get("max_position_embeddings", 8192),
-        pad_token_id=hf_config.get("pad_token_id") or 0,
         layer_norm_eps=hf_config.get("norm_eps", 1e-5),
         norm_bias=hf_config.get("norm_bias", False),
         attention_bias=hf_config.get("attention_bias", False),
         mlp_bias=hf_config.get("mlp_bias", False),
-        activation=ACTIVATIONS[activation],
+        activation=activation,
         global_rope_theta=rope.get("full_attention", {}).get(
             "rope_theta", hf_config.get("global_rope_theta", 160_000.0)
         ),
@@ -110,8 +93,6 @@ def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> ModernBert
         ),
         local_attention=hf_config.get("local_attention", 128),
         global_layers=global_layers,
-        pooling=pooling,
-        normalize=normalize,
     )
 
 
@@ -123,12 +104,6 @@ def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[
         ("embeddings.", "layers.", "final_norm."),
         ("head.", "classifier.", "decoder."),
     )
-
-
-def _activation(name: str, x: Tensor) -> Tensor:
-    if name == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
 
 
 class Embeddings(nn.Module):
@@ -160,8 +135,7 @@ class Attention(nn.Module):
         query, key, value = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, seq, d_k]
         query, key = rotate(query, *rotary), rotate(key, *rotary)
         scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        weights = torch.softmax(scores + attention_bias, dim=-1)
-        context = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
+        context = attend(scores, attention_bias, value, batch, length)
         return self.Wo(context)
 
 
@@ -177,7 +151,7 @@ class MLP(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """Apply the network to every position independently."""
         inner, gate = self.Wi(hidden).chunk(2, dim=-1)
-        return self.Wo(_activation(self.activation, inner) * gate)
+        return self.Wo(activate(self.activation, inner) * gate)
 
 
 class Layer(nn.Module):
@@ -197,14 +171,11 @@ class Layer(nn.Module):
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
-class ModernBertEncoder(nn.Module):
+class ModernBertEncoder(PooledEncoder):
     """The whole encoder: embeddings, S layers of global or local attention, final LayerNorm, pooling."""
 
-    output_names = ("last_hidden_state", "embedding")
-
     def __init__(self, config: ModernBertConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config, index) for index in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
@@ -233,13 +204,6 @@ class ModernBertEncoder(nn.Module):
         for layer, is_global in zip(self.layers, self.config.global_layers, strict=True):
             hidden = layer(hidden, *layer_inputs[is_global])
         return self.final_norm(hidden), mask
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
 
 
 FAMILY = Family(

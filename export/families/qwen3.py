@@ -24,22 +24,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.families.encoder_config import read_activation
 from export.families.family import Family, Format
-from export.layers.decoder import (
-    DecoderConfig,
-    DecoderEncoder,
-    check_activation,
-    read_config,
-    require_keys,
-    split_decoder_weights,
-)
+from export.layers.decoder import SWIGLU_ACTIVATION, DecoderConfig, DecoderEncoder, decoder_weights, read_decoder_fields
 from export.layers.rotary import rope_theta
 
 HEAD_PREFIXES = ("lm_head.", "score.")
 """Weights of a causal-LM or classification head, set apart from the decoder's."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Qwen3Config(DecoderConfig):
     """Hyper-parameters of a Qwen3 decoder used as an embedder, validated on construction."""
 
@@ -51,20 +45,19 @@ class Qwen3Config(DecoderConfig):
 
 def config_from_hf(hf_config: dict, pooling: str, normalize: bool) -> Qwen3Config:
     """Translate a Hugging Face Qwen3 config.json (Qwen3Model / Qwen3ForCausalLM)."""
-    require_keys(hf_config)
+    fields = read_decoder_fields(Qwen3Config, hf_config, pooling, normalize)
     if hf_config.get("use_sliding_window"):
         raise ArchitectureError("unsupported use_sliding_window true (sliding-window attention): only full attention")
     layer_types = hf_config.get("layer_types") or []
     if any(kind != "full_attention" for kind in layer_types):
         unsupported = next(kind for kind in layer_types if kind != "full_attention")
         raise ArchitectureError(f"unsupported layer_types {unsupported!r}: only full_attention")
-    check_activation(hf_config, "hidden_act", ("silu",), "silu")
-    return read_config(Qwen3Config, hf_config, pooling, normalize, rope_theta=rope_theta(hf_config))
+    read_activation(hf_config, "hidden_act", SWIGLU_ACTIVATION, "silu")
+    return Qwen3Config(**fields, rope_theta=rope_theta(hf_config))
 
 
-def rename_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Qwen3's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
-    return split_decoder_weights(weights, HEAD_PREFIXES)
+rename_weights = decoder_weights(HEAD_PREFIXES)
+"""Qwen3's parameter names (bare, or under model. / 0.auto_model.) -> this module's; head weights apart."""
 
 
 class Qwen3Encoder(DecoderEncoder):

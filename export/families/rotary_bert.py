@@ -17,13 +17,13 @@ jinaai/jina-embeddings-v3-hf ships it), its task adapters by export.layers.task_
 from __future__ import annotations
 
 import dataclasses
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from export.checkpoints.architecture_error import ArchitectureError
+from export.checkpoints.weight_names import BERT_EMBEDDINGS, ModuleRenames, Slot, as_slot
+from export.families.encoder_config import read_activation, read_shared_fields
 from export.families.family import BERT_FUSIONS, Family, Format
 from export.families.rotary_bert_encoder import RotaryBertConfig, RotaryBertEncoder
 from export.layers.task_adapters import Target, adapter_folders, read_task_adapters
@@ -73,21 +73,39 @@ HEAD_PREFIXES = ("pooler.", "classifier.", "lm_head.", "cls.")
 WRAPPERS = ("0.auto_model.", "model.")
 
 
-@dataclass(frozen=True)
-class _Defaults:
-    """A family's native configuration defaults (transformers' GteConfig / NomicBertConfig)."""
-
-    vocab_size: int
-    hidden_act: str
-    max_position_embeddings: int
-    type_vocab_size: int
-    pad_token_id: int
-    rope_theta: float
-
-
-GTE_DEFAULTS = _Defaults(250048, "gelu", 8192, 1, 1, 160_000.0)
-JINA_DEFAULTS = _Defaults(250002, "gelu", 8194, 1, 1, 20_000.0)
-NOMIC_BERT_DEFAULTS = _Defaults(30528, "silu", 2048, 2, 0, 1000.0)
+BERT_DEFAULTS = {
+    "hidden_size": 768,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "intermediate_size": 3072,
+    "layer_norm_eps": 1e-12,
+}
+"""transformers' defaults of the BERT-style keys the three families' native configurations share."""
+GTE_DEFAULTS = BERT_DEFAULTS | {
+    "vocab_size": 250048,
+    "hidden_act": "gelu",
+    "max_position_embeddings": 8192,
+    "type_vocab_size": 1,
+    "pad_token_id": 1,
+    "rope_theta": 160_000.0,
+}
+"""transformers' GteConfig defaults: a key config.json leaves out takes its value here."""
+JINA_DEFAULTS = GTE_DEFAULTS | {
+    "vocab_size": 250002,
+    "max_position_embeddings": 8194,
+    "rope_theta": 20_000.0,
+    "layer_norm_eps": 1e-5,
+}
+"""transformers' JinaEmbeddingsV3Config defaults (the rest as GTE's)."""
+NOMIC_BERT_DEFAULTS = BERT_DEFAULTS | {
+    "vocab_size": 30528,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "type_vocab_size": 2,
+    "pad_token_id": 0,
+    "rope_theta": 1000.0,
+}
+"""transformers' NomicBertConfig defaults."""
 
 
 def _shown(value: object) -> str:
@@ -100,7 +118,7 @@ def _check_fixed(hf_config: dict, fixed: dict[str, object]) -> None:
             raise ArchitectureError(f"unsupported {key} {_shown(hf_config[key])} (only {_shown(implemented)})")
 
 
-def _rope(hf_config: dict, default_theta: float) -> tuple[float, float]:
+def _rope(hf_config: dict) -> tuple[float, float]:
     """(θ, linear factor) of rope_scaling / rope_parameters / rope_theta, read as transformers reads them."""
     rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
     for key, value in rope.items():
@@ -114,34 +132,23 @@ def _rope(hf_config: dict, default_theta: float) -> tuple[float, float]:
     partial = rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ArchitectureError(f"unsupported partial_rotary_factor {partial!r}: only rotary over whole heads")
-    theta = rope.get("rope_theta", hf_config.get("rope_theta", default_theta))
+    theta = rope.get("rope_theta", hf_config["rope_theta"])
     return float(theta), float(rope["factor"]) if kind == "linear" else 1.0
 
 
-def _common(hf_config: dict, defaults: _Defaults, pooling: str, normalize: bool) -> dict[str, object]:
-    """The fields both families read alike (transformers' BERT-style keys with the family's defaults)."""
-    d_model = hf_config.get("hidden_size", 768)
-    num_heads = hf_config.get("num_attention_heads", 12)
-    activation = hf_config.get("hidden_act", defaults.hidden_act)
-    if activation not in ACTIVATIONS:
-        raise ArchitectureError(f"unsupported hidden_act {activation!r} (supported: {', '.join(ACTIVATIONS)})")
-    theta, factor = _rope(hf_config, defaults.rope_theta)
-    pad_token_id = hf_config.get("pad_token_id", defaults.pad_token_id)
-    return {
-        "vocab_size": hf_config.get("vocab_size", defaults.vocab_size),
-        "d_model": d_model,
-        "num_heads": num_heads,
-        "num_layers": hf_config.get("num_hidden_layers", 12),
-        "ffn_dim": hf_config.get("intermediate_size", 3072),
-        "head_dim": hf_config.get("head_dim") or d_model // num_heads,
+def _common(hf_config: dict, defaults: dict[str, object], pooling: str, normalize: bool) -> dict[str, object]:
+    """The fields the three families read alike: config.json's keys over the family's defaults (as transformers)."""
+    read = defaults | hf_config
+    shared = read_shared_fields(read, pooling, normalize)
+    theta, factor = _rope(read)
+    return shared | {
+        "head_dim": read.get("head_dim") or shared["d_model"] // shared["num_heads"],
         "rope_theta": theta,
         "rope_linear_factor": factor,
-        "type_vocab_size": hf_config.get("type_vocab_size", defaults.type_vocab_size),
-        "activation": ACTIVATIONS[activation],
-        "layer_norm_eps": hf_config.get("layer_norm_eps", 1e-12),
-        "pooling": pooling,
-        "normalize": normalize,
-        "pad_token_id": 0 if pad_token_id is None else pad_token_id,
+        "type_vocab_size": read["type_vocab_size"],
+        "activation": read_activation(read, "hidden_act", ACTIVATIONS, defaults["hidden_act"]),
+        "layer_norm_eps": read["layer_norm_eps"],
+        "max_positions": read["max_position_embeddings"],
     }
 
 
@@ -150,7 +157,6 @@ def gte_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertConf
     _check_fixed(hf_config, GTE_FIXED)
     return RotaryBertConfig(
         **_common(hf_config, GTE_DEFAULTS, pooling, normalize),
-        max_positions=hf_config.get("max_position_embeddings", GTE_DEFAULTS.max_position_embeddings),
         attention_bias=True,
         up_gate_bias=False,
         down_bias=True,
@@ -180,7 +186,7 @@ def nomic_bert_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryB
         )
     gated, activation = (
         hf_config.get("activation_function"),
-        hf_config.get("hidden_act", NOMIC_BERT_DEFAULTS.hidden_act),
+        hf_config.get("hidden_act", NOMIC_BERT_DEFAULTS["hidden_act"]),
     )
     if gated is not None and NOMIC_GATED_ACTIVATIONS.get(gated) != activation:
         raise ArchitectureError(
@@ -190,8 +196,7 @@ def nomic_bert_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryB
     # The remote-code form names its length n_positions; rotary angles do not depend on it.
     max_positions = hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
     return RotaryBertConfig(
-        **common,
-        max_positions=max_positions or NOMIC_BERT_DEFAULTS.max_position_embeddings,
+        **(common | {"max_positions": max_positions or NOMIC_BERT_DEFAULTS["max_position_embeddings"]}),
         attention_bias=False,
         up_gate_bias=False,
         down_bias=False,
@@ -203,10 +208,8 @@ def jina_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertCon
 
     Its task adapters are not in config.json: export.layers.task_adapters reads them from their folders.
     """
-    common = _common(hf_config, JINA_DEFAULTS, pooling, normalize)
     return RotaryBertConfig(
-        **{**common, "layer_norm_eps": hf_config.get("layer_norm_eps", 1e-5)},
-        max_positions=hf_config.get("max_position_embeddings", JINA_DEFAULTS.max_position_embeddings),
+        **_common(hf_config, JINA_DEFAULTS, pooling, normalize),
         attention_bias=True,
         up_gate_bias=True,
         down_bias=True,
@@ -214,113 +217,70 @@ def jina_config(hf_config: dict, pooling: str, normalize: bool) -> RotaryBertCon
     )
 
 
-Slot = tuple[str, int, int]
-"""A checkpoint module's place in the encoder: (module, part, parts): part of a matrix joined from parts."""
-_LAYER = re.compile(r"^(?:encoder\.layers?|layers)\.(\d+)\.(.+)\.(weight|bias)$")
-_EMBEDDINGS = {
-    "embeddings.word_embeddings": "embeddings.token",
-    "embeddings.token_type_embeddings": "embeddings.segment",
-    "embeddings.LayerNorm": "embeddings.norm",
-    "emb_ln": "embeddings.norm",
+_EMBEDDINGS = {**BERT_EMBEDDINGS, "emb_ln": "embeddings.norm"}
+_NATIVE_LAYER: dict[str, str | Slot] = {
+    "self_attn.q_proj": Slot("attention.qkv", 0, 3),
+    "self_attn.k_proj": Slot("attention.qkv", 1, 3),
+    "self_attn.v_proj": Slot("attention.qkv", 2, 3),
+    "self_attn.o_proj": "attention.output",
+    "post_attention_layernorm": "attention_norm",
+    "mlp.up_proj": Slot("feed_forward.up_gate", 0, 2),
+    "mlp.gate_proj": Slot("feed_forward.up_gate", 1, 2),
+    "mlp.down_proj": "feed_forward.down",
+    "post_mlp_layernorm": "output_norm",
 }
-_NATIVE_LAYER: dict[str, Slot] = {
-    "self_attn.q_proj": ("attention.qkv", 0, 3),
-    "self_attn.k_proj": ("attention.qkv", 1, 3),
-    "self_attn.v_proj": ("attention.qkv", 2, 3),
-    "self_attn.o_proj": ("attention.output", 0, 1),
-    "post_attention_layernorm": ("attention_norm", 0, 1),
-    "mlp.up_proj": ("feed_forward.up_gate", 0, 2),
-    "mlp.gate_proj": ("feed_forward.up_gate", 1, 2),
-    "mlp.down_proj": ("feed_forward.down", 0, 1),
-    "post_mlp_layernorm": ("output_norm", 0, 1),
-}
-_JINA_LAYER: dict[str, Slot] = {
+"""The layer modules as transformers' modules name them (Q, K and V, W_up and W_gate, apart)."""
+_ORIGINAL_NORMS = {"norm1": "attention_norm", "norm2": "output_norm"}
+"""NomicBERT's and Jina's original names of a layer's two LayerNorms."""
+_JINA_LAYER: dict[str, str | Slot] = {
     **{module: slot for module, slot in _NATIVE_LAYER.items() if not module.startswith("mlp.")},
-    "mlp.fc1": ("feed_forward.up", 0, 1),
-    "mlp.fc2": ("feed_forward.down", 0, 1),
-    "mixer.Wqkv": ("attention.qkv", 0, 1),
-    "mixer.out_proj": ("attention.output", 0, 1),
-    "norm1": ("attention_norm", 0, 1),
-    "norm2": ("output_norm", 0, 1),
+    **_ORIGINAL_NORMS,
+    "mlp.fc1": "feed_forward.up",
+    "mlp.fc2": "feed_forward.down",
+    "mixer.Wqkv": "attention.qkv",
+    "mixer.out_proj": "attention.output",
 }
 """jina-embeddings-v3's layer modules, as transformers' modules name them and as its checkpoints do (what
 save_pretrained writes: the original model's names, Q, K and V in one Wqkv)."""
-_GTE_LAYER: dict[str, Slot] = {
+_GTE_LAYER: dict[str, str | Slot] = {
     **_NATIVE_LAYER,
-    "attention.qkv_proj": ("attention.qkv", 0, 1),
-    "attention.o_proj": ("attention.output", 0, 1),
-    "attn_ln": ("attention_norm", 0, 1),
-    "mlp.up_gate_proj": ("feed_forward.up_gate", 0, 1),
-    "mlp_ln": ("output_norm", 0, 1),
+    "attention.qkv_proj": "attention.qkv",
+    "attention.o_proj": "attention.output",
+    "attn_ln": "attention_norm",
+    "mlp.up_gate_proj": "feed_forward.up_gate",
+    "mlp_ln": "output_norm",
 }
-_NOMIC_LAYER: dict[str, Slot] = {
+_NOMIC_LAYER: dict[str, str | Slot] = {
     **_NATIVE_LAYER,
-    "attn.Wqkv": ("attention.qkv", 0, 1),
-    "attn.out_proj": ("attention.output", 0, 1),
-    "norm1": ("attention_norm", 0, 1),
-    "mlp.fc11": ("feed_forward.up_gate", 0, 2),
-    "mlp.fc12": ("feed_forward.up_gate", 1, 2),
-    "mlp.fc2": ("feed_forward.down", 0, 1),
-    "norm2": ("output_norm", 0, 1),
+    **_ORIGINAL_NORMS,
+    "attn.Wqkv": "attention.qkv",
+    "attn.out_proj": "attention.output",
+    "mlp.fc11": Slot("feed_forward.up_gate", 0, 2),
+    "mlp.fc12": Slot("feed_forward.up_gate", 1, 2),
+    "mlp.fc2": "feed_forward.down",
 }
+_LAYERS = r"encoder\.layers?|layers"
+"""The layer list: encoder.layer (GTE's original), encoder.layers (NomicBERT's, Jina's), layers (transformers')."""
 
 
-def _rename(
-    weights: dict[str, torch.Tensor], prefixes: tuple[str, ...], layer_slots: dict[str, Slot]
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The encoder's weights under its names (parts joined), and the task heads' weights (prefix stripped) apart."""
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    counts: dict[str, int] = {}
-    heads: dict[str, torch.Tensor] = {}
-    for original, tensor in weights.items():
-        key = next((original[len(p) :] for p in prefixes if original.startswith(p)), original)
-        if key.rpartition(".")[2] in BUFFERS:
-            continue
-        if key.startswith(HEAD_PREFIXES):
-            heads[key] = tensor
-            continue
-        layer = _LAYER.match(key)
-        module, _, kind = key.rpartition(".")
-        if layer and layer.group(2) in layer_slots:
-            target, part, count = layer_slots[layer.group(2)]
-            target = f"layers.{layer.group(1)}.{target}.{kind}"
-        elif not layer and module in _EMBEDDINGS:
-            target, part, count = f"{_EMBEDDINGS[module]}.{kind}", 0, 1
-        else:
-            raise ArchitectureError(f"unexpected weight {original!r}")
-        if counts.setdefault(target, count) != count or part in parts.setdefault(target, {}):
-            raise ArchitectureError(f"weight {original!r} given twice (in two namings)")
-        parts[target][part] = tensor
-    encoder = {}
-    for target, pieces in parts.items():
-        if len(pieces) != counts[target]:
-            raise ArchitectureError(f"{target}: {len(pieces)} of its {counts[target]} parts in the checkpoint")
-        encoder[target] = torch.cat([pieces[i] for i in range(counts[target])], dim=0)
-    return encoder, heads
+def _names(prefixes: tuple[str, ...], layer_modules: dict[str, str | Slot]) -> ModuleRenames:
+    return ModuleRenames((*prefixes, *WRAPPERS), HEAD_PREFIXES, _LAYERS, layer_modules, _EMBEDDINGS, BUFFERS)
 
 
-def rename_gte_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """GTE's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
-    return _rename(weights, ("new.", "gte.", *WRAPPERS), _GTE_LAYER)
-
-
-def rename_nomic_bert_weights(
-    weights: dict[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """NomicBERT's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
-    return _rename(weights, ("nomic_bert.", *WRAPPERS), _NOMIC_LAYER)
-
-
-def rename_jina_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """jina-embeddings-v3's parameter names (transformers') -> the encoder's, and the task heads' weights apart."""
-    return _rename(weights, ("roberta.", *WRAPPERS), _JINA_LAYER)
+rename_gte_weights = _names(("new.", "gte."), _GTE_LAYER).split
+"""GTE's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
+rename_nomic_bert_weights = _names(("nomic_bert.",), _NOMIC_LAYER).split
+"""NomicBERT's parameter names (original or transformers') -> the encoder's, and the task heads' weights apart."""
+rename_jina_weights = _names(("roberta.",), _JINA_LAYER).split
+"""jina-embeddings-v3's parameter names (transformers') -> the encoder's, and the task heads' weights apart."""
 
 
 def jina_adapter_targets(num_layers: int) -> dict[str, Target]:
     """Where a LoRA of each of jina-embeddings-v3's modules (transformers' names) lands in the encoder."""
     targets = {"embeddings.word_embeddings": Target("embeddings.token")}
     for index in range(num_layers):
-        for module, (slot, part, parts) in _JINA_LAYER.items():
+        for module, place in _JINA_LAYER.items():
+            slot, part, parts = as_slot(place)
             if "norm" not in module:
                 for layer in (f"layers.{index}", f"encoder.layers.{index}"):
                     targets[f"{layer}.{module}"] = Target(f"layers.{index}.{slot}", part, parts)

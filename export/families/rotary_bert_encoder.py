@@ -19,32 +19,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.families.family import OwnEncoderFacts
-from export.layers.pooling import pool
+from export.families.encoder_config import EncoderConfigBase
+from export.layers.attention import attend
+from export.layers.feed_forward import activate
+from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable, rotate
+from export.layers.segments import SegmentEmbedding
 from export.layers.task_adapters import TaskLora
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 
 
-@dataclass(frozen=True)
-class RotaryBertConfig(OwnEncoderFacts):
-    """Hyper-parameters of a rotary, gated, post-norm BERT (GTE, NomicBERT), validated on construction."""
+@dataclass(frozen=True, kw_only=True)
+class RotaryBertConfig(EncoderConfigBase):
+    """Hyper-parameters of a rotary, post-norm BERT (GTE, NomicBERT, Jina), validated on construction.
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
-    """Width of the gated inner layer (W_up and W_gate each project to it)."""
+    ffn_dim is the width of the inner layer (W_up and, gated, W_gate each project to it); max_positions the
+    longest sequence the model was made for (rotary angles themselves have no limit).
+    """
+
     head_dim: int
     """d_k: the width of one attention head (num_heads · head_dim need not be d_model)."""
-    max_positions: int
-    """Longest sequence the model was made for (rotary angles themselves have no limit)."""
     rope_theta: float
     """The rotary base θ."""
     rope_linear_factor: float = 1.0
@@ -65,14 +63,10 @@ class RotaryBertConfig(OwnEncoderFacts):
     """Task adapters, id = position + 1 in adapter_ids (0: none); empty: the model has none."""
     lora_columns: tuple[tuple[str, int], ...] = ()
     """Each adapted module (as the encoder names it, e.g. layers.0.attention.qkv) and its LoRA columns."""
-    pooling: str = "mean"
-    normalize: bool = True
-    pad_token_id: int = 0
 
     def __post_init__(self) -> None:
-        self.check_sizes_and_pooling(
-            ("vocab_size", "d_model", "num_heads", "num_layers", "ffn_dim", "head_dim", "max_positions")
-        )
+        super().__post_init__()
+        self.check_positive(("head_dim",))
         if self.head_dim % 2:
             raise ArchitectureError(f"head width {self.head_dim} must be even for rotary positions")
         if self.rope_theta <= 0 or self.rope_linear_factor <= 0:
@@ -81,8 +75,7 @@ class RotaryBertConfig(OwnEncoderFacts):
             raise ArchitectureError(f"type_vocab_size must be >= 0, got {self.type_vocab_size!r}")
         if self.activation not in ACTIVATIONS:
             raise ArchitectureError(f"unsupported activation {self.activation!r} (supported: {', '.join(ACTIVATIONS)})")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ArchitectureError(f"pad_token_id {self.pad_token_id} is outside the vocabulary")
+        self.check_pad_token_id()
         if self.tasks and self.uses_segments:
             raise ArchitectureError("task adapters with segment ids (type_vocab_size > 1) are not implemented")
 
@@ -92,14 +85,6 @@ class RotaryBertConfig(OwnEncoderFacts):
         return None if columns is None else TaskLora(width_in, width_out, columns, embedding)
 
 
-def _activation(name: str, x: Tensor) -> Tensor:
-    if name == "silu":
-        return F.silu(x)
-    if name == "relu":
-        return F.relu(x)
-    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
-
-
 class Embeddings(nn.Module):
     """Token (+ segment) embeddings, then LayerNorm."""
 
@@ -107,7 +92,7 @@ class Embeddings(nn.Module):
         super().__init__()
         self.token = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
         self.token_lora = config.lora("embeddings.token", config.vocab_size, config.d_model, embedding=True)
-        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.segment = SegmentEmbedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, adapter_ids: Tensor | None = None) -> Tensor:
@@ -116,12 +101,7 @@ class Embeddings(nn.Module):
         if self.token_lora is not None and adapter_ids is not None:
             hidden = hidden + self.token_lora(input_ids, adapter_ids)
         if self.segment is not None:
-            if self.segment.num_embeddings == 1:
-                hidden = hidden + self.segment.weight[0]
-            else:
-                if token_type_ids is None:
-                    token_type_ids = torch.zeros_like(input_ids)
-                hidden = hidden + self.segment(token_type_ids)
+            hidden = hidden + self.segment(input_ids, token_type_ids)
         return self.norm(hidden)
 
 
@@ -148,8 +128,7 @@ class Attention(nn.Module):
         query, key, value = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, seq, d_k]
         query, key = rotate(query, *rotary), rotate(key, *rotary)
         scores = torch.matmul(query, key.transpose(-1, -2)) * self.head_dim**-0.5
-        weights = torch.softmax(scores + attention_bias, dim=-1)
-        context = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
+        context = attend(scores, attention_bias, value, batch, length)
         return _adapted(self.output, self.output_lora, context, adapter_ids)
 
 
@@ -175,9 +154,9 @@ class FeedForward(nn.Module):
         """Apply the network to every position independently."""
         if self.gated:
             up, gate = self.up_gate(hidden).chunk(2, dim=-1)
-            inner = _activation(self.activation, gate) * up
+            inner = activate(self.activation, gate) * up
         else:
-            inner = _activation(self.activation, _adapted(self.up, self.up_lora, hidden, adapter_ids))
+            inner = activate(self.activation, _adapted(self.up, self.up_lora, hidden, adapter_ids))
         return _adapted(self.down, self.down_lora, inner, adapter_ids)
 
 
@@ -199,14 +178,11 @@ class Layer(nn.Module):
         return self.output_norm(hidden + self.feed_forward(hidden, adapter_ids))
 
 
-class RotaryBertEncoder(nn.Module):
+class RotaryBertEncoder(PooledEncoder):
     """The whole encoder: embeddings, S rotary post-norm layers, pooling."""
 
-    output_names = ("last_hidden_state", "embedding")
-
     def __init__(self, config: RotaryBertConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config, index) for index in range(config.num_layers))
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_positions, config.rope_linear_factor)
@@ -216,6 +192,7 @@ class RotaryBertEncoder(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor,
         token_type_ids: Tensor | None = None,
+        *,
         adapter_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The last hidden states [batch, seq, d_model] and the float mask [batch, seq] (task heads start here).
@@ -229,17 +206,6 @@ class RotaryBertEncoder(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, rotary, attention_bias, adapter_ids)
         return hidden, mask
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        token_type_ids: Tensor | None = None,
-        adapter_ids: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask, token_type_ids, adapter_ids)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
 
 
 def _adapted(linear: nn.Linear, lora: TaskLora | None, x: Tensor, adapter_ids: Tensor | None) -> Tensor:

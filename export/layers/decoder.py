@@ -10,61 +10,49 @@ the last hidden state is pooled (export.layers.pooling) as for every encoder her
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.weight_names import split_weights
-from export.families.family import OwnEncoderFacts
+from export.families.encoder_config import EncoderConfigBase, read_shared_fields
+from export.families.family import Renamer
 from export.layers.grouped_attention import GroupedQueryAttention
-from export.layers.pooling import pool
+from export.layers.pooling import PooledEncoder
 from export.layers.rotary import RotaryTable
 
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
-"""config.json keys every decoder-shaped family needs."""
 WRAPPERS = ("model.", "0.auto_model.")
 """Prefixes that wrap the decoder inside task models and sentence-transformers modules."""
 BODY_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 """The decoder's own weights, as transformers names Qwen3's, Gemma3's and EuroBERT's."""
-SIZES = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "num_layers", "ffn_dim")
+SWIGLU_ACTIVATION = {"silu": "silu"}
+"""config.json's hidden_act of a SwiGLU MLP (Qwen3's, EuroBERT's): the one activation it is built with."""
 
 Rotary = tuple[Tensor, Tensor]
 """(cos, sin) [seq, head_dim] of a layer's rotary angles."""
 
 
-@dataclass(frozen=True)
-class DecoderConfig(OwnEncoderFacts):
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig(EncoderConfigBase):
     """Hyper-parameters of a decoder-shaped encoder, validated on construction (each family sets its defaults)."""
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    """Query heads per layer."""
     num_kv_heads: int
     """Key/value heads per layer, each shared by num_heads // num_kv_heads query heads."""
     head_dim: int
     """d_k: the width of one attention head."""
-    num_layers: int
-    ffn_dim: int
-    """Width of the gated MLP's gate and up projections."""
     max_positions: int = 32768
-    pad_token_id: int = 0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     attention_bias: bool = False
     """Whether the Q, K, V and output projections carry a bias."""
-    pooling: str = "mean"
-    normalize: bool = True
-
-    OTHER_SIZES: ClassVar[tuple[str, ...]] = ()
-    """The family's fields, besides SIZES, that must be positive integers."""
 
     def __post_init__(self) -> None:
-        self.check_sizes_and_pooling((*SIZES, *self.OTHER_SIZES))
+        super().__post_init__()
+        self.check_positive(("num_kv_heads", "head_dim"))
         if self.num_heads % self.num_kv_heads:
             raise ArchitectureError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
@@ -73,56 +61,29 @@ class DecoderConfig(OwnEncoderFacts):
             raise ArchitectureError(f"head_dim {self.head_dim} must be even (rotary angles turn pairs)")
 
 
-AnyDecoderConfig = TypeVar("AnyDecoderConfig", bound=DecoderConfig)
+def read_decoder_fields(
+    config_type: type[DecoderConfig], hf_config: dict, pooling: str, normalize: bool
+) -> dict[str, object]:
+    """config.json's decoder keys as config_type's fields (its defaults where config.json says nothing).
 
-
-def require_keys(hf_config: dict) -> None:
-    """ArchitectureError naming the first of REQUIRED_KEYS config.json lacks."""
-    for key in REQUIRED_KEYS:
-        if key not in hf_config:
-            raise ArchitectureError(f"config.json lacks {key!r}")
-
-
-def check_activation(hf_config: dict, key: str, supported: Sequence[str], default: str) -> None:
-    """ArchitectureError unless config.json's activation (key) is one of `supported`."""
-    activation = hf_config.get(key, default)
-    if activation not in supported:
-        raise ArchitectureError(f"unsupported {key} {activation!r} (supported: {', '.join(supported)})")
-
-
-def read_config(
-    config_type: type[AnyDecoderConfig], hf_config: dict, pooling: str, normalize: bool, **family_fields: object
-) -> AnyDecoderConfig:
-    """config.json's decoder keys read onto config_type (its defaults where config.json says nothing).
-
-    family_fields: the family's own fields (and rope_theta, read as the family reads it).
+    ArchitectureError naming the first size key config.json lacks; the family adds its own fields (and its
+    rope_theta, read as the family reads it).
     """
+    shared = read_shared_fields(hf_config, pooling, normalize)
     defaults = config_type.__dataclass_fields__
     heads = hf_config["num_attention_heads"]
-    pad_token_id = hf_config.get("pad_token_id")
-    return config_type(
-        vocab_size=hf_config["vocab_size"],
-        d_model=hf_config["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=hf_config.get("num_key_value_heads") or heads,
-        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
-        num_layers=hf_config["num_hidden_layers"],
-        ffn_dim=hf_config["intermediate_size"],
-        max_positions=hf_config.get("max_position_embeddings", defaults["max_positions"].default),
-        pad_token_id=pad_token_id if isinstance(pad_token_id, int) else 0,
-        rms_norm_eps=hf_config.get("rms_norm_eps", defaults["rms_norm_eps"].default),
-        attention_bias=bool(hf_config.get("attention_bias", False)),
-        pooling=pooling,
-        normalize=normalize,
-        **family_fields,
-    )
+    return shared | {
+        "num_kv_heads": hf_config.get("num_key_value_heads") or heads,
+        "head_dim": hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+        "max_positions": hf_config.get("max_position_embeddings", defaults["max_positions"].default),
+        "rms_norm_eps": hf_config.get("rms_norm_eps", defaults["rms_norm_eps"].default),
+        "attention_bias": bool(hf_config.get("attention_bias", False)),
+    }
 
 
-def split_decoder_weights(
-    weights: dict[str, Tensor], head_prefixes: tuple[str, ...]
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """The decoder's weights (bare, or under model. / 0.auto_model.), names kept; a head's (head_prefixes) apart."""
-    return split_weights(weights, WRAPPERS, BODY_PREFIXES, head_prefixes)
+def decoder_weights(head_prefixes: tuple[str, ...]) -> Renamer:
+    """A decoder checkpoint's renamer: its weights, bare or wrapped, names kept; a head's (head_prefixes) apart."""
+    return functools.partial(split_weights, wrappers=WRAPPERS, body=BODY_PREFIXES, heads=head_prefixes)
 
 
 class RMSNorm(nn.Module):
@@ -133,11 +94,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
+    def normalised(self, hidden: Tensor) -> Tensor:
+        """The root-mean-square normalised hidden [..., width]: x / √(mean(x²) + ε), in fp32."""
+        values = hidden.to(torch.float32)
+        return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps)
+
     def forward(self, hidden: Tensor) -> Tensor:
         """Normalise hidden [..., width]."""
-        values = hidden.to(torch.float32)
-        values = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * values.to(hidden.dtype)
+        return self.weight * self.normalised(hidden).to(hidden.dtype)
 
 
 class GatedMLP(nn.Module):
@@ -202,13 +166,11 @@ def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-class DecoderEncoder(nn.Module):
+class DecoderEncoder(PooledEncoder):
     """Embeddings, S decoder layers, final norm, pooling; a family says what each layer attends to.
 
     By default every layer reads every token the mask keeps, with one rotary table (base rope_theta).
     """
-
-    output_names = ("last_hidden_state", "embedding")
 
     def __init__(
         self,
@@ -221,8 +183,7 @@ class DecoderEncoder(nn.Module):
         sandwich: bool = False,
         rotary: nn.Module | None = None,
     ) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(
             DecoderLayer(config, norm=norm, activation=activation, scale=scale, head_norm=head_norm, sandwich=sandwich)
@@ -253,10 +214,3 @@ class DecoderEncoder(nn.Module):
         for layer, (rotary, bias) in zip(self.layers, self.layer_inputs(attention_mask, hidden.dtype), strict=True):
             hidden = layer(hidden, rotary, bias)
         return self.norm(hidden), mask
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Return (last_hidden_state [batch, seq, d_model], embedding [batch, d_model])."""
-        hidden, mask = self.hidden_states(input_ids, attention_mask)
-        return hidden, pool(hidden, mask, self.config.pooling, self.config.normalize)
