@@ -93,7 +93,8 @@ def export_towers(
         else:
             texts = random_text_rows(config, checkpoint.max_seq_length)
         images = image_cases(config.geometry.image_size)
-        inputs = library_answers(checkpoint.folder, config, images, texts, preprocessor)
+        library = {"sentence_transformers_folder": checkpoint.library_folder}
+        inputs = library_answers(checkpoint.folder, config, images, texts, preprocessor, **library)
         stage("export to ONNX")
         model = checkpoint.build_model()
         graphs = {tower: Path(workdir) / f"{tower}.onnx" for tower in TOWERS}
@@ -141,7 +142,8 @@ def _report(
     basis = "fidelity rule: fp32; int8 and fp16 are not built for two-tower models"
     return {
         "model": checkpoint.name,
-        "source": str(checkpoint.folder),
+        "source": str(checkpoint.library_folder or checkpoint.folder),
+        "reference_library": "sentence-transformers" if checkpoint.library_folder else "transformers",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model_type": checkpoint.model_type,
         "task": "embed",

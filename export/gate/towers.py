@@ -3,8 +3,10 @@
 The reference is transformers' own model of the folder (`AutoModel`: CLIPModel, SiglipModel) with the folder's
 own processor: `get_image_features` of the pixel values its image processor makes of each gate image
 (export.gate.image_cases, opened with Pillow), `get_text_features` of the ids its tokenizer makes of the gate
-sentences (padded as the family was trained: `text_padding`); without a tokenizer, of random ids. Both are
-L2-normalised where the model is served normalised. Figures, per tower:
+sentences (padded as the family was trained: `text_padding`); without a tokenizer, of random ids. A model that is
+a module of a sentence-transformers folder (clip-ViT-B-32's 0_CLIPModel) is held to that folder's `encode` of the
+images (as Pillow opens them) and of the texts instead. Both are L2-normalised where the model is served
+normalised. Figures, per tower:
 - pixel values: the server's preprocessing (service.pipeline.images) against the processor's, <= 1e-5;
 - model: our tower against transformers on the processor's pixel values (texts: the same ids), <= 1e-5;
 - graph: the exported graph on the server's pixel values against our tower on them, <= 1e-5, and against
@@ -124,21 +126,48 @@ def random_text_rows(config: TwoTowerConfig, max_length: int, seed: int = 0) -> 
     return TowerInputs(tuple(f"random ids ({length} tokens)" for length in lengths), feed, feed, np.empty(0))
 
 
+def _sentence_transformers_answers(
+    folder: Path, pictures: list[Image.Image], texts: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sentence-transformers' encode of the images and of the texts (one call each: it takes one modality a call)."""
+    from sentence_transformers import SentenceTransformer  # noqa: PLC0415  (build-time only)
+
+    model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    answers = [model.encode(list(batch), convert_to_tensor=True) for batch in (pictures, texts)]
+    del model
+    return answers[0], answers[1]
+
+
 def library_answers(
-    folder: Path, config: TwoTowerConfig, images: list[ImageCase], texts: TowerInputs, preprocessor: ImagePreprocessor
+    folder: Path,
+    config: TwoTowerConfig,
+    images: list[ImageCase],
+    texts: TowerInputs,
+    preprocessor: ImagePreprocessor,
+    *,
+    sentence_transformers_folder: Path | None = None,
 ) -> dict[str, TowerInputs]:
-    """The library's answers on the folder (transformers'): each tower's inputs and embeddings; let go after."""
+    """The library's answers: each tower's inputs and embeddings; the library is let go after.
+
+    The library: transformers on the folder, or sentence-transformers on the folder it is a module of.
+    """
     import transformers  # noqa: PLC0415  (build-time only: the server never imports it)
 
-    model = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True).eval()
     processor = transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
     pictures = [Image.open(io.BytesIO(case.data)) for case in images]
     library_pixels = processor(images=pictures, return_tensors="np")["pixel_values"].astype(np.float32)
     served_pixels = preprocessor.encode([case.data for case in images])
-    with torch.inference_mode():
-        image_features = _features(model.get_image_features(pixel_values=torch.from_numpy(library_pixels)))
-        text_feed = {name: torch.from_numpy(array) for name, array in texts.library_feed.items()}
-        text_features = _features(model.get_text_features(**text_feed))
+    if sentence_transformers_folder is not None:
+        image_features, text_features = _sentence_transformers_answers(
+            sentence_transformers_folder, pictures, texts.labels
+        )
+    else:
+        model = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True).eval()
+        with torch.inference_mode():
+            image_features = _features(model.get_image_features(pixel_values=torch.from_numpy(library_pixels)))
+            text_feed = {name: torch.from_numpy(array) for name, array in texts.library_feed.items()}
+            text_features = _features(model.get_text_features(**text_feed))
+        del model
     answers = {
         "image": TowerInputs(
             tuple(case.name for case in images),
@@ -150,7 +179,6 @@ def library_answers(
             texts.labels, texts.library_feed, texts.served_feed, _normalised(text_features, config.normalize)
         ),
     }
-    del model
     gc.collect()
     return answers
 

@@ -19,10 +19,12 @@ import pytest
 import torch
 import transformers
 from PIL import Image
+from sentence_transformers import SentenceTransformer
+from tokenizers import Tokenizer
 
 from export.__main__ import main as export_main
 from export.build import ExportOptions, export_model
-from export.checkpoints.checkpoint import load_checkpoint
+from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from export.gate import towers as tower_gate
 from export.gate.image_cases import image_cases
 from export.gate.parity import GateRefused
@@ -30,12 +32,22 @@ from export.tower_build import NOT_BUILT
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import read_model
 from service.pipeline.images import PREPROCESSOR_CONFIG, ImagePreprocessor
-from tests.export.two_tower_folders import CLIP_IMAGE_SIZE, PROJECTION, SIGLIP_IMAGE_SIZE, exported_two_towers
+from tests.export.two_tower_folders import (
+    CLIP_IMAGE_SIZE,
+    MAX_POSITIONS,
+    PROJECTION,
+    SIGLIP_IMAGE_SIZE,
+    exported_two_towers,
+)
 
+CLIP = {"width": PROJECTION, "size": CLIP_IMAGE_SIZE, "padding": "longest", "pooling": "eos_token"}
 FAMILIES = {
-    "clip": {"width": PROJECTION, "size": CLIP_IMAGE_SIZE, "padding": "longest", "pooling": "eos_token"},
-    "siglip": {"width": 48, "size": SIGLIP_IMAGE_SIZE, "padding": "max_length", "pooling": "last_position"},
+    "clip": CLIP | {"normalize": True, "library": "transformers"},
+    "siglip": {"width": 48, "size": SIGLIP_IMAGE_SIZE, "padding": "max_length", "pooling": "last_position"}
+    | {"normalize": True, "library": "transformers"},
+    "st-clip": CLIP | {"normalize": False, "library": "sentence-transformers"},
 }
+"""Each exported model (tests.export.two_tower_folders.SOURCES) and what it is served as."""
 SERVED_MAX_ABS_DIFF = 1e-4
 """The issue's bound for what a client gets against the library, in fp32 (besides cosine >= 0.9999)."""
 
@@ -60,13 +72,15 @@ def test_the_repository_holds_both_towers(exported: Path, name: str) -> None:
         expected["padding"],
         expected["pooling"],
     )
-    assert spec.normalize and spec.tokenizer_file is not None and spec.tokenizer_file.is_file()
+    assert spec.normalize == expected["normalize"]
+    assert spec.tokenizer_file is not None and spec.tokenizer_file.is_file()
     assert spec.preferred_variants == {"cpu": "fp32", "cuda": "fp32"}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_parity_json_records_each_towers_figures(exported: Path, name: str) -> None:
     parity = json.loads((exported / "repository" / name / "parity.json").read_text())
+    assert parity["reference_library"] == FAMILIES[name]["library"]
     assert parity["withdrawn"] == {"int8": {"reason": NOT_BUILT}, "fp16": {"reason": NOT_BUILT}}
     image, text = parity["towers"]["image"], parity["towers"]["text"]
     described = " ".join(image["inputs"])
@@ -87,6 +101,28 @@ def _features(output: object) -> torch.Tensor:
     return torch.nn.functional.normalize(vectors, dim=-1)
 
 
+def _library(source: Path, images: list[bytes], texts: list[str], padding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the library that made the folder answers for the images and the texts, as the model is served.
+
+    A sentence-transformers folder: its encode (raw: no Normalize module); else transformers with the folder's
+    processor and tokenizer, normalised.
+    """
+    pictures = [Image.open(io.BytesIO(image)) for image in images]
+    if (source / "modules.json").is_file():
+        model = SentenceTransformer(str(source), device="cpu")
+        return model.encode(pictures, convert_to_tensor=True), model.encode(texts, convert_to_tensor=True)
+    reference = transformers.AutoModel.from_pretrained(str(source)).eval()
+    processor = transformers.AutoImageProcessor.from_pretrained(str(source))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(source))
+    padded = "max_length" if padding == "max_length" else True
+    ids = tokenizer(texts, padding=padded, truncation=True, max_length=MAX_POSITIONS, return_tensors="pt")
+    with torch.inference_mode():
+        pixel_values = processor(images=pictures, return_tensors="pt")["pixel_values"]
+        return _features(reference.get_image_features(pixel_values=pixel_values)), _features(
+            reference.get_text_features(**ids)
+        )
+
+
 def _assert_served_equal(got: np.ndarray, expected: torch.Tensor) -> None:
     assert got.shape == tuple(expected.shape)
     assert np.abs(got - expected.numpy()).max() <= SERVED_MAX_ABS_DIFF
@@ -94,28 +130,30 @@ def _assert_served_equal(got: np.ndarray, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_published_graphs_answer_as_transformers(exported: Path, name: str) -> None:
-    """Images the gate did not see, through the repository's preprocessing and image graph; texts through the text
-    graph; against get_image_features / get_text_features of the source folder (normalised, as served)."""
+def test_the_published_graphs_answer_as_the_library(exported: Path, name: str) -> None:
+    """Images the gate did not see, through the repository's preprocessing and image graph; texts through the
+    repository's tokenizer and text graph; against the library on the source folder, as the model is served."""
     spec = read_model(exported / "repository" / name)
-    source = exported / "source" / name
-    reference = transformers.AutoModel.from_pretrained(str(source)).eval()
-    processor = transformers.AutoImageProcessor.from_pretrained(str(source))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(source))
     images = [case.data for case in image_cases(FAMILIES[name]["size"] + 3, seed=7)]
     texts = ["a photo of a cat", "Two dogs play in the snow near a red barn.", "x"]
-    padding = "max_length" if spec.text_padding == "max_length" else True
-    ids = tokenizer(texts, padding=padding, max_length=spec.max_sequence_length, truncation=True, return_tensors="pt")
-    with torch.inference_mode():
-        pixel_values = processor(images=[Image.open(io.BytesIO(image)) for image in images], return_tensors="pt")
-        expected_images = _features(reference.get_image_features(pixel_values=pixel_values["pixel_values"]))
-        expected_texts = _features(reference.get_text_features(**ids))
+    expected_images, expected_texts = _library(exported / "source" / name, images, texts, spec.text_padding)
     pixels = ImagePreprocessor.from_folder(spec.directory).encode(images)
     image_graph = ort.InferenceSession(str(spec.image_variants["fp32"]), providers=["CPUExecutionProvider"])
     (served_images,) = image_graph.run(["embedding"], {"pixel_values": pixels})
     _assert_served_equal(served_images, expected_images)
+    tokenizer = Tokenizer.from_file(str(spec.tokenizer_file))
+    tokenizer.enable_truncation(spec.max_sequence_length)
+    if spec.text_padding == "max_length":
+        tokenizer.enable_padding(pad_id=spec.pad_token_id, length=spec.max_sequence_length)
+    else:
+        tokenizer.enable_padding(pad_id=spec.pad_token_id)
+    encoded = tokenizer.encode_batch(texts)
+    feed = {
+        "input_ids": np.array([row.ids for row in encoded], dtype=np.int64),
+        "attention_mask": np.array([row.attention_mask for row in encoded], dtype=np.int64),
+    }
     text_graph = ort.InferenceSession(str(spec.variants["fp32"]), providers=["CPUExecutionProvider"])
-    (served_texts,) = text_graph.run(["embedding"], {key: value.numpy() for key, value in ids.items()})
+    (served_texts,) = text_graph.run(["embedding"], feed)
     _assert_served_equal(served_texts, expected_texts)
 
 
@@ -151,3 +189,17 @@ def test_a_preprocessor_the_towers_cannot_follow_is_refused(
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert status == 2 and message in error and str(config_file) in error
     assert not (tmp_path / "repository").exists()
+
+
+def test_a_clip_module_is_taken_alone_or_with_normalize_only(exported: Path, tmp_path: Path) -> None:
+    source = shutil.copytree(exported / "source" / "st-clip", tmp_path / "st-clip")
+    modules = json.loads((source / "modules.json").read_text())
+    normalize = {"idx": 1, "name": "1", "path": "1_Normalize", "type": "sentence_transformers.models.Normalize"}
+    (source / "modules.json").write_text(json.dumps([*modules, normalize]))
+    checkpoint = load_checkpoint(source)
+    assert checkpoint.config.normalize and checkpoint.library_folder == source
+    assert checkpoint.folder == (source / "0_CLIPModel").resolve()
+    pooling = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    (source / "modules.json").write_text(json.dumps([*modules, pooling]))
+    with pytest.raises(CheckpointError, match="modules CLIPModel -> Pooling: a CLIPModel is implemented alone"):
+        load_checkpoint(source)

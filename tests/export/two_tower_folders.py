@@ -103,12 +103,26 @@ def save_siglip_folder(folder: Path, seed: int = 49) -> Path:
     return folder
 
 
-def _export_both(folder: Path) -> None:
-    """Both tiny folders (folder/source/clip, folder/source/siglip), each exported by the command line into
-    folder/repository with its default variants (int8 and fp16 withdrawn)."""
-    for name, save in (("clip", save_clip_folder), ("siglip", save_siglip_folder)):
+def save_sentence_transformers_clip(folder: Path, seed: int = 50) -> Path:
+    """A sentence-transformers CLIP folder as clip-ViT-B-32 has it: modules.json naming one CLIPModel module in
+    0_CLIPModel/, which holds the tiny CLIPModel folder (no Normalize: encode answers the raw projections)."""
+    save_clip_folder(folder / "0_CLIPModel", seed)
+    module = {"idx": 0, "name": "0", "path": "0_CLIPModel", "type": "sentence_transformers.models.CLIPModel"}
+    (folder / "modules.json").write_text(json.dumps([module]))
+    return folder
+
+
+SOURCES = {"clip": save_clip_folder, "siglip": save_siglip_folder, "st-clip": save_sentence_transformers_clip}
+"""Each exported model's name and what makes its source folder."""
+
+
+def _export_all(folder: Path) -> None:
+    """Every tiny folder (folder/source/<name>), each exported by the command line into folder/repository with its
+    default variants (int8 and fp16 withdrawn)."""
+    for name, save in SOURCES.items():
         source = save(folder / "source" / name)
-        status = export_main(["--source", str(source), "--repository", str(folder / "repository"), "--threads", "1"])
+        command = ["--source", str(source), "--repository", str(folder / "repository"), "--name", name]
+        status = export_main([*command, "--threads", "1"])
         assert status == 0, f"the export of {name} failed"
 
 
@@ -117,5 +131,5 @@ MADE_BY = (Path(__file__), Path(tiny_models.__file__), Path(processor_configs.__
 
 
 def exported_two_towers() -> Path:
-    """The folder _export_both filled, shared across tests and pytest runs (tests.export_cache)."""
-    return cached_export("two-towers", ["clip", "siglip"], _export_both, made_by=MADE_BY)
+    """The folder _export_all filled, shared across tests and pytest runs (tests.export_cache)."""
+    return cached_export("two-towers", list(SOURCES), _export_all, made_by=MADE_BY)
