@@ -8,7 +8,6 @@ model of the source folder with its own processor and tokenizer.
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
@@ -17,9 +16,6 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-import transformers
-from PIL import Image
-from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
 from export.__main__ import main as export_main
@@ -34,10 +30,10 @@ from service.core.repository import read_model
 from service.pipeline.images import PREPROCESSOR_CONFIG, ImagePreprocessor
 from tests.export.two_tower_folders import (
     CLIP_IMAGE_SIZE,
-    MAX_POSITIONS,
     PROJECTION,
     SIGLIP_IMAGE_SIZE,
     exported_two_towers,
+    library_embeddings,
 )
 
 CLIP = {"width": PROJECTION, "size": CLIP_IMAGE_SIZE, "padding": "longest", "pooling": "eos_token"}
@@ -96,33 +92,6 @@ def test_parity_json_records_each_towers_figures(exported: Path, name: str) -> N
     assert len(text["inputs"]) > 10  # the gate sentences, through the folder's tokenizer
 
 
-def _features(output: object) -> torch.Tensor:
-    vectors = output if isinstance(output, torch.Tensor) else output.pooler_output
-    return torch.nn.functional.normalize(vectors, dim=-1)
-
-
-def _library(source: Path, images: list[bytes], texts: list[str], padding: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the library that made the folder answers for the images and the texts, as the model is served.
-
-    A sentence-transformers folder: its encode (raw: no Normalize module); else transformers with the folder's
-    processor and tokenizer, normalised.
-    """
-    pictures = [Image.open(io.BytesIO(image)) for image in images]
-    if (source / "modules.json").is_file():
-        model = SentenceTransformer(str(source), device="cpu")
-        return model.encode(pictures, convert_to_tensor=True), model.encode(texts, convert_to_tensor=True)
-    reference = transformers.AutoModel.from_pretrained(str(source)).eval()
-    processor = transformers.AutoImageProcessor.from_pretrained(str(source))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(source))
-    padded = "max_length" if padding == "max_length" else True
-    ids = tokenizer(texts, padding=padded, truncation=True, max_length=MAX_POSITIONS, return_tensors="pt")
-    with torch.inference_mode():
-        pixel_values = processor(images=pictures, return_tensors="pt")["pixel_values"]
-        return _features(reference.get_image_features(pixel_values=pixel_values)), _features(
-            reference.get_text_features(**ids)
-        )
-
-
 def _assert_served_equal(got: np.ndarray, expected: torch.Tensor) -> None:
     assert got.shape == tuple(expected.shape)
     assert np.abs(got - expected.numpy()).max() <= SERVED_MAX_ABS_DIFF
@@ -136,7 +105,7 @@ def test_the_published_graphs_answer_as_the_library(exported: Path, name: str) -
     spec = read_model(exported / "repository" / name)
     images = [case.data for case in image_cases(FAMILIES[name]["size"] + 3, seed=7)]
     texts = ["a photo of a cat", "Two dogs play in the snow near a red barn.", "x"]
-    expected_images, expected_texts = _library(exported / "source" / name, images, texts, spec.text_padding)
+    expected_images, expected_texts = library_embeddings(exported / "source" / name, images, texts, spec.text_padding)
     pixels = ImagePreprocessor.from_folder(spec.directory).encode(images)
     image_graph = ort.InferenceSession(str(spec.image_variants["fp32"]), providers=["CPUExecutionProvider"])
     (served_images,) = image_graph.run(["embedding"], {"pixel_values": pixels})

@@ -8,11 +8,14 @@ openai/clip-vit-base-patch32 and google/siglip-base-patch16-224 at the tiny imag
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import torch
 import transformers
+from PIL import Image
+from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer, processors
 
 from export.__main__ import main as export_main
@@ -133,3 +136,40 @@ MADE_BY = (Path(__file__), Path(tiny_models.__file__), Path(processor_configs.__
 def exported_two_towers() -> Path:
     """The folder _export_all filled, shared across tests and pytest runs (tests.export_cache)."""
     return cached_export("two-towers", list(SOURCES), _export_all, made_by=MADE_BY)
+
+
+def _features(output: object) -> torch.Tensor:
+    """get_*_features' answer (a tensor, or an output holding it as pooler_output), normalised as served."""
+    vectors = output if isinstance(output, torch.Tensor) else output.pooler_output
+    return torch.nn.functional.normalize(vectors, dim=-1)
+
+
+def library_embeddings(
+    source: Path, images: list[bytes], texts: list[str], padding: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the library that made the folder answers for the images and the texts, as the model is served.
+
+    A sentence-transformers folder: its encode (raw: no Normalize module); else transformers with the folder's
+    processor and tokenizer, normalised.
+    """
+    pictures = [Image.open(io.BytesIO(image)) for image in images]
+    if (source / "modules.json").is_file():
+        model = SentenceTransformer(str(source), device="cpu")
+        encoded = [
+            model.encode(items, convert_to_tensor=True) if items else torch.empty(0) for items in (pictures, texts)
+        ]
+        return encoded[0], encoded[1]
+    reference = transformers.AutoModel.from_pretrained(str(source)).eval()
+    processor = transformers.AutoImageProcessor.from_pretrained(str(source))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(source))
+    padded = "max_length" if padding == "max_length" else True
+    with torch.inference_mode():
+        image_features = torch.empty(0)
+        if pictures:
+            pixel_values = processor(images=pictures, return_tensors="pt")["pixel_values"]
+            image_features = _features(reference.get_image_features(pixel_values=pixel_values))
+        text_features = torch.empty(0)
+        if texts:
+            ids = tokenizer(texts, padding=padded, truncation=True, max_length=MAX_POSITIONS, return_tensors="pt")
+            text_features = _features(reference.get_text_features(**ids))
+    return image_features, text_features
