@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import read_model
@@ -51,3 +52,13 @@ def test_texts_answer_as_the_library(client: grpcclient.InferenceServerClient, e
     assert served.shape == tuple(expected.shape)
     assert np.abs(served - expected.numpy()).max() <= SERVED_MAX_ABS_DIFF
     assert cosines(served, expected.numpy()).min() >= FIDELITY_MIN_COSINE
+
+
+def test_late_chunking_is_refused_where_the_graph_pools(client: grpcclient.InferenceServerClient) -> None:
+    """A two-tower text graph answers its pooled embedding only: no token states to pool chunks from."""
+    text = grpcclient.InferInput("text", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"a document"], dtype=object))
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("clip", [text], parameters={"late_chunking": True})
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "model clip pools inside its graph (eos_token) and answers no last_hidden_state" in refused.value.message()
