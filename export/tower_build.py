@@ -89,7 +89,8 @@ def export_towers(
         stage("reference library")
         if checkpoint.tokenizer_files:
             sentences = cases.read_sentences(options.sentences)
-            texts = text_rows(checkpoint.folder, config, sentences, checkpoint.max_seq_length)
+            served_tokenizer = checkpoint.tokenizer_folder / "tokenizer.json"
+            texts = text_rows(checkpoint.folder, config, sentences, checkpoint.max_seq_length, served_tokenizer)
         else:
             texts = random_text_rows(config, checkpoint.max_seq_length)
         images = image_cases(config.geometry.image_size)

@@ -3,7 +3,8 @@
 The reference is transformers' own model of the folder (`AutoModel`: CLIPModel, SiglipModel) with the folder's
 own processor: `get_image_features` of the pixel values its image processor makes of each gate image
 (export.gate.image_cases, opened with Pillow), `get_text_features` of the ids its tokenizer makes of the gate
-sentences (padded as the family was trained: `text_padding`); without a tokenizer, of random ids. A model that is
+sentences (padded as the family was trained: `text_padding`); without a tokenizer, of random ids. The graphs run
+on what the server makes: its pixel values, and its tokenizer's ids of the same sentences. A model that is
 a module of a sentence-transformers folder (clip-ViT-B-32's 0_CLIPModel) is held to that folder's `encode` of the
 images (as Pillow opens them) and of the texts instead. Both are L2-normalised where the model is served
 normalised. Figures, per tower:
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import onnxruntime as ort
 import torch
@@ -32,6 +34,7 @@ from export.gate.image_cases import ImageCase
 from export.layers.vision import TwoTowerModel
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.pipeline.images import ImagePreprocessor
+from service.pipeline.tokenizer import TextTokenizer
 
 MODEL_MAX_ABS_DIFF = 1e-5
 """Our tower against transformers on the same weights and inputs."""
@@ -98,15 +101,24 @@ def _normalised(vectors: torch.Tensor, normalize: bool) -> np.ndarray:
     return (torch.nn.functional.normalize(vectors, dim=-1) if normalize else vectors).numpy()
 
 
-def text_rows(folder: Path, config: TwoTowerConfig, sentences: list[str], max_length: int) -> TowerInputs:
-    """The gate's texts as the folder's tokenizer makes them (padded as the family says); no answers yet."""
+def text_rows(
+    folder: Path, config: TwoTowerConfig, sentences: list[str], max_length: int, served_tokenizer: Path
+) -> TowerInputs:
+    """The gate's texts as the folder's tokenizer makes them and as the server does; no answers yet.
+
+    The server's: service.pipeline.tokenizer on the tokenizer.json published, padded as the family says.
+    """
     import transformers  # noqa: PLC0415  (build-time only: the server never imports it)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     padding = "max_length" if config.text_padding == "max_length" else True
     encoded = tokenizer(sentences, padding=padding, truncation=True, max_length=max_length, return_tensors="np")
-    feed = {name: encoded[name].astype(np.int64) for name in ("input_ids", "attention_mask")}
-    return TowerInputs(tuple(sentences), feed, feed, np.empty(0))
+    library = {name: encoded[name].astype(np.int64) for name in ("input_ids", "attention_mask")}
+    rows = TextTokenizer(served_tokenizer, max_length, config.pad_token_id).encode_rows(sentences)
+    if config.text_padding == "max_length":
+        rows = msgspec.structs.replace(rows, width=max_length)
+    served = rows.padded(config.pad_token_id)
+    return TowerInputs(tuple(sentences), library, {name: served[name] for name in library}, np.empty(0))
 
 
 def random_text_rows(config: TwoTowerConfig, max_length: int, seed: int = 0) -> TowerInputs:
