@@ -50,7 +50,7 @@ from export.graph.quantize import quantize_int8
 from export.graph.timing import compare_throughput, cpu_session, token_feed
 from export.heads.head import LibraryStep
 from export.publish import ServingDefaults, build_config, publish
-from export.sources import UnusableSource
+from export.tower_build import TOWER_STAGES, export_towers
 from service.core.fidelity import (
     FIDELITY_MIN_COSINE,
     LOGITS_FIDELITY_MAX_ABS_DIFF,
@@ -477,6 +477,8 @@ def _gated_options(checkpoint: Checkpoint, options: ExportOptions) -> ExportOpti
 
 def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
     """How many stages export_model announces for this checkpoint and these options (when every gate passes)."""
+    if family_of(checkpoint.config).towers:
+        return TOWER_STAGES
     variants = options.variants
     ungated = _ungated_variants(checkpoint)
     if ungated is not None:
@@ -509,14 +511,10 @@ def export_model(
     """
     if "fp32" not in options.variants:
         raise ValueError("the fp32 variant is always built")
-    towers = family_of(checkpoint.config).towers
-    if towers:
-        raise UnusableSource(
-            f"{checkpoint.model_type}: a two-tower model ({' and '.join(towers)}): exporting its towers into a"
-            " repository and serving them is not implemented yet"
-        )
-    options = _gated_options(checkpoint, options)
     stage = stage or (lambda name: log.info("export stage: %s", name))
+    if family_of(checkpoint.config).towers:
+        return export_towers(checkpoint, repository, options, stage, scratch)
+    options = _gated_options(checkpoint, options)
     with tempfile.TemporaryDirectory(prefix="encoder-export-", dir=scratch) as workdir:
         stage("load checkpoint")
         checkpoint = library_tokenizer.with_library_tokenizer(checkpoint, Path(workdir), options.sentences)

@@ -1,5 +1,7 @@
 """Writing a model into a repository: config.pbtxt, variant files, tokenizer, parity.json, fidelity.npz.
 
+A two-tower model's (service.core.repository's layout) also: its image graphs and its preprocessor_config.json.
+
 Everything is written to a staging folder inside the repository and moved into place at the
 end, so a failed export leaves the repository as it was.
 """
@@ -26,10 +28,13 @@ from service.core.repository import (
     EMBEDDING_RANGES_FILE,
     FIDELITY_FILE,
     GRAPH_LEVELS,
+    IMAGE_VARIANT_FILES,
     P_ADAPTER_TASKS,
     P_DEFAULT_PROMPT_NAME,
     P_EMBEDDING_CALIBRATION,
     P_EMBEDDING_RANGES,
+    P_IMAGE_PREPROCESSOR,
+    P_IMAGE_VARIANT_PREFIX,
     P_MATRYOSHKA_DIMENSIONS,
     P_MAX_SEQUENCE_LENGTH,
     P_MODEL_TYPE,
@@ -40,6 +45,7 @@ from service.core.repository import (
     P_PROMPTS,
     P_SIMILARITY_FN_NAME,
     P_TASK,
+    P_TEXT_PADDING,
     P_TOKENIZER,
     P_TYPE_VOCAB_SIZE,
     P_VARIANT_PREFIX,
@@ -119,6 +125,16 @@ def build_config(
     return config
 
 
+def declare_image_tower(config: mc.ModelConfig, checkpoint: Checkpoint, variants: list[str], preprocessor: str) -> None:
+    """A text tower's config made a two-tower model's: one output (embedding), image graphs, preprocessor, padding."""
+    del config.output[:]
+    config.output.add(name="embedding", data_type=mc.TYPE_FP32, dims=[checkpoint.config.d_model])
+    parameters = {P_IMAGE_VARIANT_PREFIX + variant: IMAGE_VARIANT_FILES[variant] for variant in variants}
+    parameters |= {P_IMAGE_PREPROCESSOR: preprocessor, P_TEXT_PADDING: checkpoint.config.text_padding}
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+
+
 def _declare_outputs(config: mc.ModelConfig, checkpoint: Checkpoint) -> None:
     """The graph's outputs, as the head declares them (a plain embedder's: its hidden states and embedding)."""
     for output in graph_outputs(checkpoint.config, checkpoint.head):
@@ -185,8 +201,14 @@ def publish(
     parity: dict[str, object],
     fidelity: FidelityReference,
     embedding_ranges: dict[int, np.ndarray],
+    image_variant_files: dict[str, Path] | None = None,
+    shipped_files: tuple[Path, ...] = (),
 ) -> Path:
-    """Write the model folder atomically into the repository and return its path."""
+    """Write the model folder atomically into the repository and return its path.
+
+    image_variant_files: a two-tower model's image graphs (variant -> graph); shipped_files: copied beside the
+    tokenizer files (a two-tower model's preprocessor_config.json).
+    """
     repository.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".staging-{checkpoint.name}-", dir=repository) as scratch:
         staging = Path(scratch) / checkpoint.name
@@ -194,8 +216,10 @@ def publish(
         version_dir.mkdir(parents=True)
         for variant, source in variant_files.items():
             copy_onnx(source, version_dir / VARIANT_FILES[variant])
-        for tokenizer_file in checkpoint.tokenizer_files:
-            shutil.copyfile(tokenizer_file, staging / tokenizer_file.name)
+        for variant, source in (image_variant_files or {}).items():
+            copy_onnx(source, version_dir / IMAGE_VARIANT_FILES[variant])
+        for shipped in (*checkpoint.tokenizer_files, *shipped_files):
+            shutil.copyfile(shipped, staging / shipped.name)
         (staging / PARITY_FILE).write_text(json.dumps(parity, indent=2) + "\n")
         fidelity.save(staging / FIDELITY_FILE)
         if embedding_ranges:

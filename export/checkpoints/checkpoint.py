@@ -7,6 +7,7 @@ export.checkpoints.sentence_transformers_folder checks first: what the exporter 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.checkpoints.sentence_transformers_folder import FolderError, folder_task, read_declarations, read_object
+from export.checkpoints.sentence_transformers_folder import (
+    FolderError,
+    folder_task,
+    read_declarations,
+    read_object,
+    two_tower_module,
+)
 from export.families.bert import Encoder, EncoderConfig
 from export.families.family import EncoderSettings, Format
 from export.families.registry import adapter_model_types, family_of, model_format
@@ -73,6 +80,9 @@ class Checkpoint:
     head: HeadConfiguration | None = None
     """The configuration of the head on the encoder (its type says which head: export.heads.registry); None: a plain
     embedder."""
+    library_folder: Path | None = None
+    """The sentence-transformers folder the model is a module of (a CLIP folder's 0_CLIPModel), whose `encode` is
+    the reference; None: the model's own folder is the source."""
 
     @property
     def tokenizer_files(self) -> list[Path]:
@@ -194,6 +204,15 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
+    try:
+        tower_module = two_tower_module(folder)
+    except FolderError as error:
+        raise CheckpointError(str(error)) from error
+    if tower_module is not None:
+        module, normalize = tower_module
+        checkpoint = load_checkpoint(module, name or folder.name)
+        config = dataclasses.replace(checkpoint.config, normalize=normalize)
+        return dataclasses.replace(checkpoint, config=config, library_folder=folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")

@@ -6,7 +6,9 @@ made the folder. The exporter implements these chains: a Transformer at the fold
 an embedder) one Pooling module, any number of Dense modules (export.heads.dense: EmbeddingGemma's
 projection) and optionally a Normalize module last; a CrossEncoder's
 Transformer alone; a SparseEncoder's (MLM)Transformer (fill-mask) then SpladePooling (SPLADE); PyLate's
-ColBERT: a Transformer then PyLate's Dense (config_sentence_transformers.json model_type "ColBERT", or none).
+ColBERT: a Transformer then PyLate's Dense (config_sentence_transformers.json model_type "ColBERT", or none);
+a two-tower model: sentence-transformers' CLIPModel module (its own folder, clip-ViT-B-32's 0_CLIPModel), then
+optionally Normalize (`two_tower_module`).
 A folder whose modules include SpladePooling is a sparse embedder, one with PyLate's Dense a ColBERT
 model. Every other module type, and
 every declared field that would change the outputs and that the exporter does not implement,
@@ -47,6 +49,12 @@ DENSE_TYPES = (
     "sentence_transformers.base.modules.dense.Dense",  # 6 on
 )
 """sentence-transformers' Dense (a linear map of the pooled embedding): accepted after an embedder's Pooling."""
+CLIP_MODEL_TYPES = (
+    "sentence_transformers.models.CLIPModel",  # sentence-transformers 2 to 5.x (clip-ViT-B-32's folder)
+    "sentence_transformers.sentence_transformer.modules.clip_model.CLIPModel",  # 6 on
+)
+"""sentence-transformers' CLIPModel: a transformers CLIPModel folder whose encode is get_image_features of images,
+get_text_features of texts."""
 PYLATE_DENSE_TYPES = ("pylate.models.Dense.Dense",)
 """PyLate's Dense (a ColBERT model's projection): accepted in a ColBERT folder only."""
 PYLATE_DENSE_FIELDS = {"in_features", "out_features", "bias", "activation_function", "use_residual"}
@@ -429,6 +437,25 @@ def _model_config(folder: Path, task: str) -> dict | None:
     if task == "multivector" and (default or (isinstance(prompts, dict) and any(prompts.values()))):
         raise FolderError(f"{path}: prompts on a ColBERT model are not supported (only its [Q] and [D] prefixes)")
     return declared
+
+
+def two_tower_module(folder: Path) -> tuple[Path, bool] | None:
+    """A folder of one CLIPModel module (then optionally Normalize): the module's folder, and whether it normalises.
+
+    None for any other folder (read_declarations checks those).
+    """
+    modules_file = folder / "modules.json"
+    modules = _module_list(modules_file) if modules_file.is_file() else []
+    if not any(kind in CLIP_MODEL_TYPES for kind, _ in modules):
+        return None
+    kinds = ["CLIPModel" if kind in CLIP_MODEL_TYPES else MODULE_KINDS.get(kind, kind) for kind, _ in modules]
+    if kinds not in (["CLIPModel"], ["CLIPModel", "Normalize"]):
+        raise FolderError(
+            f"{modules_file}: modules {' -> '.join(kinds)}: a CLIPModel is implemented alone or followed by Normalize"
+        )
+    if len(modules) == 2:
+        _check_normalize(_module_folder(folder, modules_file, modules[1][1]))
+    return _module_folder(folder, modules_file, modules[0][1]), len(modules) == 2
 
 
 def folder_task(folder: Path, classifier: bool) -> str:

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.families.family import Family, Format
 from export.families.two_tower import (
     LAYER_KEYS,
     TwoTowerConfig,
@@ -34,11 +33,11 @@ from export.families.two_tower import (
     config_section,
     positive_int,
     rename_weights,
+    two_tower_family,
 )
 from export.layers.vision import (
     ImageTower,
     TextTower,
-    TwoTowerModel,
     embedding_output,
     run_layers,
 )
@@ -115,6 +114,11 @@ class ClipConfig(TwoTowerConfig):
     def pooling(self) -> str:
         """How the text tower picks its token: the first end-of-text token, or (legacy configs) the highest id."""
         return "highest_id" if self.eos_token_id == LEGACY_EOS_TOKEN_ID else "eos_token"
+
+    @property
+    def text_padding(self) -> str:
+        """How texts are padded in a batch: to the batch's longest (the end-of-text token is read, padding masked)."""
+        return "longest"
 
 
 def _section(hf_config: dict, key: str) -> dict:
@@ -196,16 +200,12 @@ class ClipTextTower(TextTower):
         return self.embedding(states[rows, self.end_of_text(input_ids)])
 
 
-def build(config: ClipConfig) -> TwoTowerModel:
-    """Both towers, randomly initialised."""
-    return TwoTowerModel(config, ClipVisionTower(config), ClipTextTower(config))
-
-
-FAMILY = Family(
-    name="clip",
-    config_type=ClipConfig,
-    build=build,
-    formats=(Format(MODEL_TYPE, read_config, rename),),
-    towers=("image", "text"),
+FAMILY = two_tower_family(
+    "clip",
+    MODEL_TYPE,
+    ClipConfig,
+    (ClipVisionTower, ClipTextTower),
+    read_config=read_config,
+    rename=rename,
 )
 """CLIP (openai/clip-vit-*, LAION's OpenCLIP conversions): an image tower and a text tower."""

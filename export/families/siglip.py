@@ -29,7 +29,6 @@ import torch
 from torch import Tensor, nn
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.families.family import Family, Format
 from export.families.two_tower import (
     LAYER_KEYS,
     TwoTowerConfig,
@@ -38,13 +37,13 @@ from export.families.two_tower import (
     config_section,
     positive_int,
     rename_weights,
+    two_tower_family,
 )
 from export.layers.vision import (
     MLP,
     ImageTower,
     TextTower,
     TowerConfig,
-    TwoTowerModel,
     embedding_output,
     run_layers,
 )
@@ -117,6 +116,11 @@ class SiglipConfig(TwoTowerConfig):
     def pooling(self) -> str:
         """How the text tower picks its token: the sequence's last position."""
         return "last_position"
+
+    @property
+    def text_padding(self) -> str:
+        """How texts are padded: to max_positions, as SigLIP was trained (its last position is read)."""
+        return "max_length"
 
 
 def read_config(hf_config: dict, pooling: str, normalize: bool) -> SiglipConfig:
@@ -223,16 +227,12 @@ class SiglipTextTower(TextTower):
         return self.embedding(states[:, -1])
 
 
-def build(config: SiglipConfig) -> TwoTowerModel:
-    """Both towers, randomly initialised."""
-    return TwoTowerModel(config, SiglipVisionTower(config), SiglipTextTower(config))
-
-
-FAMILY = Family(
-    name="siglip",
-    config_type=SiglipConfig,
-    build=build,
-    formats=(Format(MODEL_TYPE, read_config, rename),),
-    towers=("image", "text"),
+FAMILY = two_tower_family(
+    "siglip",
+    MODEL_TYPE,
+    SiglipConfig,
+    (SiglipVisionTower, SiglipTextTower),
+    read_config=read_config,
+    rename=rename,
 )
 """SigLIP (google/siglip-*) and SigLIP 2's fixed-resolution checkpoints: an image tower and a text tower."""

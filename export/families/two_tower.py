@@ -10,14 +10,15 @@ leaves out takes transformers' default for that family. Their weights are rename
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from export.checkpoints.architecture_error import ArchitectureError
-from export.layers.vision import ImageGeometry, TowerConfig
+from export.families.family import Family, Format
+from export.layers.vision import ImageGeometry, ImageTower, TextTower, TowerConfig, TwoTowerModel
 
 TRAINING_KEYS = frozenset({"attention_dropout", "dropout", "initializer_range", "initializer_factor"})
 """Keys that change training only (dropout is off and initial weights are replaced at inference)."""
@@ -169,6 +170,11 @@ class TwoTowerConfig:
         """Longest text the model was made for."""
         return self.max_positions
 
+    @property
+    def text_padding(self) -> str:
+        """How texts are padded in a batch: "longest" (to the batch's longest) or "max_length" (to max_positions)."""
+        raise NotImplementedError
+
     def to_dict(self) -> dict[str, object]:
         """Plain-data form, for parity.json."""
         return dataclasses.asdict(self)
@@ -212,3 +218,27 @@ def rename_weights(
                 raise ArchitectureError(f"unexpected weight {name!r}")
             towers[renames[prefix] + name[len(prefix) :]] = tensor
     return towers, head_weights
+
+
+def two_tower_family(
+    name: str,
+    model_type: str,
+    config_type: type[TwoTowerConfig],
+    towers: tuple[Callable[[TwoTowerConfig], ImageTower], Callable[[TwoTowerConfig], TextTower]],
+    *,
+    read_config: Callable[[dict, str, bool], TwoTowerConfig],
+    rename: Callable[[dict[str, Tensor]], tuple[dict[str, Tensor], dict[str, Tensor]]],
+) -> Family:
+    """A two-tower family's declaration: its one model type, and both towers (image, text) built from its config."""
+
+    def build(config: TwoTowerConfig) -> TwoTowerModel:
+        vision, text = towers
+        return TwoTowerModel(config, vision(config), text(config))
+
+    return Family(
+        name=name,
+        config_type=config_type,
+        build=build,
+        formats=(Format(model_type, read_config, rename),),
+        towers=("image", "text"),
+    )

@@ -168,13 +168,24 @@ def batching_policy(spec: ModelSpec, settings: Settings, device: str) -> Batchin
         default_priority=default_priority,
         min_lower_priority_share=settings.min_lower_priority_share,
         express_lane=settings.express_lane and levels > 1,
-        length_bucket=settings.length_bucket or (CUDA_LENGTH_BUCKET if device == "cuda" else 1),
+        length_bucket=_length_bucket(spec, settings, device),
         pad_token_id=spec.pad_token_id,
         max_batch_run_s=settings.max_batch_run_s,
         max_length=spec.max_sequence_length,
         max_padding_factor=padding[0],
         padding_slack_tokens=padding[1],
     )
+
+
+def _length_bucket(spec: ModelSpec, settings: Settings, device: str) -> int:
+    """What batch lengths are rounded up to: the settings', else the device's.
+
+    A model that reads its texts padded to its max_sequence_length (SigLIP: text_padding max_length) has every
+    batch padded so.
+    """
+    if spec.text_padding == "max_length":
+        return spec.max_sequence_length
+    return settings.length_bucket or (CUDA_LENGTH_BUCKET if device == "cuda" else 1)
 
 
 def warm_up_shapes(spec: ModelSpec, policy: BatchingPolicy) -> list[tuple[int, int]]:

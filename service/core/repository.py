@@ -9,6 +9,12 @@
     REPO/<model>/embedding_ranges.npz  per-dimension [min, max] of the embedding over a calibration corpus,
                                        for each served width (int8/uint8 embeddings), when the model has them
 
+A two-tower model (CLIP, SigLIP: texts and images in one embedding space) is an embedder whose graphs answer
+`embedding` only: model.onnx is its text tower (input_ids, attention_mask; pooling inside the graph), and
+    REPO/<model>/<version>/image.onnx      the image tower, pixel_values [n, 3, size, size] (image_variant.fp32)
+    REPO/<model>/preprocessor_config.json  encoded image -> pixel values (service.pipeline.images; image_preprocessor)
+with parameter text_padding saying how a batch of texts is padded (TEXT_PADDINGS).
+
 Serving facts that Triton has no field for live in `parameters` (string values).
 `optimization.graph.level` is Triton's own field, read as Triton's ONNX Runtime backend reads it:
 ONNX Runtime's online graph optimisation for the fp32 graph (see `ModelSpec.graph_optimization`).
@@ -99,6 +105,15 @@ P_PAIR_TEMPLATE = "pair_template"
 pair (PairTemplate's fields); absent: the tokenizer's own pair form ([CLS] q [SEP] d [SEP])."""
 P_VARIANT_PREFIX = "variant."
 P_PREFERRED_PREFIX = "preferred_variant."
+P_IMAGE_VARIANT_PREFIX = "image_variant."
+IMAGE_VARIANT_FILES = {"fp32": "image.onnx"}
+P_IMAGE_PREPROCESSOR = "image_preprocessor"
+P_TEXT_PADDING = "text_padding"
+TEXT_PADDINGS = ("longest", "max_length")
+"""longest: a batch of texts is padded to its longest text; max_length: every text to max_sequence_length, as
+SigLIP was trained (its text embedding is read at the sequence's last position)."""
+TOWER_POOLINGS = ("eos_token", "highest_id", "last_position")
+"""How a two-tower model's text graph picks its token (CLIP's, in legacy configs the highest id; SigLIP's)."""
 
 
 class RepositoryError(ValueError):
@@ -162,6 +177,12 @@ class ModelSpec:
     empty: the model has none."""
     graph_outputs: tuple[str, ...] = ()
     """The graph's outputs as config.pbtxt lists them (the task's own, then any extra heads')."""
+    image_variants: dict[str, Path] = field(default_factory=dict)
+    """A two-tower model's image graphs (variant -> ONNX file: pixel_values -> embedding); empty: no image tower."""
+    image_preprocessor: Path | None = None
+    """A two-tower model's preprocessor_config.json (service.pipeline.images)."""
+    text_padding: str = "longest"
+    """How a batch of texts is padded (TEXT_PADDINGS)."""
     graph_optimization: str = "all"
     """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU (`optimization.graph.level`).
 
@@ -256,8 +277,8 @@ def latest_version(directory: Path) -> str:
     return max(versions, key=int)
 
 
-def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[tuple[str, ...], int, int]:
-    """Validate inputs/outputs for the task; the token input names, the task output's width, the token vectors'."""
+def _check_signature(config: mc.ModelConfig, source: Path, task: str, two_tower: bool) -> tuple[tuple, int, int]:
+    """Validate inputs/outputs (two towers: embedding only); token inputs, the output's width, token vectors'."""
     names = tuple(i.name for i in config.input)
     if names[:2] != TOKEN_INPUTS[:2] or not set(names) <= {*TOKEN_INPUTS, ADAPTER_IDS}:
         raise RepositoryError(
@@ -267,7 +288,7 @@ def _check_signature(config: mc.ModelConfig, source: Path, task: str) -> tuple[t
         if tensor.data_type != mc.TYPE_INT64 or list(tensor.dims) != [-1]:
             raise RepositoryError(f"{source}: input {tensor.name} must be TYPE_INT64 with dims [-1]")
     outputs = {o.name: o for o in config.output}
-    expected, extra = TASK_OUTPUTS[task], EXTRA_OUTPUTS.get(task, ())
+    expected, extra = (("embedding",), ()) if two_tower else (TASK_OUTPUTS[task], EXTRA_OUTPUTS.get(task, ()))
     if not set(expected) <= set(outputs) or not set(outputs) <= {*expected, *extra}:
         also = f" (and optionally {', '.join(extra)})" if extra else ""
         raise RepositoryError(
@@ -341,7 +362,7 @@ def _embedding_ranges(config: mc.ModelConfig, directory: Path, source: Path, wid
     return ranges
 
 
-def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> dict[str, object]:
+def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int, two_tower: bool) -> dict[str, object]:
     """The task's own parameters, checked: labels, prompts, pooling, Matryoshka widths (as the task has them)."""
     if task == "classify":
         labels = _json_parameter(config, P_LABELS, source, list)
@@ -365,8 +386,9 @@ def _task_facts(config: mc.ModelConfig, source: Path, task: str, width: int) -> 
     projection = _parameter(config, P_POOLED_PROJECTION, source, "")
     if projection not in POOLED_PROJECTIONS:
         raise RepositoryError(f"{source}: pooled_projection {projection!r} is not one of {POOLED_PROJECTIONS}")
-    if pooling not in POOLING_MODES:
-        raise RepositoryError(f"{source}: pooling {pooling!r} is not one of {', '.join(POOLING_MODES)}")
+    poolings = TOWER_POOLINGS if two_tower else POOLING_MODES
+    if pooling not in poolings:
+        raise RepositoryError(f"{source}: pooling {pooling!r} is not one of {', '.join(poolings)}")
     dimensions = _json_parameter(config, P_MATRYOSHKA_DIMENSIONS, source, list)
     if not all(type(d) is int and 0 < d <= width for d in dimensions):
         raise RepositoryError(f"{source}: matryoshka_dimensions must be widths within 1..{width}")
@@ -451,6 +473,34 @@ def _inside(folder: Path, name: str, source: Path) -> Path:
     return folder / name
 
 
+def _variant_files(config: mc.ModelConfig, version: Path, source: Path, prefix: str) -> dict[str, Path]:
+    """The graphs parameters named prefix + variant name (variant -> file in the version folder), each present."""
+    files = {
+        key[len(prefix) :]: _inside(version, value.string_value, source)
+        for key, value in config.parameters.items()
+        if key.startswith(prefix)
+    }
+    for variant, path in files.items():
+        if not path.is_file():
+            raise RepositoryError(f"{source}: {prefix}{variant} file {path} does not exist")
+    return files
+
+
+def _tower_facts(config: mc.ModelConfig, directory: Path, source: Path, task: str, image_variants: dict) -> dict:
+    """A two-tower model's image graphs, preprocessor and text padding, checked; {} for any other model."""
+    if not image_variants:
+        return {}
+    if task != "embed" or "fp32" not in image_variants:
+        raise RepositoryError(f"{source}: an image tower needs task embed and {P_IMAGE_VARIANT_PREFIX}fp32")
+    preprocessor = _inside(directory, _parameter(config, P_IMAGE_PREPROCESSOR, source), source)
+    if not preprocessor.is_file():
+        raise RepositoryError(f"{source}: image preprocessor file {preprocessor} does not exist")
+    padding = _parameter(config, P_TEXT_PADDING, source, "longest")
+    if padding not in TEXT_PADDINGS:
+        raise RepositoryError(f"{source}: text_padding {padding!r} is not one of {', '.join(TEXT_PADDINGS)}")
+    return {"image_variants": image_variants, "image_preprocessor": preprocessor, "text_padding": padding}
+
+
 def read_model(directory: Path) -> ModelSpec:
     """Read and validate one model folder of a repository."""
     source = directory / CONFIG_FILE
@@ -467,17 +517,16 @@ def read_model(directory: Path) -> ModelSpec:
     task = _parameter(config, P_TASK, source, "embed")
     if task not in TASK_OUTPUTS:
         raise RepositoryError(f"{source}: task {task!r} is not one of {', '.join(TASK_OUTPUTS)}")
-    input_names, width, multivector_width = _check_signature(config, source, task)
-    graph_outputs = tuple(output.name for output in config.output)
     version = latest_version(directory)
-    variants = {
-        key[len(P_VARIANT_PREFIX) :]: _inside(directory / version, value.string_value, source)
-        for key, value in config.parameters.items()
-        if key.startswith(P_VARIANT_PREFIX)
-    } or {"fp32": _inside(directory / version, config.default_model_filename or VARIANT_FILES["fp32"], source)}
-    for variant, path in variants.items():
-        if not path.is_file():
-            raise RepositoryError(f"{source}: variant {variant} file {path} does not exist")
+    image_variants = _variant_files(config, directory / version, source, P_IMAGE_VARIANT_PREFIX)
+    two_tower = bool(image_variants)
+    input_names, width, multivector_width = _check_signature(config, source, task, two_tower)
+    graph_outputs = tuple(output.name for output in config.output)
+    variants = _variant_files(config, directory / version, source, P_VARIANT_PREFIX) or {
+        "fp32": _inside(directory / version, config.default_model_filename or VARIANT_FILES["fp32"], source)
+    }
+    if not variants["fp32"].is_file():
+        raise RepositoryError(f"{source}: variant fp32 file {variants['fp32']} does not exist")
     preferred = {
         key[len(P_PREFERRED_PREFIX) :]: value.string_value
         for key, value in config.parameters.items()
@@ -519,7 +568,8 @@ def read_model(directory: Path) -> ModelSpec:
         pair_template=_pair_template(config, source, task, width),
         graph_outputs=graph_outputs,
         adapter_tasks=_adapter_tasks(config, source, input_names),
-        **_task_facts(config, source, task, width),
+        **_tower_facts(config, directory, source, task, image_variants),
+        **_task_facts(config, source, task, width, two_tower),
     )
 
 

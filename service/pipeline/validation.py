@@ -38,6 +38,7 @@ from service.pipeline.vocabulary import (
     TEXT_INPUT,
     TIMEOUT,
     TOKEN_OUTPUTS,
+    TOKEN_STATES,
     TOKENS,
     TRUNCATE,
 )
@@ -314,6 +315,11 @@ def late_chunking_choice(
         raise InvalidArgument(
             f"parameter {LATE_CHUNKING}: model {spec.name} maps its pooled vector through {spec.pooled_projection}"
             " layers, which a chunk's pooled token states would not pass through"
+        )
+    if TOKEN_STATES not in spec.output_names:
+        raise InvalidArgument(
+            f"parameter {LATE_CHUNKING}: model {spec.name} pools inside its graph ({spec.pooling}) and answers no"
+            f" {TOKEN_STATES} to pool a chunk's tokens from"
         )
     if pairs:
         raise InvalidArgument(f"parameter {LATE_CHUNKING} embeds chunks of one document: send no {QUERY_INPUT} input")

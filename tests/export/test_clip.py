@@ -16,7 +16,6 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from export.__main__ import main as export_main
 from export.checkpoints.architecture_error import ArchitectureError
 from export.checkpoints.checkpoint import load_checkpoint
 from export.families import clip
@@ -126,7 +125,7 @@ def test_a_legacy_end_of_text_id_reads_the_highest_id() -> None:
     hf = _hf_model(_hf_config(eos_token_id=2, pad_token_id=0), seed=7)
     config = clip.read_config(hf.config.to_dict(), "mean", False)
     assert config.pooling == "highest_id"
-    ours = clip.build(config).eval()
+    ours = clip.FAMILY.build(config).eval()
     ours.load_state_dict(clip.rename(hf.state_dict())[0], strict=True)
     input_ids, attention_mask = _texts([4, 11, 7], pad=0, seed=3)  # EOS (98) is every row's highest id
     with torch.inference_mode():
@@ -146,17 +145,6 @@ def test_the_exporter_loads_the_folder_normalised(folder: Path, reference: trans
         expected = reference.get_image_features(pixel_values=pixel_values).pooler_output
         got = model.vision(pixel_values)
     assert float((got - torch.nn.functional.normalize(expected, dim=-1)).abs().max()) <= TOLERANCE
-
-
-def test_the_build_refuses_it_in_one_line(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Until the towers are published and served, the command line refuses a CLIP folder (status 2, one line)."""
-    status = export_main(["--source", str(folder), "--repository", str(tmp_path), "--variants", "fp32"])
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert status == 2 and error == (
-        "export: error: clip: a two-tower model (image and text): exporting its towers into a repository and"
-        " serving them is not implemented yet"
-    )
-    assert not any(tmp_path.iterdir())
 
 
 def test_image_graph_equals_the_tower(ours: TwoTowerModel, tmp_path: Path) -> None:

@@ -23,35 +23,11 @@ from transformers import AutoImageProcessor
 from service.core.repository import RepositoryError
 from service.errors import InvalidArgument, RequestTooLarge
 from service.pipeline.images import PREPROCESSOR_CONFIG, FixedSize, ImagePreprocessor
+from tests.processor_configs import CLIP_CONFIG, SIGLIP_CONFIG
 
 TOLERANCE = 1e-5
 """Max abs difference allowed from the processor's pixel values (the same operations give 0)."""
 
-CLIP_CONFIG = {
-    "crop_size": 224,
-    "do_center_crop": True,
-    "do_normalize": True,
-    "do_resize": True,
-    "feature_extractor_type": "CLIPFeatureExtractor",
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "resample": 3,
-    "size": 224,
-}
-"""openai/clip-vit-base-patch32's preprocessor_config.json."""
-SIGLIP_CONFIG = {
-    "do_normalize": True,
-    "do_rescale": True,
-    "do_resize": True,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_processor_type": "SiglipImageProcessor",
-    "image_std": [0.5, 0.5, 0.5],
-    "processor_class": "SiglipProcessor",
-    "resample": 3,
-    "rescale_factor": 0.00392156862745098,
-    "size": {"height": 224, "width": 224},
-}
-"""google/siglip-base-patch16-224's preprocessor_config.json."""
 
 EXIF_ORIENTATION = 0x0112
 UPRIGHT_BY_ORIENTATION = {
