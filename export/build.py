@@ -35,6 +35,7 @@ from export.checkpoints.checkpoint import Checkpoint
 from export.families.registry import family_of
 from export.gate import cases, parity
 from export.gate.parity import GateRefused
+from export.gate.references.loop import KeptAnswers
 from export.gate.references.published import (
     LibraryAnswers,
     LibraryVerdicts,
@@ -140,12 +141,16 @@ class _Gate:
         }
 
     def record(self, variant: str, form: str | None, session: ort.InferenceSession) -> None:
-        """The verdict, served figures, load check and reference libraries' figures of the variant as published."""
+        """The verdict, served figures, load check and reference libraries' figures of the variant as published.
+
+        The checks after the gate share the session's answers (KeptAnswers): a feed two of them make runs once.
+        """
         self.results[variant] = self.forms[variant][form] if form is not None else self.check(variant, session)
-        self.libraries.check(variant, session)
+        answers = KeptAnswers(session)
+        self.libraries.check(variant, answers)
         if self.served is not None:
-            self.served_figures[variant] = self.served.measure(session)
-        (embedding,) = session.run([self.fidelity.output], self.fidelity.feed)
+            self.served_figures[variant] = self.served.measure(answers)
+        (embedding,) = answers.run([self.fidelity.output], self.fidelity.feed)
         provider = session.get_providers()[0]
         self.load_checks[variant] = compare(
             self.fidelity, embedding, variant, provider, required_bar(self.fidelity.output, variant, False)
