@@ -35,6 +35,7 @@ from export.checkpoints.checkpoint import Checkpoint
 from export.families.registry import family_of
 from export.gate import cases, parity
 from export.gate.parity import GateRefused
+from export.gate.references.loop import KeptAnswers
 from export.gate.references.published import (
     LibraryAnswers,
     LibraryVerdicts,
@@ -121,28 +122,35 @@ class _Gate:
     def check(self, variant: str, session: ort.InferenceSession) -> parity.GateResult:
         return parity.check_variant(variant, session, self.references)
 
-    def publishable(self, variant: str, candidates: dict[str, Path], keep: bool = False) -> dict[str, Path]:
-        """Gate every candidate form of a variant; the ones that pass (keep: add to the variant's earlier verdicts)."""
-        verdicts = {
-            form: self.check(variant, cpu_session(str(path), self.threads, optimize.cpu_graph_optimization(variant)))
+    def passes(self, variant: str, form: str, session: ort.InferenceSession) -> bool:
+        """Gate one CPU graph form of a variant; its verdict joins the variant's forms (a refusal is logged)."""
+        result = self.check(variant, session)
+        self.forms.setdefault(variant, {})[form] = result
+        if not result.passed:
+            log.warning("%s graph form %s refused by the parity gate: %s", variant, form, "; ".join(result.failures))
+        return result.passed
+
+    def publishable(self, variant: str, candidates: dict[str, Path]) -> dict[str, Path]:
+        """Gate every candidate form of a variant, one session at a time; the ones that pass."""
+        self.forms[variant] = {}
+        level = optimize.cpu_graph_optimization(variant)
+        return {
+            form: path
             for form, path in candidates.items()
+            if self.passes(variant, form, cpu_session(str(path), self.threads, level))
         }
-        self.forms[variant] = (self.forms.get(variant, {}) if keep else {}) | verdicts
-        passing = {form: path for form, path in candidates.items() if verdicts[form].passed}
-        for form, result in verdicts.items():
-            if not result.passed:
-                log.warning(
-                    "%s graph form %s refused by the parity gate: %s", variant, form, "; ".join(result.failures)
-                )
-        return passing
 
     def record(self, variant: str, form: str | None, session: ort.InferenceSession) -> None:
-        """The verdict, served figures, load check and reference libraries' figures of the variant as published."""
+        """The verdict, served figures, load check and reference libraries' figures of the variant as published.
+
+        The checks after the gate share the session's answers (KeptAnswers): a feed two of them make runs once.
+        """
         self.results[variant] = self.forms[variant][form] if form is not None else self.check(variant, session)
-        self.libraries.check(variant, session)
+        answers = KeptAnswers(session)
+        self.libraries.check(variant, answers)
         if self.served is not None:
-            self.served_figures[variant] = self.served.measure(session)
-        (embedding,) = session.run([self.fidelity.output], self.fidelity.feed)
+            self.served_figures[variant] = self.served.measure(answers)
+        (embedding,) = answers.run([self.fidelity.output], self.fidelity.feed)
         provider = session.get_providers()[0]
         self.load_checks[variant] = compare(
             self.fidelity, embedding, variant, provider, required_bar(self.fidelity.output, variant, False)
@@ -266,6 +274,14 @@ def preferred_variants(
     return choices
 
 
+@dataclass(frozen=True)
+class _Chosen:
+    """A CPU variant's chosen form, and a session on it (the gate's own, where the gate opened one for it)."""
+
+    form: optimize.FormChoice
+    session: ort.InferenceSession
+
+
 class _Build:
     """One export in a scratch folder: candidates, gate verdicts and choices as they are made."""
 
@@ -373,17 +389,17 @@ class _Build:
             candidates["int8"] = {form: self.workdir / f"int8-{form}.onnx" for form in forms}
             for form, path in forms.items():
                 int8_recipes[form] = quantize_int8(path, candidates["int8"][form], calibration)
-        threads = self.options.threads
         for variant, paths in candidates.items():
             level = optimize.cpu_graph_optimization(variant)
             if self.options.gate_forms == "fastest-first":
-                choice = self._fastest_passing(gate, variant, paths, level)
+                chosen = self._fastest_passing(gate, variant, paths, level)
             else:
-                choice = self._fastest_of_passing(gate, variant, paths, level)
-            if choice is None:
+                chosen = self._fastest_of_passing(gate, variant, paths, level)
+            if chosen is None:
                 self.refusals += [failure for result in gate.forms[variant].values() for failure in result.failures]
                 continue
-            gate.record(variant, choice.form, cpu_session(str(choice.path), threads, level))
+            choice = chosen.form
+            gate.record(variant, choice.form, chosen.session)
             self.choices[variant], self.files[variant] = choice, choice.path
             self.recipes[variant] = {
                 "graph_form": choice.form,
@@ -391,31 +407,30 @@ class _Build:
                 **int8_recipes.get(choice.form, {}),
             }
 
-    def _fastest_of_passing(
-        self, gate: _Gate, variant: str, paths: dict[str, Path], level: str
-    ) -> optimize.FormChoice | None:
+    def _fastest_of_passing(self, gate: _Gate, variant: str, paths: dict[str, Path], level: str) -> _Chosen | None:
         """Gate every form, then measure those that passed: the fastest is chosen (None: none passes)."""
         self.stage(f"{variant}: parity gate on every graph form")
         passing = gate.publishable(variant, paths)
         if not passing:
             return None
         self.stage(f"{variant}: measuring graph forms")
-        return optimize.choose_fastest(passing, self.checkpoint.config, self.names, self.options.threads, level)
+        choice = optimize.choose_fastest(passing, self.checkpoint.config, self.names, self.options.threads, level)
+        return _Chosen(choice, cpu_session(str(choice.path), self.options.threads, level))
 
-    def _fastest_passing(
-        self, gate: _Gate, variant: str, paths: dict[str, Path], level: str
-    ) -> optimize.FormChoice | None:
+    def _fastest_passing(self, gate: _Gate, variant: str, paths: dict[str, Path], level: str) -> _Chosen | None:
         """Measure every form, then gate them fastest first: the first that passes is chosen (None: none passes).
 
         What is published is gated exactly as with every form gated; forms slower than the chosen one are
-        not gated (parity.json lists the forms that were).
+        not gated (parity.json lists the forms that were). The chosen form's session goes on to its record.
         """
         self.stage(f"{variant}: measuring graph forms")
         figures = optimize.measure_forms(paths, self.checkpoint.config, self.names, self.options.threads, level)
         self.stage(f"{variant}: parity gate, fastest graph form first")
+        gate.forms[variant] = {}
         for form in sorted(paths, key=lambda name: -optimize.geometric_mean(list(figures[name].values()))):
-            if gate.publishable(variant, {form: paths[form]}, keep=True):
-                return optimize.FormChoice(form, paths[form], figures)
+            session = cpu_session(str(paths[form]), self.options.threads, level)
+            if gate.passes(variant, form, session):
+                return _Chosen(optimize.FormChoice(form, paths[form], figures), session)
         return None
 
     def withdraw(self, variant: str, reason: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnxruntime as ort
 import torch
 from torch import nn
 
@@ -24,6 +23,7 @@ from export.gate.cases import (
     row_label,
     with_adapter_ids,
 )
+from export.gate.references.loop import VariantSession
 from service.core.fidelity import (
     FIDELITY_MIN_COSINE,
     FidelityReference,
@@ -147,7 +147,7 @@ class ServedPath:
             adapter_ids=[i % GATE_ADAPTER_IDS for i in range(len(sentences))],  # as the sentence cases have them
         )
 
-    def measure(self, session: ort.InferenceSession) -> ServedFigures:
+    def measure(self, session: VariantSession) -> ServedFigures:
         """Run every sentence through a session both ways; the worst of the two counts for each sentence."""
         alone = np.concatenate([session.run(["embedding"], feed)[0] for feed in self.alone])
         batched = np.concatenate([session.run(["embedding"], feed)[0] for feed in self.batches])

@@ -155,13 +155,16 @@ def measure_forms(
     threads: int,
     graph_optimization: str = "all",
 ) -> dict[str, dict[str, float]]:
-    """Each candidate graph's sequences/s on the CPU shapes, side by side: form -> "batch x tokens" -> seq/s."""
+    """Each candidate graph's sequences/s on the CPU shapes, side by side: form -> "batch x tokens" -> seq/s.
+
+    Each shape's rounds stop once their order is settled (timing.compare_seconds): the figures choose a form.
+    """
     sessions = {form: cpu_session(str(path), threads, graph_optimization) for form, path in candidates.items()}
     figures: dict[str, dict[str, float]] = {form: {} for form in candidates}
     for batch, wanted_tokens in CPU_MEASURE_SHAPES:
         tokens = min(wanted_tokens, config.max_sequence_positions)
         feed = token_feed(input_names, batch, tokens, config.vocab_size)
-        for form, rate in compare_throughput(sessions, feed).items():
+        for form, rate in compare_throughput(sessions, feed, until_settled=True).items():
             figures[form][f"{batch}x{tokens}"] = round(rate, 1)
     return figures
 

@@ -50,22 +50,35 @@ def _seconds_per_call(run: Callable[[], object], min_seconds: float) -> float:
 
 
 def compare_seconds(
-    runs: dict[str, Callable[[], object]], rounds: int = 3, min_seconds: float = 0.3
+    runs: dict[str, Callable[[], object]], rounds: int = 3, min_seconds: float = 0.3, until_settled: bool = False
 ) -> dict[str, float]:
-    """Seconds per call of each callable, rounds interleaved across them; the best round is kept."""
+    """Seconds per call of each callable, rounds interleaved across them; the best round is kept.
+
+    until_settled: stop before `rounds` once a round leaves the order (fastest to slowest, by the best so far)
+    as the round before left it (at least two rounds): enough to choose the fastest.
+    """
     for run in runs.values():
         run()  # warm-up: first-call allocations and kernel selection
     best = dict.fromkeys(runs, float("inf"))
+    order: list[str] = []
     for _ in range(rounds):
         for name, run in runs.items():
             best[name] = min(best[name], _seconds_per_call(run, min_seconds))
+        settled, order = order, sorted(best, key=best.__getitem__)
+        if until_settled and settled == order:
+            break
     return best
 
 
 def compare_throughput(
-    sessions: dict[str, ort.InferenceSession], feed: Feed, rounds: int = 3, min_seconds: float = 0.3
+    sessions: dict[str, ort.InferenceSession],
+    feed: Feed,
+    rounds: int = 3,
+    min_seconds: float = 0.3,
+    until_settled: bool = False,
 ) -> dict[str, float]:
-    """Sequences/s of each ONNX Runtime session on one feed, measured side by side."""
+    """Sequences/s of each ONNX Runtime session on one feed, measured side by side (compare_seconds)."""
     batch = next(iter(feed.values())).shape[0]
     runs = {name: (lambda s=session: s.run(None, feed)) for name, session in sessions.items()}
-    return {name: batch / seconds for name, seconds in compare_seconds(runs, rounds, min_seconds).items()}
+    seconds = compare_seconds(runs, rounds, min_seconds, until_settled)
+    return {name: batch / per_call for name, per_call in seconds.items()}

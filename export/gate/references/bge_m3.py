@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
 
-from export.gate.references.loop import VariantCheck, unchecked
+from export.gate.references.loop import VariantCheck, VariantSession, unchecked
 from export.gate.served import served_feeds
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS
@@ -124,7 +123,7 @@ def m3_reference(checkpoint: Checkpoint, sentences: list[str]) -> M3Reference:
     return M3Reference(f"FlagEmbedding {version}", texts, labels, answers, pairs, scores)
 
 
-def served_answers(session: ort.InferenceSession, feeds: list[dict[str, np.ndarray]]) -> M3Answers:
+def served_answers(session: VariantSession, feeds: list[dict[str, np.ndarray]]) -> M3Answers:
     """A graph's answers per row of the feeds, read as the server reads them."""
     dense, lexical, vectors = [], [], []
     for feed in feeds:
@@ -274,7 +273,7 @@ def published_check(
         pad_token_id=checkpoint.config.pad_token_id,
     )
 
-    def check(variant: str, session: ort.InferenceSession) -> tuple[dict[str, object], list[str]]:
+    def check(variant: str, session: VariantSession) -> tuple[dict[str, object], list[str]]:
         figures = compare(reference, [served_answers(session, way) for way in feeds])
         variant_failures = failures_of(variant, figures)
         return {

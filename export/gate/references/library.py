@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
 import torch
 
 from export.gate.cases import SENTENCE_BATCH, sentence_pairs
 from export.gate.parity import TOLERANCES
-from export.gate.references.loop import VariantCheck, unchecked
+from export.gate.references.loop import VariantCheck, VariantSession, unchecked
 from export.gate.served import served_feeds
 from export.layers.task_adapters import adapter_folders
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
@@ -231,7 +230,7 @@ def required_figures(variant: str, output: str) -> dict[str, float]:
 def measure(
     reference: LibraryReference,
     variant: str,
-    session: ort.InferenceSession,
+    session: VariantSession,
     tokenizer: TextTokenizer,
     input_names: list[str],
     *,
@@ -336,7 +335,7 @@ def against(
 ) -> VariantCheck:
     """A variant measured against a library's answers, fed as the server feeds it."""
 
-    def check(variant: str, session: ort.InferenceSession) -> tuple[dict[str, object], list[str]]:
+    def check(variant: str, session: VariantSession) -> tuple[dict[str, object], list[str]]:
         figures = measure(
             reference,
             variant,

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
 import torch
 
 from export.gate.cases import SENTENCE_BATCH
 from export.gate.references.library import LONG_TEXT_LABEL, quiet_loading, required_figures
-from export.gate.references.loop import VariantCheck
+from export.gate.references.loop import VariantCheck, VariantSession
 from protocol import model_config_pb2 as mc
 from service.core.fidelity import cosines
 from service.core.repository import TOKEN_VECTORS, ModelSpec
@@ -76,7 +75,7 @@ def served_spec(checkpoint: Checkpoint, input_names: list[str]) -> ModelSpec:
 
 
 def served_vectors(
-    session: ort.InferenceSession,
+    session: VariantSession,
     tokenizer: TextTokenizer,
     spec: ModelSpec,
     texts: list[str],
@@ -114,7 +113,7 @@ def _vector_figures(
 
 
 def measure_multivector(
-    session: ort.InferenceSession,
+    session: VariantSession,
     variant: str,
     tokenizer: TextTokenizer,
     spec: ModelSpec,
@@ -212,7 +211,7 @@ def multivector_check(
     expected = {kind: [np.asarray(v, dtype=np.float32) for v in vectors] for kind, vectors in expected.items()}
     spec = served_spec(checkpoint, input_names)
 
-    def check(variant: str, session: ort.InferenceSession) -> tuple[dict[str, object], list[str]]:
+    def check(variant: str, session: VariantSession) -> tuple[dict[str, object], list[str]]:
         figures = measure_multivector(session, variant, tokenizer, spec, texts=texts, expected=expected)
         return {
             "library": f"sentence-transformers {sentence_transformers.__version__}",

@@ -14,13 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import onnxruntime as ort
 from torch import nn
 
 from export.checkpoints.checkpoint import Checkpoint
 from export.gate.parity import GateRefused
 from export.gate.references import library
-from export.gate.references.loop import VariantCheck
+from export.gate.references.loop import VariantCheck, VariantSession
 from export.heads.head import ReferenceInputs
 from service.pipeline.tokenizer import TextTokenizer
 
@@ -57,7 +56,7 @@ class LibraryVerdicts:
     failures: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     """variant -> report key -> failures."""
 
-    def check(self, variant: str, session: ort.InferenceSession) -> None:
+    def check(self, variant: str, session: VariantSession) -> None:
         """Hold one variant (its session, open now) to every library's answers."""
         for answers in self.answers:
             figures, failures = answers.check(variant, session)
