@@ -19,6 +19,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,12 @@ RANDOM_CONFIG = {
     "ffn_dim": 128,
     "max_positions": 128,
 }
+
+
+OPENMP_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Set unless the environment sets it: PyTorch's OpenMP threads sleep between parallel regions instead of
+spinning (all-MiniLM-L6-v2's gate references, 2 threads, a shared 2-CPU machine: 51.5 CPU seconds spinning,
+23.0 passive; docs/benchmarks.md)."""
 
 
 def _variants(text: str) -> tuple[str, ...]:
@@ -271,6 +278,8 @@ def _name(arguments: argparse.Namespace, source: ResolvedSource | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the export; a bad source, a full disk or a refused gate is one line on stderr and a non-zero exit."""
+    for name, value in OPENMP_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)  # before torch is loaded: libgomp reads it then
     arguments = parse_arguments(argv)
     _configure_logging(arguments)
     try:

@@ -7,9 +7,6 @@ entry's lock and renames the entry into place once the gate has passed (export.c
 stdout is the model's folder. While it runs, each of its stages becomes the model's reason for not
 being ready ("exporting: stage 7 of 16, fp32: parity gate on every graph form") and a line of the log.
 A source that cannot be served ends the export with one line, which ExportFailed carries.
-The exporter's OpenMP threads (PyTorch's, while it computes the gate's references) wait without spinning
-(EXPORTER_ENVIRONMENT): on a busy machine spinning threads more than doubled the CPU seconds of the
-references (docs/benchmarks.md, "Serving a model by name").
 """
 
 from __future__ import annotations
@@ -33,10 +30,6 @@ log = logging.getLogger(__name__)
 
 _STAGE = re.compile(r"^export \[\s*[\d.]+ s\] stage\s+(\d+) of (\d+): (.*)$")
 _PR_SET_PDEATHSIG = 1
-EXPORTER_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
-"""Set for the exporter unless already set: PyTorch's OpenMP threads sleep between parallel regions instead of
-spinning (measured on all-MiniLM-L6-v2's gate references, 2 threads, a shared 2-CPU machine: 51.5 CPU seconds
-spinning, 23.0 passive)."""
 MAX_REASON_CHARS = 200
 """A progress line longer than this is cut in the model's reason (the log has it whole)."""
 
@@ -85,11 +78,6 @@ def export_command(model: NamedSource, settings: Settings) -> list[str]:
     ]  # fmt: skip
 
 
-def exporter_environment() -> dict[str, str]:
-    """The server's environment with EXPORTER_ENVIRONMENT's settings where the server's has none of its own."""
-    return EXPORTER_ENVIRONMENT | dict(os.environ)
-
-
 def _die_with_parent() -> None:
     """In the exporter, before it runs: killed when the server dies, so no export outlives it."""
     with contextlib.suppress(OSError, AttributeError):
@@ -118,7 +106,6 @@ async def export(model: NamedSource, settings: Settings, progress: Callable[[str
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=exporter_environment(),
         preexec_fn=_die_with_parent,
     )
     last = ""
