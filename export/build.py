@@ -22,7 +22,7 @@ import datetime
 import gc
 import logging
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,6 @@ from export.checkpoints.checkpoint import Checkpoint
 from export.families.registry import family_of
 from export.gate import cases, parity
 from export.gate.parity import GateRefused
-from export.gate.references.loop import KeptAnswers
 from export.gate.references.published import (
     LibraryAnswers,
     LibraryVerdicts,
@@ -43,7 +42,8 @@ from export.gate.references.published import (
     library_answers,
     model_verdicts,
 )
-from export.gate.served import ServedFigures, ServedPath, embed_each, fidelity_reference
+from export.gate.served import ServedPath, embed_each, fidelity_reference
+from export.gate.verdicts import VariantGate, load_check_figures, preferred_variants
 from export.graph import forms as optimize
 from export.graph.calibration import calibration_feeds, calibration_ranges
 from export.graph.onnx_export import OPSET, export_onnx, input_names
@@ -52,14 +52,6 @@ from export.graph.timing import compare_throughput, cpu_session, token_feed
 from export.heads.head import LibraryStep
 from export.publish import ServingDefaults, build_config, publish
 from export.tower_build import TOWER_STAGES, export_towers
-from service.core.fidelity import (
-    FIDELITY_MIN_COSINE,
-    LOGITS_FIDELITY_MAX_ABS_DIFF,
-    FidelityCheck,
-    FidelityReference,
-    compare,
-    required_bar,
-)
 from service.core.repository import VARIANT_FILES
 from service.core.runtime import (
     CPU,
@@ -100,71 +92,6 @@ class ExportOptions:
     gate_forms: str = "all"
     """all: gate every CPU graph form, then choose the fastest that passed; fastest-first: measure every form, then
     gate them fastest first and choose the first that passes (the same gate on what is published, less time)."""
-
-
-@dataclass
-class _Gate:
-    """Everything the variants are compared with: references, the served path, and the verdicts so far."""
-
-    references: list[parity.Reference]
-    served: ServedPath | None
-    fidelity: FidelityReference
-    """What the server checks each variant with at load: a published variant must pass it here too."""
-    threads: int
-    results: dict[str, parity.GateResult] = field(default_factory=dict)
-    served_figures: dict[str, ServedFigures] = field(default_factory=dict)
-    load_checks: dict[str, FidelityCheck] = field(default_factory=dict)
-    forms: dict[str, dict[str, parity.GateResult]] = field(default_factory=dict)
-    """variant -> CPU graph form -> verdict, for every form measured."""
-    libraries: LibraryVerdicts = field(default_factory=lambda: LibraryVerdicts([]))
-    """The reference libraries' answers, and each recorded variant's figures against them."""
-
-    def check(self, variant: str, session: ort.InferenceSession) -> parity.GateResult:
-        return parity.check_variant(variant, session, self.references)
-
-    def passes(self, variant: str, form: str, session: ort.InferenceSession) -> bool:
-        """Gate one CPU graph form of a variant; its verdict joins the variant's forms (a refusal is logged)."""
-        result = self.check(variant, session)
-        self.forms.setdefault(variant, {})[form] = result
-        if not result.passed:
-            log.warning("%s graph form %s refused by the parity gate: %s", variant, form, "; ".join(result.failures))
-        return result.passed
-
-    def publishable(self, variant: str, candidates: dict[str, Path]) -> dict[str, Path]:
-        """Gate every candidate form of a variant, one session at a time; the ones that pass."""
-        self.forms[variant] = {}
-        level = optimize.cpu_graph_optimization(variant)
-        return {
-            form: path
-            for form, path in candidates.items()
-            if self.passes(variant, form, cpu_session(str(path), self.threads, level))
-        }
-
-    def record(self, variant: str, form: str | None, session: ort.InferenceSession) -> None:
-        """The verdict, served figures, load check and reference libraries' figures of the variant as published.
-
-        The checks after the gate share the session's answers (KeptAnswers): a feed two of them make runs once.
-        """
-        self.results[variant] = self.forms[variant][form] if form is not None else self.check(variant, session)
-        answers = KeptAnswers(session)
-        self.libraries.check(variant, answers)
-        if self.served is not None:
-            self.served_figures[variant] = self.served.measure(answers)
-        (embedding,) = answers.run([self.fidelity.output], self.fidelity.feed)
-        provider = session.get_providers()[0]
-        self.load_checks[variant] = compare(
-            self.fidelity, embedding, variant, provider, required_bar(self.fidelity.output, variant, False)
-        )
-
-    def failures(self, variants: Iterable[str]) -> list[str]:
-        """The recorded variants' misses: their tolerances, and the server's check at load."""
-        chosen = [variant for variant in variants if variant in self.results]
-        failures = [failure for variant in chosen for failure in self.results[variant].failures]
-        return failures + [
-            f"{variant}: would fail the server's check at load: {self.load_checks[variant].describe()}"
-            for variant in chosen
-            if not self.load_checks[variant].passed
-        ]
 
 
 def _fp16_session(path: Path, threads: int) -> tuple[ort.InferenceSession, str | None]:
@@ -221,59 +148,6 @@ def _known_embeddings(references: list[parity.Reference], feeds: list[dict[str, 
     return np.concatenate([reference.output for reference in sentences]) if same else None
 
 
-def _fidelity_basis(gate: _Gate, variant: str) -> tuple[bool, str]:
-    """Whether a variant meets the fidelity rule, and the figure it rests on.
-
-    Embeddings: the served path's least cosine, or (no tokenizer) every gated case's. A classifier:
-    its largest logit difference on real sentence pairs, masks included (no tokenizer: every case), as
-    users send them: random token ids move fp16 logits most (Qwen3-Reranker-0.6B, random weights:
-    0.025 on one random token, 0.014 on sentences).
-    """
-    if gate.fidelity.output == "logits":
-        kinds = gate.results[variant].figures
-        real = [kinds[name] for name in ("sentences", "sentence_masks") if name in kinds] or list(kinds.values())
-        worst = max(kind.max_abs_diff for kind in real)
-        meets = worst <= LOGITS_FIDELITY_MAX_ABS_DIFF
-        rule = f"{'<=' if meets else '>'} {LOGITS_FIDELITY_MAX_ABS_DIFF}"
-        return meets, f"{variant} max logit difference from the model {worst:.3g} {rule}"
-    if variant in gate.served_figures:
-        measured = gate.served_figures[variant].min_cosine
-    else:
-        measured = min(kind.min_cosine for kind in gate.results[variant].figures.values())
-    meets = measured >= FIDELITY_MIN_COSINE
-    return meets, f"{variant} min cosine to the model {measured:.6f} {'>=' if meets else '<'} {FIDELITY_MIN_COSINE}"
-
-
-def preferred_variants(
-    gate: _Gate, published: list[str], withdrawn: dict[str, str], cuda_problem: str | None
-) -> dict[str, dict[str, object]]:
-    """The default per device under the fidelity rule, with what it rests on.
-
-    CPU: fp32 (int8 is only ever an explicit choice). CUDA: fp16 where its served embeddings
-    measured >= the fidelity rule, else fp32 (and fp32 where fp16 was not built or was withdrawn,
-    saying why). When fp16 could only be measured on the CPU, that is said, and the server checks it
-    again on CUDA at load.
-    """
-    choices: dict[str, dict[str, object]] = {
-        "cpu": {"variant": "fp32", "basis": "fidelity rule: fp32 on the CPU; int8 only by explicit choice"}
-    }
-    if "fp16" not in published:
-        basis = f"fp16 not published: {withdrawn['fp16']}" if "fp16" in withdrawn else "fp16 not built"
-        choices["cuda"] = {"variant": "fp32", "basis": basis}
-        return choices
-    meets, figure = _fidelity_basis(gate, "fp16")
-    provider = gate.results["fp16"].provider
-    where = f"measured on {provider}"
-    if provider != CUDA:
-        where += f" only, not CUDA ({cuda_problem}); the server re-checks fp16 on CUDA at load"
-    choices["cuda"] = {
-        "variant": "fp16" if meets else "fp32",
-        "basis": f"{figure}, {where}",
-        "fp16_checked_on_cuda": provider == CUDA,
-    }
-    return choices
-
-
 @dataclass(frozen=True)
 class _Chosen:
     """A CPU variant's chosen form, and a session on it (the gate's own, where the gate opened one for it)."""
@@ -323,7 +197,7 @@ class _Build:
         self.model = None
         gc.collect()
 
-    def references(self) -> _Gate:
+    def references(self) -> VariantGate:
         """The gate: PyTorch references for every case kind, the served path, the server's fidelity reference."""
         checkpoint, names, tokenizer, model = self.checkpoint, self.names, self.tokenizer, self.pytorch_model()
         gate_cases = cases.token_cases(names, checkpoint.config.vocab_size, checkpoint.max_seq_length)
@@ -346,9 +220,9 @@ class _Build:
                 pad_token_id=checkpoint.config.pad_token_id,
             )
         fidelity = fidelity_reference(model, names, tokenizer, sentences, checkpoint.max_seq_length)
-        return _Gate(references, served, fidelity, self.options.threads)
+        return VariantGate(references, served, fidelity, self.options.threads)
 
-    def embedding_ranges(self, gate: _Gate) -> tuple[dict[int, np.ndarray], dict[str, object] | None]:
+    def embedding_ranges(self, gate: VariantGate) -> tuple[dict[int, np.ndarray], dict[str, object] | None]:
         """An embedder's calibrated ranges and what they rest on (none without a tokenizer: ({}, None)).
 
         The gate's references answer for the calibration texts where they are the same batches (the gate
@@ -379,7 +253,7 @@ class _Build:
             self.checkpoint, self.pytorch_model(), self.tokenizer, self.names, sentences=sentences, stage=self.stage
         )
 
-    def cpu_variants(self, gate: _Gate, forms: dict[str, Path]) -> None:
+    def cpu_variants(self, gate: VariantGate, forms: dict[str, Path]) -> None:
         """fp32 (and int8) in every CPU form; each variant's fastest form among those the gate passes."""
         candidates = {"fp32": forms}
         int8_recipes: dict[str, dict[str, object]] = {}
@@ -407,7 +281,9 @@ class _Build:
                 **int8_recipes.get(choice.form, {}),
             }
 
-    def _fastest_of_passing(self, gate: _Gate, variant: str, paths: dict[str, Path], level: str) -> _Chosen | None:
+    def _fastest_of_passing(
+        self, gate: VariantGate, variant: str, paths: dict[str, Path], level: str
+    ) -> _Chosen | None:
         """Gate every form, then measure those that passed: the fastest is chosen (None: none passes)."""
         self.stage(f"{variant}: parity gate on every graph form")
         passing = gate.publishable(variant, paths)
@@ -417,7 +293,7 @@ class _Build:
         choice = optimize.choose_fastest(passing, self.checkpoint.config, self.names, self.options.threads, level)
         return _Chosen(choice, cpu_session(str(choice.path), self.options.threads, level))
 
-    def _fastest_passing(self, gate: _Gate, variant: str, paths: dict[str, Path], level: str) -> _Chosen | None:
+    def _fastest_passing(self, gate: VariantGate, variant: str, paths: dict[str, Path], level: str) -> _Chosen | None:
         """Measure every form, then gate them fastest first: the first that passes is chosen (None: none passes).
 
         What is published is gated exactly as with every form gated; forms slower than the chosen one are
@@ -439,7 +315,7 @@ class _Build:
         del self.files[variant]
         self.withdrawn[variant] = reason
 
-    def fp16_variant(self, gate: _Gate) -> None:
+    def fp16_variant(self, gate: VariantGate) -> None:
         """The fp16 graph for CUDA (optimize.fp16_form), gated on CUDA where usable here, else (said plainly) on CPU.
 
         A refused fp16 is withdrawn rather than refusing the export: CUDA serves fp16 only where it meets
@@ -587,7 +463,7 @@ def _head_library_steps(checkpoint: Checkpoint) -> tuple[LibraryStep, ...]:
     return () if declaration is None else (*declaration.references, *declaration.model_references)
 
 
-def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dict[str, object]:
+def _report(build: _Build, gate: VariantGate, speedup: dict[str, float] | None) -> dict[str, object]:
     """parity.json: every figure, with the provider each one was measured on."""
     checkpoint, choices = build.checkpoint, build.choices
     return {
@@ -618,21 +494,11 @@ def _report(build: _Build, gate: _Gate, speedup: dict[str, float] | None) -> dic
     }
 
 
-def _variant_figures(build: _Build, gate: _Gate, variant: str) -> dict[str, object]:
+def _variant_figures(build: _Build, gate: VariantGate, variant: str) -> dict[str, object]:
     """One variant's gate verdict, served figures, load check and recipe, as parity.json records them."""
     return {
         **gate.results[variant].to_dict(),
         "served": gate.served_figures[variant].to_dict() if variant in gate.served_figures else None,
-        "load_check": _load_check_figures(gate.load_checks[variant]),
+        "load_check": load_check_figures(gate.load_checks[variant]),
         "recipe": build.recipes[variant],
     }
-
-
-def _load_check_figures(check: FidelityCheck) -> dict[str, object]:
-    """The server's check at load as measured here: the least cosine, or a classifier's largest logit difference."""
-    figures: dict[str, object] = {"provider": check.provider}
-    if check.max_abs_diff is None:
-        figures["min_cosine"] = round(check.min_cosine, 8)
-    else:
-        figures["max_abs_diff"] = float(f"{check.max_abs_diff:.3g}")
-    return figures | {"worst_row": check.worst_row, "required": check.required}
