@@ -3,7 +3,9 @@
 The models are transformers' CLIPModel and SiglipModel (random weights, seeded); the tokenizers are trained
 on the gate sentences in each family's kind (CLIP: byte-level BPE ended by <|endoftext|>, which pads too;
 SigLIP: Unigram pieces ended by </s>, padded with <pad>); the preprocessor configs are those of
-openai/clip-vit-base-patch32 and google/siglip-base-patch16-224 at the tiny image size.
+openai/clip-vit-base-patch32 and google/siglip-base-patch16-224 at the tiny image size. The
+sentence-transformers folders are saved in both its layouts: clip-ViT-B-32's (a CLIPModel module in
+0_CLIPModel/, written here as it was) and sentence-transformers 6's (written by its own `save`).
 """
 
 from __future__ import annotations
@@ -115,7 +117,37 @@ def save_sentence_transformers_clip(folder: Path, seed: int = 50) -> Path:
     return folder
 
 
-SOURCES = {"clip": save_clip_folder, "siglip": save_siglip_folder, "st-clip": save_sentence_transformers_clip}
+def _saved_by_sentence_transformers(
+    folder: Path, model_folder: Path, processing_kwargs: dict[str, object] | None = None
+) -> Path:
+    """model_folder loaded by sentence-transformers (with processing_kwargs) and saved into folder, as its
+    `save` writes it: since 5.4 a Transformer module at the folder root, the processor's settings in
+    processor_config.json."""
+    model = SentenceTransformer(str(model_folder), device="cpu")
+    if processing_kwargs is not None:
+        model[0].processing_kwargs = processing_kwargs
+    model.save(str(folder))
+    return folder
+
+
+def save_sentence_transformers6_clip(folder: Path, seed: int = 51) -> Path:
+    """A tiny CLIPModel folder as sentence-transformers 6 saves it (texts padded to the batch's longest)."""
+    return _saved_by_sentence_transformers(folder, save_clip_folder(folder.with_name(f"{folder.name}-model"), seed))
+
+
+def save_sentence_transformers6_siglip(folder: Path, seed: int = 52) -> Path:
+    """A tiny SiglipModel folder as sentence-transformers 6 saves it, its texts padded to max_length as SigLIP's."""
+    model_folder = save_siglip_folder(folder.with_name(f"{folder.name}-model"), seed)
+    return _saved_by_sentence_transformers(folder, model_folder, {"text": {"padding": "max_length"}})
+
+
+SOURCES = {
+    "clip": save_clip_folder,
+    "siglip": save_siglip_folder,
+    "st-clip": save_sentence_transformers_clip,
+    "st6-clip": save_sentence_transformers6_clip,
+    "st6-siglip": save_sentence_transformers6_siglip,
+}
 """Each exported model's name and what makes its source folder."""
 
 
