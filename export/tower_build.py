@@ -102,6 +102,7 @@ def export_towers(
         for variant in withdrawn:
             log.warning("%s not published: %s", variant, NOT_BUILT)
         stage("load checkpoint")
+        checkpoint = library_tokenizer.with_converted_tokenizer(checkpoint, Path(workdir))
         checkpoint = library_tokenizer.with_library_tokenizer(checkpoint, Path(workdir), options.sentences)
         stage("reference library")
         if checkpoint.tokenizer_files:

@@ -43,6 +43,7 @@ SENTENCE_TRANSFORMERS = {"normalize": False, "library": "sentence-transformers"}
 FAMILIES = {
     "clip": CLIP | TRANSFORMERS,
     "siglip": SIGLIP | TRANSFORMERS,
+    "clip-vocabulary": CLIP | TRANSFORMERS,
     "st-clip": CLIP | SENTENCE_TRANSFORMERS,
     "st6-clip": CLIP | SENTENCE_TRANSFORMERS,
     "st6-siglip": SIGLIP | SENTENCE_TRANSFORMERS,

@@ -1,5 +1,5 @@
 """The two-tower folders the exporter reads (export.checkpoints.two_tower_folder, .library_tokenizer), and what it
-refuses by name: sentence-transformers 6's layout, processor_config.json.
+refuses by name: sentence-transformers 6's layout, processor_config.json, tokenizers without tokenizer.json.
 
 The source folders are tests.export.two_tower_folders', shared with test_tower_export (which checks their
 exports); each test here copies one before changing it.
@@ -7,15 +7,18 @@ exports); each test here copies one before changing it.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+import sentencepiece
 
 from export.__main__ import main as export_main
 from export.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from export.checkpoints.two_tower_folder import PROCESSOR_CONFIG
+from tests.export.tiny_models import training_sentences
 from tests.export.two_tower_folders import MAX_POSITIONS, exported_two_towers
 
 NORMALIZE = {"idx": 1, "name": "1", "path": "1_Normalize", "type": "sentence_transformers.models.Normalize"}
@@ -124,3 +127,44 @@ def test_processor_config_is_read_as_transformers_reads_it(
     _rewrite(processor, change | {"image_processor": nested and settings["image_processor"] | nested})
     error = _refusal(source, tmp_path, capsys)
     assert message in error
+
+
+def _save_sentencepiece_tokenizer(folder: Path) -> None:
+    """SigLIP's tokenizer as google/siglip-* ship it: spiece.model, read by transformers' SiglipTokenizer."""
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(training_sentences()),
+        model_writer=model,
+        vocab_size=120,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        minloglevel=2,
+    )
+    (folder / "spiece.model").write_bytes(model.getvalue())
+    declared = {"tokenizer_class": "SiglipTokenizer", "model_max_length": MAX_POSITIONS}
+    (folder / "tokenizer_config.json").write_text(json.dumps(declared))
+
+
+def test_a_tokenizer_without_a_tokenizers_pipeline_is_refused(
+    sources: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """SiglipTokenizer (sentencepiece, then its own Python clean-up) cannot be served: one line says why."""
+    source = _copy(sources, "siglip", tmp_path)
+    (source / "tokenizer.json").unlink()
+    _save_sentencepiece_tokenizer(source)
+    error = _refusal(source, tmp_path, capsys)
+    assert "no tokenizer.json, and transformers' SiglipTokenizer tokenises in Python" in error
+
+
+def test_a_folder_without_tokenizer_files_is_exported_for_token_input(sources: Path, tmp_path: Path) -> None:
+    """No vocabulary at all: nothing to convert, the text tower is gated on random ids and takes token ids."""
+    source = _copy(sources, "clip", tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (source / name).unlink()
+    status = export_main(["--source", str(source), "--repository", str(tmp_path / "repository"), "--threads", "1"])
+    assert status == 0
+    parity = json.loads((tmp_path / "repository" / "clip" / "parity.json").read_text())
+    assert parity["towers"]["text"]["inputs"][0].startswith("random ids")
+    assert not (tmp_path / "repository" / "clip" / "tokenizer.json").exists()
