@@ -281,8 +281,9 @@ def _two_tower_checkpoint(module: TwoTowerModule, name: str) -> Checkpoint:
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
     try:
-        source = model_format(read_object(config_file).get("model_type"))
-        config = source.read_config(read_object(config_file), "", module.normalize)
+        hf_config = read_object(config_file)
+        source = model_format(hf_config.get("model_type"))
+        config = source.read_config(hf_config, "", module.normalize)
         state_dict, _scoring_weights = source.rename_weights(_read_weights(folder))
     except (ArchitectureError, FolderError) as error:
         raise CheckpointError(f"{folder}: {error}") from error

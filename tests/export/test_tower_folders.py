@@ -58,6 +58,18 @@ def test_a_sentence_transformers6_folder_is_its_own_model(sources: Path) -> None
         assert not checkpoint.config.normalize and checkpoint.max_seq_length == MAX_POSITIONS
 
 
+def test_features_without_an_output_name_are_read_as_transformers_4_wrote_them(sources: Path, tmp_path: Path) -> None:
+    """sentence-transformers 6 under transformers 4 writes method_output_name null (the method answers a tensor)."""
+    source = _copy(sources, "st6-clip", tmp_path)
+    config_file = source / "sentence_bert_config.json"
+    modalities = json.loads(config_file.read_text())["modality_config"]
+    _rewrite(
+        config_file,
+        {"modality_config": {key: entry | {"method_output_name": None} for key, entry in modalities.items()}},
+    )
+    assert load_checkpoint(source).library_folder == source
+
+
 def test_a_sentence_transformers6_model_is_taken_alone_or_with_normalize_only(sources: Path, tmp_path: Path) -> None:
     source = _copy(sources, "st6-clip", tmp_path)
     modules = json.loads((source / "modules.json").read_text())
