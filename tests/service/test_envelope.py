@@ -15,8 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import REGISTRY
 
-from service import envelope
-from service.envelope import Envelope
+from service.envelope import Envelope, RequestEnvelope, failed
 from service.errors import (
     INTERNAL_MESSAGE,
     DeadlineExceeded,
@@ -34,7 +33,7 @@ from service.errors import (
     outcome,
 )
 from service.frontends.grpc.status import STATUS as GRPC_STATUS
-from service.frontends.grpc.status import status_of
+from service.frontends.grpc.status import status_number, status_of
 from service.frontends.http.errors import STATUS as HTTP_STATUS
 from service.frontends.http.errors import MethodNotAllowed, UnsupportedMediaType, http_status
 from service.ops import tracing
@@ -51,6 +50,13 @@ def _requests(code: str) -> float:
 
 def _rejected(reason: str) -> float:
     return REGISTRY.get_sample_value("encoder_requests_rejected_total", {"reason": reason}) or 0.0
+
+
+def _opened(door: Envelope, tenant: Tenant | None = None) -> RequestEnvelope:
+    """A request's envelope as the gRPC port opens it (no span: tracing is off), for `tenant` if given."""
+    request = door.request(None, status_number)
+    request.tenant = tenant
+    return request
 
 
 def _text(text: str) -> InferenceRequest:
@@ -76,14 +82,14 @@ async def test_a_request_is_counted_once_its_answer_is_encoded(tiny_repository: 
 
 async def _counted_once_encoded(door: Envelope) -> None:
     before_ok, before_internal = _requests("OK"), _requests("INTERNAL")
-    context = envelope.stamp()
-    async with door.inference(context, _text("counted when encoded")) as inference:
+    request = _opened(door)
+    async with request.inference(_text("counted when encoded")) as inference:
         assert _requests("OK") == before_ok  # the rows are back, the answer not yet encoded: not counted
         encoded = await inference.encode(inference.result.outputs["embedding"].tobytes)
     assert len(encoded) == 32 * 4
     assert (_requests("OK"), _requests("INTERNAL")) == (before_ok + 1, before_internal)
     assert door.pipeline.answers.in_flight_bytes == inference.result.answer_bytes > 0  # held until sent
-    door.close(context, 0)
+    request.end()
     assert door.pipeline.answers.in_flight_bytes == 0
 
 
@@ -98,12 +104,12 @@ async def _failed_encoding(door: Envelope) -> None:
     def broken() -> bytes:
         raise ValueError("the encoder broke")
 
-    context = envelope.stamp()
+    request = _opened(door)
     with pytest.raises(ValueError, match="the encoder broke") as failure:
-        async with door.inference(context, _text("never answered")) as inference:
+        async with request.inference(_text("never answered")) as inference:
             await inference.encode(broken)
     assert (_requests("OK"), _requests("INTERNAL")) == (before_ok, before_internal + 1)
-    door.close(context, 13, failure.value)
+    request.end(failure.value)
     assert door.pipeline.answers.in_flight_bytes == 0
 
 
@@ -112,9 +118,9 @@ async def test_failed_counts_refusals_by_reason_once_and_hides_what_nobody_plann
 ) -> None:
     before = _rejected("queue_full")
     refusal = Overloaded("queue full", "queue_full")
-    assert Envelope.failed(refusal, "a test") is refusal
+    assert failed(refusal, "a test") is refusal
     assert _rejected("queue_full") == before + 1
-    unplanned = Envelope.failed(KeyError("secret detail"), "a test request")
+    unplanned = failed(KeyError("secret detail"), "a test request")
     assert unplanned.kind is Kind.INTERNAL and str(unplanned) == INTERNAL_MESSAGE
     assert "unhandled error answering a test request" in caplog.text and "secret detail" in caplog.text
 
@@ -125,12 +131,12 @@ def test_authentication_notes_the_tenant_or_refuses_with_the_protocols_hint() ->
             return "team-a" if authorization == "Bearer good" else None
 
     door = Envelope(Pipeline(Settings(model_repository=Path("."))), api_keys=Keys())
-    context = envelope.stamp()
-    door.authenticate(context, "Bearer good", "send it")
-    assert context.tenant == "team-a"
+    request = door.request(None, status_number, authorization="Bearer good", send_key="send it")
+    assert request.tenant == "team-a"
     with pytest.raises(Unauthenticated, match="missing or unknown API key: send it this way") as refused:
-        door.authenticate(envelope.stamp(), "Bearer bad", "send it this way")
+        door.request(None, status_number, authorization="Bearer bad", send_key="send it this way")
     assert refused.value.reason == "unauthenticated"
+    assert door.request(None, status_number, authorization="Bearer bad").tenant is None  # an open route
 
 
 @pytest.mark.parametrize("kind", list(Kind))
@@ -173,30 +179,25 @@ async def test_tokenize_and_decode_run_inside_the_envelope(tiny_repository: Path
 async def _tokenizer_calls(door: Envelope) -> None:
     tenant = Tenant("tokenizer-calls", TenantLimits())
 
-    def tenants() -> envelope.RequestContext:
-        context = envelope.stamp()
-        context.tenant = tenant
-        return context
-
     before_ok = _requests("OK")
-    context = tenants()
-    async with door.inference(context, TokenizeRequest(TINY_MODEL, [b"one two three"])) as tokenized:
+    request = _opened(door, tenant)
+    async with request.inference(TokenizeRequest(TINY_MODEL, [b"one two three"])) as tokenized:
         assert _requests("OK") == before_ok  # counted once its answer is written
         body = await tokenized.write(lambda: repr([token.id for token in tokenized.result.tokens[0]]).encode())
     assert _requests("OK") == before_ok + 1
     assert door.pipeline.answers.in_flight_bytes == tokenized.result.answer_bytes == len(body)  # held until sent
-    door.close(context, 200)
+    request.end()
     assert door.pipeline.answers.in_flight_bytes == 0
-    context = tenants()
-    async with door.inference(context, DecodeRequest(TINY_MODEL, [[5, 6], [7]])) as decoded:
+    request = _opened(door, tenant)
+    async with request.inference(DecodeRequest(TINY_MODEL, [[5, 6], [7]])) as decoded:
         await decoded.write(lambda: "|".join(decoded.result.texts).encode())
-    door.close(context, 200)
+    request.end()
     assert _requests("OK") == before_ok + 2
     charged = REGISTRY.get_sample_value("encoder_tenant_prompt_tokens_total", {"tenant": "tokenizer-calls"})
     assert charged == tokenized.result.prompt_tokens + 3 == 5 + 3  # [CLS] one two three [SEP], then 3 ids
     before_invalid = _requests("INVALID_ARGUMENT")
     with pytest.raises(InvalidArgument, match="token id 1000000 is not in the tokenizer's vocabulary"):
-        async with door.inference(tenants(), DecodeRequest(TINY_MODEL, [[10**6]])):
+        async with _opened(door, tenant).inference(DecodeRequest(TINY_MODEL, [[10**6]])):
             pass
     assert _requests("INVALID_ARGUMENT") == before_invalid + 1
 
@@ -224,17 +225,17 @@ async def test_a_reservation_is_released_once_whatever_the_outcome(
         budget = door.pipeline.answers
         for outcome_name in ("answered", "failed while encoding", "cancelled", "client gone"):
             releases.sizes.clear()
-            context = envelope.stamp()
+            request = _opened(door)
             error: BaseException | None = None
             if outcome_name == "client gone":  # it left before its inference ran: nothing is held for it
-                door.close(context, 499)
+                request.end(asyncio.CancelledError())
                 with pytest.raises(Unavailable, match="the request ended before its answer was budgeted"):
-                    async with door.inference(context, _text(outcome_name)):
+                    async with request.inference(_text(outcome_name)):
                         pass
                 assert (releases.sizes, budget.in_flight_bytes) == ([], 0)
                 continue
             try:
-                async with door.inference(context, _text(outcome_name)) as inference:
+                async with request.inference(_text(outcome_name)) as inference:
                     held = inference.result.answer_bytes
                     assert budget.in_flight_bytes == held > 0
                     if outcome_name == "failed while encoding":
@@ -245,8 +246,8 @@ async def test_a_reservation_is_released_once_whatever_the_outcome(
             except (ZeroDivisionError, asyncio.CancelledError) as failure:
                 error = failure
             assert budget.in_flight_bytes == held  # held until the request ends
-            door.close(context, 0 if error is None else 13, error)
-            door.close(context, 0)  # a second end changes nothing
+            request.end(error)
+            request.end()  # a second end changes nothing
             assert (releases.sizes, budget.in_flight_bytes) == ([held], 0), outcome_name
 
 
@@ -267,14 +268,15 @@ def test_a_stream_messages_span_is_a_child_of_its_streams(recorded_spans: InMemo
     trace_id, caller_span = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
     traceparent = f"00-{trace_id:032x}-{caller_span:016x}-01"
     door = Envelope(Pipeline(Settings(model_repository=Path("."))), api_keys=None)
-    stream = envelope.stamp()
+    span = tracing.rpc_span("ModelStreamInfer", (("traceparent", traceparent),))
+    stream = door.request(span, status_number, stream=True)
     stream.tenant = Tenant("streaming", TenantLimits())
-    door.open_stream(stream, tracing.rpc_span("ModelStreamInfer", (("traceparent", traceparent),)))
     assert stream.trace is None  # the stream itself has no span: each message has one
-    first, second = door.message(stream, None), door.message(stream, 12.5)
+    first, second = stream.message(None), stream.message(12.5)
     assert (first.tenant, second.tenant, second.deadline) == (stream.tenant, stream.tenant, 12.5)
-    door.close(first, grpc.StatusCode.OK.value[0])
-    door.close(second, grpc.StatusCode.NOT_FOUND.value[0], NotFound("unknown model 'x'"))
+    first.end()
+    second.end(NotFound("unknown model 'x'"))
+    stream.end()
     spans = recorded_spans.get_finished_spans()
     assert [span.name for span in spans] == ["inference.GRPCInferenceService/ModelStreamInfer"] * 2
     for span in spans:
@@ -283,3 +285,31 @@ def test_a_stream_messages_span_is_a_child_of_its_streams(recorded_spans: InMemo
     assert [span.attributes["rpc.grpc.status_code"] for span in spans] == [0, 5]
     assert [span.status.is_ok for span in spans] == [True, False]
     assert spans[1].status.description == "unknown model 'x'"
+
+
+def test_a_refusal_at_the_door_ends_the_requests_span_with_its_status(recorded_spans: InMemorySpanExporter) -> None:
+    class Keys:
+        def tenant(self, authorization: str | None) -> str | None:
+            return "team-a" if authorization == "Bearer good" else None
+
+    door = Envelope(Pipeline(Settings(model_repository=Path("."))), api_keys=Keys())
+
+    def too_busy() -> None:
+        raise Overloaded("too busy", "http_concurrency")
+
+    with pytest.raises(Overloaded):  # the front end's own refusal comes before the key is read
+        door.request(tracing.rpc_span("ModelInfer", ()), status_number, send_key="send it", refuse_first=too_busy)
+    with pytest.raises(Unauthenticated):
+        door.request(tracing.rpc_span("ModelInfer", ()), status_number, authorization="Bearer bad", send_key="send it")
+    accepted = door.request(
+        tracing.rpc_span("ModelInfer", ()), status_number, authorization="Bearer good", send_key="-"
+    )
+    accepted.end()
+    accepted.end(Unavailable("ended twice"))  # a second end changes nothing
+    spans = recorded_spans.get_finished_spans()
+    assert [span.attributes["rpc.grpc.status_code"] for span in spans] == [
+        grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+        grpc.StatusCode.UNAUTHENTICATED.value[0],
+        grpc.StatusCode.OK.value[0],
+    ]
+    assert [span.status.description for span in spans] == ["too busy", "missing or unknown API key: send it", None]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import NoReturn
@@ -12,9 +11,8 @@ import grpc
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from service import envelope
-from service.envelope import Envelope, RequestContext
+from service.envelope import Envelope, RequestEnvelope
 from service.frontends import codec
-from service.frontends.grpc import status
 from service.frontends.grpc.streaming import MAX_INFLIGHT_PER_STREAM, InferenceStreams
 
 
@@ -35,7 +33,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self, door: Envelope, max_stream_inflight: int = MAX_INFLIGHT_PER_STREAM, max_stream_age_s: float | None = None
     ) -> None:
-        self.envelope = door
         self.pipeline = door.pipeline
         self._metadata = codec.server_metadata()
         self.streams = InferenceStreams(self.infer, max_stream_inflight, max_stream_age_s)
@@ -74,12 +71,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        """Decode, run through the engine, encode the requested outputs (the call ends in its envelope at the door)."""
-        request_context = envelope.CURRENT.get()
-        remaining = context.time_remaining()
-        if remaining is not None:
-            request_context.deadline = time.monotonic() + remaining
-        return await self._answer(request, request_context)
+        """Decode, run through the engine, encode the requested outputs (in the call's envelope, opened at the door)."""
+        return await self._answer(request, envelope.CURRENT.get())
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -93,20 +86,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         A stream's answers not yet sent are bounded by --max-stream-inflight instead.
         """
-        # The stream's own context (its tenant, its caller's trace) was stamped at the door, in the task this copies.
-        request_context = self.envelope.message(envelope.CURRENT.get(), deadline)
+        # The stream's envelope (its tenant, its caller's trace) was opened at the door, in the task this copies.
+        message = envelope.CURRENT.get().message(deadline)
         try:
-            response = await self._answer(request, request_context)
+            response = await self._answer(request, message)
         except BaseException as error:
-            status.close(self.envelope, request_context, error)
+            message.end(error)
             raise
-        status.close(self.envelope, request_context)
+        message.end()
         return response
 
-    async def _answer(self, request: pb.ModelInferRequest, request_context: RequestContext) -> pb.ModelInferResponse:
-        """Decode, one inference inside the envelope, encode (a large answer off the event loop)."""
-        decoded = self.envelope.decode(request_context, partial(codec.decode_infer_request, request))
-        async with self.envelope.inference(request_context, decoded) as inference:
+    @staticmethod
+    async def _answer(request: pb.ModelInferRequest, call: RequestEnvelope) -> pb.ModelInferResponse:
+        """Decode, one inference inside the call's envelope, encode (a large answer off the event loop)."""
+        decoded = call.decode(partial(codec.decode_infer_request, request))
+        async with call.inference(decoded) as inference:
             return await inference.encode(partial(codec.encode_infer_response, inference.result))
 
     async def ModelConfig(

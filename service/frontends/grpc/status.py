@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import grpc
 
-from service.envelope import Envelope, RequestContext
 from service.errors import Kind, ServiceError, outcome
 
 STATUS: dict[Kind, grpc.StatusCode] = {
@@ -34,6 +33,6 @@ def outcome_status(error: BaseException | None, deadline: float | None) -> grpc.
     return grpc.StatusCode[outcome(error, deadline)]  # OK, CANCELLED, DEADLINE_EXCEEDED or INTERNAL
 
 
-def close(door: Envelope, context: RequestContext, error: BaseException | None = None) -> None:
-    """End a gRPC request in its envelope (Envelope.close) with the status of its outcome."""
-    door.close(context, outcome_status(error, context.deadline).value[0], error)
+def status_number(error: BaseException | None, deadline: float | None) -> int:
+    """The number of `outcome_status` (a span's rpc.grpc.status_code): the gRPC port's table as the envelope asks it."""
+    return outcome_status(error, deadline).value[0]

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from protocol import grpc_service_pb2 as pb
-from service.envelope import Envelope
+from service.envelope import failed
 from service.errors import ServiceError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class InferenceStreams:
                     request = await anext(requests, None)
                 except ServiceError as error:  # this message was not a request: refused in its place
                     refused = loop.create_future()
-                    failure = Envelope.failed(error, "a ModelStreamInfer message")
+                    failure = failed(error, "a ModelStreamInfer message")
                     refused.set_result(_error_answer(pb.ModelInferRequest(), str(failure)))
                     answers.put_nowait(refused)
                     continue
@@ -181,7 +181,7 @@ class InferenceStreams:
             # Only its stream cancels this task: at the stream's last moment, or with the stream gone.
             message = UNANSWERED_MESSAGE
         except Exception as error:
-            message = str(Envelope.failed(error, "a ModelStreamInfer request"))
+            message = str(failed(error, "a ModelStreamInfer request"))
         return _error_answer(request, message)
 
 

@@ -4,9 +4,11 @@ Four route families share it, each in its own body dialect: OpenAI's under /v1, 
 and /v1/rerank as Cohere and Jina answer it), text-embeddings-inference's (/embed, /similarity,
 /rerank, /predict, /tokenize, /decode, /info) and KServe v2 REST under /v2. Every route is one row
 of the route table (routes.py): its handlers, its error dialect, whether it is traced and whether
-it is open without a key. Each request gets its context where it is received, its key checked by
-the envelope (service.envelope), and its inferences run inside the envelope, as the gRPC port's
-are; errors map to statuses and, by the route's dialect, bodies in one table (errors.py).
+it is open without a key. Each request enters its envelope (service.envelope) once, where it is
+received (stamped, its span started, the port's own first refusals made, its key checked), runs its
+inferences inside it, as the gRPC port's do, and ends it once its answer is sent; errors map to
+statuses and, by the route's dialect, bodies in one table (errors.py), which a span's status is
+also read from.
 Metadata, configuration, statistics and the repository index are the gRPC port's own messages
 (service.frontends.codec) written in Triton's JSON.
 """
@@ -19,12 +21,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from protocol import grpc_service_pb2 as pb
 from service import envelope
-from service.envelope import Envelope, RequestContext
-from service.errors import InvalidArgument, NotFound, Overloaded, RequestTooLarge, ServiceError
+from service.envelope import Envelope, RequestEnvelope, StatusOf
+from service.errors import INTERNAL_MESSAGE, InvalidArgument, NotFound, Overloaded, RequestTooLarge, ServiceError
 from service.frontends import codec
 from service.frontends.http import cohere, kserve, openai, tasks, tei
 from service.frontends.http.errors import Dialect, MethodNotAllowed, UnsupportedMediaType, error_answer
@@ -91,9 +94,9 @@ class Response:
 
 @dataclass(frozen=True)
 class Call:
-    """One request as the handlers see it: its context, its route's parameters, headers (lower-case names) and body."""
+    """One request as the handlers see it: its envelope, its route's parameters, headers (lower-case names) and body."""
 
-    context: RequestContext
+    envelope: RequestEnvelope
     path_params: dict[str, str]
     headers: dict[bytes, bytes]
     body: bytes
@@ -161,6 +164,8 @@ class HttpApp:
             version=codec.server_metadata().version,
         )
         self.routes = RouteTable(self._route_rows())
+        self._statuses = {dialect: self._status_of(dialect) for dialect in Dialect}
+        """The status of a request's outcome on a route of each dialect, for its span (its envelope asks it)."""
 
     def _route_rows(self) -> tuple[Route, ...]:
         """Every route of the port: the one table of paths, handlers, error dialects, tracing and open routes."""
@@ -199,15 +204,19 @@ class HttpApp:
         if counted:
             self.active_requests += 1
             metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
-        response = failure = None
-        context = envelope.stamp()
-        if route.traced:
-            self.envelope.open(context, tracing.http_span(method, route.template, scope["headers"]))
+        headers = dict(scope["headers"])
+        request = response = failure = None
         try:
             try:
-                if counted and self.active_requests > self.max_concurrent_requests:
-                    self._over_concurrency()
-                response = await self._answer(scope, receive, route, params, context=context)
+                authorization = headers.get(b"authorization")
+                request = self.envelope.request(
+                    tracing.http_span(method, route.template, scope["headers"]) if route.traced else None,
+                    self._statuses[route.dialect],
+                    authorization=None if authorization is None else authorization.decode("latin-1"),
+                    send_key=None if route.open else SEND_KEY,
+                    refuse_first=partial(self._refuse_first, route, method, path, counted=counted),
+                )
+                response = await self._answer(scope, receive, route, params, headers=headers, request=request)
             except _Disconnected:
                 metrics.HTTP_REQUESTS.labels(route.template, CLIENT_CLOSED).inc()
                 return
@@ -215,19 +224,34 @@ class HttpApp:
                 client = scope.get("client")
                 peer = f"{client[0]}:{client[1]}" if client else ""
                 failure = error
-                response = self._error(route.dialect, Envelope.failed(error, f"{method} {path}", peer))
+                response = self._error(route.dialect, envelope.failed(error, f"{method} {path}", peer))
             metrics.HTTP_REQUESTS.labels(route.template, str(response.status)).inc()
-            headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
+            headers_out = [(b"content-length", str(len(response.body)).encode()), *response.headers]
             if response.content_type is not None:
-                headers.append((b"content-type", response.content_type.encode()))
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+                headers_out.append((b"content-type", response.content_type.encode()))
+            await send({"type": "http.response.start", "status": response.status, "headers": headers_out})
             await self._send_body(send, response.body)
         finally:
             # The answer was sent, or never will be: its bytes leave the budget, its span ends.
-            self.envelope.close(context, int(CLIENT_CLOSED) if response is None else response.status, failure)
+            if request is not None:
+                request.end(_Disconnected() if response is None else failure)
             if counted:
                 self.active_requests -= 1
                 metrics.HTTP_REQUESTS_ACTIVE.set(self.active_requests)
+
+    @staticmethod
+    def _status_of(dialect: Dialect) -> StatusOf:
+        """The port's one table as the envelope asks it, on a route of `dialect`: the status a request answered with."""
+
+        def status(error: BaseException | None, deadline: float | None) -> int:
+            if error is None:
+                return 200  # a traced route answers 200 or an error
+            if isinstance(error, (_Disconnected, asyncio.CancelledError)):
+                return int(CLIENT_CLOSED)
+            answered = error if isinstance(error, ServiceError) else ServiceError(INTERNAL_MESSAGE)  # as `failed` says
+            return error_answer(dialect, answered)[0]
+
+        return status
 
     @staticmethod
     async def _send_body(send: Send, body: bytes) -> None:
@@ -245,12 +269,23 @@ class HttpApp:
             await send({"type": "http.response.body", "body": body[start : start + SEND_PART_BYTES], "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    def _over_concurrency(self) -> None:
-        raise Overloaded(
-            f"{self.active_requests - 1} HTTP requests are being served, the most this server takes at once"
-            " (--max-concurrent-http-requests); retry later",
-            "http_concurrency",
-        )
+    def _refuse_first(self, route: Route, method: str, path: str, *, counted: bool) -> None:
+        """The port's own refusals, before a key is asked for: at its concurrency limit, no such route or method."""
+        if counted and self.active_requests > self.max_concurrent_requests:
+            raise Overloaded(
+                f"{self.active_requests - 1} HTTP requests are being served, the most this server takes at once"
+                " (--max-concurrent-http-requests); retry later",
+                "http_concurrency",
+            )
+        if not route.handlers:
+            raise NotFound(
+                f"no route {path}: this server answers OpenAI's /v1/embeddings and /v1/models, /v1/rerank,"
+                " text-embeddings-inference's /embed, /similarity, /rerank, /predict, /tokenize, /decode and /info,"
+                " and KServe v2 REST under /v2"
+            )
+        if method not in route.handlers:
+            allowed = tuple(route.handlers)
+            raise MethodNotAllowed(f"{path} answers {' and '.join(allowed)}, not {method}", allowed)
 
     async def _answer(
         self,
@@ -259,33 +294,19 @@ class HttpApp:
         route: Route,
         params: dict[str, str],
         *,
-        context: RequestContext,
+        headers: dict[bytes, bytes],
+        request: RequestEnvelope,
     ) -> Response:
-        method, handlers = scope["method"], route.handlers
-        if not handlers:
-            raise NotFound(
-                f"no route {scope['path']}: this server answers OpenAI's /v1/embeddings and /v1/models, /v1/rerank,"
-                " text-embeddings-inference's /embed, /similarity, /rerank, /predict, /tokenize, /decode and /info,"
-                " and KServe v2 REST under /v2"
-            )
-        handler = handlers.get(method)
-        if handler is None:
-            allowed = tuple(handlers)
-            raise MethodNotAllowed(f"{scope['path']} answers {' and '.join(allowed)}, not {method}", allowed)
-        headers = dict(scope["headers"])
-        if not route.open:
-            authorization = headers.get(b"authorization")
-            self.envelope.authenticate(
-                context, None if authorization is None else authorization.decode("latin-1"), SEND_KEY
-            )
+        method = scope["method"]
+        handler = route.handlers[method]
         if method != "POST":
-            return await handler(Call(context, params, headers, b""))
+            return await handler(Call(request, params, headers, b""))
         if route.template.endswith("/infer"):
             # The model is named by the path: a full queue answers before the body is read or parsed.
             self.pipeline.check_room(params["name"], params["version"])
         body = await self._read_body(headers, receive)
         # Cancelling the handler when the client goes away drops its queued work, as for gRPC.
-        work = asyncio.ensure_future(handler(Call(context, params, headers, body)))
+        work = asyncio.ensure_future(handler(Call(request, params, headers, body)))
         gone = asyncio.ensure_future(_disconnect(receive))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -347,8 +368,8 @@ class HttpApp:
             _check_body_form(call.headers, (JSON,))
             return openai.parse_embeddings(_json(call.body))
 
-        request = self.envelope.decode(call.context, parse)
-        return Response(200, await openai.embeddings(self.envelope, call.context, request, self.max_embedding_inputs))
+        request = call.envelope.decode(parse)
+        return Response(200, await openai.embeddings(call.envelope, request, self.max_embedding_inputs))
 
     def _task(self, route: Callable[[tasks.TaskCall, object], Awaitable[bytes]]) -> Handler:
         """A handler for a task route (TEI's, /v1/rerank): a JSON body in, the route's JSON answer out."""
@@ -358,8 +379,8 @@ class HttpApp:
                 _check_body_form(call.headers, (JSON,))
                 return _json(call.body)
 
-            payload = self.envelope.decode(call.context, parse)
-            task_call = tasks.TaskCall(self.envelope, call.context, self.max_embedding_inputs)
+            payload = call.envelope.decode(parse)
+            task_call = tasks.TaskCall(call.envelope, self.max_embedding_inputs)
             return Response(200, await route(task_call, payload))
 
         return handler
@@ -424,8 +445,8 @@ class HttpApp:
             payload = _json(json_part)
             return kserve.parse_infer(payload, binary, call.path_params["name"], call.path_params["version"])
 
-        rest = self.envelope.decode(call.context, parse)
-        async with self.envelope.inference(call.context, rest.request) as inference:
+        rest = call.envelope.decode(parse)
+        async with call.envelope.inference(rest.request) as inference:
             result = inference.result
             body, json_length = await inference.encode(lambda: kserve.encode_outputs(rest, result))
         if json_length is None:

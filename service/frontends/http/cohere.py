@@ -211,7 +211,7 @@ async def embed(call: TaskCall, payload: object) -> bytes:
         row_limit=call.row_limit,
         encodings={name: BASE64 if kinds == ["base64"] else JSON for name in names},
     )
-    async with call.envelope.inference(call.context, request) as inference:
+    async with call.envelope.inference(request) as inference:
         result = inference.result
 
         def body() -> bytes:

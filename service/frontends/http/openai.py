@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from service.envelope import Envelope, RequestContext
+from service.envelope import RequestEnvelope
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
 from service.pipeline.api import (
@@ -150,7 +150,7 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
     return orjson.dumps(body)
 
 
-async def embeddings(door: Envelope, context: RequestContext, request: EmbeddingsRequest, max_inputs: int) -> bytes:
+async def embeddings(envelope: RequestEnvelope, request: EmbeddingsRequest, max_inputs: int) -> bytes:
     """Answer a /v1/embeddings request (`parse_embeddings`): its texts in one inference, OpenAI's answer.
 
     The result comes back with the body: its bytes stay in the answer budget until the body is sent.
@@ -172,7 +172,7 @@ async def embeddings(door: Envelope, context: RequestContext, request: Embedding
         | request.scheduling,
         encodings={output: BASE64 if request.encoding_format == "base64" else JSON},
     )
-    async with door.inference(context, inference_request) as inference:
+    async with envelope.inference(inference_request) as inference:
         result = inference.result
         vectors = result.outputs[output]
         body = await inference.encode(lambda: _embeddings_body(vectors, request, result.prompt_tokens))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from service.envelope import Envelope, RequestContext
+from service.envelope import RequestEnvelope
 from service.errors import InvalidArgument, NotFound
 from service.pipeline.api import (
     EMBEDDING,
@@ -107,10 +107,9 @@ def bytes_tensor(name: str, texts: list[str]) -> InputTensor:
 
 @dataclass(frozen=True)
 class TaskCall:
-    """What every task route runs with: the envelope, the request's context, the front end's bound on inputs."""
+    """What every task route runs with: the request's envelope, the front end's bound on inputs."""
 
-    envelope: Envelope
-    context: RequestContext
+    envelope: RequestEnvelope
     max_inputs: int
     """--max-embedding-inputs: the most texts (or pairs) one request may carry."""
 
@@ -147,7 +146,7 @@ async def answered(
         row_limit=call.row_limit,
         encodings={output: encoding},
     )
-    async with call.envelope.inference(call.context, request) as inference:
+    async with call.envelope.inference(request) as inference:
         make = body_of(inference.result)
         body = await inference.encode(lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
     return body

@@ -206,7 +206,7 @@ async def _multivectors(call: TaskCall, model: ModelInfo, texts: list[str], para
         row_limit=call.row_limit,
         encodings=dict.fromkeys(outputs, JSON),
     )
-    async with call.envelope.inference(call.context, request) as inference:
+    async with call.envelope.inference(request) as inference:
         vectors, lengths = inference.result.outputs[MULTIVECTOR], inference.result.outputs[MULTIVECTOR_LENGTHS]
         body = await inference.encode(
             lambda: orjson.dumps(
@@ -245,7 +245,7 @@ async def embed_sparse(call: TaskCall, payload: object) -> bytes:
         row_limit=call.row_limit,
         encodings=dict.fromkeys(outputs, JSON),
     )
-    async with call.envelope.inference(call.context, request) as inference:
+    async with call.envelope.inference(request) as inference:
         result = inference.result
         body = await inference.encode(
             lambda: orjson.dumps(_sparse_rows(result.outputs[INDICES], result.outputs[VALUES]))
@@ -394,7 +394,7 @@ async def tokenize(call: TaskCall, payload: object) -> bytes:
         parameters=_parameters(fields, PROMPT_NAME),
         row_limit=call.row_limit,
     )
-    async with call.envelope.inference(call.context, request) as tokenized:
+    async with call.envelope.inference(request) as tokenized:
         tokens = tokenized.result.tokens
         body = await tokenized.write(lambda: orjson.dumps([[_token(token) for token in row] for row in tokens]))
     return body
@@ -415,7 +415,7 @@ async def decode(call: TaskCall, payload: object) -> bytes:
     skip = _flag(fields, "skip_special_tokens", True)
     model = _tokenizing_model(call.pipeline, fields.get("model"))
     request = DecodeRequest(model.spec.name, sequences, skip, row_limit=call.row_limit)
-    async with call.envelope.inference(call.context, request) as decoded:
+    async with call.envelope.inference(request) as decoded:
         texts = decoded.result.texts
         body = await decoded.write(lambda: orjson.dumps(texts))
     return body
