@@ -17,7 +17,7 @@ The libraries are imported here only, when an export runs: the server never load
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -144,10 +144,7 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
         pairs = sentence_pairs(texts)
         with quiet_loading():
             cross_encoder = sentence_transformers.CrossEncoder(folder, **loading)
-        logits = _apart(
-            lambda chunk: cross_encoder.predict(chunk, activation_fn=torch.nn.Identity(), show_progress_bar=False),
-            pairs,
-        )
+        logits = cross_encoder.predict(pairs, activation_fn=torch.nn.Identity(), show_progress_bar=False)
         expected = np.asarray(logits, dtype=np.float32).reshape(len(pairs), -1)
         return LibraryReference(library, "CrossEncoder", pairs, labels, expected, "logits", normalized=False)
     prefix = checkpoint.serving.prompts.get(checkpoint.serving.default_prompt_name, "")
@@ -155,15 +152,12 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
     if checkpoint.task == "sparse":
         with quiet_loading():
             sparse_encoder = sentence_transformers.SparseEncoder(folder, **loading)
-
-        def sparse_rows(chunk: list[str]) -> np.ndarray:
-            return sparse_encoder.encode(chunk, convert_to_tensor=True, show_progress_bar=False).to_dense().numpy()
-
-        expected = _apart(sparse_rows, texts).astype(np.float32)
+        encoded = sparse_encoder.encode(texts, convert_to_tensor=True, show_progress_bar=False)
+        expected = encoded.to_dense().numpy().astype(np.float32)
         return LibraryReference(library, "SparseEncoder", served, labels, expected, SPARSE, normalized=False)
     with quiet_loading():
         model = sentence_transformers.SentenceTransformer(folder, **loading)
-    expected = _apart(lambda chunk: model.encode(chunk, convert_to_numpy=True, show_progress_bar=False), texts)
+    expected = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
     normalized = not (checkpoint.folder / "modules.json").is_file()
     tasks = getattr(checkpoint.config, "tasks", ())
     if not tasks:
@@ -188,16 +182,6 @@ def library_reference(checkpoint: Checkpoint, sentences: list[str]) -> LibraryRe
         normalized,
         adapter_ids=adapter_ids,
     )
-
-
-def _apart(answer: Callable[[list], np.ndarray], items: list) -> np.ndarray:
-    """The library's answers for the gate inputs, and for the last (the long text) in a call of its own.
-
-    Each row's answer is its own, whatever its batch; but batched with the longest sentences, the long text
-    pads a whole batch of the library's (32 rows) to the model's length: 32 x 512 tokens on the Qwen3-0.6B
-    shape, which took most of the reference library's 212 s there.
-    """
-    return np.concatenate([np.asarray(answer(items[:-1])), np.asarray(answer(items[-1:]))])
 
 
 def _task_answers(
