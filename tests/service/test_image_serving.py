@@ -1,5 +1,5 @@
-"""A two-tower model's `image` input served over gRPC (KServe v2): images answer as the library that made the folder
-(get_image_features with the folder's processor, or sentence-transformers' encode of PIL images), through
+"""A two-tower model's `image` input served over gRPC and KServe v2 REST: images answer as the library that made
+the folder (get_image_features with the folder's processor, or sentence-transformers' encode of PIL images), through
 tritonclient against a real server on loopback; each bad input is refused INVALID_ARGUMENT naming the image, and
 the server goes on answering. The repository holds tests.export.two_tower_folders' shared export and the default
 (text-only) model. Listed in the Makefile's MULTIPROCESS_SUITES: it runs again with two front ends.
@@ -7,7 +7,10 @@ the server goes on answering. The repository holds tests.export.two_tower_folder
 
 from __future__ import annotations
 
+import base64
+import http.client
 import io
+import json
 import struct
 import zlib
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -186,3 +190,52 @@ def test_images_and_texts_go_in_separate_requests(client: grpcclient.InferenceSe
 def test_an_image_on_a_text_only_model_is_refused(client: grpcclient.InferenceServerClient, exported: Path) -> None:
     image = _image_input(_gate_images(exported, "clip")[:1])
     assert "input image: this model has no image tower" in _refusal(client, DEFAULT_MODEL, [image])
+
+
+def _rest_infer(server: RunningServer, model: str, body: dict) -> tuple[int, dict]:
+    """A KServe v2 REST infer with a JSON body: the status and the JSON answer."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        connection.request("POST", f"/v2/models/{model}/infer", json.dumps(body), {"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_kserve_rest_images_answer_as_grpc(
+    server: RunningServer, client: grpcclient.InferenceServerClient, exported: Path, binary: bool
+) -> None:
+    """Binary tensor data carries the images as they are; JSON data as base64 (tritonclient.http's own encoding)."""
+    images = _gate_images(exported, "siglip")
+    expected = _embeddings(client, "siglip", images)
+    with httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}") as rest:
+        if binary:
+            tensor = httpclient.InferInput("image", [len(images)], "BYTES")
+            tensor.set_data_from_numpy(np.array(images, dtype=object), binary_data=True)
+            served = rest.infer("siglip", [tensor]).as_numpy("embedding")
+        else:
+            data = [base64.b64encode(image).decode() for image in images]
+            body = {"inputs": [{"name": "image", "shape": [len(images)], "datatype": "BYTES", "data": data}]}
+            status, answer = _rest_infer(server, "siglip", body)
+            assert status == 200
+            output = answer["outputs"][0]
+            served = np.array(output["data"], dtype=np.float32).reshape(output["shape"])
+    np.testing.assert_allclose(served, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("element", "message"),
+    [
+        ("not base64!", "input image[0] is not base64"),
+        ("https://example.com/cat.png", "input image[0] is a URL: this server does not fetch remote images"),
+        (base64.b64encode(b"GIF89a but cut").decode(), "image 0 is not a PNG, JPEG, WebP or GIF image"),
+    ],
+    ids=["not base64", "URL", "not an image"],
+)
+def test_kserve_rest_bad_images_are_400_naming_the_image(server: RunningServer, element: str, message: str) -> None:
+    body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [element]}]}
+    status, answer = _rest_infer(server, "clip", body)
+    assert status == 400
+    assert message in answer["error"]
