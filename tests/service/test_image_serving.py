@@ -239,3 +239,57 @@ def test_kserve_rest_bad_images_are_400_naming_the_image(server: RunningServer, 
     status, answer = _rest_infer(server, "clip", body)
     assert status == 400
     assert message in answer["error"]
+
+
+def _openai(server: RunningServer, body: dict) -> tuple[int, dict]:
+    """POST /v1/embeddings: the status and the JSON answer."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        connection.request("POST", "/v1/embeddings", json.dumps(body), {"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_openai_mixes_texts_and_images_in_the_inputs_order(
+    server: RunningServer, client: grpcclient.InferenceServerClient, exported: Path
+) -> None:
+    """Jina's convention: {"text": ...} and {"image": base64 or data: URI} items (and plain strings) in one list."""
+    images = _gate_images(exported, "clip")[:2]
+    texts = ["a photo of a cat", "x"]
+    text = grpcclient.InferInput("text", [len(texts)], "BYTES")
+    text.set_data_from_numpy(np.array([item.encode() for item in texts], dtype=object))
+    expected_texts = client.infer("clip", [text]).as_numpy("embedding")
+    expected_images = _embeddings(client, "clip", images)
+    items = [
+        {"image": base64.b64encode(images[0]).decode()},
+        {"text": texts[0]},
+        {"image": "data:image/png;base64," + base64.b64encode(images[1]).decode()},
+        texts[1],
+    ]
+    status, answer = _openai(server, {"model": "clip", "input": items})
+    assert status == 200
+    served = np.array([item["embedding"] for item in sorted(answer["data"], key=lambda item: item["index"])])
+    expected = np.stack([expected_images[0], expected_texts[0], expected_images[1], expected_texts[1]])
+    np.testing.assert_allclose(served, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ({"image": "https://example.com/cat.png"}, "input[1].image is a URL: this server does not fetch remote images"),
+        ({"image": "data:text/plain;base64,aGk="}, "input[1].image: data: URI of type 'text/plain', not an image"),
+        ({"image": base64.b64encode(b"not an image").decode()}, "input[1] is not a PNG, JPEG, WebP or GIF image"),
+        ({"text": ""}, "input[1] is empty"),
+        ({"audio": "abc"}, "input[1]: an item is a string"),
+    ],
+    ids=["URL", "not an image type", "not an image", "empty text", "unknown kind"],
+)
+def test_openai_refuses_a_bad_item_by_its_place(
+    server: RunningServer, exported: Path, item: dict, message: str
+) -> None:
+    items = [{"text": "a cat"}, item, {"image": base64.b64encode(_gate_images(exported, "clip")[0]).decode()}]
+    status, answer = _openai(server, {"model": "clip", "input": items})
+    assert status == 400
+    assert message in answer["error"]["message"]
