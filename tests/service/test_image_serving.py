@@ -14,6 +14,7 @@ import json
 import struct
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -178,6 +179,27 @@ def test_a_bad_image_is_refused_by_its_index(
     good = _gate_images(exported, "clip")[:2]
     assert message in _refusal(client, "clip", [_image_input([good[0], bad, good[1]])])
     assert _embeddings(client, "clip", good).shape == (2, 24)
+
+
+def test_a_bad_image_costs_no_other_request_its_answer(server: RunningServer, exported: Path) -> None:
+    """Good and bad requests at once, from several clients: each good one answers as it would alone."""
+    images = _gate_images(exported, "clip")
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") as alone:
+        expected = _embeddings(alone, "clip", images)
+
+    def ask(index: int) -> np.ndarray | str:
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") as own:
+            if index % 3 == 0:
+                return _refusal(own, "clip", [_image_input([images[0], b"not an image"])])
+            return _embeddings(own, "clip", [images[index % len(images)]])
+
+    with ThreadPoolExecutor(max_workers=9) as pool:
+        answers = list(pool.map(ask, range(18)))
+    for index, answer in enumerate(answers):
+        if index % 3 == 0:
+            assert "image 1 is not a PNG, JPEG, WebP or GIF image" in answer
+        else:
+            np.testing.assert_allclose(answer[0], expected[index % len(images)], atol=1e-5)
 
 
 def test_images_and_texts_go_in_separate_requests(client: grpcclient.InferenceServerClient, exported: Path) -> None:
