@@ -276,7 +276,7 @@ class Settings:
         default=20 * 1024 * 1024,
         metadata=_doc(
             "largest single encoded image of a request (input image), bytes; larger ones are refused INVALID_ARGUMENT"
-            " (HTTP 413) before any is decoded. gRPC messages are bounded by --max-message-bytes first"
+            " (HTTP 413) before any is decoded. A gRPC message or an HTTP body is bounded by --max-message-bytes first"
         ),
     )
     max_image_pixels: int = field(
