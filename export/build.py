@@ -289,7 +289,9 @@ class _Build:
         passing = gate.publishable(variant, paths)
         if not passing:
             return None
-        self.stage(f"{variant}: measuring graph forms")
+        if len(paths) > 1:
+            measuring = "measuring graph forms" if len(passing) > 1 else "one graph form passed, none to measure"
+            self.stage(f"{variant}: {measuring}")
         choice = optimize.choose_fastest(passing, self.checkpoint.config, self.names, self.options.threads, level)
         return _Chosen(choice, cpu_session(str(choice.path), self.options.threads, level))
 
@@ -297,13 +299,18 @@ class _Build:
         """Measure every form, then gate them fastest first: the first that passes is chosen (None: none passes).
 
         What is published is gated exactly as with every form gated; forms slower than the chosen one are
-        not gated (parity.json lists the forms that were). The chosen form's session goes on to its record.
+        not gated (parity.json lists the forms that were). The chosen form's session goes on to its record. A
+        family with one CPU form is gated unmeasured (no figures).
         """
-        self.stage(f"{variant}: measuring graph forms")
-        figures = optimize.measure_forms(paths, self.checkpoint.config, self.names, self.options.threads, level)
+        figures: dict[str, dict[str, float]] = {}
+        order = list(paths)
+        if len(paths) > 1:
+            self.stage(f"{variant}: measuring graph forms")
+            figures = optimize.measure_forms(paths, self.checkpoint.config, self.names, self.options.threads, level)
+            order.sort(key=lambda name: -optimize.geometric_mean(list(figures[name].values())))
         self.stage(f"{variant}: parity gate, fastest graph form first")
         gate.forms[variant] = {}
-        for form in sorted(paths, key=lambda name: -optimize.geometric_mean(list(figures[name].values()))):
+        for form in order:
             session = cpu_session(str(paths[form]), self.options.threads, level)
             if gate.passes(variant, form, session):
                 return _Chosen(optimize.FormChoice(form, paths[form], figures), session)
@@ -378,7 +385,8 @@ def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
     return (
         4  # load checkpoint, export to ONNX, PyTorch references, publish
         + len(optimize.cpu_forms(checkpoint.config))
-        + 2 * len({"fp32", "int8"} & set(variants))  # each CPU variant: gate, measure
+        + (1 + (len(optimize.cpu_forms(checkpoint.config)) > 1)) * len({"fp32", "int8"} & set(variants))
+        # each CPU variant: gate, and measure where there are forms to choose between
         + ("int8" in variants) * 2  # quantisation, speed bar
         + ("fp16" in variants)
         + 1  # the reference library

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import logging
 import tempfile
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING
 
 from export.checkpoints import library_tokenizer
 from export.checkpoints.checkpoint import Checkpoint
+from export.checkpoints.sentence_transformers_folder import FolderError
+from export.checkpoints.two_tower_folder import image_processor_settings
 from export.families.two_tower import TwoTowerConfig
 from export.gate import cases
 from export.gate.image_cases import image_cases
@@ -52,22 +55,36 @@ NOT_BUILT = "not built for two-tower models: only fp32 is gated for their towers
 log = logging.getLogger(__name__)
 
 
-def _preprocessor(checkpoint: Checkpoint, config: TwoTowerConfig) -> tuple[Path, ImagePreprocessor]:
-    """The folder's preprocessor_config.json and the server's preprocessing of it, checked against the image tower."""
+def _preprocessor(checkpoint: Checkpoint, config: TwoTowerConfig, scratch: Path) -> tuple[Path, ImagePreprocessor]:
+    """The preprocessor_config.json to publish and the server's preprocessing of it, checked against the image tower.
+
+    The folder's image processor settings are read as transformers does (two_tower_folder.image_processor_settings);
+    settings nested in processor_config.json are written flat into scratch, as the repository holds them.
+    """
     if checkpoint.folder is None:
         raise UnusableSource(f"{checkpoint.model_type}: a two-tower model is exported from its folder only")
     try:
-        preprocessor = ImagePreprocessor.from_folder(checkpoint.folder)
-    except RepositoryError as error:
+        source, settings = image_processor_settings(checkpoint.folder)
+    except FolderError as error:
         raise UnusableSource(f"{checkpoint.model_type}: {error}") from error
+    folder = source.parent
+    if source.name != PREPROCESSOR_CONFIG:
+        folder = scratch / "image-processor"
+        folder.mkdir()
+        (folder / PREPROCESSOR_CONFIG).write_text(json.dumps(settings, indent=2))
+    try:
+        preprocessor = ImagePreprocessor.from_folder(folder)
+    except RepositoryError as error:
+        where = f"{source} (its image_processor)" if source.name != PREPROCESSOR_CONFIG else str(source)
+        message = str(error).replace(str(folder / PREPROCESSOR_CONFIG), where)
+        raise UnusableSource(f"{checkpoint.model_type}: {message}") from error
     size = config.geometry.image_size
     if preprocessor.output_size != FixedSize(size, size):
         made = preprocessor.output_size
         raise UnusableSource(
-            f"{checkpoint.folder / PREPROCESSOR_CONFIG}: makes {made.width}x{made.height} pixel values,"
-            f" the image tower takes {size}x{size}"
+            f"{source}: makes {made.width}x{made.height} pixel values, the image tower takes {size}x{size}"
         )
-    return checkpoint.folder / PREPROCESSOR_CONFIG, preprocessor
+    return folder / PREPROCESSOR_CONFIG, preprocessor
 
 
 def export_towers(
@@ -79,12 +96,13 @@ def export_towers(
 ) -> dict[str, object]:
     """Export both towers, gate them, publish the model; return the parity report (export.build.export_model's)."""
     config: TwoTowerConfig = checkpoint.config
-    preprocessor_file, preprocessor = _preprocessor(checkpoint, config)
-    withdrawn = {variant: {"reason": NOT_BUILT} for variant in options.variants if variant not in BUILT_VARIANTS}
-    for variant in withdrawn:
-        log.warning("%s not published: %s", variant, NOT_BUILT)
     with tempfile.TemporaryDirectory(prefix="encoder-export-", dir=scratch) as workdir:
+        preprocessor_file, preprocessor = _preprocessor(checkpoint, config, Path(workdir))
+        withdrawn = {variant: {"reason": NOT_BUILT} for variant in options.variants if variant not in BUILT_VARIANTS}
+        for variant in withdrawn:
+            log.warning("%s not published: %s", variant, NOT_BUILT)
         stage("load checkpoint")
+        checkpoint = library_tokenizer.with_converted_tokenizer(checkpoint, Path(workdir))
         checkpoint = library_tokenizer.with_library_tokenizer(checkpoint, Path(workdir), options.sentences)
         stage("reference library")
         if checkpoint.tokenizer_files:

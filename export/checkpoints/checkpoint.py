@@ -7,7 +7,6 @@ export.checkpoints.sentence_transformers_folder checks first: what the exporter 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +20,8 @@ from export.checkpoints.sentence_transformers_folder import (
     folder_task,
     read_declarations,
     read_object,
-    two_tower_module,
 )
+from export.checkpoints.two_tower_folder import TwoTowerModule, two_tower_module
 from export.families.bert import Encoder, EncoderConfig
 from export.families.family import EncoderSettings, Format
 from export.families.registry import adapter_model_types, family_of, model_format
@@ -209,10 +208,7 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
     except FolderError as error:
         raise CheckpointError(str(error)) from error
     if tower_module is not None:
-        module, normalize = tower_module
-        checkpoint = load_checkpoint(module, name or folder.name)
-        config = dataclasses.replace(checkpoint.config, normalize=normalize)
-        return dataclasses.replace(checkpoint, config=config, library_folder=folder)
+        return _two_tower_checkpoint(tower_module, name or folder.name)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
@@ -271,6 +267,46 @@ def load_checkpoint(folder: Path, name: str | None = None, matryoshka_dimensions
             folder, declarations.model_config or {}, tuple(sorted(set(matryoshka_dimensions), reverse=True)), task
         ),
         head=head_config,
+    )
+
+
+def _two_tower_checkpoint(module: TwoTowerModule, name: str) -> Checkpoint:
+    """A sentence-transformers folder's two-tower model (export.checkpoints.two_tower_folder), its encode the reference.
+
+    Refused where sentence-transformers pads texts otherwise than the family reads them: SigLIP reads a text at
+    the sequence's last position, so only texts padded to max_length give each text one embedding.
+    """
+    folder = module.folder
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder}: no config.json")
+    try:
+        hf_config = read_object(config_file)
+        source = model_format(hf_config.get("model_type"))
+        config = source.read_config(hf_config, "", module.normalize)
+        state_dict, _scoring_weights = source.rename_weights(_read_weights(folder))
+    except (ArchitectureError, FolderError) as error:
+        raise CheckpointError(f"{folder}: {error}") from error
+    if not family_of(config).towers:
+        raise CheckpointError(f"{module.library_folder / 'modules.json'}: {source.model_type} is not a two-tower model")
+    if config.text_padding == "max_length" and module.text_padding != "max_length":
+        raise CheckpointError(
+            f"{module.library_folder / 'sentence_bert_config.json'}: sentence-transformers pads texts to the longest"
+            f" in their batch, and {source.model_type} reads a text at the sequence's last position, so a text's"
+            " embedding would depend on the texts batched with it (processing_kwargs {'text': {'padding':"
+            " 'max_length'}} pads each text alike)"
+        )
+    declared = module.model_config or {}
+    return Checkpoint(
+        name=name,
+        config=config,
+        state_dict=_encoder_weights(folder, config, state_dict),
+        max_seq_length=min(module.max_seq_length or config.max_sequence_positions, config.max_sequence_positions),
+        folder=folder,
+        tokenizer_folder=folder,
+        model_type=source.model_type,
+        serving=_sentence_transformer_settings(module.library_folder, declared, (), "embed"),
+        library_folder=module.library_folder,
     )
 
 

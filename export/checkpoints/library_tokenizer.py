@@ -6,7 +6,9 @@ out a normaliser the file declares (NFKC), so `…` is one token there and three
 file. sentence-transformers, PyLate and FlagEmbedding all tokenise through transformers, so the
 repository ships that tokenizer (its `backend_tokenizer`, a `tokenizers` pipeline), and when it
 differs from the folder's file the export says so in one line: the first input that tokenises
-differently and both token sequences.
+differently and both token sequences. A folder that ships no tokenizer.json (CLIP's vocab.json and
+merges.txt) is served the pipeline transformers builds from its vocabulary (`with_converted_tokenizer`),
+or refused where transformers tokenises it in Python alone (SigLIP's spiece.model).
 """
 
 from __future__ import annotations
@@ -25,6 +27,19 @@ from export.checkpoints.checkpoint import Checkpoint
 from export.gate.cases import read_sentences
 from export.sources import UnusableSource
 
+CONVERTED_TOKENIZER_FOLDER = "converted-tokenizer"
+"""The scratch folder the library's tokenizer.json is written in for a folder that ships none."""
+VOCABULARY_FILES = (
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
+"""Files of a tokenizer transformers reads without tokenizer.json (CLIP's vocab.json + merges.txt, SigLIP's
+spiece.model): a folder holding any has a tokenizer to serve."""
 LIBRARY_TOKENIZER_FOLDER = "library-tokenizer"
 """The scratch folder the library's tokenizer files are written in when they replace the folder's."""
 PROBE_TEXTS = (
@@ -76,6 +91,37 @@ def first_difference(
         if our_tokens != their_tokens:
             return index, item, our_tokens, their_tokens
     return None
+
+
+def with_converted_tokenizer(checkpoint: Checkpoint, scratch: Path) -> Checkpoint:
+    """The checkpoint with a tokenizer.json to serve, made from transformers' tokenizer, where the folder has none.
+
+    Unchanged when the folder has tokenizer.json or no tokenizer at all (none of VOCABULARY_FILES: token input
+    only). transformers builds its tokenizer from the folder's vocabulary (CLIPTokenizer from vocab.json and
+    merges.txt); its `tokenizers` pipeline is written into `scratch` with the folder's tokenizer_config.json
+    and special_tokens_map.json. LibraryTokenizerError, one line, where that tokenizer has no such pipeline
+    (SiglipTokenizer: sentencepiece and a Python text clean-up), which the server could not run.
+    """
+    folder = checkpoint.tokenizer_folder
+    if folder is None or (folder / "tokenizer.json").is_file():
+        return checkpoint
+    if not any((folder / name).is_file() for name in VOCABULARY_FILES):
+        return checkpoint
+    class_name, pipeline = library_tokenizer(folder)
+    if pipeline is None:
+        raise LibraryTokenizerError(
+            f"{folder}: no tokenizer.json, and transformers' {class_name} tokenises in Python with no `tokenizers`"
+            " pipeline to convert, so the server could not tokenise as the library does (a folder with the model's"
+            " tokenizer.json is exported)"
+        )
+    target = scratch / CONVERTED_TOKENIZER_FOLDER
+    target.mkdir()
+    pipeline.save(str(target / "tokenizer.json"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, target / name)
+    log.info("%s: no tokenizer.json; transformers' %s pipeline is served and published", folder, class_name)
+    return dataclasses.replace(checkpoint, tokenizer_folder=target)
 
 
 def with_library_tokenizer(checkpoint: Checkpoint, scratch: Path, sentences_file: Path) -> Checkpoint:

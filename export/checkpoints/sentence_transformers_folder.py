@@ -6,9 +6,8 @@ made the folder. The exporter implements these chains: a Transformer at the fold
 an embedder) one Pooling module, any number of Dense modules (export.heads.dense: EmbeddingGemma's
 projection) and optionally a Normalize module last; a CrossEncoder's
 Transformer alone; a SparseEncoder's (MLM)Transformer (fill-mask) then SpladePooling (SPLADE); PyLate's
-ColBERT: a Transformer then PyLate's Dense (config_sentence_transformers.json model_type "ColBERT", or none);
-a two-tower model: sentence-transformers' CLIPModel module (its own folder, clip-ViT-B-32's 0_CLIPModel), then
-optionally Normalize (`two_tower_module`).
+ColBERT: a Transformer then PyLate's Dense (config_sentence_transformers.json model_type "ColBERT", or none).
+A two-tower model's folder (CLIP, SigLIP) is read by export.checkpoints.two_tower_folder.
 A folder whose modules include SpladePooling is a sparse embedder, one with PyLate's Dense a ColBERT
 model. Every other module type, and
 every declared field that would change the outputs and that the exporter does not implement,
@@ -49,12 +48,6 @@ DENSE_TYPES = (
     "sentence_transformers.base.modules.dense.Dense",  # 6 on
 )
 """sentence-transformers' Dense (a linear map of the pooled embedding): accepted after an embedder's Pooling."""
-CLIP_MODEL_TYPES = (
-    "sentence_transformers.models.CLIPModel",  # sentence-transformers 2 to 5.x (clip-ViT-B-32's folder)
-    "sentence_transformers.sentence_transformer.modules.clip_model.CLIPModel",  # 6 on
-)
-"""sentence-transformers' CLIPModel: a transformers CLIPModel folder whose encode is get_image_features of images,
-get_text_features of texts."""
 PYLATE_DENSE_TYPES = ("pylate.models.Dense.Dense",)
 """PyLate's Dense (a ColBERT model's projection): accepted in a ColBERT folder only."""
 PYLATE_DENSE_FIELDS = {"in_features", "out_features", "bias", "activation_function", "use_residual"}
@@ -214,7 +207,7 @@ def read_object(path: Path) -> dict:
     return content
 
 
-def _module_list(path: Path) -> list[tuple[str, str]]:
+def module_list(path: Path) -> list[tuple[str, str]]:
     """(type, path) of every module modules.json lists, in order."""
     entries = _read_json(path)
     if not isinstance(entries, list) or not entries:
@@ -269,7 +262,7 @@ def _check_chain(path: Path, modules: list[tuple[str, str]], task: str) -> None:
         )
 
 
-def _module_folder(folder: Path, modules_file: Path, where: str) -> Path:
+def module_folder(folder: Path, modules_file: Path, where: str) -> Path:
     """A module's folder, which must lie inside the model folder (it need not exist: Normalize has no files)."""
     target = (folder / where).resolve()
     if not target.is_relative_to(folder.resolve()):
@@ -343,7 +336,7 @@ def _dense_module(folder: Path) -> tuple[Path, dict]:
     return folder, read_object(path)
 
 
-def _check_normalize(folder: Path) -> None:
+def check_normalize(folder: Path) -> None:
     """A Normalize module's config.json, where it has one, must keep the sentence embedding in place."""
     path = folder / "config.json"
     if not path.is_file():
@@ -393,7 +386,7 @@ def _positive(value: object) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def _model_config(folder: Path, task: str) -> dict | None:
+def read_model_config(folder: Path, task: str) -> dict | None:
     """config_sentence_transformers.json, checked against the task config.json declares."""
     path = folder / "config_sentence_transformers.json"
     if not path.is_file():
@@ -439,32 +432,13 @@ def _model_config(folder: Path, task: str) -> dict | None:
     return declared
 
 
-def two_tower_module(folder: Path) -> tuple[Path, bool] | None:
-    """A folder of one CLIPModel module (then optionally Normalize): the module's folder, and whether it normalises.
-
-    None for any other folder (read_declarations checks those).
-    """
-    modules_file = folder / "modules.json"
-    modules = _module_list(modules_file) if modules_file.is_file() else []
-    if not any(kind in CLIP_MODEL_TYPES for kind, _ in modules):
-        return None
-    kinds = ["CLIPModel" if kind in CLIP_MODEL_TYPES else MODULE_KINDS.get(kind, kind) for kind, _ in modules]
-    if kinds not in (["CLIPModel"], ["CLIPModel", "Normalize"]):
-        raise FolderError(
-            f"{modules_file}: modules {' -> '.join(kinds)}: a CLIPModel is implemented alone or followed by Normalize"
-        )
-    if len(modules) == 2:
-        _check_normalize(_module_folder(folder, modules_file, modules[1][1]))
-    return _module_folder(folder, modules_file, modules[0][1]), len(modules) == 2
-
-
 def folder_task(folder: Path, classifier: bool) -> str:
     """The folder's task: "sparse" (SpladePooling), "multivector" (PyLate's Dense), "classify" or "embed".
 
     classifier: whether config.json's architectures make the model a sequence classifier.
     """
     modules_file = folder / "modules.json"
-    modules = _module_list(modules_file) if modules_file.is_file() else []
+    modules = module_list(modules_file) if modules_file.is_file() else []
     if any(kind in SPLADE_POOLING_TYPES for kind, _ in modules):
         return "sparse"
     if any(kind in PYLATE_DENSE_TYPES for kind, _ in modules):
@@ -478,16 +452,16 @@ def read_declarations(folder: Path, task: str) -> Declarations:
     modules.json first: a chain the exporter does not implement is named by its module types.
     """
     modules_file = folder / "modules.json"
-    modules = _module_list(modules_file) if modules_file.is_file() else []
+    modules = module_list(modules_file) if modules_file.is_file() else []
     if modules:
         _check_chain(modules_file, modules, task)
-    model_config = _model_config(folder, task)
+    model_config = read_model_config(folder, task)
     max_seq_length = _transformer_config(folder, task)
     tokenizer_config = folder / "tokenizer_config.json"
     if max_seq_length is None and tokenizer_config.is_file():
         max_seq_length = _positive(read_object(tokenizer_config).get("model_max_length"))
     if task == "sparse":
-        splade_file = _module_folder(folder, modules_file, modules[1][1]) / "config.json"
+        splade_file = module_folder(folder, modules_file, modules[1][1]) / "config.json"
         if not splade_file.is_file():
             raise FolderError(f"{splade_file}: the SpladePooling module's config.json is missing")
         strategy, activation, dimension = _splade_pooling(splade_file)
@@ -504,7 +478,7 @@ def read_declarations(folder: Path, task: str) -> Declarations:
                 f"{folder / 'config_sentence_transformers.json'}: missing: PyLate's Dense is exported only in a"
                 " ColBERT model (model_type ColBERT)"
             )
-        dense_folder = _module_folder(folder, modules_file, modules[1][1])
+        dense_folder = module_folder(folder, modules_file, modules[1][1])
         return Declarations(
             max_seq_length=max_seq_length,
             model_config=model_config,
@@ -513,15 +487,15 @@ def read_declarations(folder: Path, task: str) -> Declarations:
         )
     if task == "classify" or not modules:
         return Declarations(max_seq_length=max_seq_length, model_config=model_config)
-    pooling_file = _module_folder(folder, modules_file, modules[1][1]) / "config.json"
+    pooling_file = module_folder(folder, modules_file, modules[1][1]) / "config.json"
     if not pooling_file.is_file():
         raise FolderError(f"{pooling_file}: the Pooling module's config.json is missing")
     pooling, dimension = _pooling(pooling_file)
     normalize = CHAIN_KINDS[modules[-1][0]] == "Normalize"
     if normalize:
-        _check_normalize(_module_folder(folder, modules_file, modules[-1][1]))
+        check_normalize(module_folder(folder, modules_file, modules[-1][1]))
     dense = tuple(
-        _dense_module(_module_folder(folder, modules_file, where))
+        _dense_module(module_folder(folder, modules_file, where))
         for kind, where in modules[2:]
         if CHAIN_KINDS[kind] == "Dense"
     )

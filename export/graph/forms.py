@@ -178,8 +178,12 @@ def choose_fastest(
 ) -> FormChoice:
     """Measure candidate graphs side by side on the CPU shapes and return the fastest (geometric mean).
 
-    `graph_optimization`: the online optimisation the chosen graph will be served at.
+    `graph_optimization`: the online optimisation the chosen graph will be served at. A sole candidate is
+    chosen unmeasured (no figures): there is nothing to choose between.
     """
+    if len(candidates) == 1:
+        [(form, path)] = candidates.items()
+        return FormChoice(form=form, path=path, sequences_per_second={})
     figures = measure_forms(candidates, config, input_names, threads, graph_optimization)
     best = max(candidates, key=lambda form: geometric_mean(list(figures[form].values())))
     log.info("graph forms (seq/s): %s; chose %s", figures, best)

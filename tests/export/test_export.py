@@ -256,7 +256,7 @@ def test_graph_forms_that_mishandle_masks_are_never_published(
     report = export_model(checkpoint, repository_copy, ExportOptions(variants=("fp32",), threads=1))
     forms = report["cpu_graph_forms"]["fp32"]
     assert forms["chosen"] == "unfused"
-    assert set(forms["sequences_per_second"]) == {"unfused"}  # only passing forms are candidates
+    assert forms["sequences_per_second"] == {}  # only passing forms are candidates: the sole one is not measured
     for form in ("attention_fused", "fully_fused"):
         failures = " ".join(forms["gate"][form]["failures"])
         assert not forms["gate"][form]["passed"] and ("left-padded" in failures or "holed" in failures), form

@@ -37,11 +37,16 @@ from tests.export.two_tower_folders import (
 )
 
 CLIP = {"width": PROJECTION, "size": CLIP_IMAGE_SIZE, "padding": "longest", "pooling": "eos_token"}
+SIGLIP = {"width": 48, "size": SIGLIP_IMAGE_SIZE, "padding": "max_length", "pooling": "last_position"}
+TRANSFORMERS = {"normalize": True, "library": "transformers"}
+SENTENCE_TRANSFORMERS = {"normalize": False, "library": "sentence-transformers"}
 FAMILIES = {
-    "clip": CLIP | {"normalize": True, "library": "transformers"},
-    "siglip": {"width": 48, "size": SIGLIP_IMAGE_SIZE, "padding": "max_length", "pooling": "last_position"}
-    | {"normalize": True, "library": "transformers"},
-    "st-clip": CLIP | {"normalize": False, "library": "sentence-transformers"},
+    "clip": CLIP | TRANSFORMERS,
+    "siglip": SIGLIP | TRANSFORMERS,
+    "clip-vocabulary": CLIP | TRANSFORMERS,
+    "st-clip": CLIP | SENTENCE_TRANSFORMERS,
+    "st6-clip": CLIP | SENTENCE_TRANSFORMERS,
+    "st6-siglip": SIGLIP | SENTENCE_TRANSFORMERS,
 }
 """Each exported model (tests.export.two_tower_folders.SOURCES) and what it is served as."""
 SERVED_MAX_ABS_DIFF = 1e-4
@@ -50,7 +55,7 @@ SERVED_MAX_ABS_DIFF = 1e-4
 
 @pytest.fixture(scope="module")
 def exported() -> Path:
-    """source/{clip,siglip} and the repository they were exported into."""
+    """source/<name> (tests.export.two_tower_folders.SOURCES) and the repository they were exported into."""
     return exported_two_towers()
 
 

@@ -2,8 +2,11 @@
 
 The models are transformers' CLIPModel and SiglipModel (random weights, seeded); the tokenizers are trained
 on the gate sentences in each family's kind (CLIP: byte-level BPE ended by <|endoftext|>, which pads too;
-SigLIP: Unigram pieces ended by </s>, padded with <pad>); the preprocessor configs are those of
-openai/clip-vit-base-patch32 and google/siglip-base-patch16-224 at the tiny image size.
+SigLIP: Unigram pieces ended by </s>, padded with <pad>), saved as tokenizer.json, or (CLIP) as the vocab.json
+and merges.txt transformers' CLIPTokenizer reads; the preprocessor configs are those of
+openai/clip-vit-base-patch32 and google/siglip-base-patch16-224 at the tiny image size. The
+sentence-transformers folders are saved in both its layouts: clip-ViT-B-32's (a CLIPModel module in
+0_CLIPModel/, written here as it was) and sentence-transformers 6's (written by its own `save`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 import transformers
 from PIL import Image
 from sentence_transformers import SentenceTransformer
-from tokenizers import Tokenizer, processors
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from export.__main__ import main as export_main
 from service.pipeline.images import PREPROCESSOR_CONFIG
@@ -27,6 +30,8 @@ from tests.export_cache import cached_export
 from tests.processor_configs import CLIP_CONFIG, SIGLIP_CONFIG
 
 MAX_POSITIONS = 16
+CLIP_WORDS = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+"""CLIP's pre-tokenisation pattern (transformers' CLIPTokenizer): the pieces a text is split into."""
 CLIP_IMAGE_SIZE = 30
 """Not a multiple of the patch: the last pixels of each side are past the last whole patch."""
 SIGLIP_IMAGE_SIZE = 32
@@ -78,10 +83,41 @@ def _save_model(model: torch.nn.Module, folder: Path, seed: int) -> None:
     model.save_pretrained(str(folder))
 
 
-def save_clip_folder(folder: Path, seed: int = 48) -> Path:
-    """A tiny CLIPModel folder (30-pixel images in 8-pixel patches, both embeddings 24 wide)."""
+def _save_clip_vocabulary(folder: Path) -> transformers.PreTrainedTokenizerBase:
+    """CLIP's tokenizer as openai/clip-vit-* ship it without tokenizer.json: vocab.json and merges.txt of a
+    byte-level BPE whose word ends are marked </w>, read by transformers' CLIPTokenizer."""
+    start, end = "<|startoftext|>", "<|endoftext|>"
+    tokenizer = Tokenizer(models.BPE(continuing_subword_prefix="", end_of_word_suffix="</w>", unk_token=end))
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(CLIP_WORDS), behavior="removed", invert=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=tiny_models.VOCAB_SIZE,
+        special_tokens=[start, end],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        end_of_word_suffix="</w>",
+    )
+    tokenizer.train_from_iterator(tiny_models.training_sentences(), trainer)
+    tokenizer.model.save(str(folder))
+    specials = {"bos_token": start, "eos_token": end, "pad_token": end, "unk_token": end}
+    declared = {"tokenizer_class": "CLIPTokenizer", "model_max_length": MAX_POSITIONS} | specials
+    (folder / "tokenizer_config.json").write_text(json.dumps(declared))
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
+def save_clip_folder(folder: Path, seed: int = 48, *, vocabulary_files: bool = False) -> Path:
+    """A tiny CLIPModel folder (30-pixel images in 8-pixel patches, both embeddings 24 wide).
+
+    vocabulary_files: its tokenizer as vocab.json and merges.txt only (no tokenizer.json).
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _save_clip_tokenizer(folder)
+    tokenizer = _save_clip_vocabulary(folder) if vocabulary_files else _save_clip_tokenizer(folder)
     text = _text_config(tokenizer) | {"bos_token_id": tokenizer.bos_token_id}
     config = transformers.CLIPConfig(
         text_config=text, vision_config=VISION | {"image_size": CLIP_IMAGE_SIZE}, projection_dim=PROJECTION
@@ -91,6 +127,11 @@ def save_clip_folder(folder: Path, seed: int = 48) -> Path:
     preprocessor = CLIP_CONFIG | {"crop_size": CLIP_IMAGE_SIZE, "size": CLIP_IMAGE_SIZE}
     (folder / PREPROCESSOR_CONFIG).write_text(json.dumps(preprocessor))
     return folder
+
+
+def save_clip_vocabulary_folder(folder: Path, seed: int = 53) -> Path:
+    """A tiny CLIPModel folder whose tokenizer is vocab.json and merges.txt only."""
+    return save_clip_folder(folder, seed, vocabulary_files=True)
 
 
 def save_siglip_folder(folder: Path, seed: int = 49) -> Path:
@@ -115,7 +156,38 @@ def save_sentence_transformers_clip(folder: Path, seed: int = 50) -> Path:
     return folder
 
 
-SOURCES = {"clip": save_clip_folder, "siglip": save_siglip_folder, "st-clip": save_sentence_transformers_clip}
+def _saved_by_sentence_transformers(
+    folder: Path, model_folder: Path, processing_kwargs: dict[str, object] | None = None
+) -> Path:
+    """model_folder loaded by sentence-transformers (with processing_kwargs) and saved into folder, as its
+    `save` writes it: since 5.4 a Transformer module at the folder root, the processor's settings in
+    processor_config.json."""
+    model = SentenceTransformer(str(model_folder), device="cpu")
+    if processing_kwargs is not None:
+        model[0].processing_kwargs = processing_kwargs
+    model.save(str(folder))
+    return folder
+
+
+def save_sentence_transformers6_clip(folder: Path, seed: int = 51) -> Path:
+    """A tiny CLIPModel folder as sentence-transformers 6 saves it (texts padded to the batch's longest)."""
+    return _saved_by_sentence_transformers(folder, save_clip_folder(folder.with_name(f"{folder.name}-model"), seed))
+
+
+def save_sentence_transformers6_siglip(folder: Path, seed: int = 52) -> Path:
+    """A tiny SiglipModel folder as sentence-transformers 6 saves it, its texts padded to max_length as SigLIP's."""
+    model_folder = save_siglip_folder(folder.with_name(f"{folder.name}-model"), seed)
+    return _saved_by_sentence_transformers(folder, model_folder, {"text": {"padding": "max_length"}})
+
+
+SOURCES = {
+    "clip": save_clip_folder,
+    "siglip": save_siglip_folder,
+    "clip-vocabulary": save_clip_vocabulary_folder,
+    "st-clip": save_sentence_transformers_clip,
+    "st6-clip": save_sentence_transformers6_clip,
+    "st6-siglip": save_sentence_transformers6_siglip,
+}
 """Each exported model's name and what makes its source folder."""
 
 
