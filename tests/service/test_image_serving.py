@@ -202,6 +202,18 @@ def test_a_bad_image_costs_no_other_request_its_answer(server: RunningServer, ex
             np.testing.assert_allclose(answer[0], expected[index % len(images)], atol=1e-5)
 
 
+def test_image_requests_take_the_scheduling_parameters(
+    client: grpcclient.InferenceServerClient, exported: Path
+) -> None:
+    """A row is a row: an image request waits at its priority and honours its timeout, as a text request does."""
+    images = _gate_images(exported, "clip")[:2]
+    expected = _embeddings(client, "clip", images)
+    bulk = _embeddings(client, "clip", images, priority=2, timeout=10_000_000)
+    np.testing.assert_allclose(bulk, expected, atol=1e-6)
+    with pytest.raises(InferenceServerException, match="parameter priority must be an integer from 1"):
+        client.infer("clip", [_image_input(images)], priority=9)
+
+
 def test_images_and_texts_go_in_separate_requests(client: grpcclient.InferenceServerClient, exported: Path) -> None:
     text = grpcclient.InferInput("text", [1], "BYTES")
     text.set_data_from_numpy(np.array([b"a photo of a cat"], dtype=object))
