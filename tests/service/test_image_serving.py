@@ -101,6 +101,17 @@ def _refusal(client: grpcclient.InferenceServerClient, model: str, inputs: list[
     return refused.value.message()
 
 
+def _post(server: RunningServer, path: str, body: dict) -> tuple[int, dict]:
+    """POST a JSON body to the HTTP port: the status and the JSON answer."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        connection.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
 def _gate_images(exported: Path, name: str) -> list[bytes]:
     """The gate's images at the model's size: other sizes, portrait, landscape, grey, RGBA, a transparent PNG."""
     size = ImagePreprocessor.from_folder(exported / "repository" / name).output_size
@@ -226,17 +237,6 @@ def test_an_image_on_a_text_only_model_is_refused(client: grpcclient.InferenceSe
     assert "input image: this model has no image tower" in _refusal(client, DEFAULT_MODEL, [image])
 
 
-def _rest_infer(server: RunningServer, model: str, body: dict) -> tuple[int, dict]:
-    """A KServe v2 REST infer with a JSON body: the status and the JSON answer."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    try:
-        connection.request("POST", f"/v2/models/{model}/infer", json.dumps(body), {"content-type": "application/json"})
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
-
-
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 def test_kserve_rest_images_answer_as_grpc(
     server: RunningServer, client: grpcclient.InferenceServerClient, exported: Path, binary: bool
@@ -252,7 +252,7 @@ def test_kserve_rest_images_answer_as_grpc(
         else:
             data = [base64.b64encode(image).decode() for image in images]
             body = {"inputs": [{"name": "image", "shape": [len(images)], "datatype": "BYTES", "data": data}]}
-            status, answer = _rest_infer(server, "siglip", body)
+            status, answer = _post(server, "/v2/models/siglip/infer", body)
             assert status == 200
             output = answer["outputs"][0]
             served = np.array(output["data"], dtype=np.float32).reshape(output["shape"])
@@ -270,20 +270,9 @@ def test_kserve_rest_images_answer_as_grpc(
 )
 def test_kserve_rest_bad_images_are_400_naming_the_image(server: RunningServer, element: str, message: str) -> None:
     body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [element]}]}
-    status, answer = _rest_infer(server, "clip", body)
+    status, answer = _post(server, "/v2/models/clip/infer", body)
     assert status == 400
     assert message in answer["error"]
-
-
-def _openai(server: RunningServer, body: dict) -> tuple[int, dict]:
-    """POST /v1/embeddings: the status and the JSON answer."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    try:
-        connection.request("POST", "/v1/embeddings", json.dumps(body), {"content-type": "application/json"})
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
 
 
 def test_openai_mixes_texts_and_images_in_the_inputs_order(
@@ -302,7 +291,7 @@ def test_openai_mixes_texts_and_images_in_the_inputs_order(
         {"image": "data:image/png;base64," + base64.b64encode(images[1]).decode()},
         texts[1],
     ]
-    status, answer = _openai(server, {"model": "clip", "input": items})
+    status, answer = _post(server, "/v1/embeddings", {"model": "clip", "input": items})
     assert status == 200
     served = np.array([item["embedding"] for item in sorted(answer["data"], key=lambda item: item["index"])])
     expected = np.stack([expected_images[0], expected_texts[0], expected_images[1], expected_texts[1]])
@@ -324,6 +313,24 @@ def test_openai_refuses_a_bad_item_by_its_place(
     server: RunningServer, exported: Path, item: dict, message: str
 ) -> None:
     items = [{"text": "a cat"}, item, {"image": base64.b64encode(_gate_images(exported, "clip")[0]).decode()}]
-    status, answer = _openai(server, {"model": "clip", "input": items})
+    status, answer = _post(server, "/v1/embeddings", {"model": "clip", "input": items})
     assert status == 400
     assert message in answer["error"]["message"]
+
+
+def test_cohere_embeds_images_as_data_uris(
+    server: RunningServer, client: grpcclient.InferenceServerClient, exported: Path
+) -> None:
+    images = _gate_images(exported, "siglip")[:3]
+    expected = _embeddings(client, "siglip", images)
+    uris = ["data:image/png;base64," + base64.b64encode(image).decode() for image in images]
+    body = {"model": "siglip", "images": uris, "input_type": "image", "embedding_types": ["float"]}
+    status, answer = _post(server, "/v2/embed", body)
+    assert status == 200
+    np.testing.assert_allclose(np.array(answer["embeddings"]["float"]), expected, atol=1e-6)
+    status, answer = _post(server, "/v2/embed", body | {"images": ["https://example.com/cat.png"]})
+    assert status == 400
+    assert "images[0] is a URL: this server does not fetch remote images" in answer["message"]
+    status, answer = _post(server, "/v2/embed", body | {"texts": ["a cat"]})
+    assert status == 400
+    assert "send texts or images, not both" in answer["message"]
