@@ -28,13 +28,10 @@ from service.core.repository import (
     EMBEDDING_RANGES_FILE,
     FIDELITY_FILE,
     GRAPH_LEVELS,
-    IMAGE_VARIANT_FILES,
     P_ADAPTER_TASKS,
     P_DEFAULT_PROMPT_NAME,
     P_EMBEDDING_CALIBRATION,
     P_EMBEDDING_RANGES,
-    P_IMAGE_PREPROCESSOR,
-    P_IMAGE_VARIANT_PREFIX,
     P_MATRYOSHKA_DIMENSIONS,
     P_MAX_SEQUENCE_LENGTH,
     P_MODEL_TYPE,
@@ -45,7 +42,6 @@ from service.core.repository import (
     P_PROMPTS,
     P_SIMILARITY_FN_NAME,
     P_TASK,
-    P_TEXT_PADDING,
     P_TOKENIZER,
     P_TYPE_VOCAB_SIZE,
     P_VARIANT_PREFIX,
@@ -56,6 +52,7 @@ from service.core.repository import (
     config_text,
     write_embedding_ranges,
 )
+from service.core.towers import IMAGE_VARIANT_FILES, P_IMAGE_PREPROCESSOR, P_IMAGE_VARIANT_PREFIX, P_TEXT_PADDING
 
 VERSION = "1"
 

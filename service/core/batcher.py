@@ -1,14 +1,14 @@
 """Dynamic batching of rows: one bounded queue per model, dispatched to the model's instances.
 
-Callers `submit` a request's token rows (admitted there, or refused at once when the queue is full)
-and await them back, in their own order; `check_room` refuses early what `submit` would. The queue
-holds requests, the batches hold rows: whenever a request arrives or an instance finishes, and an
-instance is idle, a batch is formed from the waiting rows of the level whose turn it is
-(service.core.schedule: priorities, tenants' fair shares) — the longest waiting row of the request
-that leads, then the waiting rows nearest its length (earlier turns first among equals), up to
-`max_batch_size` rows and `max_batch_tokens` padded tokens (rows x the batch's longest), none of them
-padded far past its own length (the policy's padding factor and slack), waiting no longer than
-`max_queue_delay` after the oldest request arrived. Each batch is padded to its own longest row.
+Callers `submit` a request's rows (token sequences, or an image tower's images: service.core.rows), admitted
+there or refused at once when the queue is full, and await them back, in their own order; `check_room` refuses
+early what `submit` would. The queue holds requests, the batches hold rows: whenever a request arrives or an
+instance finishes, and an instance is idle, a batch is formed from the waiting rows of the level whose turn it
+is (service.core.schedule: priorities, tenants' fair shares) — the longest waiting row of the request that
+leads, then the waiting rows nearest its length (earlier turns first among equals), up to `max_batch_size`
+rows and `max_batch_tokens` padded tokens (rows x the batch's longest), none of them padded far past its own
+length (the policy's padding factor and slack), waiting no longer than `max_queue_delay` after the oldest
+request arrived. Each batch is padded to its own longest row.
 
 A request is refused at once when the queue at its priority or above holds `max_queue_size`
 requests, `max_queue_rows` rows or `max_queue_tokens` tokens, or when those rows would take longer
@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from service.core.layout import Group, padded_feed, place_outputs, request_outputs
+from service.core.layout import Group, feed_shape, padded_feed, place_outputs, request_outputs
 from service.core.policy import SELECTION_WINDOW_BATCHES, BatchingPolicy, select_rows
-from service.core.rows import DEFAULT_SHARE, Done, Share, TokenRows, WorkItem, WorkResult
+from service.core.rows import DEFAULT_SHARE, Done, Rows, Share, WorkItem, WorkResult
 from service.core.schedule import RunQueue
 from service.core.throughput import Throughput
 from service.errors import DeadlineExceeded, InvalidArgument, ModelFailure, Overloaded, Unavailable, past_deadline
@@ -239,7 +239,7 @@ class Batcher:
 
     def enqueue(
         self,
-        rows: TokenRows,
+        rows: Rows,
         outputs: tuple[str, ...],
         deadline: float | None,
         on_done: Done | None = None,
@@ -284,7 +284,7 @@ class Batcher:
 
     async def submit(
         self,
-        rows: TokenRows,
+        rows: Rows,
         outputs: tuple[str, ...],
         deadline: float | None,
         trace: SpanContext | None = None,
@@ -415,7 +415,7 @@ class Batcher:
             return
         batch = _Batch(groups, instance, feed, time.monotonic(), real_tokens)
         if tracing.ON:
-            rows, length = feed["input_ids"].shape
+            rows, length = feed_shape(feed)
             traces = [group.item.trace for group in groups]
             batch.span = tracing.start_batch(self._labels, traces, rows, rows * length, real_tokens)
         batch.watchdog = self._loop.call_later(self.policy.max_batch_run_s, self._overran, batch)
@@ -470,7 +470,7 @@ class Batcher:
             now = time.monotonic()
             compute_s = now - batch.started
             self._record(batch, compute_s)
-            rows = batch.feed["input_ids"].shape[0]
+            rows = feed_shape(batch.feed)[0]
             for group in batch.groups:
                 if not group.item.settled:  # a cancelled or failed request's rows are discarded
                     self._answer(group, results, compute_s, rows, now)
@@ -498,7 +498,7 @@ class Batcher:
         item.resolve(WorkResult(outputs, total_s - compute_total, compute_total, item.batch_rows))
 
     def _record(self, batch: _Batch, compute_s: float) -> None:
-        rows, length = batch.feed["input_ids"].shape
+        rows, length = feed_shape(batch.feed)
         model_metrics = self._metrics
         for group in batch.groups:
             model_metrics.ran(group.item.share.priority, group.item.share.tenant, len(group.rows))

@@ -1,9 +1,9 @@
 """The engine process of a server of several processes: the models, their batchers, one socket for the front ends.
 
 It loads the repository's models as a lone server does, tells every front end each model's state
-(LOADING, READY with its batching and instances, UNAVAILABLE, in service or not), and runs the token
-rows the front ends send: rows from every front end join the same batches. A front end whose
-socket closes has its requests dropped, as a client that goes away does.
+(LOADING, READY with its batching and instances, UNAVAILABLE, in service or not), and runs the rows
+(token rows, or images for a model's image tower) the front ends send: rows from every front end join the same
+batches. A front end whose socket closes has its requests dropped, as a client that goes away does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from service.core.host import ModelHost
 from service.core.named_models import export, named_models
 from service.core.repository import RepositoryError
-from service.core.rows import TokenRows, WorkItem, WorkResult
+from service.core.rows import Rows, WorkItem, WorkResult
 from service.core.wire import EngineConnection, EngineServer, Instance, ModelUpdate, Submit
 from service.errors import INTERNAL_MESSAGE, ExecutionError, ModelFailure, ServiceError
 from service.ops import metrics, tracing
@@ -50,9 +50,9 @@ class EngineProcess:
         """Each front end's requests in the batchers, by request id; each item's `owner` is
         (its front end, its request id, the batcher holding it)."""
 
-    def _submit(self, connection: EngineConnection, message: Submit, rows: TokenRows) -> None:
+    def _submit(self, connection: EngineConnection, message: Submit, rows: Rows) -> None:
         try:
-            queue = self.host.batcher(message.model, message.version)
+            queue = self.host.batcher(message.model, message.version, images=bool(message.pixels))
             trace = None if message.trace is None else tracing.from_wire(message.trace)
             item = queue.enqueue(
                 rows, message.outputs, message.deadline, on_done=self._on_done, trace=trace, share=message.share

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from service.core.batcher import Batcher
 from service.core.repository import served_names
-from service.errors import NotFound
+from service.errors import InvalidArgument, NotFound
 from service.ops import metrics
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
@@ -46,20 +46,28 @@ class ModelHost:
         from service.core.loading import load_model  # noqa: PLC0415
 
         model = await asyncio.get_running_loop().run_in_executor(None, load_model, self.folder(name), self.settings)
-        model.batcher.start()
+        for batcher in model.batchers:
+            batcher.start()
         self._models[name] = model
         labels = ModelLabels(model.spec.name, model.spec.version)
         metrics.report_in_service(labels, ((i.provider, i.variant) for i in model.instances))
         return model
 
-    def batcher(self, name: str, version: str = "") -> Batcher:
-        """A loaded model's batcher (NotFound for a name or version not loaded here)."""
+    def batcher(self, name: str, version: str = "", *, images: bool = False) -> Batcher:
+        """A loaded model's batcher, or its image tower's (NotFound for a name or version not loaded here).
+
+        InvalidArgument for images to a model without an image tower.
+        """
         model = self._models.get(name)
         if model is None:
             raise NotFound(f"unknown model {name!r}")
         if version not in ("", model.spec.version):
             raise NotFound(f"model {name} has no version {version!r} (served: {model.spec.version})")
-        return model.batcher
+        if not images:
+            return model.batcher
+        if model.image_batcher is None:
+            raise InvalidArgument(f"model {name} has no image tower: it takes no images")
+        return model.image_batcher
 
     def serving(self, name: str) -> bool:
         """Whether that model is loaded and has an instance in service."""
@@ -73,11 +81,13 @@ class ModelHost:
     def flush(self) -> None:
         """Queued rows of every model run from now on without waiting for fuller batches (a drain)."""
         for model in self._models.values():
-            model.batcher.flush()
+            for batcher in model.batchers:
+                batcher.flush()
 
     async def close(self, timeout_s: float) -> None:
         """Let every model's queued and running rows finish (up to timeout_s), then stop its batcher."""
         self.flush()
-        await asyncio.gather(*(model.batcher.close(timeout_s) for model in self._models.values()))
+        closing = [batcher.close(timeout_s) for model in self._models.values() for batcher in model.batchers]
+        await asyncio.gather(*closing)
         for model in self._models.values():
             metrics.MODEL_READY.labels(model.spec.name, model.spec.version).set(0)

@@ -4,6 +4,9 @@ A batch is padded to its own (bucketed) longest row: each array is filled in one
 rows' tokens laid end to end. Its outputs go back row by row to the requests they came from, each
 request's rows in its own order, a per-position output cut at each row's end (zeros past it, up to
 the request's own width).
+
+An image tower's batch is its rows' pixel values stacked (`pixel_values`): images of one model all have one
+shape, so nothing is padded.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import msgspec
 import numpy as np
 
 from service.core.policy import BatchingPolicy
-from service.core.rows import WorkItem
+from service.core.rows import IMAGE_ROW_TOKENS, PixelRows, WorkItem
+from service.core.towers import PIXEL_VALUES
 
 
 class Group(msgspec.Struct, eq=False, gc=False):
@@ -29,8 +33,11 @@ def padded_feed(groups: list[Group], policy: BatchingPolicy) -> tuple[dict[str, 
     """The batch's feed, every row right-padded to the batch's (bucketed) longest; and its real tokens.
 
     Each array is filled in one step from the rows' tokens laid end to end: the positions kept
-    (row by row, up to each row's length) are the same, in the same order, as those tokens.
+    (row by row, up to each row's length) are the same, in the same order, as those tokens. Image rows
+    (a queue holds one kind) are stacked as the image graph's pixel_values.
     """
+    if isinstance(groups[0].item.rows, PixelRows):
+        return _pixel_feed(groups)
     ids: list[np.ndarray] = []
     lengths: list[int] = []
     masked = typed = adapted = False
@@ -67,6 +74,24 @@ def padded_feed(groups: list[Group], policy: BatchingPolicy) -> tuple[dict[str, 
     else:
         feed["adapter_ids"] = np.zeros(shape, dtype=np.int64)
     return feed, real_tokens
+
+
+def feed_shape(feed: dict[str, np.ndarray]) -> tuple[int, int]:
+    """A batch's rows and the length each is padded to (an image row: IMAGE_ROW_TOKENS)."""
+    if PIXEL_VALUES in feed:
+        return len(feed[PIXEL_VALUES]), IMAGE_ROW_TOKENS
+    rows, length = feed["input_ids"].shape
+    return rows, length
+
+
+def _pixel_feed(groups: list[Group]) -> tuple[dict[str, np.ndarray], int]:
+    """The batch's images, stacked in batch order; and what they count as tokens."""
+    blocks = []
+    for group in groups:
+        pixels = group.item.rows.pixel_values
+        blocks.append(pixels if len(group.rows) == len(pixels) else pixels[group.rows])
+    stacked = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+    return {PIXEL_VALUES: stacked}, len(stacked) * IMAGE_ROW_TOKENS
 
 
 def request_outputs(group: Group, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,11 +1,14 @@
 """Loading a model here: its ONNX Runtime instances, warmed up, behind a batcher in this process.
 
 Only a lone server and the engine process load models; front-end processes never import this
-module, nor ONNX Runtime with it. What is loaded is the core's part of a model: no tokenizer.
+module, nor ONNX Runtime with it. What is loaded is the core's part of a model: no tokenizer, no image
+preprocessing. A two-tower model's image tower is a queue of its own within the model (`image_batcher`): image
+rows batch with image rows only, on the image graph's instances, under the same batching settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +16,8 @@ from service.core.batcher import Batcher
 from service.core.placement import InstanceInfo
 from service.core.policy import BatchingPolicy, batching_policy, warm_up_shapes
 from service.core.repository import ModelSpec, read_model
-from service.core.runtime import ExecutionSettings, create_instances
+from service.core.rows import IMAGE_ROW_TOKENS
+from service.core.runtime import ExecutionSettings, ModelRuntime, create_instances
 from service.ops.metrics import ModelLabels
 from service.ops.settings import Settings
 
@@ -26,6 +30,13 @@ class LoadedModel:
     policy: BatchingPolicy
     instances: tuple[InstanceInfo, ...]
     batcher: Batcher
+    image_batcher: Batcher | None = None
+    """The image tower's queue (a two-tower model); None: the model takes no images."""
+
+    @property
+    def batchers(self) -> tuple[Batcher, ...]:
+        """Every queue of the model: its text (or token) rows', then its images'."""
+        return (self.batcher,) if self.image_batcher is None else (self.batcher, self.image_batcher)
 
 
 def execution_settings(settings: Settings) -> ExecutionSettings:
@@ -56,6 +67,25 @@ def load_model(directory: Path, settings: Settings) -> LoadedModel:
         shapes = warm_up_shapes(spec, policy)
         for runtime in runtimes:
             runtime.warm_up(shapes)
-    batcher = Batcher(runtimes, policy, ModelLabels(spec.name, spec.version), spec.output_names)
+    labels = ModelLabels(spec.name, spec.version)
+    batcher = Batcher(runtimes, policy, labels, spec.output_names)
     instances = tuple(InstanceInfo(r.provider, r.variant, r.settings.cuda_device_id) for r in runtimes)
-    return LoadedModel(spec, policy, instances, batcher)
+    image_batcher = _image_batcher(spec, settings, runtimes[0], policy, labels) if spec.image_variants else None
+    return LoadedModel(spec, policy, instances, batcher, image_batcher)
+
+
+def image_policy(policy: BatchingPolicy) -> BatchingPolicy:
+    """The image tower's batching: the model's limits, every row one position long (nothing padded or bucketed)."""
+    return dataclasses.replace(policy, length_bucket=1, max_length=IMAGE_ROW_TOKENS, pad_token_id=0)
+
+
+def _image_batcher(
+    spec: ModelSpec, settings: Settings, text: ModelRuntime, policy: BatchingPolicy, labels: ModelLabels
+) -> Batcher:
+    """A two-tower model's image tower behind its own batcher: as many instances, on the text graph's device."""
+    runtimes = create_instances(spec, text.pinned_settings(), settings.instances, image=True)
+    images = image_policy(policy)
+    if settings.warmup:
+        for runtime in runtimes:
+            runtime.warm_up([(1, IMAGE_ROW_TOKENS), (images.max_batch_size, IMAGE_ROW_TOKENS)])
+    return Batcher(runtimes, images, labels, ("embedding",))

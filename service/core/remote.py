@@ -2,7 +2,7 @@
 
 A front end's rows go to the engine through a `RemoteQueue`, its stand-in for the model's batcher:
 the same `ModelQueue` contract (service.pipeline.models), admitted at the same one point, the
-engine's batcher.
+engine's batcher. A two-tower model has two: its text rows' and its image tower's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from service.core.rows import DEFAULT_SHARE, Share, TokenRows, WorkResult
+from service.core.rows import DEFAULT_SHARE, Rows, Share, WorkResult
 from service.core.wire import EngineLink
 from service.errors import Unavailable
 from service.ops.tracing import to_wire
@@ -60,7 +60,7 @@ class RemoteQueue:
 
     async def submit(
         self,
-        rows: TokenRows,
+        rows: Rows,
         outputs: tuple[str, ...],
         deadline: float | None,
         trace: SpanContext | None = None,

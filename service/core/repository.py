@@ -9,11 +9,7 @@
     REPO/<model>/embedding_ranges.npz  per-dimension [min, max] of the embedding over a calibration corpus,
                                        for each served width (int8/uint8 embeddings), when the model has them
 
-A two-tower model (CLIP, SigLIP: texts and images in one embedding space) is an embedder whose graphs answer
-`embedding` only: model.onnx is its text tower (input_ids, attention_mask; pooling inside the graph), and
-    REPO/<model>/<version>/image.onnx      the image tower, pixel_values [n, 3, size, size] (image_variant.fp32)
-    REPO/<model>/preprocessor_config.json  encoded image -> pixel values (service.pipeline.images; image_preprocessor)
-with parameter text_padding saying how a batch of texts is padded (TEXT_PADDINGS).
+A two-tower model (CLIP, SigLIP) also holds an image graph and its preprocessor config: service.core.towers.
 
 Serving facts that Triton has no field for live in `parameters` (string values).
 `optimization.graph.level` is Triton's own field, read as Triton's ONNX Runtime backend reads it:
@@ -34,6 +30,13 @@ from google.protobuf import text_format
 from protocol import model_config_pb2 as mc
 from service.core.sources import parse_model_argument
 from service.core.text_rules import MULTIVECTOR_SCORES, PAIR_FIELDS, PAIR_PLACEHOLDER, MultiVectorSpec, PairTemplate
+from service.core.towers import (
+    P_IMAGE_PREPROCESSOR,
+    P_IMAGE_VARIANT_PREFIX,
+    P_TEXT_PADDING,
+    TOWER_POOLINGS,
+    tower_facts,
+)
 
 if TYPE_CHECKING:
     from service.ops.settings import Settings
@@ -105,15 +108,6 @@ P_PAIR_TEMPLATE = "pair_template"
 pair (PairTemplate's fields); absent: the tokenizer's own pair form ([CLS] q [SEP] d [SEP])."""
 P_VARIANT_PREFIX = "variant."
 P_PREFERRED_PREFIX = "preferred_variant."
-P_IMAGE_VARIANT_PREFIX = "image_variant."
-IMAGE_VARIANT_FILES = {"fp32": "image.onnx"}
-P_IMAGE_PREPROCESSOR = "image_preprocessor"
-P_TEXT_PADDING = "text_padding"
-TEXT_PADDINGS = ("longest", "max_length")
-"""longest: a batch of texts is padded to its longest text; max_length: every text to max_sequence_length, as
-SigLIP was trained (its text embedding is read at the sequence's last position)."""
-TOWER_POOLINGS = ("eos_token", "highest_id", "last_position")
-"""How a two-tower model's text graph picks its token (CLIP's, in legacy configs the highest id; SigLIP's)."""
 
 
 class RepositoryError(ValueError):
@@ -182,7 +176,7 @@ class ModelSpec:
     image_preprocessor: Path | None = None
     """A two-tower model's preprocessor_config.json (service.pipeline.images)."""
     text_padding: str = "longest"
-    """How a batch of texts is padded (TEXT_PADDINGS)."""
+    """How a batch of texts is padded (service.core.towers.TEXT_PADDINGS)."""
     graph_optimization: str = "all"
     """ONNX Runtime's online graph optimisation for the fp32 graph on the CPU (`optimization.graph.level`).
 
@@ -487,18 +481,14 @@ def _variant_files(config: mc.ModelConfig, version: Path, source: Path, prefix: 
 
 
 def _tower_facts(config: mc.ModelConfig, directory: Path, source: Path, task: str, image_variants: dict) -> dict:
-    """A two-tower model's image graphs, preprocessor and text padding, checked; {} for any other model."""
+    """A two-tower model's image graphs, preprocessor and text padding (service.core.towers); {} for others."""
     if not image_variants:
         return {}
-    if task != "embed" or "fp32" not in image_variants:
-        raise RepositoryError(f"{source}: an image tower needs task embed and {P_IMAGE_VARIANT_PREFIX}fp32")
     preprocessor = _inside(directory, _parameter(config, P_IMAGE_PREPROCESSOR, source), source)
-    if not preprocessor.is_file():
-        raise RepositoryError(f"{source}: image preprocessor file {preprocessor} does not exist")
-    padding = _parameter(config, P_TEXT_PADDING, source, "longest")
-    if padding not in TEXT_PADDINGS:
-        raise RepositoryError(f"{source}: text_padding {padding!r} is not one of {', '.join(TEXT_PADDINGS)}")
-    return {"image_variants": image_variants, "image_preprocessor": preprocessor, "text_padding": padding}
+    try:
+        return tower_facts(task, image_variants, preprocessor, _parameter(config, P_TEXT_PADDING, source, "longest"))
+    except ValueError as error:
+        raise RepositoryError(f"{source}: {error}") from error
 
 
 def read_model(directory: Path) -> ModelSpec:

@@ -7,6 +7,10 @@ length. In the queue a request is a `WorkItem` (its rows, those still waiting fo
 told when it settles); it is answered with a `WorkResult` (its own rows of each output, in its
 order, and where its time went).
 
+Images ride the same queue as `PixelRows`: each row an image's preprocessed pixel values, every row of a model
+the same shape. An image row counts as one token (IMAGE_ROW_TOKENS) wherever rows are budgeted by tokens: an
+image tower's batches are bounded by their rows (`max_batch_size`), and its queue by rows and requests.
+
 Right padding carries no meaning, so it is dropped: a row ends at its last attended token. A
 mask with zeros before that (left padding, holes) changes what the model computes — positions
 count from the row's first slot — so such rows keep their slots and their mask.
@@ -146,6 +150,41 @@ class TokenRows(msgspec.Struct, gc=False):
         return TokenRows(self.input_ids, self.lengths, self.width, self.attention_mask, self.token_type_ids, adapters)
 
 
+IMAGE_ROW_TOKENS = 1
+"""What one image row counts as where rows are budgeted by tokens (batch and queue budgets, usage)."""
+
+
+class PixelRows(msgspec.Struct, gc=False):
+    """Images of one request, preprocessed: each row one image's float32 pixel values [channels, height, width]."""
+
+    pixel_values: np.ndarray
+    """float32 [rows, channels, height, width]."""
+
+    @property
+    def rows(self) -> int:
+        """Images in the request."""
+        return len(self.pixel_values)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 [rows]: each image row's length as the batcher reads it (IMAGE_ROW_TOKENS)."""
+        return np.full(self.rows, IMAGE_ROW_TOKENS, _INT64)
+
+    @property
+    def width(self) -> int:
+        """An image row's one position."""
+        return IMAGE_ROW_TOKENS
+
+    @property
+    def real_tokens(self) -> int:
+        """What the request's images count as tokens (IMAGE_ROW_TOKENS each)."""
+        return self.rows * IMAGE_ROW_TOKENS
+
+
+Rows = TokenRows | PixelRows
+"""A request's rows as the batcher takes them: token sequences, or images (each model queue holds one kind)."""
+
+
 def _nonzero(values: np.ndarray | None, kept: np.ndarray) -> np.ndarray | None:
     """An optional per-token array's kept values, or None where there is none or every value is 0."""
     if values is None or not values.any():
@@ -188,7 +227,7 @@ Done = Callable[["WorkItem", "WorkResult | None", "Exception | None"], None]
 
 
 class WorkItem:
-    """One queued request: its token rows, those still waiting for a batch, and who is told when it settles."""
+    """One queued request: its rows (tokens or images), those waiting for a batch, who is told when it settles."""
 
     __slots__ = (
         "_settled",
@@ -215,7 +254,7 @@ class WorkItem:
 
     def __init__(
         self,
-        rows: TokenRows,
+        rows: Rows,
         outputs: tuple[str, ...],
         future: asyncio.Future[WorkResult] | None,
         deadline: float | None,

@@ -17,6 +17,11 @@ placed in three steps, each logged:
    below its own bar, or fp32 below its bar, fails the load (ExecutionError: the server exits 2).
    A repository without a reference (exported before it existed) is served unchecked, except that
    fp16 is then not chosen by default.
+
+A two-tower model's image tower (service.core.towers) is a ModelRuntime of its own (`image=True`): its
+image graph on the text tower's device, fp32 (the one image variant published), fed pixel_values. The
+repository holds no image reference, so it is served without a fidelity check at load; the export's
+gate compared it with the library.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from service.core.fidelity import (
     compare,
     required_bar,
 )
+from service.core.layout import feed_shape
 from service.core.repository import ModelSpec
+from service.core.towers import PIXEL_VALUES
 from service.errors import ExecutionError
 
 CUDA = "CUDAExecutionProvider"
@@ -236,15 +243,23 @@ def session_options(settings: ExecutionSettings, graph_optimization: str = "all"
 
 
 class ModelRuntime:
-    """One model instance: an ONNX Runtime session on the device and variant chosen as the module says."""
+    """One model instance: an ONNX Runtime session on the device and variant chosen as the module says.
 
-    def __init__(self, spec: ModelSpec, settings: ExecutionSettings) -> None:
+    `image`: the instance runs the model's image tower (pixel_values in) instead of its text graph.
+    """
+
+    def __init__(self, spec: ModelSpec, settings: ExecutionSettings, *, image: bool = False) -> None:
         self.spec = spec
         self.settings = settings
+        self.image = image
+        self.graphs = spec.image_variants if image else spec.variants
+        """The ONNX file of each variant this instance may run."""
+        self.input_names = (PIXEL_VALUES,) if image else spec.input_names
+        self.name = f"{spec.name} (image tower)" if image else spec.name
         wants_cuda = settings.device != "cpu" and settings.variant not in CPU_ONLY_VARIANTS
         self.device = target_device(settings, cuda_unavailable_reason(settings.cuda_device_id) if wants_cuda else None)
         self.fell_back_to_cpu = wants_cuda and self.device == "cpu"
-        self.variant = choose_variant(spec, settings, self.device)
+        self.variant = self._variant()
         try:
             self.session = self._create(self.variant)
         except ExecutionError as error:
@@ -252,11 +267,19 @@ class ModelRuntime:
                 raise
             log.warning("%s; serving on the CPU", error)
             self.device, self.fell_back_to_cpu = "cpu", True
-            self.variant = choose_variant(spec, settings, self.device)
+            self.variant = self._variant()
             self.session = self._create(self.variant)
-        self.fidelity = self._check_fidelity()
+        self.fidelity = None if image else self._check_fidelity()
         self.output_names = tuple(o.name for o in self.session.get_outputs())
-        log.info("model %s: variant %s on %s", spec.name, self.variant, self.provider)
+        self.pixel_shape: tuple[int, ...] = tuple(self.session.get_inputs()[0].shape[1:]) if image else ()
+        """An image row's shape (channels, height, width), as the image graph declares it; () for text."""
+        log.info("model %s: variant %s on %s", self.name, self.variant, self.provider)
+
+    def _variant(self) -> str:
+        """The variant to load: the text graph's rule (choose_variant); the image tower's fp32, or the operator's."""
+        if not self.image:
+            return choose_variant(self.spec, self.settings, self.device)
+        return self.settings.variant if self.settings.variant in self.graphs else "fp32"
 
     @property
     def provider(self) -> str:
@@ -264,7 +287,7 @@ class ModelRuntime:
         return self.session.get_providers()[0]
 
     def _create(self, variant: str) -> ort.InferenceSession:
-        path = self.spec.variants[variant]
+        path = self.graphs[variant]
         providers: list = [CPU]
         if self.device == "cuda":
             providers = [(CUDA, cuda_provider_options(self.settings)), CPU]
@@ -272,16 +295,16 @@ class ModelRuntime:
             options = session_options(self.settings, self.spec.online_optimization(variant, self.device))
             session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as error:  # ONNX Runtime raises its own untyped failures for bad graphs
-            raise ExecutionError(f"model {self.spec.name}: cannot load {path}: {error}") from error
+            raise ExecutionError(f"model {self.name}: cannot load {path}: {error}") from error
         if self.device == "cuda" and session.get_providers()[0] != CUDA:
             raise ExecutionError(
-                f"model {self.spec.name}: ONNX Runtime did not place {path.name} on {CUDA} "
+                f"model {self.name}: ONNX Runtime did not place {path.name} on {CUDA} "
                 "although the CUDA libraries, driver and device look usable (see ONNX Runtime's log)"
             )
         graph_inputs = tuple(i.name for i in session.get_inputs())
-        if set(graph_inputs) != set(self.spec.input_names):
+        if set(graph_inputs) != set(self.input_names):
             raise ExecutionError(
-                f"model {self.spec.name}: graph inputs {graph_inputs} differ from config.pbtxt {self.spec.input_names}"
+                f"model {self.name}: graph inputs {graph_inputs} differ from the expected {self.input_names}"
             )
         return session
 
@@ -345,16 +368,16 @@ class ModelRuntime:
 
     def run(self, feed: dict[str, np.ndarray], outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         """Run one batch (blocking) and check the batch contract on what comes back."""
-        inputs = {name: feed[name] for name in self.spec.input_names}
+        inputs = {name: feed[name] for name in self.input_names}
         bound = self.device == "cuda"
         results = self._run_bound(inputs, outputs) if bound else self.session.run(list(outputs), inputs)
-        rows, length = feed["input_ids"].shape
+        rows, length = feed_shape(feed)
         produced = dict(zip(outputs, results, strict=True))
         for name, array in produced.items():
             expected = self.spec.output_shape(name, rows, length)
             if array.shape != expected or array.dtype != np.float32:
                 raise BatchContractError(
-                    f"model {self.spec.name}: output {name} is {array.dtype}{list(array.shape)}, "
+                    f"model {self.name}: output {name} is {array.dtype}{list(array.shape)}, "
                     f"expected float32{list(expected)}"
                 )
         return produced
@@ -372,30 +395,37 @@ class ModelRuntime:
     def warm_up(self, shapes: list[tuple[int, int]]) -> None:
         """Run each (rows, length) shape once, so first requests are not slow and memory is known to suffice.
 
-        A failure (out of memory, a kernel the GPU cannot run) is an ExecutionError naming the shape.
+        A failure (out of memory, a kernel the GPU cannot run) is an ExecutionError naming the shape. The image
+        tower runs `rows` images of zeros (length is an image row's one position).
         """
         for rows, length in shapes:
-            feed = {
-                "input_ids": np.full((rows, length), 1, dtype=np.int64),
-                "attention_mask": np.ones((rows, length), dtype=np.int64),
-                "token_type_ids": np.zeros((rows, length), dtype=np.int64),
-                "adapter_ids": np.zeros((rows, length), dtype=np.int64),
-            }
+            if self.image:
+                feed = {PIXEL_VALUES: np.zeros((rows, *self.pixel_shape), dtype=np.float32)}
+            else:
+                feed = {
+                    "input_ids": np.full((rows, length), 1, dtype=np.int64),
+                    "attention_mask": np.ones((rows, length), dtype=np.int64),
+                    "token_type_ids": np.zeros((rows, length), dtype=np.int64),
+                    "adapter_ids": np.zeros((rows, length), dtype=np.int64),
+                }
             try:
                 self.run(feed, self.output_names)
             except Exception as error:
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise ExecutionError(
-                    f"model {self.spec.name}: warm-up at {rows}x{length} failed on {self.provider} "
+                    f"model {self.name}: warm-up at {rows}x{length} failed on {self.provider} "
                     f"({self.variant}): {reason}"
                 ) from error
 
 
-def create_instances(spec: ModelSpec, settings: ExecutionSettings, count: int) -> list[ModelRuntime]:
+def create_instances(
+    spec: ModelSpec, settings: ExecutionSettings, count: int, *, image: bool = False
+) -> list[ModelRuntime]:
     """A model's instances (count of them), all on the first one's device and variant (or an ExecutionError).
 
     The first instance makes every choice (device, fallback, variant, fidelity check); the others
-    are pinned to it, so metrics and the served configuration describe every instance.
+    are pinned to it, so metrics and the served configuration describe every instance. `image`: the
+    image tower's instances (pass the text instances' pinned settings: the same device).
     """
-    first = ModelRuntime(spec, settings)
-    return [first, *(ModelRuntime(spec, first.pinned_settings()) for _ in range(count - 1))]
+    first = ModelRuntime(spec, settings, image=image)
+    return [first, *(ModelRuntime(spec, first.pinned_settings(), image=image) for _ in range(count - 1))]

@@ -2,8 +2,9 @@
 
 A frame is 8 bytes (the header's length and the payload's, u32 little-endian), a msgpack header
 (msgspec) holding a list of messages, then the payload: the raw bytes of every array those messages
-carry, one after another, in order. Token rows go in as int64 arrays, outputs come back as float32
-arrays: nothing is pickled. Each side sends what one turn of its event loop produced in one frame,
+carry, one after another, in order. Token rows go in as int64 arrays, an image tower's rows as one float32
+array of pixel values (padded to a whole number of 8-byte words), outputs come back as float32 arrays:
+nothing is pickled. Each side sends what one turn of its event loop produced in one frame,
 so a busy server pays one write and one read for many requests; the answers of such a turn travel
 as one message per shape of outputs, each output stacked into one array (a batch of one-text
 requests: one message, one array).
@@ -26,7 +27,7 @@ import msgspec
 import numpy as np
 
 from service import errors
-from service.core.rows import DEFAULT_SHARE, Share, TokenRows, WorkResult
+from service.core.rows import DEFAULT_SHARE, PixelRows, Rows, Share, TokenRows, WorkResult
 from service.errors import ServiceError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
-    """One request's token rows for a model.
+    """One request's rows for a model: token rows, or images for its image tower (`pixels`).
 
-    The payload holds input_ids, lengths, then the mask, the segment ids and the adapter ids where present.
+    The payload holds input_ids, lengths, then the mask, the segment ids and the adapter ids where present; for
+    images, their pixel values (float32, then 4 bytes of zeros where that ends mid-word).
     """
 
     id: int
@@ -65,6 +67,8 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     """The rows carry adapter ids (a model with task adapters, a task asked for)."""
     share: Share = DEFAULT_SHARE
     """Its priority and tenant: where it waits in the engine's queue."""
+    pixels: tuple[int, ...] = ()
+    """Images: one image row's shape (channels, height, width), for the model's image tower; (): token rows."""
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -246,7 +250,7 @@ def submit_message(
     request_id: int,
     model: str,
     version: str,
-    rows: TokenRows,
+    rows: Rows,
     outputs: tuple[str, ...],
     *,
     deadline: float | None,
@@ -254,6 +258,15 @@ def submit_message(
     share: Share = DEFAULT_SHARE,
 ) -> tuple[Submit, list[memoryview]]:
     """A request's rows as they travel: the message and its arrays."""
+    if isinstance(rows, PixelRows):
+        pixels = np.ascontiguousarray(rows.pixel_values, _FP32)
+        buffers = [memoryview(pixels).cast("B")]
+        if pixels.size % 2:
+            buffers.append(memoryview(bytes(_FP32.itemsize)))
+        shape = tuple(pixels.shape[1:])
+        message = Submit(request_id, model, version, deadline, outputs, 1, rows.rows, 0, False, False, trace)
+        message.share, message.pixels = share, shape
+        return message, buffers
     buffers = [
         memoryview(np.ascontiguousarray(rows.input_ids, _INT64)),
         memoryview(np.ascontiguousarray(rows.lengths, _INT64)),
@@ -323,12 +336,17 @@ def answered(message: Answers, payload: bytes, offset: int) -> tuple[list[WorkRe
     return results, offset
 
 
-def rows_of(message: Submit, words: np.ndarray, offset: int) -> tuple[TokenRows, int]:
-    """A Submit's token rows from a frame's payload read as int64 `words`, at word `offset` (views, no copy).
+def rows_of(message: Submit, words: np.ndarray, offset: int) -> tuple[Rows, int]:
+    """A Submit's rows from a frame's payload read as int64 `words`, at word `offset` (views, no copy).
 
     Returns the rows and the offset after them. Slicing one array per frame costs less than reading
     each request's arrays from the bytes.
     """
+    if message.pixels:
+        values = message.rows * math.prod(message.pixels)
+        end = offset + -(-values // 2)
+        pixels = words[offset:end].view(_FP32)[:values].reshape((message.rows, *message.pixels))
+        return PixelRows(pixels), end
     tokens, end = message.tokens, offset + message.tokens
     ids = words[offset:end]
     lengths = words[end : end + message.rows]
@@ -406,7 +424,7 @@ class EngineServer:
 
     def __init__(
         self,
-        on_submit: Callable[[EngineConnection, Submit, TokenRows], None],
+        on_submit: Callable[[EngineConnection, Submit, Rows], None],
         on_cancel: Callable[[EngineConnection, int], None],
         on_lost: Callable[[EngineConnection], None],
         on_drain: Callable[[], None],
@@ -496,7 +514,7 @@ class EngineLink(_Frames):
         self,
         model: str,
         version: str,
-        rows: TokenRows,
+        rows: Rows,
         outputs: tuple[str, ...],
         deadline: float | None,
         *,

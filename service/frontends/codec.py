@@ -18,6 +18,7 @@ from service.core.repository import PLATFORM
 from service.errors import InvalidArgument, Unimplemented
 from service.ops.statistics import Duration, ModelStatistics
 from service.pipeline.api import (
+    IMAGE_INPUT,
     MULTIVECTOR,
     QUERY_INPUT,
     REQUIRED_TOKEN_INPUTS,
@@ -196,7 +197,8 @@ def served_inputs(signature: ModelSignature) -> list[mc.ModelInput]:
     """The inputs as served, in Triton's terms; ModelConfig and ModelMetadata both list these.
 
     `text` (TYPE_STRING, one string per row) comes first when the server tokenises for the model.
-    A classifier or a multi-vector model also takes `query` (row i is the pair (query[i], text[i])).
+    A classifier or a multi-vector model also takes `query` (row i is the pair (query[i], text[i])); a two-tower
+    model `image` (one encoded image per row, in place of texts).
     Neither is an input of the ONNX graph, so config.pbtxt cannot hold them (Triton would refuse the
     file): the server adds them here. A request sends either the text or the token inputs, so every
     input is `optional` when text is accepted; otherwise only token_type_ids is.
@@ -206,6 +208,8 @@ def served_inputs(signature: ModelSignature) -> list[mc.ModelInput]:
         inputs.append(mc.ModelInput(name=TEXT_INPUT, data_type=mc.TYPE_STRING, dims=[1], optional=True))
         if QUERY_INPUT in signature.input_datatypes:
             inputs.append(mc.ModelInput(name=QUERY_INPUT, data_type=mc.TYPE_STRING, dims=[1], optional=True))
+    if signature.accepts_images:
+        inputs.append(mc.ModelInput(name=IMAGE_INPUT, data_type=mc.TYPE_STRING, dims=[1], optional=True))
     for tensor in signature.spec.config.input:
         served = mc.ModelInput()
         served.CopyFrom(tensor)

@@ -29,6 +29,8 @@ EXPORT_VARIANTS = ("fp32", "int8", "fp16")
 """What --export-variants may name (the exporter's variants)."""
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
+PILLOW_MAX_IMAGE_PIXELS = 89_478_485
+"""Pillow's own decompression-bomb bound (PIL.Image.MAX_IMAGE_PIXELS): --max-image-pixels stays within it."""
 
 
 class SettingsError(ValueError):
@@ -270,6 +272,20 @@ class Settings:
         default=1024 * 1024,
         metadata=_doc("largest total of the texts of one request, UTF-8 bytes; more is refused INVALID_ARGUMENT"),
     )
+    max_image_bytes: int = field(
+        default=20 * 1024 * 1024,
+        metadata=_doc(
+            "largest single encoded image of a request (input image), bytes; larger ones are refused INVALID_ARGUMENT"
+            " (HTTP 413) before any is decoded. A gRPC message or an HTTP body is bounded by --max-message-bytes first"
+        ),
+    )
+    max_image_pixels: int = field(
+        default=50_000_000,
+        metadata=_doc(
+            "largest image, width x height pixels, as its header says (checked before its pixels are decoded: the"
+            " decompression-bomb bound) and as resized; larger ones are refused INVALID_ARGUMENT (HTTP 413)"
+        ),
+    )
     max_chunks_per_request: int = field(
         default=1024,
         metadata=_doc(
@@ -382,6 +398,8 @@ class Settings:
             "max_concurrent_http_requests",
             "max_text_bytes",
             "max_request_text_bytes",
+            "max_image_bytes",
+            "max_image_pixels",
             "max_embedding_inputs",
             "max_chunks_per_request",
             "max_concurrent_streams",
@@ -392,6 +410,11 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_image_pixels > PILLOW_MAX_IMAGE_PIXELS:
+            raise SettingsError(
+                f"max_image_pixels must be at most {PILLOW_MAX_IMAGE_PIXELS} (Pillow's own decompression-bomb bound),"
+                f" got {self.max_image_pixels}"
+            )
         non_negative = (
             "frontends",
             "intra_op_threads",

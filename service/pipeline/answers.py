@@ -84,7 +84,8 @@ class Reservation:
     """One request's answer in the budget: held once its size is known, released once when the request ends.
 
     The envelope (service.envelope) makes it with the request and releases it whatever the outcome;
-    the pipeline holds it where the answer's size becomes known.
+    the pipeline holds it where the answer's size becomes known. A request answered by several pipeline
+    calls (OpenAI's texts and images mixed: one call for each kind) holds each call's part in it.
     """
 
     __slots__ = ("_budget", "_released", "bytes")
@@ -96,15 +97,13 @@ class Reservation:
         """The bytes held now (0 before `hold` and after `release`)."""
 
     def hold(self, size: int) -> int:
-        """Count the answer's `size` bytes in flight, or refuse it (AnswerBudget.reserve); returns `size`.
+        """Count `size` more bytes of the answer in flight, or refuse them (AnswerBudget.reserve); returns `size`.
 
         A request that already ended (its client gone, the drain) holds nothing: Unavailable.
         """
         if self._released:
             raise Unavailable("the request ended before its answer was budgeted")
-        if self.bytes:
-            raise RuntimeError("an answer is held once per request")
-        self.bytes = self._budget.reserve(size)
+        self.bytes += self._budget.reserve(size)
         return size
 
     def release(self) -> None:

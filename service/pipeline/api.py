@@ -7,11 +7,12 @@ configuration, statistics and repository index. Nothing here holds a protobuf me
 request or a gRPC context: requests and results are numpy arrays, strings and small scalars.
 
 Inside `infer`, in one place for every protocol: the request is checked against its model
-(service.pipeline.validation), admitted or refused at once, tokenised when it carries text, its
-answer budgeted, and its rows batched with everyone's (service.core.batcher, here or in the engine
-process). A request for its texts' tokens alone (service.pipeline.vocabulary.TOKEN_OUTPUTS) is answered by
-the tokenizer and never reaches the batcher; so are `tokenize` (texts to their tokens, each with its
-piece of the text) and `decode` (token ids to text), which the envelope runs as it runs `infer`.
+(service.pipeline.validation), admitted or refused at once, tokenised when it carries text (images decoded and
+preprocessed, for a two-tower model's image tower), its answer budgeted, and its rows batched with everyone's
+(service.core.batcher, here or in the engine process). A request for its texts' tokens alone
+(service.pipeline.vocabulary.TOKEN_OUTPUTS) is answered by the tokenizer and never reaches the batcher; so are
+`tokenize` (texts to their tokens, each with its piece of the text) and `decode` (token ids to text), which
+the envelope runs as it runs `infer`.
 Counting, tenants and failures are the envelope's.
 """
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from service.core.placement import InstanceInfo
 from service.core.repository import RepositoryError, served_names
+from service.core.rows import TokenRows
 from service.errors import ExecutionError, InvalidArgument, NotFound, TooLarge, Unavailable
 from service.ops import metrics, tracing
 from service.ops.settings import Settings
@@ -46,7 +48,7 @@ from service.pipeline.answers import (
 )
 from service.pipeline.embedding_types import embedding_types, type_output
 from service.pipeline.long_texts import combined, late_chunked
-from service.pipeline.models import ModelInfo, ServedModel
+from service.pipeline.models import ModelInfo, RowsAnswered, ServedModel
 from service.pipeline.outputs import DEFAULT_NAMES, output_width
 from service.pipeline.requests import InputTensor, ModelSignature, RowLimit
 from service.pipeline.shaping import answer_outputs
@@ -58,6 +60,7 @@ from service.pipeline.vocabulary import (
     DIMENSIONS,
     EMBEDDING,
     EMBEDDING_TYPES,
+    IMAGE_INPUT,
     INDICES,
     INPUT_TYPE,
     INSTRUCTION,
@@ -85,6 +88,7 @@ __all__ = [
     "DIMENSIONS",
     "EMBEDDING",
     "EMBEDDING_TYPES",
+    "IMAGE_INPUT",
     "INDICES",
     "INLINE_ENCODE_BYTES",
     "INPUT_TYPE",
@@ -307,11 +311,13 @@ class Pipeline:
             loaded.batcher,
             settings=self.settings,
             tokenizer_pool=self._tokenizer_pool,
+            image_queue=loaded.image_batcher,
         )
 
     def add(self, model: ServedModel) -> None:
         """Serve a model (its queue started on the running loop): READY from now on."""
-        model.queue.start()
+        for queue in model.queues:
+            queue.start()
         self._models[model.spec.name] = model
         self.set_state(model.spec.name, "READY", version=model.spec.version)
         metrics.report_in_service(model.metrics.labels, ((i.provider, i.variant) for i in model.info.instances))
@@ -458,7 +464,7 @@ class Pipeline:
             valid.rows,
             work.queue_s,
             work.compute_s,
-            answered.rows.lengths if answered.windows is None and answered.spans is None else None,
+            _row_tokens(answered),
         )
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
@@ -538,7 +544,8 @@ class Pipeline:
         """
         self.draining = True
         for model in self._models.values():
-            model.queue.flush()
+            for queue in model.queues:
+                queue.flush()
 
     async def close(self, timeout_s: float) -> None:
         """Drain every model's queue (bounded by timeout_s), then refuse new work and release the workers."""
@@ -549,6 +556,13 @@ class Pipeline:
         for model in self._models.values():
             metrics.MODEL_READY.labels(*model.metrics.labels.values()).set(0)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _row_tokens(answered: RowsAnswered) -> np.ndarray | None:
+    """Each row's tokens, where a row is one of the request's texts (not windows, chunks or images)."""
+    if isinstance(answered.rows, TokenRows) and answered.windows is None and answered.spans is None:
+        return answered.rows.lengths
+    return None
 
 
 def _tokenizer_of(model: ServedModel) -> TextTokenizer:

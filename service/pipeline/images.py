@@ -214,7 +214,11 @@ class ImagePreprocessor:
     @classmethod
     def from_folder(cls, folder: Path, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImagePreprocessor:
         """The preprocessing a model folder's preprocessor_config.json describes; RepositoryError where it cannot."""
-        source = folder / PREPROCESSOR_CONFIG
+        return cls.from_file(folder / PREPROCESSOR_CONFIG, max_image_pixels)
+
+    @classmethod
+    def from_file(cls, source: Path, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImagePreprocessor:
+        """The preprocessing a preprocessor config file describes; RepositoryError where it cannot."""
         try:
             config = json.loads(source.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:

@@ -1,4 +1,8 @@
-"""A served model: what it is, its tokenizer, and the queue its rows run through (a batcher here, or the engine's)."""
+"""A served model: what it is, its tokenizer, and the queue its rows run through (a batcher here, or the engine's).
+
+A two-tower model also has its image preprocessing and its image tower's queue: a request's images are decoded
+and preprocessed on the pipeline's worker threads (never on the event loop), then run as rows of their own.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import numpy as np
 from service.core.placement import InstanceInfo
 from service.core.policy import BatchingPolicy
 from service.core.repository import ModelSpec
-from service.core.rows import DEFAULT_SHARE, Share, TokenRows, WorkResult
+from service.core.rows import DEFAULT_SHARE, PixelRows, Rows, Share, TokenRows, WorkResult
 from service.errors import InvalidArgument, RequestTooLarge, Unavailable
 from service.ops import metrics, statistics, tracing
 from service.ops.metrics import ModelLabels
@@ -24,6 +28,7 @@ from service.ops.settings import Settings
 from service.ops.tenants import Tenant
 from service.pipeline import multivector
 from service.pipeline.answers import RAW, Reservation, value_bytes
+from service.pipeline.images import ImagePreprocessor
 from service.pipeline.long_texts import Windows
 from service.pipeline.outputs import output_width
 from service.pipeline.requests import ModelSignature, TextLimits, ValidRequest
@@ -77,7 +82,7 @@ class ModelQueue(Protocol):
 
     async def submit(
         self,
-        rows: TokenRows,
+        rows: Rows,
         outputs: tuple[str, ...],
         deadline: float | None,
         trace: SpanContext | None = None,
@@ -109,8 +114,8 @@ class RowsAnswered:
     """Real (unpadded) tokens of its sequences, special tokens included."""
     answer_bytes: int
     """Its answer's size as sent, held in the request's reservation."""
-    rows: TokenRows
-    """The rows as tokenised (or sent): what per-position outputs are read with."""
+    rows: Rows
+    """The rows as tokenised (or sent), or the images preprocessed: what per-position outputs are read with."""
     windows: Windows | None = None
     """How long texts were split into windows (truncate false); None: a row a text."""
     spans: np.ndarray | None = None
@@ -129,10 +134,18 @@ class ServedModel:
         *,
         settings: Settings,
         tokenizer_pool: ThreadPoolExecutor,
+        image_queue: ModelQueue | None = None,
     ) -> None:
         self.spec = spec
         self.policy = policy
         self.queue = queue
+        self.image_queue = image_queue
+        """Where the image tower's rows run (a two-tower model); None: the model takes no images."""
+        self.preprocessor = (
+            ImagePreprocessor.from_file(spec.image_preprocessor, settings.max_image_pixels)
+            if spec.image_preprocessor is not None
+            else None
+        )
         self.metrics = metrics.of(ModelLabels(spec.name, spec.version))
         self.statistics = statistics.TABLES.of(spec.name, spec.version, policy.max_batch_size)
         self.tokenizer = TextTokenizer.of_model(spec) if spec.tokenizer_file is not None else None
@@ -149,6 +162,7 @@ class ServedModel:
             policy.max_batch_size,
             TextLimits(settings.max_text_bytes, settings.max_request_text_bytes),
             policy.priority_levels,
+            settings.max_image_bytes,
         )
         self.info = ModelInfo(spec, self.signature, policy, instances)
 
@@ -175,11 +189,14 @@ class ServedModel:
         if self._closing:
             raise Unavailable("the model is shutting down")
         share = self.share(request.priority, tenant)
-        self.queue.check_room(share.priority)
+        queue = self.queue if request.images is None else self.image_queue
+        queue.check_room(share.priority)
         self.accepted += 1
         try:
             windows = spans = None
-            if request.late_chunking:
+            if request.images is not None:
+                rows = await self._preprocess(request.images, trace)
+            elif request.late_chunking:
                 started = time.perf_counter()
                 with tracing.stage(trace, "tokenize"):
                     work = functools.partial(self.tokenizer.encode_chunks, request.texts)
@@ -201,13 +218,29 @@ class ServedModel:
             if spans is not None:
                 graph = (TOKEN_STATES,)
             if trace is None:
-                work = await self.queue.submit(rows, graph, deadline, share=share)
+                work = await queue.submit(rows, graph, deadline, share=share)
             else:
-                submitted = self.queue.submit(rows, graph, deadline, trace=trace.span_context, share=share)
+                submitted = queue.submit(rows, graph, deadline, trace=trace.span_context, share=share)
                 work = await trace.queued(submitted)
         finally:
             self.accepted -= 1
         return RowsAnswered(work, rows.real_tokens, answer_bytes, rows, windows, spans)
+
+    @property
+    def queues(self) -> tuple[ModelQueue, ...]:
+        """Every queue of the model: its text (or token) rows', then its image tower's where that is another."""
+        if self.image_queue is None or self.image_queue is self.queue:
+            return (self.queue,)
+        return (self.queue, self.image_queue)
+
+    async def _preprocess(self, images: list[bytes], trace: tracing.RequestTrace | None) -> PixelRows:
+        """The images decoded and preprocessed on a worker thread (errors name the image by its index)."""
+        started = time.perf_counter()
+        with tracing.stage(trace, "preprocess"):
+            loop = asyncio.get_running_loop()
+            pixels = await loop.run_in_executor(self._tokenizer_pool, self.preprocessor.encode, images)
+        self.metrics.tokenize_duration.observe(time.perf_counter() - started)
+        return PixelRows(pixels)
 
     def share(self, priority: int, tenant: Tenant | None) -> Share:
         """Where a request's rows wait, and its tenant's share among those of that priority.
@@ -263,9 +296,10 @@ class ServedModel:
         deadline = time.monotonic() + timeout_s
         while self.accepted and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        await self.queue.close(max(0.0, deadline - time.monotonic()))
+        left_s = max(0.0, deadline - time.monotonic())
+        await asyncio.gather(*(queue.close(left_s) for queue in self.queues))
 
-    def _answer_size(self, rows: TokenRows, request: ValidRequest, encodings: dict[str, str]) -> int:
+    def _answer_size(self, rows: Rows, request: ValidRequest, encodings: dict[str, str]) -> int:
         """Bytes the requested outputs take as the front end sends them (values x each one's bytes as encoded)."""
         size = 0.0
         for name in request.outputs:

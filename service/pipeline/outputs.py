@@ -87,8 +87,9 @@ def served_outputs(spec: ModelSpec, accepts_text: bool) -> dict[str, ServedOutpu
             if kind not in CALIBRATED_TYPES or spec.embedding_ranges:
                 name = OUTPUT_OF_TYPE[kind]
                 outputs[name] = ServedOutput(name, EMBEDDING_TYPE_DATATYPES[kind], EMBEDDING, kind)
-        outputs[CHUNKS] = ServedOutput(CHUNKS, "FP32", EMBEDDING, CHUNKS)
-        outputs[CHUNK_COUNTS] = ServedOutput(CHUNK_COUNTS, "INT64", EMBEDDING, CHUNK_COUNTS)
+        if not spec.image_variants:  # a two-tower model's long-text windows are not gated: no chunks
+            outputs[CHUNKS] = ServedOutput(CHUNKS, "FP32", EMBEDDING, CHUNKS)
+            outputs[CHUNK_COUNTS] = ServedOutput(CHUNK_COUNTS, "INT64", EMBEDDING, CHUNK_COUNTS)
     sparse_source = SPARSE if SPARSE in graph else TOKEN_WEIGHTS if TOKEN_WEIGHTS in graph else None
     if sparse_source is not None:
         outputs[INDICES] = ServedOutput(INDICES, "INT64", sparse_source, INDICES)

@@ -43,8 +43,15 @@ class RemoteModels:
         policy = BatchingPolicy(**update.policy)
         instances = tuple(InstanceInfo(i.provider, i.variant, i.cuda_device_id) for i in update.instances)
         queue = self._queues[update.name] = RemoteQueue(self.link, spec.name, spec.version)
+        # One link carries both kinds of rows: the engine puts images in the model's image tower's queue.
         model = ServedModel(
-            spec, policy, instances, queue, settings=settings, tokenizer_pool=self._engine.tokenizer_pool()
+            spec,
+            policy,
+            instances,
+            queue,
+            settings=settings,
+            tokenizer_pool=self._engine.tokenizer_pool(),
+            image_queue=queue if spec.image_variants else None,
         )
         self._engine.add(model)
         queue.set_serving(update.serving)

@@ -14,7 +14,7 @@ from service.core.repository import ModelSpec
 from service.core.rows import TokenRows
 from service.pipeline.multivector import DOCUMENT
 from service.pipeline.outputs import ServedOutput, asks_for_tokens, served_outputs
-from service.pipeline.vocabulary import QUERY_INPUT, TEXT_INPUT
+from service.pipeline.vocabulary import IMAGE_INPUT, QUERY_INPUT, TEXT_INPUT
 
 
 @dataclass(slots=True)
@@ -59,6 +59,13 @@ class ModelSignature:
     text_limits: TextLimits = TextLimits()
     priority_levels: int = 1
     """Priorities a request may ask for (1 the highest)."""
+    max_image_bytes: int = 20 * 1024 * 1024
+    """One encoded image, bytes (--max-image-bytes)."""
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model has an image tower (input image)."""
+        return bool(self.spec.image_variants)
 
     @functools.cached_property
     def input_datatypes(self) -> dict[str, str]:
@@ -68,6 +75,8 @@ class ModelSignature:
             names[TEXT_INPUT] = "BYTES"
             if self.spec.task == "classify" or self.spec.multivector is not None:
                 names[QUERY_INPUT] = "BYTES"
+        if self.accepts_images:
+            names[IMAGE_INPUT] = "BYTES"
         return names
 
     @functools.cached_property
@@ -78,7 +87,7 @@ class ModelSignature:
 
 @dataclass(slots=True)
 class ValidRequest:
-    """A request checked against its model: texts to tokenise, or token rows; what to answer with."""
+    """A request checked against its model: texts to tokenise, token rows, or images; what to answer with."""
 
     texts: list[str] | None
     """Texts, each with the prompt's prefix already put before it."""
@@ -109,6 +118,9 @@ class ValidRequest:
     """Whether the token outputs hold the model's special tokens."""
     priority: int = 0
     """The priority asked for (1 the highest); 0: its tenant's, else the model's default."""
+    images: list[bytes] | None = None
+    """Encoded images, each checked for its size only (decoded on a worker: service.pipeline.images); None: no
+    images (texts or token rows)."""
 
     @property
     def tokens_only(self) -> bool:
@@ -118,4 +130,6 @@ class ValidRequest:
     @property
     def rows(self) -> int:
         """Sequences in the request."""
+        if self.images is not None:
+            return len(self.images)
         return len(self.texts) if self.texts is not None else self.tokens.rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.core.repository import TOKEN_VECTORS, TOKEN_WEIGHTS, ModelSpec
-from service.core.rows import TokenRows
+from service.core.rows import Rows, TokenRows
 from service.pipeline import multivector
 from service.pipeline.embedding_types import quantize, shortened
 from service.pipeline.outputs import CALIBRATED_TYPES
@@ -31,7 +31,7 @@ from service.pipeline.vocabulary import (
 
 
 def answer_outputs(
-    signature: ModelSignature, request: ValidRequest, graph: dict[str, np.ndarray], rows: TokenRows
+    signature: ModelSignature, request: ValidRequest, graph: dict[str, np.ndarray], rows: Rows
 ) -> dict[str, np.ndarray]:
     """The request's outputs, in order, from the graph's outputs for its `rows` (as tokenised).
 

@@ -2,7 +2,8 @@
 
 Every front end hands the engine the same `InferenceRequest` (service.pipeline.api): inputs as received,
 names, datatypes, shapes and data unchecked. Here they are checked against the model's signature,
-once for every protocol, and become a `ValidRequest`: texts, or token rows.
+once for every protocol, and become a `ValidRequest`: texts, token rows, or (a two-tower model) encoded
+images, checked for their sizes here and decoded on the pipeline's workers (service.pipeline.models).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from service.pipeline.vocabulary import (
     CHUNK_COUNTS,
     CHUNKS,
     DIMENSIONS,
+    IMAGE_INPUT,
     INDICES,
     INSTRUCTION,
     LATE_CHUNKING,
@@ -375,6 +377,11 @@ def _decode_inputs(inputs: Sequence[InputTensor], accepted: dict[str, str]) -> d
         raise InvalidArgument(f"no inputs; the model takes {', '.join(accepted)}")
     decoded: dict[str, np.ndarray | list[bytes]] = {}
     for tensor in inputs:
+        if tensor.name == IMAGE_INPUT and tensor.name not in accepted:
+            raise InvalidArgument(
+                f"input {IMAGE_INPUT}: this model has no image tower, it takes no images"
+                f" (inputs: {', '.join(accepted)})"
+            )
         if tensor.name not in accepted:
             raise InvalidArgument(f"unknown input {tensor.name!r} (inputs: {', '.join(accepted)})")
         if tensor.name in decoded:
@@ -387,6 +394,38 @@ def _decode_inputs(inputs: Sequence[InputTensor], accepted: dict[str, str]) -> d
             raise InvalidArgument(f"input {tensor.name}: shape {shape_text(tensor.shape)} is not a valid shape")
         decoded[tensor.name] = _tensor_data(tensor)
     return decoded
+
+
+def _valid_images(
+    decoded: dict[str, np.ndarray | list[bytes]],
+    shape: tuple[int, ...],
+    parameters: dict[str, object],
+    signature: ModelSignature,
+    row_limit: RowLimit | None,
+) -> list[bytes]:
+    """A request's encoded images, checked: alone, [batch] or [batch, 1], rows, each one's size (not yet decoded)."""
+    others = sorted(set(decoded) - {IMAGE_INPUT})
+    if others:
+        raise InvalidArgument(
+            f"input {IMAGE_INPUT} cannot be combined with input {others[0]}: a request carries images, texts or"
+            " token inputs, one of them"
+        )
+    if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
+        raise InvalidArgument(f"input {IMAGE_INPUT}: shape {shape_text(shape)} must be [batch] or [batch, 1]")
+    if parameters.get(LATE_CHUNKING):
+        raise InvalidArgument(f"parameter {LATE_CHUNKING} embeds chunks of a text: send input {TEXT_INPUT}")
+    images = list(decoded[IMAGE_INPUT])
+    check_rows(len(images), signature, row_limit)
+    for index, image in enumerate(images):
+        if not image:
+            raise InvalidArgument(f"input {IMAGE_INPUT}[{index}] is empty (0 bytes)", "image_unreadable")
+        if len(image) > signature.max_image_bytes:
+            raise RequestTooLarge(
+                f"input {IMAGE_INPUT}[{index}] is {len(image)} bytes, over the limit of {signature.max_image_bytes}"
+                " bytes per image (--max-image-bytes)",
+                "image_too_large",
+            )
+    return images
 
 
 def valid_texts(
@@ -418,9 +457,12 @@ def validate(
     """
     spec = signature.spec
     decoded = _decode_inputs(inputs, signature.input_datatypes)
-    texts = tokens = queries = None
+    texts = tokens = queries = images = None
     prefix, adapter_id = prompt_and_task(parameters, spec)
-    if TEXT_INPUT in decoded:
+    if IMAGE_INPUT in decoded:
+        shape = next(tensor.shape for tensor in inputs if tensor.name == IMAGE_INPUT)
+        images = _valid_images(decoded, shape, parameters, signature, row_limit)
+    elif TEXT_INPUT in decoded:
         if set(decoded) - {TEXT_INPUT, QUERY_INPUT}:
             raise InvalidArgument("input text cannot be combined with token inputs")
         shape = next(tensor.shape for tensor in inputs if tensor.name == TEXT_INPUT)
@@ -465,6 +507,7 @@ def validate(
         adapter_id=adapter_id if tokens is None or ADAPTER_IDS not in decoded else 0,
         add_special_tokens=add_special_tokens_choice(parameters, requested, texts, pairs),
         priority=priority_choice(parameters, signature.priority_levels),
+        images=images,
     )
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 TEXT_INPUT = "text"
 QUERY_INPUT = "query"
 """The optional first member of each pair, for a classifier or a multi-vector model: row i is (query[i], text[i])."""
+IMAGE_INPUT = "image"
+"""A two-tower model's images: one encoded image (PNG, JPEG, WebP, GIF) per element, in place of texts."""
 REQUIRED_TOKEN_INPUTS = ("input_ids", "attention_mask")
 """Token inputs a token request must carry; token_type_ids defaults to zeros."""
 

@@ -40,6 +40,8 @@ def test_flags_beat_environment_which_beats_defaults() -> None:
         ([], {"ENCODER_MAX_BATCH_RUN_S": "inf"}, "max_batch_run_s must be a finite number, got inf"),
         ([], {"ENCODER_MAX_CONNECTION_AGE_S": "-Infinity"}, "max_connection_age_s must be a finite number"),
         (["--max-connection-age-s", "2200000"], {}, "max_connection_age_s must be at most 2000000"),
+        ([], {"ENCODER_MAX_IMAGE_BYTES": "0"}, "max_image_bytes must be at least 1"),
+        (["--max-image-pixels", "100000000"], {}, r"max_image_pixels must be at most 89478485 \(Pillow's own"),
     ],
 )
 def test_bad_settings_name_the_setting(argv: list[str], environ: dict[str, str], message: str) -> None:

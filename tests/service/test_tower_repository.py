@@ -10,14 +10,13 @@ import pytest
 from protocol import model_config_pb2 as mc
 from service.core.repository import (
     CONFIG_FILE,
-    P_IMAGE_VARIANT_PREFIX,
     P_POOLING,
-    P_TEXT_PADDING,
     RepositoryError,
     config_text,
     parse_config,
     read_model,
 )
+from service.core.towers import P_IMAGE_VARIANT_PREFIX, P_TEXT_PADDING
 from tests.export.two_tower_folders import exported_two_towers
 
 

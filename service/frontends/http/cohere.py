@@ -9,7 +9,8 @@ first. `model` may be left out when exactly one reranker is served.
 ubinary, base64: little-endian float32 in base64), `input_type` (search_query, search_document,
 classification, clustering: the model's prompt of that meaning where it declares one, else its
 default prompt), `output_dimension` (a Matryoshka width) and `truncate` (END, the default, or NONE;
-START is refused: this server keeps the start of long inputs).
+START is refused: this server keeps the start of long inputs). A two-tower model takes `images` instead of
+`texts` (data URIs, or base64; `input_type` image or none), as Cohere's v2 client sends them.
 
 Errors on both routes come as Cohere's {"message"} (Cohere's own clients, and Jina's, read the status and show
 the body).
@@ -26,6 +27,7 @@ import orjson
 
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
+from service.frontends.http.image_data import image_bytes
 from service.frontends.http.tasks import (
     EMBEDDER,
     RERANKER,
@@ -39,6 +41,7 @@ from service.pipeline.api import (
     BASE64,
     DIMENSIONS,
     EMBEDDING_TYPES,
+    IMAGE_INPUT,
     INSTRUCTION,
     JSON,
     PROMPT_NAME,
@@ -47,6 +50,7 @@ from service.pipeline.api import (
     TRUNCATE,
     InferenceRequest,
     InferenceResult,
+    InputTensor,
     ModelInfo,
     json_values,
     scheduling_parameters,
@@ -64,7 +68,18 @@ FIELDS = (
     "instruction",
     *SCHEDULING,
 )
-EMBED_FIELDS = ("model", "texts", "input_type", "embedding_types", "output_dimension", "truncate", *SCHEDULING)
+EMBED_FIELDS = (
+    "model",
+    "texts",
+    "images",
+    "input_type",
+    "embedding_types",
+    "output_dimension",
+    "truncate",
+    *SCHEDULING,
+)
+IMAGE_INPUT_TYPE = "image"
+"""Cohere's input_type of images."""
 EMBED_TYPES = (*EMBEDDING_TYPES, "base64")
 """Cohere's embedding_types: the served forms, and base64 (the float embedding's bytes)."""
 INPUT_TYPE_PROMPTS = {
@@ -188,24 +203,34 @@ def _embeddings_by_type(arrays: dict[str, np.ndarray]) -> dict[str, object]:
 async def embed(call: TaskCall, payload: object) -> bytes:
     """POST /v2/embed: {"model", "texts", "input_type", "embedding_types", ...} -> {"embeddings": {type: ...}, ...}."""
     payload = _body(payload, EMBED_FIELDS)
-    texts = payload.get("texts")
-    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
-        raise InvalidArgument("texts is required: a non-empty list of strings")
+    field = "images" if "images" in payload else "texts"
+    items = payload.get(field)
+    if "images" in payload and "texts" in payload:
+        raise InvalidArgument("send texts or images, not both: each request embeds one kind")
+    if not isinstance(items, list) or not items or not all(isinstance(item, str) for item in items):
+        raise InvalidArgument(f"{field} is required: a non-empty list of strings")
     kinds = _embedding_types(payload.get("embedding_types"))
     model = choose_model(call.pipeline, EMBEDDER, payload.get("model"))
     outputs = {
         kind: type_output("float" if kind == "base64" else kind, model.signature, "embedding_types") for kind in kinds
     }
     parameters = scheduling_parameters(payload) | {TRUNCATE: _truncate(payload.get("truncate", "END"))}
-    prompt_name = _prompt_name(payload.get("input_type"), model)
-    if prompt_name is not None:
-        parameters[PROMPT_NAME] = prompt_name
+    if field == "images":
+        if payload.get("input_type") not in (None, IMAGE_INPUT_TYPE):
+            raise InvalidArgument(f"input_type of images must be {IMAGE_INPUT_TYPE}, got {payload['input_type']!r}")
+        encoded = [image_bytes(item, f"images[{index}]") for index, item in enumerate(items)]
+        tensor = InputTensor(IMAGE_INPUT, "BYTES", (len(encoded),), encoded, raw=False)
+    else:
+        tensor = bytes_tensor(TEXT_INPUT, items)
+        prompt_name = _prompt_name(payload.get("input_type"), model)
+        if prompt_name is not None:
+            parameters[PROMPT_NAME] = prompt_name
     if payload.get("output_dimension") is not None:
         parameters[DIMENSIONS] = payload["output_dimension"]
     names = tuple(dict.fromkeys(outputs.values()))
     request = InferenceRequest(
         model=model.spec.name,
-        inputs=(bytes_tensor(TEXT_INPUT, texts),),
+        inputs=(tensor,),
         outputs=names,
         parameters=parameters,
         row_limit=call.row_limit,
@@ -218,7 +243,7 @@ async def embed(call: TaskCall, payload: object) -> bytes:
             answer = {
                 "id": str(uuid.uuid4()),
                 "embeddings": _embeddings_by_type({kind: result.outputs[name] for kind, name in outputs.items()}),
-                "texts": texts,
+                **({"texts": items} if field == "texts" else {}),
                 "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": result.prompt_tokens}},
                 "response_type": "embeddings_by_type",
             }

@@ -3,8 +3,9 @@
 An infer body is JSON, or JSON followed by binary tensor data whose JSON length the header
 `Inference-Header-Content-Length` gives (Triton's binary-tensor extension). It is turned into the
 engine's request (binary data as raw contents, JSON data as typed values), which the engine checks
-as it checks the gRPC port's. Metadata, configuration and statistics are the gRPC port's messages,
-written in JSON as Triton writes them.
+as it checks the gRPC port's. In JSON, an `image` input's elements are base64 strings (or data: URIs):
+images are not UTF-8 text; binary data carries them as they are. Metadata, configuration and statistics
+are the gRPC port's messages, written in JSON as Triton writes them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ from google.protobuf.message import Message
 
 from service.errors import InvalidArgument
 from service.frontends.codec import output_array
-from service.pipeline.api import DEFAULT_NAMES, JSON, RAW, InferenceRequest, InferenceResult, InputTensor, json_values
+from service.frontends.http.image_data import image_bytes
+from service.pipeline.api import (
+    DEFAULT_NAMES,
+    IMAGE_INPUT,
+    JSON,
+    RAW,
+    InferenceRequest,
+    InferenceResult,
+    InputTensor,
+    json_values,
+)
 
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_OUTPUT = "binary_data_output"
@@ -87,7 +98,7 @@ def _flatten(data: list[object]) -> Iterator[object]:
 
 
 def _json_data(name: str, datatype: str, data: object, count: int) -> list:
-    """JSON `data` as typed values: BYTES as UTF-8 bytes, INT64 as integers, others as they are.
+    """JSON `data` as typed values: BYTES as UTF-8 bytes (images: base64), INT64 as integers, others as they are.
 
     The engine refuses a datatype the model does not take, naming the one it expects.
     """
@@ -99,6 +110,8 @@ def _json_data(name: str, datatype: str, data: object, count: int) -> list:
     if datatype == "BYTES":
         if not all(isinstance(item, str) for item in elements):
             raise InvalidArgument(f"input {name}: BYTES data must be strings")
+        if name == IMAGE_INPUT:
+            return [image_bytes(item, f"input {name}[{index}]") for index, item in enumerate(elements)]
         return [item.encode("utf-8", "surrogatepass") for item in elements]
     if datatype == "INT64" and not all(
         _is_int(item) and _INT64_RANGE[0] <= item <= _INT64_RANGE[1] for item in elements

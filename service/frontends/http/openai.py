@@ -12,23 +12,31 @@ are consecutive chunks of one document, each embedded in its context, as Jina's 
 int8, uint8, binary or ubinary: service.pipeline.embedding_types), whose integers come as JSON numbers, or with
 encoding_format base64 as their bytes (one byte each). The SDK decodes base64 as float32 when it
 chose the format itself, so a compact type is asked for with encoding_format="float" there.
+
+Images (a two-tower model, as Jina's API has them): `input` items may be objects, `{"text": "..."}` or
+`{"image": "<base64 or data: URI>"}`, mixed in one list; URLs are refused (nothing is fetched). The texts and the
+images of a mixed request run as two inferences (each counted as one), and their vectors come back in the
+input's order; a refused image is named by its place in `input`.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import orjson
 
 from service.envelope import RequestEnvelope
-from service.errors import InvalidArgument
+from service.errors import InvalidArgument, RequestTooLarge, ServiceError
 from service.frontends.codec import output_array
+from service.frontends.http.image_data import image_bytes
 from service.pipeline.api import (
     BASE64,
     EMBEDDING_TYPES,
+    IMAGE_INPUT,
     JSON,
     OUTPUT_OF_TYPE,
     SCHEDULING,
@@ -62,9 +70,15 @@ late_chunking and task (as Jina's API: the inputs are chunks of one document; th
 timeout (Triton's: where the request waits in the queue, and for how long; the SDK sends them with extra_body)."""
 OWNER = "encoder-serve"
 TOKEN_ARRAYS_REFUSED = (
-    "input must be a string or a list of strings: token arrays are not accepted, this server tokenises with"
-    " the model's own tokenizer (LangChain: OpenAIEmbeddings(check_embedding_ctx_length=False))"
+    'input must be a string or a list of strings (or of {"text": ...} and {"image": ...} objects): token arrays'
+    " are not accepted, this server tokenises with the model's own tokenizer (LangChain:"
+    " OpenAIEmbeddings(check_embedding_ctx_length=False))"
 )
+_ITEM_NAMES = {
+    str: re.compile(r"\binput text\[(\d+)\]"),
+    bytes: re.compile(r"\bimage (\d+)\b|\binput image\[(\d+)\]"),
+}
+"""How the engine's refusals name a text, and an image, by its place in its own inference."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +86,8 @@ class EmbeddingsRequest:
     """A /v1/embeddings body, checked for form (the model and the texts are checked by the engine's rules)."""
 
     model: str
-    texts: list[str]
+    items: list[str | bytes]
+    """The inputs in order: a text, or an encoded image (bytes)."""
     encoding_format: str
     dimensions: int | None
     prompt_name: str | None = None
@@ -86,12 +101,29 @@ class EmbeddingsRequest:
     """priority and timeout, where given (checked by the engine's rules)."""
 
 
-def _texts(value: object) -> list[str]:
+def _items(value: object) -> list[str | bytes]:
+    """The input's texts and images (objects with one field, text or image), in order."""
     if isinstance(value, str):
         return [value]
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return value
-    raise InvalidArgument(TOKEN_ARRAYS_REFUSED)
+    if not isinstance(value, list):
+        raise InvalidArgument(TOKEN_ARRAYS_REFUSED)
+    items: list[str | bytes] = []
+    for index, item in enumerate(value):
+        if isinstance(item, dict) and len(item) == 1 and isinstance(next(iter(item.values())), str):
+            kind, data = next(iter(item.items()))
+            if kind == "text":
+                items.append(data)
+                continue
+            if kind == IMAGE_INPUT:
+                items.append(image_bytes(data, f"input[{index}].image"))
+                continue
+        if not isinstance(item, str):
+            kinds = '{"text": "..."} or {"image": "<base64 or data: URI>"}'
+            raise InvalidArgument(
+                f"input[{index}]: an item is a string, {kinds}" if isinstance(item, dict) else TOKEN_ARRAYS_REFUSED
+            )
+        items.append(item)
+    return items
 
 
 def parse_embeddings(payload: object) -> EmbeddingsRequest:
@@ -128,9 +160,9 @@ def parse_embeddings(payload: object) -> EmbeddingsRequest:
         raise InvalidArgument(
             f"{'truncate' if not isinstance(truncate, bool) else 'late_chunking'} must be true or false"
         )
-    texts = _texts(payload["input"])
+    items = _items(payload["input"])
     return EmbeddingsRequest(
-        model, texts, encoding_format, dimensions, prompt_name, embedding_type, truncate, late_chunking, task,
+        model, items, encoding_format, dimensions, prompt_name, embedding_type, truncate, late_chunking, task,
         scheduling_parameters(payload),
     )  # fmt: skip
 
@@ -153,15 +185,73 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
 async def embeddings(envelope: RequestEnvelope, request: EmbeddingsRequest, max_inputs: int) -> bytes:
     """Answer a /v1/embeddings request (`parse_embeddings`): its texts in one inference, OpenAI's answer.
 
-    The result comes back with the body: its bytes stay in the answer budget until the body is sent.
+    Images and texts mixed: two inferences, the texts' then the images', their vectors put back in the input's
+    order. The result comes back with the body: its bytes stay in the answer budget until the body is sent.
     """
-    # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
-    elements = [text.encode("utf-8", "surrogatepass") for text in request.texts]
-    texts = InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False)
+    places = {
+        kind: [index for index, item in enumerate(request.items) if isinstance(item, kind)] for kind in (str, bytes)
+    }
+    if not places[bytes] or not places[str]:
+        return await _inference(envelope, request, max_inputs, request.items)
+    if len(request.items) > max_inputs:
+        raise RequestTooLarge(
+            f"{len(request.items)} inputs, over the limit of {max_inputs} per request (--max-embedding-inputs)",
+            "too_many_inputs",
+        )
+    texts = [request.items[index] for index in places[str]]
+    images = [request.items[index] for index in places[bytes]]
     output = OUTPUT_OF_TYPE[request.embedding_type]
-    inference_request = InferenceRequest(
+    try:
+        async with (
+            envelope.inference(_inference_request(request, max_inputs, texts)) as text_run,
+            envelope.inference(_inference_request(request, max_inputs, images)) as image_run,
+        ):
+            vectors = np.concatenate([text_run.result.outputs[output], image_run.result.outputs[output]])
+            order = np.argsort(np.array(places[str] + places[bytes]), kind="stable")
+            tokens = text_run.result.prompt_tokens + image_run.result.prompt_tokens
+            return await image_run.encode(lambda: _embeddings_body(vectors[order], request, tokens))
+    except ServiceError as error:
+        raise _named_by_place(error, places) from error
+
+
+def _named_by_place(error: ServiceError, places: dict[type, list[int]]) -> ServiceError:
+    """A mixed request's refusal (InvalidArgument), each text or image it names renamed by its place in `input`."""
+    if not isinstance(error, InvalidArgument):
+        return error
+    message = str(error)
+    for kind, pattern in _ITEM_NAMES.items():
+
+        def renamed(match: re.Match[str], kind: type = kind) -> str:
+            number = int(next(group for group in match.groups() if group is not None))
+            return f"input[{places[kind][number]}]" if number < len(places[kind]) else match.group(0)
+
+        message = pattern.sub(renamed, message)
+    return error if message == str(error) else type(error)(message, error.reason)
+
+
+async def _inference(
+    envelope: RequestEnvelope, request: EmbeddingsRequest, max_inputs: int, items: list[str | bytes]
+) -> bytes:
+    """One inference of the request's items (all texts, or all images), answered in OpenAI's form."""
+    output = OUTPUT_OF_TYPE[request.embedding_type]
+    async with envelope.inference(_inference_request(request, max_inputs, items)) as inference:
+        result = inference.result
+        vectors = result.outputs[output]
+        return await inference.encode(lambda: _embeddings_body(vectors, request, result.prompt_tokens))
+
+
+def _inference_request(request: EmbeddingsRequest, max_inputs: int, items: list[str | bytes]) -> InferenceRequest:
+    """The engine's request for the items (all texts, or all images)."""
+    if isinstance(items[0], bytes):
+        tensor = InputTensor(IMAGE_INPUT, "BYTES", (len(items),), items, raw=False)
+    else:
+        # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
+        elements = [text.encode("utf-8", "surrogatepass") for text in items]
+        tensor = InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False)
+    output = OUTPUT_OF_TYPE[request.embedding_type]
+    return InferenceRequest(
         model=request.model,
-        inputs=(texts,),
+        inputs=(tensor,),
         outputs=(output,),
         row_limit=RowLimit(max_inputs, "--max-embedding-inputs"),
         dimensions=request.dimensions,
@@ -172,11 +262,6 @@ async def embeddings(envelope: RequestEnvelope, request: EmbeddingsRequest, max_
         | request.scheduling,
         encodings={output: BASE64 if request.encoding_format == "base64" else JSON},
     )
-    async with envelope.inference(inference_request) as inference:
-        result = inference.result
-        vectors = result.outputs[output]
-        body = await inference.encode(lambda: _embeddings_body(vectors, request, result.prompt_tokens))
-    return body
 
 
 def _model_card(model: ModelInfo, created: int) -> dict[str, object]:
