@@ -1,9 +1,10 @@
 """Images through the SDK and `python -m client embed`, against a real server of the tiny two-tower models.
 
 The SDK (blocking and asyncio) sends bytes, paths and PIL images, mixed with texts in one call, and its
-answers equal the library that made the folder (tests.export.two_tower_folders' `library_embeddings`). The
-ingestion embeds a folder of images and a JSONL column of paths, resumed after a SIGKILL of the client: each
-row equals its own image's reference vector, and every image is embedded once across both runs.
+answers equal the library that made the folder (tests.export.two_tower_folders' `library_embeddings`); a bad
+item is refused naming its place in the call. The ingestion embeds a folder of images, image files in the order
+given, a Parquet column of paths, and a JSONL column of paths resumed after a SIGKILL of the client: each row
+equals its own image's reference vector, and every image is embedded once across both runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -138,7 +141,7 @@ def test_an_image_past_the_servers_message_limit_is_not_retried(server: RunningS
         assert client.retries == 0
 
 
-def test_items_that_are_neither_texts_nor_images_are_refused_before_sending() -> None:
+def test_an_item_neither_text_nor_image_is_refused_and_a_cmyk_image_goes_as_rgb() -> None:
     with pytest.raises(TypeError, match=r"inputs\[2\] is a int: give a text \(str\) or an image"):
         encoded_image(7, 2)  # type: ignore[arg-type]
     cmyk = Image.new("CMYK", (3, 2), (10, 20, 30, 40))
@@ -197,6 +200,24 @@ def test_the_command_line_embeds_a_folder_in_path_order(
     summary = finished(cli(*arguments, "--model", "clip", "--batch-size", "16"))
     assert summary["rows"] == summary["embedded"] == len(order) and "images_per_s" in summary
     assert_as_the_library(np.load(output), distinct_reference[order])
+
+
+def test_image_files_in_the_order_given_and_a_parquet_column_of_paths(
+    server: RunningServer, distinct_images: list[bytes], distinct_reference: np.ndarray, tmp_path: Path
+) -> None:
+    order = np.arange(12) % DISTINCT
+    paths = write_images(tmp_path / "photos", distinct_images, order)[::-1]  # given last to first
+    target = ["--target", server.target, "--model", "clip", "--quiet"]
+    listed = tmp_path / "listed.npy"
+    assert main(["embed", *map(str, paths), "--output", str(listed), *target]) == 0
+    assert_as_the_library(np.load(listed), distinct_reference[order[::-1]])
+    table = tmp_path / "photos.parquet"
+    pq.write_table(pa.table({"image": [str(path) for path in paths]}), table)  # absolute paths
+    from_table = tmp_path / "table.parquet"
+    assert main(["embed", str(table), "--image-column", "image", "--output", str(from_table), *target]) == 0
+    written = pq.read_table(from_table)
+    vectors = np.array(written.column("embedding").to_pylist(), dtype=np.float32)
+    assert_as_the_library(vectors, distinct_reference[order[::-1]])
 
 
 def test_a_jsonl_column_of_paths_resumed_after_sigkill_embeds_every_image_once(
