@@ -1,8 +1,8 @@
 """Python clients for the encoder service (any KServe v2 / Triton gRPC server with a text input).
 
-`EmbeddingClient` (blocking) and `AsyncEmbeddingClient` (asyncio): embed, embed_sparse, rerank,
+`EmbeddingClient` (blocking) and `AsyncEmbeddingClient` (asyncio): embed (texts and images), embed_sparse, rerank,
 classify, tokenize, models, model_info; typed errors (client.errors) and retries (client.retry). Bulk
-ingestion of files: `client.ingest.embed_file` and `python -m client embed`.
+ingestion of files and images: `client.ingest.embed_file`, `client.ingest.embed_images` and `python -m client embed`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from client.errors import (
     DeadlineExceeded,
     EmbeddingError,
     InvalidRequest,
+    MessageTooLarge,
     ModelNotFound,
     Overloaded,
     Unauthenticated,
@@ -34,6 +35,7 @@ __all__ = [
     "EmbeddingClient",
     "EmbeddingError",
     "InvalidRequest",
+    "MessageTooLarge",
     "ModelInfo",
     "ModelNotFound",
     "Overloaded",

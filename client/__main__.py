@@ -1,6 +1,8 @@
-"""`python -m client embed|rerank|classify`: bulk ingestion of a file, and quick reranking and classification.
+"""`python -m client embed|rerank|classify`: bulk ingestion of a file or images, quick reranking and classification.
 
 python -m client embed docs.jsonl --field body --output vectors.npy --target dns:///encoder:8001
+python -m client embed photos/ --model clip --output image-vectors.npy
+python -m client embed photos.jsonl --image-column path --model clip --output image-vectors.npy
 python -m client rerank --query "how do I bake bread?" --model my-reranker passages.txt
 python -m client classify --model my-classifier reviews.txt
 """
@@ -18,8 +20,8 @@ from client.aio import AsyncEmbeddingClient
 from client.base import DEFAULT_MODEL
 from client.checkpoint import CheckpointError
 from client.errors import EmbeddingError
-from client.ingest import TRANSPORTS, IngestSettings, embed_file_async
-from client.inputs import DEFAULT_FIELD, InputError, InputFile
+from client.ingest import TRANSPORTS, IngestReport, IngestSettings, embed_file_async, embed_images_async
+from client.inputs import DEFAULT_FIELD, InputError, InputFile, image_sources
 from client.tasks import EmbedOptions
 from protocol.channel_security import SecurityError, add_security_arguments, security_from_args
 
@@ -29,11 +31,24 @@ TARGET_VARIABLE = "ENCODER_CLIENT_TARGET"
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    embed = commands.add_parser("embed", help="embed every text of a file into .npy or .parquet, resumable")
+    embed = commands.add_parser("embed", help="embed every text of a file, or images, into .npy or .parquet, resumable")
     rerank = commands.add_parser("rerank", help="rank a file's texts for a query")
     classify = commands.add_parser("classify", help="classify each text of a file")
-    for command in (embed, rerank, classify):
+    embed.add_argument(
+        "inputs",
+        type=Path,
+        nargs="+",
+        help=".txt (a text a line), .jsonl, .csv or .parquet; or images: folders (their .png, .jpg, .jpeg, .webp and"
+        " .gif files, every level, sorted by path) and image files, or a table of paths with --image-column",
+    )
+    embed.add_argument(
+        "--image-column",
+        help="the field (.jsonl) or column (.csv, .parquet) holding each row's image path (relative ones from the"
+        " file's folder): the rows are images",
+    )
+    for command in (rerank, classify):
         command.add_argument("input", type=Path, help=".txt (a text a line), .jsonl, .csv or .parquet")
+    for command in (embed, rerank, classify):
         command.add_argument(
             "--target",
             default=os.environ.get(TARGET_VARIABLE, "localhost:8001"),
@@ -42,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--model", default=DEFAULT_MODEL, help="the model (default: %(default)s)")
         command.add_argument("--field", default=DEFAULT_FIELD, help=".jsonl: the field holding the text")
         command.add_argument("--column", default=DEFAULT_FIELD, help=".csv, .parquet: the column holding the text")
-        command.add_argument("--batch-size", type=int, default=64, help="texts per request (default: %(default)s)")
+        command.add_argument(
+            "--batch-size", type=int, default=64, help="texts or images per request (default: %(default)s)"
+        )
         command.add_argument("--connections", type=int, default=2, help="connections per address (default: 2)")
         command.add_argument("--truncate", choices=("true", "false"), help="false: long texts whole, or refused")
         add_security_arguments(command)
@@ -73,24 +90,29 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _embed(args: argparse.Namespace) -> None:
     truncate = None if args.truncate is None else args.truncate == "true"
-    report = await embed_file_async(
-        args.input,
-        args.output,
-        target=args.target,
-        model=args.model,
-        field=args.field,
-        column=args.column,
-        resume=args.resume,
-        options=EmbedOptions(args.prompt_name, args.dimensions, truncate),
-        settings=IngestSettings(
+    arguments = {
+        "target": args.target,
+        "model": args.model,
+        "resume": args.resume,
+        "options": EmbedOptions(args.prompt_name, args.dimensions, truncate),
+        "settings": IngestSettings(
             args.batch_size, args.connections, args.in_flight, args.transport, priority=args.priority
         ),
-        security=security_from_args(args),
-        progress_stream=None if args.quiet else sys.stderr,
-    )
+        "security": security_from_args(args),
+        "progress_stream": None if args.quiet else sys.stderr,
+    }
+    report: IngestReport
+    if args.image_column is not None or image_sources(args.inputs):
+        report = await embed_images_async(args.inputs, args.output, image_column=args.image_column, **arguments)
+    elif len(args.inputs) == 1:
+        (source,) = args.inputs
+        report = await embed_file_async(source, args.output, field=args.field, column=args.column, **arguments)
+    else:
+        raise InputError("texts come from one file; several inputs are folders or image files")
     if not args.quiet:
         summary = {"rows": report.rows, "embedded": report.embedded, "retries": report.retries}
-        print(json.dumps({**summary, "texts_per_s": round(report.texts_per_s, 1), "output": str(report.output)}))
+        rate = {f"{report.unit}_per_s": round(report.rows_per_s, 1), "output": str(report.output)}
+        print(json.dumps(summary | rate))
 
 
 async def _score(args: argparse.Namespace) -> None:

@@ -53,7 +53,7 @@ class AsyncEmbeddingClient(BaseClient):
                 return await self._sent_call(call)
             except grpc.aio.AioRpcError as failure:
                 error = rpc_error(failure)
-            await asyncio.sleep(self._retry_delay_s(error, attempt))
+            await asyncio.sleep(self._retry_delay_s(call, error, attempt))
 
     async def close(self) -> None:
         """Close the connections."""

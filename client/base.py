@@ -19,7 +19,8 @@ from google.protobuf.message import Message
 
 from client import tasks
 from client.channels import Connections
-from client.errors import EmbeddingError
+from client.errors import EmbeddingError, named_item
+from client.images import ImageItem
 from client.retry import RetryPolicy
 from protocol import grpc_service_pb2 as pb
 from protocol.channel_security import ClientSecurity
@@ -39,6 +40,8 @@ class Call:
 
     method: str
     request: Message
+    places: Sequence[int] | None = None
+    """Where each row of the request is among the call's inputs, to name the item a refusal names; None: as sent."""
 
 
 Steps = Generator[Sequence[Call], list[Message], Result]
@@ -127,18 +130,21 @@ class BaseClient:
         method = getattr(self.connections.next_stub(), call.method)
         return method(call.request, timeout=self.timeout_s, metadata=self.call_metadata)
 
-    def _retry_delay_s(self, error: EmbeddingError, attempt: int) -> float:
-        """Seconds to wait before a call's next try, its `attempt`-th having failed; raises the error if none is due."""
+    def _retry_delay_s(self, call: Call, error: EmbeddingError, attempt: int) -> float:
+        """Seconds to wait before a call's next try, its `attempt`-th having failed.
+
+        Raises the error if none is due, naming the call's item it refuses.
+        """
         delay_s = self.retry.delay_s(error, attempt)
         if delay_s is None:
-            raise error
+            raise error if call.places is None else named_item(error, call.places)
         self.retries += 1
         return delay_s
 
     @Task
     def embed(
         self,
-        texts: Sequence[str],
+        inputs: Sequence[str | ImageItem],
         *,
         model: str | None = None,
         prompt_name: str | None = None,
@@ -148,16 +154,23 @@ class BaseClient:
         task: str | None = None,
         priority: int | None = None,
     ) -> Steps[np.ndarray]:
-        """Embeddings of the texts, in order: float32 [n, d], or the int8/uint8/binary/ubinary form asked.
+        """Embeddings of the inputs, in order: float32 [n, d], or the int8/uint8/binary/ubinary form asked.
 
-        task: one of the model's task adapters (`model_info(...).tasks`), with its prompt of that name.
-        priority: where the texts wait in the server's queue, 1 the highest (bulk work: the lowest,
+        inputs: texts (str) and, on a model with an image tower (CLIP, SigLIP), images: encoded bytes (PNG, JPEG,
+        WebP, GIF) sent as they are, paths (pathlib.Path) whose files are sent, PIL images sent as PNG
+        (client.images). Texts and images go in requests of their own (the server takes one kind a request),
+        their answers put back in the inputs' order; a refusal names the item (`inputs[i]: ...`).
+        prompt_name, truncate, task: for the texts. task: one of the model's task adapters
+        (`model_info(...).tasks`), with its prompt of that name.
+        priority: where the inputs wait in the server's queue, 1 the highest (bulk work: the lowest,
         `model_info(...).priority_levels`); None: the server's default for the caller.
         """
         output = tasks.embedding_output(embedding_type)
         options = tasks.EmbedOptions(prompt_name, dimensions, truncate, task=task, priority=priority)
-        requests = tasks.embed_requests(model or self.model, texts, [output], options, self.batch_size)
-        return tasks.stacked((yield from _inferred(requests)), output)
+        placed = tasks.embed_requests(model or self.model, inputs, [output], options, self.batch_size)
+        places = [request.places for request in placed]
+        responses = yield from _inferred([request.request for request in placed], places)
+        return tasks.placed_rows(responses, places, output)
 
     @Task
     def embed_sparse(
@@ -171,7 +184,7 @@ class BaseClient:
     ) -> Steps[tasks.SparseEmbeddings]:
         """Sparse (SPLADE, bge-m3 lexical) embeddings of the texts, each its top_k largest terms (all by default)."""
         options = tasks.EmbedOptions(prompt_name, None, truncate, top_k)
-        requests = tasks.embed_requests(model or self.model, texts, tasks.SPARSE_OUTPUTS, options, self.batch_size)
+        requests = tasks.text_requests(model or self.model, texts, tasks.SPARSE_OUTPUTS, options, self.batch_size)
         return tasks.sparse((yield from _inferred(requests)))
 
     @Task
@@ -254,6 +267,13 @@ class BaseClient:
         return self._infos[name]
 
 
-def _inferred(requests: Sequence[pb.ModelInferRequest]) -> Steps[list[pb.ModelInferResponse]]:
-    """Every request's answer, in order (the requests may be sent together)."""
-    return (yield [Call("ModelInfer", request) for request in requests])
+def _inferred(
+    requests: Sequence[pb.ModelInferRequest], places: Sequence[Sequence[int]] | None = None
+) -> Steps[list[pb.ModelInferResponse]]:
+    """Every request's answer, in order (the requests may be sent together).
+
+    places: each request's rows' places among the call's inputs, to name the item a refusal names.
+    """
+    if places is None:
+        return (yield [Call("ModelInfer", request) for request in requests])
+    return (yield [Call("ModelInfer", request, where) for request, where in zip(requests, places, strict=True)])

@@ -39,7 +39,7 @@ class EmbeddingClient(BaseClient):
                 return self._sent_call(call)
             except grpc.RpcError as failure:
                 error = rpc_error(failure)
-            time.sleep(self._retry_delay_s(error, attempt))
+            time.sleep(self._retry_delay_s(call, error, attempt))
 
     def close(self) -> None:
         """Close the connections."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 import grpc
 
 from protocol.retry_hint import RETRY_AFTER_METADATA
@@ -30,6 +33,10 @@ class Overloaded(EmbeddingError):
     """RESOURCE_EXHAUSTED: the server's queue (or the tenant's limit, or an answer budget) is full: retried."""
 
 
+class MessageTooLarge(EmbeddingError):
+    """RESOURCE_EXHAUSTED for a request past the server's message limit (--max-message-bytes): never retried."""
+
+
 class Unavailable(EmbeddingError):
     """UNAVAILABLE: the server is starting, draining, restarting or unreachable: retried."""
 
@@ -52,11 +59,31 @@ _KINDS: dict[grpc.StatusCode, type[EmbeddingError]] = {
 }
 RETRYABLE = (Overloaded, Unavailable)
 """What a retry may cure: a full queue and a server that is away for a moment."""
+MESSAGE_TOO_LARGE = "Received message larger than max"
+"""How gRPC begins its RESOURCE_EXHAUSTED for a message past the receiver's limit: the same request fails again."""
+REFUSED_ITEM = re.compile(r"\binput (?:text|image)\[(\d+)\]|\bimage (\d+)\b")
+"""How the server names a refused text or image: by its index in the request (`input text[3]`, `image 3`)."""
 
 
 def error_of(code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> EmbeddingError:
     """The typed error of a status."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith(MESSAGE_TOO_LARGE):
+        return MessageTooLarge(code, message, retry_after_s)
     return _KINDS.get(code, EmbeddingError)(code, message, retry_after_s)
+
+
+def refused_index(message: str) -> int | None:
+    """The index in its request of the text or image a refusal names, or None where it names none."""
+    found = REFUSED_ITEM.search(message)
+    return None if found is None else int(found.group(1) or found.group(2))
+
+
+def named_item(error: EmbeddingError, places: Sequence[int]) -> EmbeddingError:
+    """A refusal of a request whose row i was the call's item places[i], saying which item: `inputs[37]: ...`."""
+    index = refused_index(error.message)
+    if not isinstance(error, InvalidRequest) or index is None or index >= len(places):
+        return error
+    return type(error)(error.code, f"inputs[{places[index]}]: {error.message}", error.retry_after_s)
 
 
 def rpc_error(error: grpc.RpcError) -> EmbeddingError:

@@ -1,4 +1,4 @@
-"""Bulk ingestion: every text of a file embedded once, written in input order, through restarts and crashes.
+"""Bulk ingestion: every text of a file, or every image, embedded once, in input order, through restarts and crashes.
 
 Rows are sent in batches over `ModelStreamInfer` streams (one per connection) or concurrent
 `ModelInfer` calls, at the model's lowest priority by default (bulk work: interactive requests go
@@ -19,7 +19,7 @@ import contextlib
 import importlib.util
 import sys
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -30,10 +30,11 @@ import numpy as np
 from client.aio import AsyncEmbeddingClient
 from client.base import DEFAULT_MODEL
 from client.checkpoint import Checkpoint
-from client.errors import EmbeddingError, error_of, rpc_error
-from client.inputs import DEFAULT_FIELD, InputError, InputFile
+from client.errors import EmbeddingError, error_of, refused_index, rpc_error
+from client.images import IMAGE_REQUEST_BYTES
+from client.inputs import DEFAULT_FIELD, ImageFile, ImageInput, InputError, InputFile
 from client.progress import Progress
-from client.protocol import output_array, prompt_tokens, text_request
+from client.protocol import image_request, output_array, prompt_tokens, text_request
 from client.retry import RetryPolicy
 from client.tasks import EmbedOptions
 from client.window import AdaptiveWindow
@@ -55,7 +56,7 @@ class IngestSettings:
     """How an ingestion sends its rows."""
 
     batch_size: int = 64
-    """Texts per request."""
+    """Texts or images per request (images: IMAGE_REQUEST_BYTES of them at most, but one)."""
     connections: int = 2
     """Connections to the server (to each address of a dns:/// target)."""
     in_flight: int = 16
@@ -81,15 +82,31 @@ class IngestSettings:
 
 @dataclass(frozen=True)
 class Batch:
-    """Some rows of the input: their numbers (ascending) and texts."""
+    """Some rows of the input: their numbers (ascending) and texts, or encoded images and their files' names."""
 
     number: int
     rows: np.ndarray
-    texts: list[str]
+    items: list[str] | list[bytes]
+    names: tuple[str, ...] = ()
+    """Each image's file (and the line that named it); empty for texts."""
 
-    def where(self) -> str:
-        """The rows, as input lines (1-based) for messages."""
-        return f"lines {self.rows[0] + 1}-{self.rows[-1] + 1}" if len(self.rows) > 1 else f"line {self.rows[0] + 1}"
+    @property
+    def images(self) -> bool:
+        """Whether the rows are images."""
+        return bool(self.names)
+
+    def where(self, index: int | None = None) -> str:
+        """The rows for messages: the row at `index` in the batch where it is known, else all of them.
+
+        Texts by their input lines (1-based), images by their files.
+        """
+        if index is not None and 0 <= index < len(self.rows):
+            return self.names[index] if self.images else f"line {self.rows[index] + 1}"
+        if len(self.rows) == 1:
+            return self.names[0] if self.images else f"line {self.rows[0] + 1}"
+        if self.images:
+            return f"images {self.names[0]} to {self.names[-1]}"
+        return f"lines {self.rows[0] + 1}-{self.rows[-1] + 1}"
 
 
 class WorkQueue:
@@ -128,21 +145,39 @@ class WorkQueue:
         self._changed.set()
 
 
-def batches_of(texts: Iterator[str], skip: Checkpoint, size: int) -> Iterator[Batch]:
-    """The rows not yet finished, in batches of `size` in file order."""
-    rows: list[int] = []
-    chunk: list[str] = []
+def batches_of(rows: Iterator[str] | Iterator[ImageFile], skip: Checkpoint, size: int) -> Iterator[Batch]:
+    """The rows not yet finished, in batches of `size` in input order.
+
+    Images: IMAGE_REQUEST_BYTES a batch at most (but one), each file read as its batch is made.
+    """
+    numbers: list[int] = []
+    items: list = []
+    names: list[str] = []
+    batch_bytes = 0
     number = 0
-    for row, text in enumerate(texts):
+    for row, item in enumerate(rows):
         if row in skip.finished:
             continue
-        rows.append(row)
-        chunk.append(text)
-        if len(chunk) == size:
-            yield Batch(number, np.array(rows), chunk)
-            number, rows, chunk = number + 1, [], []
-    if chunk:
-        yield Batch(number, np.array(rows), chunk)
+        image_bytes = item.size if isinstance(item, ImageFile) else 0
+        if items and (len(items) == size or batch_bytes + image_bytes > IMAGE_REQUEST_BYTES):
+            yield Batch(number, np.array(numbers), items, tuple(names))
+            number, numbers, items, names, batch_bytes = number + 1, [], [], [], 0
+        numbers.append(row)
+        batch_bytes += image_bytes
+        if isinstance(item, ImageFile):
+            items.append(_read(item))
+            names.append(item.name)
+        else:
+            items.append(item)
+    if items:
+        yield Batch(number, np.array(numbers), items, tuple(names))
+
+
+def _read(image: ImageFile) -> bytes:
+    try:
+        return image.path.read_bytes()
+    except OSError as error:
+        raise InputError(f"{image.name}: {error.strerror}") from None
 
 
 @dataclass
@@ -160,23 +195,27 @@ class Ingestion:
 
     def request(self, batch: Batch) -> pb.ModelInferRequest:
         """The batch's request, with its number as id."""
+        request_id = str(batch.number)
+        if batch.images:
+            parameters = self.options.image_parameters() | {"priority": self.priority}
+            return image_request(self.model, batch.items, ["embedding"], parameters=parameters, request_id=request_id)
         parameters = self.options.parameters() | {"priority": self.priority}
-        return text_request(self.model, batch.texts, ["embedding"], parameters=parameters, request_id=str(batch.number))
+        return text_request(self.model, batch.items, ["embedding"], parameters=parameters, request_id=request_id)
 
     def store(self, batch: Batch, response: pb.ModelInferResponse) -> None:
         """Write the batch's vectors at its rows."""
         vectors = output_array(response, "embedding")
         if vectors.shape[0] != len(batch.rows):
-            raise EmbeddingError(grpc.StatusCode.INTERNAL, f"{len(vectors)} vectors for {len(batch.rows)} texts")
+            raise EmbeddingError(grpc.StatusCode.INTERNAL, f"{len(vectors)} vectors for {len(batch.rows)} rows")
         self.checkpoint.write(batch.rows, vectors)
         self.progress.advance(len(batch.rows), prompt_tokens(response))
 
     async def unary(self, batch: Batch) -> None:
-        """Answer a batch with ModelInfer calls, retried; a refusal names the batch's lines."""
+        """Answer a batch with ModelInfer calls, retried; a refusal names the row it refuses (else the batch's)."""
         try:
             response = await self.client.infer(self.request(batch))
         except EmbeddingError as error:
-            raise type(error)(error.code, f"{batch.where()}: {error.message}") from error
+            raise type(error)(error.code, f"{batch.where(refused_index(error.message))}: {error.message}") from error
         self.store(batch, response)
 
     async def unary_worker(self, work: WorkQueue, window: AdaptiveWindow) -> None:
@@ -336,11 +375,23 @@ class IngestReport:
     seconds: float
     retries: int
     output: Path
+    unit: str = "texts"
+    """What a row is: texts or images."""
 
     @property
-    def texts_per_s(self) -> float:
+    def rows_per_s(self) -> float:
         """Rows embedded per second by this run."""
         return self.embedded / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """An input's rows, checked: how to read them, how many, what they are (the checkpoint's identity)."""
+
+    read: Callable[[], Iterator[str]] | Callable[[], Iterator[ImageFile]]
+    count: int
+    identity: dict[str, object]
+    unit: str
 
 
 async def embed_file_async(
@@ -364,16 +415,74 @@ async def embed_file_async(
     EmbeddingError for what the server refuses for good, or a server away for longer than
     `settings.retry` waits (naming the lines where it can, and the rows written, which `resume` keeps).
     """
+    _check_output(output)
+    texts = InputFile(Path(source), field, column)
+    count = texts.count()
+    if count == 0:
+        raise InputError(f"{source}: no texts")
+    stat = texts.path.stat()
+    identity = {"input": str(texts.path.resolve()), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns}
+    return await _ingested(
+        _Rows(texts.texts, count, identity, "texts"), output, target=target, model=model, resume=resume,
+        options=options, settings=settings, security=security, progress_stream=progress_stream,
+    )  # fmt: skip
+
+
+async def embed_images_async(
+    sources: Sequence[Path],
+    output: Path,
+    *,
+    image_column: str | None = None,
+    target: str = "localhost:8001",
+    model: str = DEFAULT_MODEL,
+    resume: bool = False,
+    options: EmbedOptions | None = None,
+    settings: IngestSettings | None = None,
+    security: ClientSecurity | None = None,
+    progress_stream: TextIO | None = sys.stderr,
+) -> IngestReport:
+    """Embed every image into `output` (.npy: float32 [rows, width]; .parquet: id, embedding), in order.
+
+    sources: folders (their image files, every level, sorted by path) and image files; or, with `image_column`,
+    one .jsonl, .csv or .parquet file whose field or column holds each row's image path (relative ones from
+    that file's folder). Every image file is checked (present, not empty) before anything is sent; the
+    server decodes them, and refuses a bad one naming it (client.inputs.ImageInput).
+    The other arguments as embed_file_async's; a refusal names the image file.
+    """
+    _check_output(output)
+    images = ImageInput(tuple(Path(source) for source in sources), image_column)
+    count, digest = images.checked()
+    if count == 0:
+        raise InputError(f"{images.describe()}: no images")
+    identity = {"images": images.describe(), "images_digest": digest}
+    return await _ingested(
+        _Rows(images.images, count, identity, "images"), output, target=target, model=model, resume=resume,
+        options=options, settings=settings, security=security, progress_stream=progress_stream,
+    )  # fmt: skip
+
+
+def _check_output(output: Path) -> None:
     if output.suffix not in OUTPUT_FORMATS:
         raise InputError(f"{output}: the output must be one of {', '.join(OUTPUT_FORMATS)}")
     if output.suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
         raise InputError(f"{output}: writing Parquet needs pyarrow: pip install 'encoder-serve[parquet]'")
+
+
+async def _ingested(
+    rows: _Rows,
+    output: Path,
+    *,
+    target: str,
+    model: str,
+    resume: bool,
+    options: EmbedOptions | None,
+    settings: IngestSettings | None,
+    security: ClientSecurity | None,
+    progress_stream: TextIO | None,
+) -> IngestReport:
+    """Embed the rows into `output`, resuming the run of the same identity where `resume` says."""
     options = options or EmbedOptions()
     settings = settings or IngestSettings()
-    texts = InputFile(Path(source), field, column)
-    rows = texts.count()
-    if rows == 0:
-        raise InputError(f"{source}: no texts")
     client = AsyncEmbeddingClient(
         target, model, settings.timeout_s, settings.batch_size, security, connections=settings.connections,
         retry=settings.retry,
@@ -383,31 +492,29 @@ async def embed_file_async(
         width = options.dimensions or info.dimension
         if width is None:
             raise InputError(f"model {model} answers no embedding (it is a {info.task} model)")
-        stat = texts.path.stat()
-        identity = {
-            "input": str(texts.path.resolve()),
-            "input_bytes": stat.st_size,
-            "input_mtime_ns": stat.st_mtime_ns,
-            "rows": rows,
+        identity = rows.identity | {
+            "rows": rows.count,
             "model": model,
             "width": width,
             "options": options.parameters(),
         }
-        checkpoint = Checkpoint(output, identity, rows, width, resume)
+        checkpoint = Checkpoint(output, identity, rows.count, width, resume)
         batch_size = min(settings.batch_size, info.max_batch_size or settings.batch_size)
-        progress = Progress(rows, checkpoint.finished.count, progress_stream, lambda: client.retries)
+        done_before = checkpoint.finished.count
+        progress = Progress(rows.count, done_before, progress_stream, lambda: client.retries, unit=rows.unit)
         priority = settings.priority or info.priority_levels
         ingestion = Ingestion(client, model, options, settings, checkpoint, progress, priority)
         try:
-            await ingestion.run(WorkQueue(batches_of(texts.texts(), checkpoint, batch_size)))
+            await ingestion.run(WorkQueue(batches_of(rows.read(), checkpoint, batch_size)))
         except EmbeddingError as error:
-            written = f"{checkpoint.finished.count} of {rows} rows written: run again with --resume for the rest"
+            written = f"{checkpoint.finished.count} of {rows.count} rows written: run again with --resume for the rest"
             raise type(error)(error.code, f"{error.message} ({written})", error.retry_after_s) from error
     if not checkpoint.complete():
-        raise RuntimeError(f"rows left unwritten: finished {checkpoint.finished.spans} of {rows}")  # never expected
+        unwritten = f"rows left unwritten: finished {checkpoint.finished.spans} of {rows.count}"
+        raise RuntimeError(unwritten)  # never expected
     _write_output(checkpoint)
     progress.finish()
-    return IngestReport(rows, progress.done, progress.elapsed_s, progress.retries, output)
+    return IngestReport(rows.count, progress.done, progress.elapsed_s, progress.retries, output, rows.unit)
 
 
 def _write_output(checkpoint: Checkpoint) -> None:
@@ -429,3 +536,8 @@ def _write_output(checkpoint: Checkpoint) -> None:
 def embed_file(source: Path, output: Path, **arguments: object) -> IngestReport:
     """embed_file_async, blocking (arguments as there)."""
     return asyncio.run(embed_file_async(source, output, **arguments))
+
+
+def embed_images(sources: Sequence[Path], output: Path, **arguments: object) -> IngestReport:
+    """embed_images_async, blocking (arguments as there)."""
+    return asyncio.run(embed_images_async(sources, output, **arguments))

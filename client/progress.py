@@ -14,8 +14,8 @@ LOG_INTERVAL_S = 10.0
 class Progress:
     """Rows done of `total` (`skipped` of them finished by an earlier run), their rate, the ETA and the retries.
 
-    Tokens are the server's count (each answer's `prompt_tokens` parameter), shown once it gives one.
-    `stream` None: silent (--quiet), the summary included.
+    A row is one of `unit` (texts, images). Tokens are the server's count (each answer's `prompt_tokens`
+    parameter), shown once it gives one. `stream` None: silent (--quiet), the summary included.
     """
 
     def __init__(
@@ -24,9 +24,12 @@ class Progress:
         skipped: int,
         stream: TextIO | None,
         calls_retried: Callable[[], int] = lambda: 0,
+        *,
+        unit: str = "texts",
         interval_s: float | None = None,
     ) -> None:
         self.total = total
+        self.unit = unit
         self.skipped = skipped
         self.done = 0
         """Rows embedded by this run."""
@@ -53,7 +56,7 @@ class Progress:
 
     @property
     def rate(self) -> float:
-        """Texts embedded per second by this run."""
+        """Rows embedded per second by this run."""
         return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
@@ -77,8 +80,8 @@ class Progress:
         finished = self.skipped + self.done
         left = self.total - finished
         eta = f"{left / self.rate:.0f} s" if self.rate > 0 else "?"
-        rates = f"{self.rate:.0f} texts/s{self._tokens_per_s()}"
-        return f"{finished}/{self.total} texts, {rates}, ETA {eta}, {self.retries} retries"
+        rates = f"{self.rate:.0f} {self.unit}/s{self._tokens_per_s()}"
+        return f"{finished}/{self.total} {self.unit}, {rates}, ETA {eta}, {self.retries} retries"
 
     def _show(self) -> None:
         assert self._stream is not None
@@ -93,7 +96,8 @@ class Progress:
         """One line: what this run did."""
         resumed = f" ({self.skipped} done by an earlier run)" if self.skipped else ""
         return (
-            f"embedded {self.done} texts in {self.elapsed_s:.1f} s ({self.rate:.0f} texts/s{self._tokens_per_s()})"
+            f"embedded {self.done} {self.unit} in {self.elapsed_s:.1f} s"
+            f" ({self.rate:.0f} {self.unit}/s{self._tokens_per_s()})"
             f"{resumed},"
             f" {self.retries} retries; {self.skipped + self.done}/{self.total} rows written"
         )

@@ -36,6 +36,7 @@ __all__ = [
     "Parameter",
     "batches",
     "channel_options",
+    "image_request",
     "output_array",
     "output_values",
     "text_request",
@@ -68,12 +69,34 @@ def text_request(
     request_id: str = "",
 ) -> pb.ModelInferRequest:
     """A ModelInferRequest carrying texts (and a pair's queries) as BYTES inputs in raw form, with parameters."""
-    request = pb.ModelInferRequest(model_name=model, id=request_id)
     named = [("text", texts)] if queries is None else [("query", queries), ("text", texts)]
-    for name, items in named:
+    inputs = {name: [item.encode("utf-8") for item in items] for name, items in named}
+    return _bytes_request(model, inputs, outputs, parameters, request_id)
+
+
+def image_request(
+    model: str,
+    images: Sequence[bytes],
+    outputs: Sequence[str] = ("embedding",),
+    *,
+    parameters: dict[str, Parameter] | None = None,
+    request_id: str = "",
+) -> pb.ModelInferRequest:
+    """A ModelInferRequest carrying encoded images (one a row) as the BYTES input `image` in raw form."""
+    return _bytes_request(model, {"image": images}, outputs, parameters, request_id)
+
+
+def _bytes_request(
+    model: str,
+    inputs: dict[str, Sequence[bytes]],
+    outputs: Sequence[str],
+    parameters: dict[str, Parameter] | None,
+    request_id: str,
+) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    for name, items in inputs.items():
         request.inputs.add(name=name, datatype="BYTES", shape=[len(items)])
-        encoded = [item.encode("utf-8") for item in items]
-        request.raw_input_contents.append(b"".join(_LENGTH.pack(len(item)) + item for item in encoded))
+        request.raw_input_contents.append(b"".join(_LENGTH.pack(len(item)) + item for item in items))
     for name in outputs:
         request.outputs.add(name=name)
     for key, value in (parameters or {}).items():

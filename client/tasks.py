@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from client.protocol import Parameter, batches, output_values, text_request
+from client.images import ImageItem, encoded_image, image_batches
+from client.protocol import Parameter, batches, image_request, output_values, text_request
 from protocol import grpc_service_pb2 as pb
 
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary")
@@ -51,8 +52,13 @@ class EmbedOptions:
         named |= {"top_k": self.top_k, "task": self.task, "priority": self.priority}
         return {key: value for key, value in named.items() if value is not None}
 
+    def image_parameters(self) -> dict[str, Parameter]:
+        """The request parameters these options set for images: a width and a priority (the rest is for texts)."""
+        named = {"dimensions": self.dimensions, "priority": self.priority}
+        return {key: value for key, value in named.items() if value is not None}
 
-def embed_requests(
+
+def text_requests(
     model: str, texts: Sequence[str], outputs: Sequence[str], options: EmbedOptions, batch_size: int
 ) -> list[pb.ModelInferRequest]:
     """The requests that embed texts, batch_size texts each."""
@@ -62,9 +68,54 @@ def embed_requests(
     return [text_request(model, chunk, outputs, parameters=parameters) for chunk in batches(texts, batch_size)]
 
 
+@dataclass(frozen=True)
+class PlacedRequest:
+    """A request and where each of its rows is among the call's inputs."""
+
+    request: pb.ModelInferRequest
+    places: tuple[int, ...]
+
+
+def embed_requests(
+    model: str, inputs: Sequence[str | ImageItem], outputs: Sequence[str], options: EmbedOptions, batch_size: int
+) -> list[PlacedRequest]:
+    """The requests that embed texts and images, each with its rows' places among the inputs.
+
+    A request carries texts or images, not both (the server takes one kind a request): texts batch_size a request,
+    images batch_size and IMAGE_REQUEST_BYTES a request at most (a larger image alone). The text options (prompt,
+    truncation, task) apply to the texts; a width and a priority to both.
+    """
+    if isinstance(inputs, str | bytes) or not inputs:
+        raise ValueError("give a non-empty list of texts or images")
+    text_places = [place for place, item in enumerate(inputs) if isinstance(item, str)]
+    image_places = [place for place, item in enumerate(inputs) if not isinstance(item, str)]
+    images = [encoded_image(inputs[place], place) for place in image_places]
+    placed = []
+    if text_places:
+        texts = [inputs[place] for place in text_places]
+        requests = text_requests(model, texts, outputs, options, batch_size)
+        starts = range(0, len(texts), batch_size)
+        for request, start in zip(requests, starts, strict=True):
+            placed.append(PlacedRequest(request, tuple(text_places[start : start + batch_size])))
+    parameters = options.image_parameters()
+    for batch in image_batches([len(image) for image in images], batch_size):
+        request = image_request(model, images[batch.start : batch.stop], outputs, parameters=parameters)
+        placed.append(PlacedRequest(request, tuple(image_places[batch.start : batch.stop])))
+    return placed
+
+
 def stacked(responses: Sequence[pb.ModelInferResponse], name: str) -> np.ndarray:
     """One output of every response, rows concatenated in order."""
     return np.concatenate([output_values(response, name) for response in responses])
+
+
+def placed_rows(responses: Sequence[pb.ModelInferResponse], places: Sequence[Sequence[int]], name: str) -> np.ndarray:
+    """One output of every response, each response's rows put at its places (responses[i]'s at places[i])."""
+    parts = [output_values(response, name) for response in responses]
+    rows = np.empty((sum(len(part) for part in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+    for part, where in zip(parts, places, strict=True):
+        rows[list(where)] = part
+    return rows
 
 
 @dataclass(frozen=True, eq=False)
