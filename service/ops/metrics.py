@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,8 @@ REJECTED = Counter(
     f"{PREFIX}_requests_rejected",
     "Requests refused at a limit or check before any work, by reason (queue_full, text_too_large,"
     " request_text_too_large, response_too_large, answer_budget, unauthenticated, no_instance, tenant_requests,"
-    " tenant_tokens; over HTTP also message_too_large, too_many_inputs, http_concurrency).",
+    " tenant_tokens; images: image_too_large, image_unreadable, image_corrupt, image_not_rgb; over HTTP also"
+    " message_too_large, too_many_inputs, http_concurrency, image_url, image_data).",
     ("reason",),
 )
 # Tenants (service.ops.tenants, docs/tenants.md): the label's values are the tenants of --api-key-file only.
@@ -98,7 +99,7 @@ HTTP_REQUESTS = Counter(
 )
 TOKENIZE_DURATION = Histogram(
     f"{PREFIX}_tokenize_duration_seconds",
-    "Time spent tokenising the texts of one request.",
+    "Time spent tokenising the texts of one request, or decoding and preprocessing its images.",
     MODEL_LABELS,
     buckets=LATENCY_BUCKETS,
 )
@@ -122,6 +123,17 @@ PADDING_RATIO = Histogram(
 )
 SEQUENCES = Counter(f"{PREFIX}_sequences", "Sequences run through the model.", MODEL_LABELS)
 TOKENS = Counter(f"{PREFIX}_tokens", "Real (unpadded) tokens run through the model.", MODEL_LABELS)
+IMAGES = Counter(
+    f"{PREFIX}_images",
+    "Images decoded and preprocessed into pixel values for a two-tower model's image tower (refused ones are in"
+    " encoder_requests_rejected_total).",
+    MODEL_LABELS,
+)
+IMAGE_BYTES = Counter(
+    f"{PREFIX}_image_bytes",
+    "Bytes of the encoded images (PNG, JPEG, WebP, GIF, as sent) in encoder_images_total.",
+    MODEL_LABELS,
+)
 ROWS_RUN = Counter(
     f"{PREFIX}_rows_run",
     "Rows (sequences) run through the model, by priority (1 the highest) and tenant (empty without API keys): how"
@@ -268,6 +280,8 @@ class ModelMetrics:
         self.padding_ratio = PADDING_RATIO.labels(*values)
         self.sequences = SEQUENCES.labels(*values)
         self.tokens = TOKENS.labels(*values)
+        self._images = IMAGES.labels(*values)
+        self._image_bytes = IMAGE_BYTES.labels(*values)
         self._answered: dict[str, tuple[Any, Any]] = {}
         self._rows_run: dict[tuple[int, str], Any] = {}
 
@@ -279,6 +293,11 @@ class ModelMetrics:
             children = self._answered[code] = (REQUESTS.labels(*values, code), REQUEST_DURATION.labels(*values, code))
         children[0].inc()
         children[1].observe(seconds)
+
+    def images_decoded(self, images: Sequence[bytes]) -> None:
+        """Count encoded images decoded and preprocessed into pixel values, and their bytes."""
+        self._images.inc(len(images))
+        self._image_bytes.inc(sum(map(len, images)))
 
     def dropped(self, reason: str) -> None:
         """Count one queued request dropped before it ran (cancelled, expired)."""

@@ -240,6 +240,7 @@ class ServedModel:
             loop = asyncio.get_running_loop()
             pixels = await loop.run_in_executor(self._tokenizer_pool, self.preprocessor.encode, images)
         self.metrics.tokenize_duration.observe(time.perf_counter() - started)
+        self.metrics.images_decoded(images)
         return PixelRows(pixels)
 
     def share(self, priority: int, tenant: Tenant | None) -> Share:
