@@ -152,6 +152,8 @@ class Batcher:
         self._runners = list(runners)
         self._pending = RunQueue(policy.priority_levels, policy.min_lower_priority_share, self._labels)
         """Requests with rows waiting for a batch, by priority level and turn."""
+        self._reported_pending = 0
+        """How many of them the model's statistics count (`_count_pending`)."""
         self._throughput = Throughput()
         """The model's recent rates (rows and tokens per second of run), for how long the queue takes to clear."""
         self._idle: list[_Instance] = []
@@ -268,7 +270,7 @@ class Batcher:
         item = WorkItem(rows, outputs, future, deadline, trace, share=share)
         item.on_done = on_done
         self._pending.add(item)
-        self._statistics.set_pending(len(self._pending))
+        self._count_pending()
         if not self._dispatch_scheduled:
             # After the callbacks ready now: requests arriving in the same loop step batch together.
             self._dispatch_scheduled = True
@@ -314,13 +316,19 @@ class Batcher:
         self._metrics.dropped(reason)
         return True
 
+    def _count_pending(self) -> None:
+        """Tell the model's statistics how many requests this queue holds now (a two-tower model has two queues)."""
+        waiting = len(self._pending)
+        self._statistics.add_pending(waiting - self._reported_pending)
+        self._reported_pending = waiting
+
     def _abandon(self, item: WorkItem) -> bool:
         """Take a request's waiting rows out of the queue; False if none were waiting."""
         if not item.waiting:
             return False
         self._pending.remove(item)
         item.waiting = []
-        self._statistics.set_pending(len(self._pending))
+        self._count_pending()
         return True
 
     async def close(self, timeout_s: float) -> None:
@@ -401,7 +409,7 @@ class Batcher:
             groups.append(Group(item, sorted(rows), start))
             start += len(rows)
         self._pending.taken(leading, by_item, self.policy.max_batch_size, beside=beside)
-        self._statistics.set_pending(len(self._pending))
+        self._count_pending()
         return groups
 
     def _start(self, instance: _Instance, groups: list[Group]) -> None:

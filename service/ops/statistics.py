@@ -142,9 +142,9 @@ class StatisticsTable:
         """Requests received and not yet answered: +1 when one comes in, -1 when it is answered."""
         self._slots[_INFLIGHT] += change
 
-    def set_pending(self, requests: int) -> None:
-        """Requests with rows waiting in the batching queue now."""
-        self._slots[_PENDING] = requests
+    def add_pending(self, change: int) -> None:
+        """Requests with rows waiting in the model's batching queues: each queue adds what it gained or lost."""
+        self._slots[_PENDING] += change
 
     def values(self) -> list[int]:
         """Every slot, as read now."""

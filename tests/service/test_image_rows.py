@@ -4,6 +4,7 @@ order) and carried over the engine's wire (float32 pixels among int64 token word
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 
@@ -12,6 +13,7 @@ from service.core.batcher import Batcher
 from service.core.policy import BatchingPolicy
 from service.core.rows import PixelRows, TokenRows
 from service.core.towers import PIXEL_VALUES
+from service.ops import statistics
 from service.ops.metrics import ModelLabels
 
 PIXEL_SHAPE = (3, 1, 3)
@@ -74,3 +76,40 @@ def test_image_rows_travel_among_token_rows_on_the_wire() -> None:
     np.testing.assert_array_equal(got_tokens.input_ids, tokens.input_ids)
     np.testing.assert_array_equal(got_tokens.lengths, tokens.lengths)
     assert end == len(words)
+
+
+class HeldRunner(PixelRunner):
+    """A PixelRunner whose batches wait until `release` is set (on the batcher's worker thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def run(self, feed: dict[str, np.ndarray], outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        self.entered.set()
+        self.release.wait(10)
+        return super().run(feed, outputs)
+
+
+async def test_a_models_two_queues_add_up_in_its_queue_depth() -> None:
+    """A two-tower model's text and image queues share the model's statistics: its queue depth is their sum."""
+    labels = ModelLabels("two-queues", "1")
+    policy = BatchingPolicy(max_batch_size=1, max_batch_tokens=1, max_queue_delay_s=0, max_queue_size=100)
+    runners = [HeldRunner(), HeldRunner()]
+    batchers = [Batcher([runner], policy, labels, ("embedding",)) for runner in runners]
+    for batcher in batchers:
+        batcher.start()
+    calls = [asyncio.ensure_future(batcher.submit(images(1, 1), ("embedding",), None)) for batcher in batchers]
+    for runner in runners:
+        await asyncio.to_thread(runner.entered.wait, 10)  # each queue's first request is running
+    calls += [asyncio.ensure_future(batchers[0].submit(images(2, 1), ("embedding",), None)) for _ in range(2)]
+    calls += [asyncio.ensure_future(batchers[1].submit(images(3, 1), ("embedding",), None)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert statistics.TABLES.snapshot("two-queues", "1").pending == 5
+    for runner in runners:
+        runner.release.set()
+    await asyncio.gather(*calls)
+    assert statistics.TABLES.snapshot("two-queues", "1").pending == 0
+    for batcher in batchers:
+        await batcher.close(1)
