@@ -86,7 +86,7 @@ def _post(server: RunningServer, route: str, body: dict) -> tuple[int, dict | li
 def test_cohere_images_answer_as_the_library(server: RunningServer, exported: Path, name: str) -> None:
     images = _images(exported, name)
     expected, _ = _library(exported, name, images, [])
-    body = {"model": name, "images": [_data_uri(image) for image in images], "embedding_types": ["float"]}
+    body = {"model": name, "images": [_data_uri(image) for image in images], "input_type": "image"}
     status, answer = _post(server, "/v2/embed", body)
     assert status == 200, answer
     _assert_as_the_library(np.array(answer["embeddings"]["float"], dtype=np.float32), expected)
@@ -149,7 +149,14 @@ NOT_AN_IMAGE = base64.b64encode(b"these bytes are not an image").decode()
             "inputs[0]: content must hold one part, a text or an image_url (it holds 2",
         ),
         ({"inputs": [{"content": [{"type": "audio"}]}]}, 'inputs[0].content[0] must be {"type": "text"'),
-        ({"texts": ["a cat"], "images": ["data:image/png;base64,{good}"]}, "this request gives texts and images"),
+        ({"texts": ["a cat"], "images": ["data:image/png;base64,{good}"]}, "send texts or images, not both"),
+        (
+            {
+                "inputs": [{"content": [{"type": "text", "text": "a"}]}, _image_part("{good_uri}")],
+                "input_type": "image",
+            },
+            "or image (images), got 'image'",
+        ),
         ({"model": DEFAULT_MODEL, "images": ["data:image/png;base64,{good}"]}, "this model has no image tower"),
     ],
     ids=[
@@ -162,6 +169,7 @@ NOT_AN_IMAGE = base64.b64encode(b"these bytes are not an image").decode()
         "fused content",
         "unknown part",
         "texts and images",
+        "input_type image with texts",
         "text-only model",
     ],
 )

@@ -3,13 +3,21 @@
 /v1/rerank, as LangChain's CohereRerank/JinaRerank and LlamaIndex call it: `documents` are strings
 or {"text": ...} objects; `top_n` keeps the best ones; `return_documents` adds each one's text.
 `relevance_score` is the sigmoid of the reranker's logit (in [0, 1], as Cohere's), results best
-first. `model` may be left out when exactly one reranker is served.
+first. `model` may be left out when exactly one reranker is served. A two-tower (CLIP, SigLIP) embed model
+reranks too, chosen when images are sent or named: the query and the documents may be images,
+{"image": "<base64 or data: URI>"} as Jina's API sends them, and `relevance_score` is the cosine of the
+served vectors (in [-1, 1]).
 
 /v2/embed, as Cohere's v2 client sends it: `texts`, `embedding_types` (float, int8, uint8, binary,
 ubinary, base64: little-endian float32 in base64), `input_type` (search_query, search_document,
 classification, clustering: the model's prompt of that meaning where it declares one, else its
 default prompt), `output_dimension` (a Matryoshka width) and `truncate` (END, the default, or NONE;
 START is refused: this server keeps the start of long inputs).
+On a two-tower model `images` (data: URIs, or base64) replaces `texts`, or `inputs` mixes them, each input one
+part: {"type": "text", "text"} or {"type": "image_url", "image_url": {"url": "data:..."}} (a text and an image
+fused into one vector is refused: the towers embed one or the other). URLs are refused (nothing is fetched), and
+a refused image or text is named by its place (images[i], inputs[i]). input_type image means no prompt (images
+take none).
 
 Errors on both routes come as Cohere's {"message"} (Cohere's own clients, and Jina's, read the status and show
 the body).
@@ -39,6 +47,7 @@ from service.pipeline.api import (
     BASE64,
     DIMENSIONS,
     EMBEDDING_TYPES,
+    IMAGE_INPUT,
     INSTRUCTION,
     JSON,
     PROMPT_NAME,
@@ -81,7 +90,7 @@ INPUT_TYPE_PROMPTS = {
     "search_document": ("document", "passage", "search_document"),
     "classification": ("classification",),
     "clustering": ("clustering",),
-    "image": (),
+    IMAGE_INPUT: (),
 }
 """Cohere's input types and the prompt names that mean the same, in the order they are looked for."""
 TRUNCATE_CHOICES = {"END": True, "NONE": False}
@@ -175,12 +184,18 @@ def _embedding_types(value: object) -> list[str]:
     return list(dict.fromkeys(value))
 
 
-def _prompt_name(input_type: object, model: ModelInfo) -> str | None:
-    """The model's prompt meaning `input_type`, or None (its default prompt)."""
+def _prompt_name(input_type: object, model: ModelInfo, texts: bool) -> str | None:
+    """The model's prompt meaning `input_type`, or None (its default prompt); `texts`: whether texts are embedded.
+
+    A prompt is put before texts only; input_type image (for images alone) means none.
+    """
     if input_type is None:
         return None
-    if input_type not in INPUT_TYPE_PROMPTS:
-        raise InvalidArgument(f"input_type must be one of {', '.join(INPUT_TYPE_PROMPTS)}, got {input_type!r}")
+    if input_type not in INPUT_TYPE_PROMPTS or (texts and input_type == IMAGE_INPUT):
+        for_texts = ", ".join(kind for kind in INPUT_TYPE_PROMPTS if kind != IMAGE_INPUT)
+        raise InvalidArgument(
+            f"input_type must be one of {for_texts} (texts and inputs), or image (images), got {input_type!r}"
+        )
     return next((name for name in INPUT_TYPE_PROMPTS[input_type] if name in model.spec.prompts), None)
 
 
@@ -208,7 +223,9 @@ def _embed_items(payload: dict) -> tuple[list[Item], Callable[[int], str]]:
     """The items of a /v2/embed body (its texts, images or inputs) and how a refusal names the item at a place."""
     given = [name for name in ("texts", "images", "inputs") if payload.get(name) is not None]
     if len(given) > 1:
-        raise InvalidArgument(f"texts, images and inputs are alternatives: this request gives {' and '.join(given)}")
+        raise InvalidArgument(
+            f"send texts or images, not both, or inputs alone: this request gives {' and '.join(given)}"
+        )
     if given == ["images"]:
         images = payload["images"]
         if not isinstance(images, list) or not images or not all(isinstance(image, str) for image in images):
@@ -262,7 +279,7 @@ async def embed(call: TaskCall, payload: object) -> bytes:
         kind: type_output("float" if kind == "base64" else kind, model.signature, "embedding_types") for kind in kinds
     }
     parameters = scheduling_parameters(payload) | {TRUNCATE: _truncate(payload.get("truncate", "END"))}
-    prompt_name = _prompt_name(payload.get("input_type"), model)
+    prompt_name = _prompt_name(payload.get("input_type"), model, any(isinstance(item, str) for item in items))
     if prompt_name is not None:
         parameters[PROMPT_NAME] = prompt_name
     if payload.get("output_dimension") is not None:

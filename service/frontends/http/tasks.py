@@ -3,7 +3,8 @@
 A task route names no model, or names one: `choose_model` picks the served model that meets the
 route's need (an embedder, a reranker, ...) and refuses precisely otherwise. `answered` runs one
 inference inside the request's envelope and renders its JSON answer; `reranked` runs a reranker
-on (query, document) pairs, whose scores `pair_scores` reads.
+on (query, document) pairs, whose scores `pair_scores` reads, or scores a two-tower model's documents (texts or
+images) by the cosine of their served vectors with the query's.
 """
 
 from __future__ import annotations

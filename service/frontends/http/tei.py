@@ -12,6 +12,10 @@ server's other routes; false refuses over-long inputs with 422, where TEI answer
 `normalize: false` is refused for a model that normalises inside its graph (its unnormalised
 vectors are not there). An empty list (`inputs`, `sentences`) is 422, where TEI answers 400 ("Empty").
 A model failure is 424 ("Backend"), as TEI answers it.
+
+Images (an extension): on a two-tower embed model (CLIP, SigLIP), /similarity's source and sentences and
+/rerank's query and texts may be images, {"image": "<base64 or data: URI>"} (texts also {"text": ...}, Jina's
+convention), scored by the cosine of the served vectors; a refused item is named by its place.
 """
 
 from __future__ import annotations
