@@ -247,10 +247,10 @@ def _input_item(value: object, index: int) -> Item:
     where = f"inputs[{index}]"
     content = value.get("content") if isinstance(value, dict) else None
     if not isinstance(content, list) or len(content) != 1 or not isinstance(content[0], dict):
-        parts = len(content) if isinstance(content, list) else None
+        fused = isinstance(content, list) and len(content) > 1
         raise InvalidArgument(
             f"{where}: content must hold one part, a text or an image_url"
-            + (f" (it holds {parts}: a two-tower model embeds a text or an image, never both fused)" if parts else "")
+            + (f" (it holds {len(content)}: the towers embed a text or an image, never both fused)" if fused else "")
         )
     part, where = content[0], f"{where}.content[0]"
     if part.get("type") == "text" and isinstance(part.get("text"), str):
