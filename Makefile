@@ -67,7 +67,7 @@ MULTIPROCESS_SUITES := $(addprefix tests/service/,test_grpc.py test_streaming.py
 	test_http_kserve.py test_http_security.py test_http_lifecycle.py test_security.py test_shutdown.py \
 	test_cancellation.py test_limits.py test_readiness.py test_statistics.py test_metrics.py test_row_batching.py \
 	test_watchdog.py test_embedding_types.py test_long_texts.py test_sparse.py test_multivector.py test_task_grpc.py \
-	test_priorities.py test_fair_share.py test_connection_age.py test_image_serving.py)
+	test_priorities.py test_fair_share.py test_connection_age.py test_image_serving.py test_image_scores.py)
 GRPC_SUITES := $(MULTIPROCESS_SUITES) tests/client tests/tools/test_perf_analyzer.py tests/tools/test_stress_phases.py \
 	tests/tools/test_locustfile.py tests/test_healthcheck.py tests/deploy/test_kserve.py $(addprefix tests/service/,test_answers.py \
 	test_fuzz.py test_tenants.py test_tracing.py test_prometheus.py test_tasks.py test_processes.py)

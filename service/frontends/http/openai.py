@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import orjson
 
 from service.envelope import RequestEnvelope
-from service.errors import InvalidArgument, RequestTooLarge, ServiceError
+from service.errors import InvalidArgument
 from service.frontends.codec import output_array
 from service.frontends.http.image_data import image_bytes
+from service.frontends.http.texts_and_images import embedded
 from service.pipeline.api import (
     BASE64,
     EMBEDDING_TYPES,
@@ -40,7 +40,6 @@ from service.pipeline.api import (
     JSON,
     OUTPUT_OF_TYPE,
     SCHEDULING,
-    TEXT_INPUT,
     InferenceRequest,
     InputTensor,
     ModelInfo,
@@ -74,11 +73,6 @@ TOKEN_ARRAYS_REFUSED = (
     " are not accepted, this server tokenises with the model's own tokenizer (LangChain:"
     " OpenAIEmbeddings(check_embedding_ctx_length=False))"
 )
-_ITEM_NAMES = {
-    str: re.compile(r"\binput text\[(\d+)\]"),
-    bytes: re.compile(r"\bimage (\d+)\b|\binput image\[(\d+)\]"),
-}
-"""How the engine's refusals name a text, and an image, by its place in its own inference."""
 
 
 @dataclass(frozen=True)
@@ -183,71 +177,24 @@ def _embeddings_body(vectors: np.ndarray, request: EmbeddingsRequest, prompt_tok
 
 
 async def embeddings(envelope: RequestEnvelope, request: EmbeddingsRequest, max_inputs: int) -> bytes:
-    """Answer a /v1/embeddings request (`parse_embeddings`): its texts in one inference, OpenAI's answer.
+    """Answer a /v1/embeddings request (`parse_embeddings`): its items' inferences (texts_and_images), OpenAI's answer.
 
-    Images and texts mixed: two inferences, the texts' then the images', their vectors put back in the input's
-    order. The result comes back with the body: its bytes stay in the answer budget until the body is sent.
+    The answer is written inside the request's answer budget: its bytes stay there until the body is sent.
     """
-    places = {
-        kind: [index for index, item in enumerate(request.items) if isinstance(item, kind)] for kind in (str, bytes)
-    }
-    if not places[bytes] or not places[str]:
-        return await _inference(envelope, request, max_inputs, request.items)
-    if len(request.items) > max_inputs:
-        raise RequestTooLarge(
-            f"{len(request.items)} inputs, over the limit of {max_inputs} per request (--max-embedding-inputs)",
-            "too_many_inputs",
-        )
-    texts = [request.items[index] for index in places[str]]
-    images = [request.items[index] for index in places[bytes]]
     output = OUTPUT_OF_TYPE[request.embedding_type]
-    try:
-        async with (
-            envelope.inference(_inference_request(request, max_inputs, texts)) as text_run,
-            envelope.inference(_inference_request(request, max_inputs, images)) as image_run,
-        ):
-            vectors = np.concatenate([text_run.result.outputs[output], image_run.result.outputs[output]])
-            order = np.argsort(np.array(places[str] + places[bytes]), kind="stable")
-            tokens = text_run.result.prompt_tokens + image_run.result.prompt_tokens
-            return await image_run.encode(lambda: _embeddings_body(vectors[order], request, tokens))
-    except ServiceError as error:
-        raise _named_by_place(error, places) from error
-
-
-def _named_by_place(error: ServiceError, places: dict[type, list[int]]) -> ServiceError:
-    """A mixed request's refusal (InvalidArgument), each text or image it names renamed by its place in `input`."""
-    if not isinstance(error, InvalidArgument):
-        return error
-    message = str(error)
-    for kind, pattern in _ITEM_NAMES.items():
-
-        def renamed(match: re.Match[str], kind: type = kind) -> str:
-            number = int(next(group for group in match.groups() if group is not None))
-            return f"input[{places[kind][number]}]" if number < len(places[kind]) else match.group(0)
-
-        message = pattern.sub(renamed, message)
-    return error if message == str(error) else type(error)(message, error.reason)
-
-
-async def _inference(
-    envelope: RequestEnvelope, request: EmbeddingsRequest, max_inputs: int, items: list[str | bytes]
-) -> bytes:
-    """One inference of the request's items (all texts, or all images), answered in OpenAI's form."""
-    output = OUTPUT_OF_TYPE[request.embedding_type]
-    async with envelope.inference(_inference_request(request, max_inputs, items)) as inference:
-        result = inference.result
+    async with embedded(
+        envelope,
+        request.items,
+        request_for=lambda tensor: _inference_request(request, max_inputs, tensor),
+        place=lambda index: f"input[{index}]",
+        max_inputs=max_inputs,
+    ) as result:
         vectors = result.outputs[output]
-        return await inference.encode(lambda: _embeddings_body(vectors, request, result.prompt_tokens))
+        return await result.inference.encode(lambda: _embeddings_body(vectors, request, result.prompt_tokens))
 
 
-def _inference_request(request: EmbeddingsRequest, max_inputs: int, items: list[str | bytes]) -> InferenceRequest:
-    """The engine's request for the items (all texts, or all images)."""
-    if isinstance(items[0], bytes):
-        tensor = InputTensor(IMAGE_INPUT, "BYTES", (len(items),), items, raw=False)
-    else:
-        # surrogatepass: a lone surrogate (legal in JSON) reaches the engine's UTF-8 check and its message.
-        elements = [text.encode("utf-8", "surrogatepass") for text in items]
-        tensor = InputTensor(TEXT_INPUT, "BYTES", (len(elements),), elements, raw=False)
+def _inference_request(request: EmbeddingsRequest, max_inputs: int, tensor: InputTensor) -> InferenceRequest:
+    """The engine's request for the items of one kind (texts_and_images.items_tensor)."""
     output = OUTPUT_OF_TYPE[request.embedding_type]
     return InferenceRequest(
         model=request.model,

@@ -3,7 +3,8 @@
 A task route names no model, or names one: `choose_model` picks the served model that meets the
 route's need (an embedder, a reranker, ...) and refuses precisely otherwise. `answered` runs one
 inference inside the request's envelope and renders its JSON answer; `reranked` runs a reranker
-on (query, document) pairs, whose scores `pair_scores` reads.
+on (query, document) pairs, whose scores `pair_scores` reads, or scores a two-tower model's documents (texts or
+images) by the cosine of their served vectors with the query's.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import orjson
 
 from service.envelope import RequestEnvelope
 from service.errors import InvalidArgument, NotFound
+from service.frontends.http.texts_and_images import Item, embedded, has_images
 from service.pipeline.api import (
     EMBEDDING,
     INDICES,
     JSON,
     MULTIVECTOR,
     QUERY_INPUT,
+    RAW,
     SCORE,
     TEXT_INPUT,
     TOKEN_STATES,
@@ -55,6 +58,11 @@ RERANKER = Need(
     "reranker (a classify model of one label, or a multi-vector model)",
     "rerankers (classify models of one label, or multi-vector models)",
     lambda model: SCORE in model.signature.outputs or (model.spec.task == "classify" and len(model.spec.labels) == 1),
+)
+TWO_TOWER = Need(
+    "two-tower (text and image) embed model",
+    "two-tower (text and image) embed models",
+    lambda model: EMBEDDING in model.signature.outputs and model.signature.accepts_images,
 )
 
 
@@ -91,6 +99,13 @@ def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
     shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
     return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def cosines_to_first(vectors: np.ndarray) -> np.ndarray:
+    """The cosine of each row after the first with the first (float32), computed in float64."""
+    unit = vectors.astype(np.float64)
+    unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+    return (unit[1:] @ unit[0]).astype(np.float32)
 
 
 def utf8(texts: list[str]) -> list[bytes]:
@@ -155,20 +170,86 @@ async def answered(
 async def reranked(
     call: TaskCall,
     model: ModelInfo,
-    query: str,
-    documents: list[str],
+    query: Item,
+    documents: list[Item],
     parameters: dict,
     *,
-    body_of: Callable[[InferenceResult], Callable[[], object]],
+    raw: bool,
+    documents_field: str,
+    body_of: Callable[[np.ndarray, int], Callable[[], object]],
 ) -> bytes:
-    """The reranker run on (query, document) pairs, answered; it must give one score per pair (one label, or MaxSim)."""
-    if SCORE in model.signature.outputs:
-        inputs = (bytes_tensor(QUERY_INPUT, [query] * len(documents)), bytes_tensor(TEXT_INPUT, documents))
-        return await answered(call, model, inputs, SCORE, parameters, body_of=body_of)
-    if len(model.spec.labels) != 1:
+    """The documents scored against the query and answered: `body_of(scores, prompt_tokens)` gives the JSON answer.
+
+    A reranker (one label, or MaxSim) scores (query, document) pairs: its logit's sigmoid, or the logit when `raw`.
+    A two-tower embed model scores the cosine of the query's served vector with each document's, a text or an
+    image; the query is one more row against --max-embedding-inputs, and a refused item is named `query` or
+    `documents_field[i]`.
+    """
+    if TWO_TOWER.serves(model):
+        return await _cosine_ranked(
+            call, model, [query, *documents], parameters, documents_field=documents_field, body_of=body_of
+        )
+    if isinstance(query, bytes) or has_images(documents):
+        raise InvalidArgument(
+            f"model {model.spec.name} reranks texts: images need a two-tower (text and image) embed model"
+        )
+    if SCORE not in model.signature.outputs and len(model.spec.labels) != 1:
         raise InvalidArgument(
             f"model {model.spec.name} is a classifier of {len(model.spec.labels)} labels, not a reranker"
             " (one score per pair): use /predict"
         )
-    inputs = (bytes_tensor(QUERY_INPUT, [query] * len(documents)), bytes_tensor(TEXT_INPUT, documents))
-    return await answered(call, model, inputs, "logits", parameters, body_of=body_of)
+    texts = [document for document in documents if isinstance(document, str)]
+    inputs = (bytes_tensor(QUERY_INPUT, [query] * len(texts)), bytes_tensor(TEXT_INPUT, texts))
+    output = SCORE if SCORE in model.signature.outputs else "logits"
+    return await answered(
+        call,
+        model,
+        inputs,
+        output,
+        parameters,
+        body_of=lambda result: body_of(pair_scores(result, raw), result.prompt_tokens),
+    )
+
+
+async def _cosine_ranked(
+    call: TaskCall,
+    model: ModelInfo,
+    items: list[Item],
+    parameters: dict,
+    *,
+    documents_field: str,
+    body_of: Callable[[np.ndarray, int], Callable[[], object]],
+) -> bytes:
+    """Each item after the first scored by the cosine of its served vector with the first's, answered."""
+
+    def request_for(tensor: InputTensor) -> InferenceRequest:
+        return InferenceRequest(
+            model=model.spec.name,
+            inputs=(tensor,),
+            outputs=(EMBEDDING,),
+            parameters=parameters,
+            row_limit=call.row_limit,
+            encodings={EMBEDDING: RAW},
+        )
+
+    def place(index: int) -> str:
+        return "query" if index == 0 else f"{documents_field}[{index - 1}]"
+
+    async with embedded(
+        call.envelope, items, request_for=request_for, place=place, max_inputs=call.max_inputs
+    ) as result:
+        make = body_of(cosines_to_first(result.outputs[EMBEDDING]), result.prompt_tokens)
+        body = await result.inference.encode(lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
+    return body
+
+
+def rerank_model(pipeline: Pipeline, name: object, items: list[Item]) -> ModelInfo:
+    """The model a rerank route scores with: a two-tower embed model (cosines) where images are sent or it is named.
+
+    Else the reranker `name` picks, or the one served.
+    """
+    if has_images(items):
+        return choose_model(pipeline, TWO_TOWER, name)
+    if isinstance(name, str) and name and TWO_TOWER.serves(pipeline.model(name)):
+        return pipeline.model(name)
+    return choose_model(pipeline, RERANKER, name)

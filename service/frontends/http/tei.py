@@ -12,6 +12,10 @@ server's other routes; false refuses over-long inputs with 422, where TEI answer
 `normalize: false` is refused for a model that normalises inside its graph (its unnormalised
 vectors are not there). An empty list (`inputs`, `sentences`) is 422, where TEI answers 400 ("Empty").
 A model failure is 424 ("Backend"), as TEI answers it.
+
+Images (an extension): on a two-tower embed model (CLIP, SigLIP), /similarity's source and sentences and
+/rerank's query and texts may be images, {"image": "<base64 or data: URI>"} (texts also {"text": ...}, Jina's
+convention), scored by the cosine of the served vectors; a refused item is named by its place.
 """
 
 from __future__ import annotations
@@ -26,19 +30,21 @@ from service.errors import InvalidArgument, NotFound
 from service.frontends.http.tasks import (
     CLASSIFIER,
     EMBEDDER,
-    RERANKER,
     SPARSE_EMBEDDER,
     TOKEN_VECTORS,
+    TWO_TOWER,
     Need,
     TaskCall,
     answered,
     bytes_tensor,
     choose_model,
-    pair_scores,
+    cosines_to_first,
+    rerank_model,
     reranked,
     scores,
     utf8,
 )
+from service.frontends.http.texts_and_images import ITEM_KINDS, Item, embedded, has_images, item_of
 from service.pipeline.api import (
     DIMENSIONS,
     EMBEDDING,
@@ -60,6 +66,7 @@ from service.pipeline.api import (
     DecodeRequest,
     InferenceRequest,
     InferenceResult,
+    InputTensor,
     ModelInfo,
     Pipeline,
     Token,
@@ -259,6 +266,8 @@ async def similarity(call: TaskCall, payload: object) -> bytes:
     The cosine of each sentence's embedding with the source sentence's, all embedded in one inference:
     row 0 is the source sentence, row i sentence i - 1, so the source counts against --max-embedding-inputs.
     `parameters` (optional, as TEI's): truncate, truncation_direction, prompt_name (applied to every row).
+    On a two-tower model the source and the sentences may also be images, {"image": "<base64 or data: URI>"}
+    (and texts {"text": ...}): the texts and the images are embedded as two inferences, scored alike.
     """
     if isinstance(payload, dict):
         for name in SIMILARITY_PARAMETERS:
@@ -268,34 +277,51 @@ async def similarity(call: TaskCall, payload: object) -> bytes:
     if "inputs" not in fields:
         raise InvalidArgument('inputs is required: {"source_sentence": str, "sentences": [str]}')
     inputs = _object(fields["inputs"], SIMILARITY_INPUTS, "inputs")
-    source = inputs.get("source_sentence")
-    if not isinstance(source, str):
-        raise InvalidArgument("inputs.source_sentence is required: a string")
+    source = item_of(inputs.get("source_sentence"), "inputs.source_sentence")
+    if source is None:
+        raise InvalidArgument(f"inputs.source_sentence is required: a string, or {ITEM_KINDS}")
     sentences = inputs.get("sentences")
-    if not isinstance(sentences, list) or not all(isinstance(item, str) for item in sentences):
-        raise InvalidArgument("inputs.sentences is required: a list of strings")
-    if not sentences:
+    if not isinstance(sentences, list):
+        raise InvalidArgument(f"inputs.sentences is required: a list of strings (or of {ITEM_KINDS})")
+    items = [source, *_items(sentences, "inputs.sentences")]
+    if len(items) == 1:
         raise InvalidArgument("inputs.sentences is empty: give at least one sentence to compare")
     options = fields.get("parameters")
     options = {} if options is None else _object(options, SIMILARITY_PARAMETERS, "parameters")
     _flag(options, TRUNCATE, True)
-    model = choose_model(call.pipeline, EMBEDDER, fields.get("model"))
+    model = choose_model(call.pipeline, TWO_TOWER if has_images(items) else EMBEDDER, fields.get("model"))
 
-    def body_of(result: InferenceResult) -> Callable[[], object]:
-        vectors = result.outputs["embedding"].astype(np.float64)
-        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        return lambda: (vectors[1:] @ vectors[0]).astype(np.float32)
+    def request_for(tensor: InputTensor) -> InferenceRequest:
+        # The budget counts the engine's float32 embeddings, held until the cosines are written: the one real cost.
+        return InferenceRequest(
+            model=model.spec.name,
+            inputs=(tensor,),
+            outputs=(EMBEDDING,),
+            parameters=_parameters(options, TRUNCATE, PROMPT_NAME) | _parameters(fields),
+            row_limit=call.row_limit,
+            encodings={EMBEDDING: RAW},
+        )
 
-    # The budget counts the engine's float32 embeddings, held until the cosines are written: the one real cost.
-    return await answered(
-        call,
-        model,
-        (bytes_tensor(TEXT_INPUT, [source, *sentences]),),
-        "embedding",
-        _parameters(options, TRUNCATE, PROMPT_NAME) | _parameters(fields),
-        body_of=body_of,
-        encoding=RAW,
-    )
+    def place(index: int) -> str:
+        return "inputs.source_sentence" if index == 0 else f"inputs.sentences[{index - 1}]"
+
+    async with embedded(
+        call.envelope, items, request_for=request_for, place=place, max_inputs=call.max_inputs
+    ) as result:
+        similarities = cosines_to_first(result.outputs[EMBEDDING])
+        body = await result.inference.encode(lambda: orjson.dumps(similarities, option=orjson.OPT_SERIALIZE_NUMPY))
+    return body
+
+
+def _items(values: list, name: str) -> list[Item]:
+    """A list's texts and images (strings, or objects as `item_of` reads them); InvalidArgument naming a bad one."""
+    items = []
+    for index, value in enumerate(values):
+        item = item_of(value, f"{name}[{index}]")
+        if item is None:
+            raise InvalidArgument(f"{name}[{index}]: {name} must be a list of strings (or of {ITEM_KINDS})")
+        items.append(item)
+    return items
 
 
 async def rerank(call: TaskCall, payload: object) -> bytes:
@@ -303,26 +329,36 @@ async def rerank(call: TaskCall, payload: object) -> bytes:
 
     Best first; a score is the sigmoid of the reranker's logit, or the logit itself with raw_scores.
     `instruction` (an extension) replaces the default instruction of a reranker with a pair template.
+    On a two-tower embed model (chosen when images are sent, or named) the query and the texts may be images,
+    {"image": "<base64 or data: URI>"}, and a score is the cosine of the served vectors (raw_scores or not);
+    return_text gives an image as it was sent, as "image".
     """
     fields = _object(payload, RERANK_FIELDS)
-    query = fields.get("query")
-    if not isinstance(query, str) or not query:
-        raise InvalidArgument("query is required: a non-empty string")
+    query = item_of(fields.get("query"), "query")
+    if query is None or query == "":
+        raise InvalidArgument(f"query is required: a non-empty string, or {ITEM_KINDS}")
     if "texts" not in fields:
         raise InvalidArgument("texts is required: a list of strings")
-    texts = _strings(fields["texts"], "texts")
+    sent = [fields["texts"]] if isinstance(fields["texts"], str) else fields["texts"]
+    if not isinstance(sent, list) or not sent:
+        raise InvalidArgument("texts must be a string or a non-empty list of strings")
+    texts = _items(sent, "texts")
     raw, return_text = _flag(fields, "raw_scores", False), _flag(fields, "return_text", False)
     _flag(fields, TRUNCATE, True)
-    model = choose_model(call.pipeline, RERANKER, fields.get("model"))
+    model = rerank_model(call.pipeline, fields.get("model"), [query, *texts])
 
-    def body_of(result: InferenceResult) -> Callable[[], object]:
-        ranked = pair_scores(result, raw)
+    def body_of(ranked: np.ndarray, _: int) -> Callable[[], object]:
         order = np.argsort(-ranked, kind="stable")
-        return lambda: [
-            {"index": int(i), "score": float(ranked[i]), **({"text": texts[i]} if return_text else {})} for i in order
-        ]
 
-    return await reranked(call, model, query, texts, _parameters(fields, TRUNCATE, INSTRUCTION), body_of=body_of)
+        def returned(index: int) -> dict[str, object]:
+            if not return_text:
+                return {}
+            return {"text": texts[index]} if isinstance(texts[index], str) else {"image": sent[index]["image"]}
+
+        return lambda: [{"index": int(i), "score": float(ranked[i]), **returned(int(i))} for i in order]
+
+    parameters = _parameters(fields, TRUNCATE, INSTRUCTION)
+    return await reranked(call, model, query, texts, parameters, raw=raw, documents_field="texts", body_of=body_of)
 
 
 def _predict_inputs(value: object) -> tuple[list[list[str]], bool]:
