@@ -21,7 +21,7 @@ from tests.servers import RunningServer
 SERVER_ONLY = ("onnxruntime", "onnxruntime-gpu", "tokenizers", "torch", "prometheus-client", "grpcio-reflection")
 CLIENT_MODULES = {
     *("client", "client.aio", "client.base", "client.blocking", "client.channels", "client.errors"),
-    *("client.protocol", "client.retry", "client.tasks"),
+    *("client.images", "client.protocol", "client.retry", "client.tasks"),
     *("protocol", "protocol.channel_security", "protocol.retry_hint"),
 }
 """What `import client` may load of this project: the SDK, its channel settings and the stubs (protocol), never
