@@ -60,14 +60,15 @@ _KINDS: dict[grpc.StatusCode, type[EmbeddingError]] = {
 RETRYABLE = (Overloaded, Unavailable)
 """What a retry may cure: a full queue and a server that is away for a moment."""
 MESSAGE_TOO_LARGE = "Received message larger than max"
-"""How gRPC begins its RESOURCE_EXHAUSTED for a message past the receiver's limit: the same request fails again."""
+"""How gRPC words its RESOURCE_EXHAUSTED for a message past the receiver's limit (a grpcio server prefixes it with
+"SERVER: "): the same request fails again."""
 REFUSED_ITEM = re.compile(r"\binput (?:text|image)\[(\d+)\]|\bimage (\d+)\b")
 """How the server names a refused text or image: by its index in the request (`input text[3]`, `image 3`)."""
 
 
 def error_of(code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> EmbeddingError:
     """The typed error of a status."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith(MESSAGE_TOO_LARGE):
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and MESSAGE_TOO_LARGE in message:
         return MessageTooLarge(code, message, retry_after_s)
     return _KINDS.get(code, EmbeddingError)(code, message, retry_after_s)
 
