@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,9 +27,9 @@ from export.gate.image_cases import image_cases
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import read_model
 from service.pipeline.images import ImagePreprocessor
-from tests.client.test_ingest import cli, finished
+from tests.client.test_ingest import cli, finished, killed_after_a_checkpoint
 from tests.export.two_tower_folders import exported_two_towers, library_embeddings
-from tests.servers import RunningServer, start_server, wait_until
+from tests.servers import RunningServer, start_server
 
 SERVED_MAX_ABS_DIFF = 1e-4
 TEXTS = ["a photo of a cat", "Two dogs play in the snow near a red barn."]
@@ -233,18 +232,8 @@ def test_a_jsonl_column_of_paths_resumed_after_sigkill_embeds_every_image_once(
     record = tmp_path / "vectors.npy.checkpoint.json"
     arguments = ["embed", str(listing), "--image-column", "file", "--output", str(output), "--target", server.target]
     arguments += ["--model", "clip"]
-    killed = cli(*arguments, "--batch-size", "1", "--connections", "1", "--in-flight", "1")
-
-    def some_rows_recorded() -> bool:
-        return record.is_file() and json.loads(record.read_text())["finished"] != []
-
-    try:
-        wait_until(some_rows_recorded, "a checkpoint with finished rows")
-    finally:
-        killed.send_signal(signal.SIGKILL)
-        killed.wait()
+    recorded = killed_after_a_checkpoint(arguments, record)
     assert not output.exists()
-    recorded = sum(end - start for start, end in json.loads(record.read_text())["finished"])
     summary = finished(cli(*arguments, "--resume"))
     # Rows written after the last checkpoint but not recorded in it are done again, and only those.
     assert 0 < recorded < FILES and summary["embedded"] == FILES - recorded and summary["rows"] == FILES

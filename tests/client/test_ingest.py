@@ -96,6 +96,24 @@ def finished(process: subprocess.Popen[str], timeout_s: float = 120) -> dict[str
     return json.loads(out.strip().splitlines()[-1])
 
 
+def killed_after_a_checkpoint(arguments: list[str], record: Path) -> int:
+    """Run `python -m client ARGUMENTS` a row at a time, SIGKILL it once its checkpoint records finished rows.
+
+    Returns how many rows the checkpoint recorded.
+    """
+    killed = cli(*arguments, "--batch-size", "1", "--connections", "1", "--in-flight", "1")
+
+    def some_rows_recorded() -> bool:
+        return record.is_file() and json.loads(record.read_text())["finished"] != []
+
+    try:
+        wait_until(some_rows_recorded, "a checkpoint with finished rows")
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    return sum(end - start for start, end in json.loads(record.read_text())["finished"])
+
+
 def answered(server: RunningServer) -> float:
     return metric_value(metric_samples(server), "encoder_requests_total", model=TINY_MODEL, version="1", code="OK")
 
@@ -181,18 +199,8 @@ def test_resume_after_sigkill_does_only_the_rest(
     arguments = ["embed", str(input_file), "--output", str(output), "--target", tiny_server.target]
     arguments += ["--model", TINY_MODEL]
     # A text a request, one at a time: far from done when its first checkpoint with finished rows is saved (2 s in).
-    killed = cli(*arguments, "--batch-size", "1", "--connections", "1", "--in-flight", "1")
-
-    def some_rows_recorded() -> bool:
-        return record.is_file() and json.loads(record.read_text())["finished"] != []
-
-    try:
-        wait_until(some_rows_recorded, "a checkpoint with finished rows")
-    finally:
-        killed.send_signal(signal.SIGKILL)
-        killed.wait()
+    recorded = killed_after_a_checkpoint(arguments, record)
     assert not output.exists()
-    recorded = sum(end - start for start, end in json.loads(record.read_text())["finished"])
     summary = finished(cli(*arguments, "--resume"))
     # Rows written after the last checkpoint but not recorded in it are done again, and only those.
     assert 0 < recorded < LINES and summary["embedded"] == LINES - recorded and summary["rows"] == LINES
