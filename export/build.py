@@ -51,7 +51,8 @@ from export.graph.quantize import quantize_int8
 from export.graph.timing import compare_throughput, cpu_session, fp16_session, token_feed
 from export.heads.head import LibraryStep
 from export.publish import ServingDefaults, build_config, publish
-from export.tower_build import TOWER_STAGES, export_towers
+from export.tower_build import export_towers
+from export.tower_build import planned_stages as planned_tower_stages
 from service.core.repository import VARIANT_FILES
 from service.core.runtime import CUDA
 from service.pipeline.tokenizer import TextTokenizer
@@ -361,7 +362,7 @@ def _gated_options(checkpoint: Checkpoint, options: ExportOptions) -> ExportOpti
 def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
     """How many stages export_model announces for this checkpoint and these options (when every gate passes)."""
     if family_of(checkpoint.config).towers:
-        return TOWER_STAGES
+        return planned_tower_stages(options)
     variants = options.variants
     ungated = _ungated_variants(checkpoint)
     if ungated is not None:
