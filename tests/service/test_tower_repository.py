@@ -69,7 +69,8 @@ def test_the_layout_is_refused_where_it_does_not_hold(
 
 def test_without_an_image_tower_the_text_layout_holds(exported_clip: Path, tmp_path: Path) -> None:
     """The image parameters gone, the folder is a text embedder, whose outputs and pooling are a text model's."""
-    folder = _changed(exported_clip, tmp_path, {P_IMAGE_VARIANT_PREFIX + "fp32": None})
+    gone = {P_IMAGE_VARIANT_PREFIX + variant: None for variant in IMAGE_VARIANT_FILES}
+    folder = _changed(exported_clip, tmp_path, gone)
     with pytest.raises(RepositoryError, match="a embed model's outputs must be last_hidden_state, embedding"):
         read_model(folder)
 
