@@ -88,16 +88,23 @@ def test_the_image_tower_loads_each_variant_and_checks_it(exported_clip: Path, v
     assert check is not None and check.passed and check.variant == variant and len(check.worst_row) > 0
 
 
-def test_a_corrupted_image_graph_is_refused_at_load(exported_clip: Path, tmp_path: Path) -> None:
-    """An image graph whose weights changed after the export loads, and answers wrongly: its check refuses it."""
+def _corrupted(exported_clip: Path, tmp_path: Path, variant: str) -> Path:
+    """A copy of the model whose image graph of `variant` has noise added to its widest weight: it loads, and answers
+    wrongly."""
     folder = shutil.copytree(exported_clip, tmp_path / exported_clip.name)
-    graph_file = read_model(folder).image_variants["fp32"]
+    graph_file = read_model(folder).image_variants[variant]
     graph = onnx.load(str(graph_file))
     widest = max(graph.graph.initializer, key=lambda tensor: np.prod(tensor.dims))
     weights = numpy_helper.to_array(widest)
     noise = np.random.default_rng(0).normal(0.0, weights.std(), size=weights.shape).astype(weights.dtype)
     widest.CopyFrom(numpy_helper.from_array(weights + noise, widest.name))
     onnx.save(graph, str(graph_file))
+    return folder
+
+
+def test_a_corrupted_image_graph_is_refused_at_load(exported_clip: Path, tmp_path: Path) -> None:
+    """An image graph whose weights changed after the export loads, and answers wrongly: its check refuses it."""
+    folder = _corrupted(exported_clip, tmp_path, "fp32")
     refusal = (
         r"model clip \(image tower\): fidelity check failed: fp32 on CPUExecutionProvider: "
         r"min cosine to the model \S+ < 0.99999 \(worst: .+\)"
@@ -127,3 +134,26 @@ def test_an_image_tower_without_the_variant_serves_fp32(
         runtime = _image_runtime(folder, "int8")
     assert runtime.variant == "fp32" and runtime.fidelity is not None and runtime.fidelity.passed
     assert "model clip: no int8 graph published for the image tower; serving fp32" in caplog.text
+
+
+def test_a_default_fp16_image_graph_below_the_rule_is_replaced_by_fp32(
+    exported_clip: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The text tower's fp16 chosen by default (CUDA's preference), the image tower's fp16 corrupted: as for text, the
+    server serves the image tower's fp32 instead, and says so."""
+    folder = _corrupted(exported_clip, tmp_path, "fp16")
+    settings = ExecutionSettings(device="cpu", variant="fp16")
+    with caplog.at_level(logging.WARNING, logger="service.core.runtime"):
+        runtime = ModelRuntime(read_model(folder), settings, image=True, chosen_by_default=True)
+    assert runtime.variant == "fp32" and runtime.fidelity is not None and runtime.fidelity.passed
+    assert "model clip (image tower): FIDELITY CHECK FAILED, serving fp32 instead: fp16 on" in caplog.text
+    with pytest.raises(ExecutionError, match=r"model clip \(image tower\): fidelity check failed: fp16 on"):
+        _image_runtime(folder, "fp16")  # the operator's choice: held to fp16's own bar, refused
+
+
+def test_without_an_image_reference_fp16_is_not_a_default(exported_clip: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(exported_clip, tmp_path / exported_clip.name)
+    (folder / IMAGE_FIDELITY_FILE).unlink()
+    settings = ExecutionSettings(device="cpu", variant="fp16")
+    assert ModelRuntime(read_model(folder), settings, image=True, chosen_by_default=True).variant == "fp32"
+    assert _image_runtime(folder, "fp16").variant == "fp16"  # the operator's choice stands, unchecked
