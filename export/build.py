@@ -48,19 +48,13 @@ from export.graph import forms as optimize
 from export.graph.calibration import calibration_feeds, calibration_ranges
 from export.graph.onnx_export import OPSET, export_onnx, input_names
 from export.graph.quantize import quantize_int8
-from export.graph.timing import compare_throughput, cpu_session, token_feed
+from export.graph.timing import compare_throughput, cpu_session, fp16_session, token_feed
 from export.heads.head import LibraryStep
 from export.publish import ServingDefaults, build_config, publish
-from export.tower_build import TOWER_STAGES, export_towers
+from export.tower_build import export_towers
+from export.tower_build import planned_stages as planned_tower_stages
 from service.core.repository import VARIANT_FILES
-from service.core.runtime import (
-    CPU,
-    CUDA,
-    ExecutionSettings,
-    cuda_provider_options,
-    cuda_unavailable_reason,
-    session_options,
-)
+from service.core.runtime import CUDA
 from service.pipeline.tokenizer import TextTokenizer
 
 VARIANTS = tuple(VARIANT_FILES)
@@ -92,14 +86,6 @@ class ExportOptions:
     gate_forms: str = "all"
     """all: gate every CPU graph form, then choose the fastest that passed; fastest-first: measure every form, then
     gate them fastest first and choose the first that passes (the same gate on what is published, less time)."""
-
-
-def _fp16_session(path: Path, threads: int) -> tuple[ort.InferenceSession, str | None]:
-    """fp16 on CUDA where it can run here, else on the CPU; with the reason CUDA was not used."""
-    settings = ExecutionSettings(intra_op_threads=threads)
-    reason = cuda_unavailable_reason(settings.cuda_device_id)
-    providers: list = [CPU] if reason else [(CUDA, cuda_provider_options(settings)), CPU]
-    return ort.InferenceSession(str(path), session_options(settings), providers=providers), reason
 
 
 def _calibration_feeds(
@@ -331,7 +317,7 @@ class _Build:
         self.stage("fp16: build and parity gate")
         path = self.workdir / "fp16.onnx"
         optimize.write_cuda_fp16(self.raw, path, self.checkpoint.config)
-        session, self.cuda_problem = _fp16_session(path, self.options.threads)
+        session, self.cuda_problem = fp16_session(path, self.options.threads)
         gate.record("fp16", None, session)
         self.files["fp16"] = path
         self.recipes["fp16"] = {"graph_form": optimize.fp16_form(self.checkpoint.config), "target": CUDA}
@@ -376,7 +362,7 @@ def _gated_options(checkpoint: Checkpoint, options: ExportOptions) -> ExportOpti
 def planned_stages(checkpoint: Checkpoint, options: ExportOptions) -> int:
     """How many stages export_model announces for this checkpoint and these options (when every gate passes)."""
     if family_of(checkpoint.config).towers:
-        return TOWER_STAGES
+        return planned_tower_stages(options)
     variants = options.variants
     ungated = _ungated_variants(checkpoint)
     if ungated is not None:

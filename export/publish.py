@@ -1,6 +1,7 @@
 """Writing a model into a repository: config.pbtxt, variant files, tokenizer, parity.json, fidelity.npz.
 
-A two-tower model's (service.core.repository's layout) also: its image graphs and its preprocessor_config.json.
+A two-tower model's (service.core.towers' layout) also: its image graphs, their fidelity reference and its
+preprocessor_config.json.
 
 Everything is written to a staging folder inside the repository and moved into place at the
 end, so a failed export leaves the repository as it was.
@@ -52,7 +53,13 @@ from service.core.repository import (
     config_text,
     write_embedding_ranges,
 )
-from service.core.towers import IMAGE_VARIANT_FILES, P_IMAGE_PREPROCESSOR, P_IMAGE_VARIANT_PREFIX, P_TEXT_PADDING
+from service.core.towers import (
+    IMAGE_FIDELITY_FILE,
+    IMAGE_VARIANT_FILES,
+    P_IMAGE_PREPROCESSOR,
+    P_IMAGE_VARIANT_PREFIX,
+    P_TEXT_PADDING,
+)
 
 VERSION = "1"
 
@@ -199,12 +206,13 @@ def publish(
     fidelity: FidelityReference,
     embedding_ranges: dict[int, np.ndarray],
     image_variant_files: dict[str, Path] | None = None,
+    image_fidelity: FidelityReference | None = None,
     shipped_files: tuple[Path, ...] = (),
 ) -> Path:
     """Write the model folder atomically into the repository and return its path.
 
-    image_variant_files: a two-tower model's image graphs (variant -> graph); shipped_files: copied beside the
-    tokenizer files (a two-tower model's preprocessor_config.json).
+    image_variant_files: a two-tower model's image graphs (variant -> graph); image_fidelity: their reference for
+    the check at load; shipped_files: copied beside the tokenizer files (a two-tower model's preprocessor_config.json).
     """
     repository.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".staging-{checkpoint.name}-", dir=repository) as scratch:
@@ -219,6 +227,8 @@ def publish(
             shutil.copyfile(shipped, staging / shipped.name)
         (staging / PARITY_FILE).write_text(json.dumps(parity, indent=2) + "\n")
         fidelity.save(staging / FIDELITY_FILE)
+        if image_fidelity is not None:
+            image_fidelity.save(staging / IMAGE_FIDELITY_FILE)
         if embedding_ranges:
             write_embedding_ranges(staging / EMBEDDING_RANGES_FILE, embedding_ranges)
         (staging / CONFIG_FILE).write_text(config_text(config))

@@ -12,12 +12,16 @@ normalised. Figures, per tower:
 - model: our tower against transformers on the processor's pixel values (texts: the same ids), <= 1e-5;
 - graph: the exported graph on the server's pixel values against our tower on them, <= 1e-5, and against
   transformers (what a client gets against what the library gives): cosine >= 0.9999, values within 1e-4.
+A tower's int8 and fp16 graphs (check_variant) are held to our fp32 tower on the server's inputs at their variant's
+own bar (service.core.fidelity.VARIANT_MIN_COSINE), their figures against the library recorded beside; the default
+on CUDA follows the fidelity rule as the text models' does (preferred_variants).
 """
 
 from __future__ import annotations
 
 import gc
 import io
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +36,8 @@ from export.families.two_tower import TwoTowerConfig
 from export.gate.cases import row_label
 from export.gate.image_cases import ImageCase
 from export.layers.vision import TwoTowerModel
-from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
+from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
+from service.core.runtime import CUDA
 from service.pipeline.images import ImagePreprocessor
 from service.pipeline.tokenizer import TextTokenizer
 
@@ -231,3 +236,53 @@ def check_tower(
     figures.compare("graph_vs_library", graph, inputs.library, SERVED_MAX_ABS_DIFF, FIDELITY_MIN_COSINE)
     figures.failures = [f"{name} tower: {failure}" for failure in figures.failures]
     return figures
+
+
+def check_variant(
+    name: str, variant: str, inputs: TowerInputs, fp32_answers: np.ndarray, session: ort.InferenceSession
+) -> TowerFigures:
+    """One tower's int8 or fp16 graph on the server's inputs, held to our fp32 tower at its variant's own bar.
+
+    The bar: VARIANT_MIN_COSINE; its figures against the library are recorded beside, with no bar.
+    """
+    figures = TowerFigures(inputs.labels)
+    feed = {graph_input.name: inputs.served_feed[graph_input.name] for graph_input in session.get_inputs()}
+    (graph,) = session.run(["embedding"], feed)
+    figures.compare("graph_vs_model", graph, fp32_answers, math.inf, VARIANT_MIN_COSINE[variant])
+    figures.compare("graph_vs_library", graph, inputs.library, math.inf, -1.0)
+    figures.failures = [f"{name} tower: {failure}" for failure in figures.failures]
+    return figures
+
+
+def preferred_variants(
+    fp16: dict[str, TowerFigures] | None, provider: str | None, withdrawn: str | None, cuda_problem: str | None
+) -> dict[str, dict[str, object]]:
+    """The default per device under the fidelity rule, with what it rests on (export.gate.verdicts' rule, per tower).
+
+    CPU: fp32 (int8 is only ever an explicit choice). CUDA: fp16 where both towers' fp16 graphs measured >= the
+    fidelity rule against the fp32 towers, else fp32; measured on the CPU only where CUDA cannot run here (said,
+    and the server checks fp16 again on CUDA at load). fp16: its towers' figures, None where it was not built;
+    withdrawn: why it was withdrawn, if it was.
+    """
+    choices: dict[str, dict[str, object]] = {
+        "cpu": {"variant": "fp32", "basis": "fidelity rule: fp32 on the CPU; int8 only by explicit choice"}
+    }
+    if fp16 is None or withdrawn is not None:
+        basis = f"fp16 not published: {withdrawn}" if withdrawn is not None else "fp16 not built"
+        choices["cuda"] = {"variant": "fp32", "basis": basis}
+        return choices
+    tower, measured = min(
+        ((name, figures.figures["graph_vs_model"]["min_cosine"]) for name, figures in fp16.items()),
+        key=lambda pair: pair[1],
+    )
+    meets = measured >= FIDELITY_MIN_COSINE
+    where = f"measured on {provider}"
+    if provider != CUDA:
+        where += f" only, not CUDA ({cuda_problem}); the server re-checks fp16 on CUDA at load"
+    figure = f"{measured:.6f} {'>=' if meets else '<'} {FIDELITY_MIN_COSINE} ({tower} tower)"
+    choices["cuda"] = {
+        "variant": "fp16" if meets else "fp32",
+        "basis": f"fp16 min cosine to the model {figure}, {where}",
+        "fp16_checked_on_cuda": provider == CUDA,
+    }
+    return choices

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from service.core.runtime import ExecutionSettings, session_options
+from service.core.runtime import (
+    CPU,
+    CUDA,
+    ExecutionSettings,
+    cuda_provider_options,
+    cuda_unavailable_reason,
+    session_options,
+)
 
 Feed = dict[str, np.ndarray]
 
@@ -24,6 +32,14 @@ def cpu_session(path: str, threads: int, graph_optimization: str = "all") -> ort
     """
     options = session_options(ExecutionSettings(intra_op_threads=threads), graph_optimization)
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def fp16_session(path: Path, threads: int) -> tuple[ort.InferenceSession, str | None]:
+    """An fp16 graph's session on CUDA where it can run here, else on the CPU; with the reason CUDA was not used."""
+    settings = ExecutionSettings(intra_op_threads=threads)
+    reason = cuda_unavailable_reason(settings.cuda_device_id)
+    providers: list = [CPU] if reason else [(CUDA, cuda_provider_options(settings)), CPU]
+    return ort.InferenceSession(str(path), session_options(settings), providers=providers), reason
 
 
 def token_feed(input_names: list[str], batch: int, length: int, vocab_size: int, seed: int = 0) -> Feed:

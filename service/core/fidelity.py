@@ -68,7 +68,10 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class FidelityReference:
-    """Gate inputs (int64 [rows, length] per graph input), what each row is, and the model's fp32 answers."""
+    """Gate inputs, what each row is, and the model's fp32 answers.
+
+    The inputs: int64 [rows, length] per graph input; an image tower's float32 pixel_values [rows, 3, size, size].
+    """
 
     feed: dict[str, np.ndarray]
     labels: tuple[str, ...]
@@ -85,19 +88,19 @@ class FidelityReference:
             )
 
     @classmethod
-    def load(cls, path: Path) -> FidelityReference:
-        """Read a reference written by save()."""
+    def load(cls, path: Path, inputs: tuple[str, ...] = ("input_ids", "attention_mask")) -> FidelityReference:
+        """Read a reference written by save(); `inputs`: the graph inputs it holds (an image tower's: pixel_values)."""
         try:
             with np.load(path, allow_pickle=False) as arrays:
                 contents = {name: arrays[name] for name in arrays.files}
         except (OSError, ValueError) as error:
             raise FidelityError(f"{path}: not a fidelity reference: {error}") from error
-        missing = {"embedding", "labels", "input_ids", "attention_mask"} - set(contents)
+        missing = {"embedding", "labels", *inputs} - set(contents)
         if missing:
             raise FidelityError(f"{path}: missing {', '.join(sorted(missing))}")
         embedding, labels = contents.pop("embedding"), contents.pop("labels")
         output = str(contents.pop("output", "embedding"))
-        rows = contents["input_ids"].shape[0]
+        rows = contents[inputs[0]].shape[0]
         if embedding.shape[0] != rows or len(labels) != rows:
             raise FidelityError(f"{path}: {rows} input rows but {embedding.shape[0]} embeddings, {len(labels)} labels")
         return cls(feed=contents, labels=tuple(str(label) for label in labels), embedding=embedding, output=output)

@@ -82,8 +82,13 @@ def image_policy(policy: BatchingPolicy) -> BatchingPolicy:
 def _image_batcher(
     spec: ModelSpec, settings: Settings, text: ModelRuntime, policy: BatchingPolicy, labels: ModelLabels
 ) -> Batcher:
-    """A two-tower model's image tower behind its own batcher: as many instances, on the text graph's device."""
-    runtimes = create_instances(spec, text.pinned_settings(), settings.instances, image=True)
+    """A two-tower model's image tower behind its own batcher: as many instances, on the text graph's device.
+
+    In the text graph's variant, held to the fidelity rule where the server chose it (service.core.runtime).
+    """
+    by_default = settings.variant == "auto"
+    pinned = text.pinned_settings()
+    runtimes = create_instances(spec, pinned, settings.instances, image=True, chosen_by_default=by_default)
     images = image_policy(policy)
     if settings.warmup:
         for runtime in runtimes:

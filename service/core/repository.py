@@ -9,7 +9,8 @@
     REPO/<model>/embedding_ranges.npz  per-dimension [min, max] of the embedding over a calibration corpus,
                                        for each served width (int8/uint8 embeddings), when the model has them
 
-A two-tower model (CLIP, SigLIP) also holds an image graph and its preprocessor config: service.core.towers.
+A two-tower model (CLIP, SigLIP) also holds its image graphs (a variant each), their fidelity reference and its
+preprocessor config: service.core.towers.
 
 Serving facts that Triton has no field for live in `parameters` (string values).
 `optimization.graph.level` is Triton's own field, read as Triton's ONNX Runtime backend reads it:
@@ -31,6 +32,7 @@ from protocol import model_config_pb2 as mc
 from service.core.sources import parse_model_argument
 from service.core.text_rules import MULTIVECTOR_SCORES, PAIR_FIELDS, PAIR_PLACEHOLDER, MultiVectorSpec, PairTemplate
 from service.core.towers import (
+    IMAGE_FIDELITY_FILE,
     P_IMAGE_PREPROCESSOR,
     P_IMAGE_VARIANT_PREFIX,
     P_TEXT_PADDING,
@@ -175,6 +177,8 @@ class ModelSpec:
     """A two-tower model's image graphs (variant -> ONNX file: pixel_values -> embedding); empty: no image tower."""
     image_preprocessor: Path | None = None
     """A two-tower model's preprocessor_config.json (service.pipeline.images)."""
+    image_fidelity_file: Path | None = None
+    """A two-tower model's image_fidelity.npz (the image graph's check at load); None in older repositories."""
     text_padding: str = "longest"
     """How a batch of texts is padded (service.core.towers.TEXT_PADDINGS)."""
     graph_optimization: str = "all"
@@ -486,7 +490,8 @@ def _tower_facts(config: mc.ModelConfig, directory: Path, source: Path, task: st
         return {}
     preprocessor = _inside(directory, _parameter(config, P_IMAGE_PREPROCESSOR, source), source)
     try:
-        return tower_facts(task, image_variants, preprocessor, _parameter(config, P_TEXT_PADDING, source, "longest"))
+        padding = _parameter(config, P_TEXT_PADDING, source, "longest")
+        return tower_facts(task, image_variants, preprocessor, padding, directory / IMAGE_FIDELITY_FILE)
     except ValueError as error:
         raise RepositoryError(f"{source}: {error}") from error
 

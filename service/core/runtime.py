@@ -18,10 +18,12 @@ placed in three steps, each logged:
    A repository without a reference (exported before it existed) is served unchecked, except that
    fp16 is then not chosen by default.
 
-A two-tower model's image tower (service.core.towers) is a ModelRuntime of its own (`image=True`): its
-image graph on the text tower's device, fp32 (the one image variant published), fed pixel_values. The
-repository holds no image reference, so it is served without a fidelity check at load; the export's
-gate compared it with the library.
+A two-tower model's image tower (service.core.towers) is a ModelRuntime of its own (`image=True`), fed
+pixel_values, on the text tower's device and in the text tower's variant: the model's variant applies to both
+towers. An image tower without that variant's graph (a repository exported before the image tower had variants)
+serves its fp32 graph instead, with a warning. Its check at load is the text's, on the image reference
+(`image_fidelity.npz`): the same bars, the same fallback of a default fp16 to fp32, the same errors; a repository
+without that reference serves the image tower unchecked (logged).
 """
 
 from __future__ import annotations
@@ -245,15 +247,27 @@ def session_options(settings: ExecutionSettings, graph_optimization: str = "all"
 class ModelRuntime:
     """One model instance: an ONNX Runtime session on the device and variant chosen as the module says.
 
-    `image`: the instance runs the model's image tower (pixel_values in) instead of its text graph.
+    `image`: the instance runs the model's image tower (pixel_values in) instead of its text graph, in
+    settings.variant (the text tower's). `chosen_by_default`: whether the variant was the server's choice, not the
+    operator's (default: settings.variant is auto); the check at load holds a default variant to the fidelity rule.
     """
 
-    def __init__(self, spec: ModelSpec, settings: ExecutionSettings, *, image: bool = False) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        settings: ExecutionSettings,
+        *,
+        image: bool = False,
+        chosen_by_default: bool | None = None,
+    ) -> None:
         self.spec = spec
         self.settings = settings
         self.image = image
+        self.chosen_by_default = settings.variant == "auto" if chosen_by_default is None else chosen_by_default
         self.graphs = spec.image_variants if image else spec.variants
         """The ONNX file of each variant this instance may run."""
+        self.reference_file = spec.image_fidelity_file if image else spec.fidelity_file
+        """The fidelity reference this instance is checked with at load (None: served unchecked)."""
         self.input_names = (PIXEL_VALUES,) if image else spec.input_names
         self.name = f"{spec.name} (image tower)" if image else spec.name
         wants_cuda = settings.device != "cpu" and settings.variant not in CPU_ONLY_VARIANTS
@@ -269,17 +283,28 @@ class ModelRuntime:
             self.device, self.fell_back_to_cpu = "cpu", True
             self.variant = self._variant()
             self.session = self._create(self.variant)
-        self.fidelity = None if image else self._check_fidelity()
+        self.fidelity = self._check_fidelity()
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.pixel_shape: tuple[int, ...] = tuple(self.session.get_inputs()[0].shape[1:]) if image else ()
         """An image row's shape (channels, height, width), as the image graph declares it; () for text."""
         log.info("model %s: variant %s on %s", self.name, self.variant, self.provider)
 
     def _variant(self) -> str:
-        """The variant to load: the text graph's rule (choose_variant); the image tower's fp32, or the operator's."""
+        """The variant to load: the text graph's rule (choose_variant); the image tower's, the text tower's.
+
+        An image tower without the text tower's variant serves fp32; without its reference, fp16 is not a default.
+        """
         if not self.image:
             return choose_variant(self.spec, self.settings, self.device)
-        return self.settings.variant if self.settings.variant in self.graphs else "fp32"
+        wanted = self.settings.variant
+        if wanted not in self.graphs:
+            if wanted != "auto":
+                log.warning("model %s: no %s graph published for the image tower; serving fp32", self.spec.name, wanted)
+            return "fp32"
+        if wanted == "fp16" and self.chosen_by_default and self.reference_file is None:
+            log.warning("model %s: no image fidelity reference, so the image tower's fp16 is not a default", self.name)
+            return "fp32"
+        return wanted
 
     @property
     def provider(self) -> str:
@@ -310,28 +335,29 @@ class ModelRuntime:
 
     def _check_fidelity(self) -> FidelityCheck | None:
         """Run the repository's reference inputs; replace a default fp16 that misses the rule by fp32."""
-        if self.spec.fidelity_file is None:
+        if self.reference_file is None:
             log.warning(
-                "model %s: no fidelity reference in the repository; %s is served unchecked",
-                self.spec.name,
-                self.variant,
+                "model %s: no fidelity reference in the repository; %s is served unchecked", self.name, self.variant
             )
             return None
         try:
-            reference = FidelityReference.load(self.spec.fidelity_file)
+            if self.image:
+                reference = FidelityReference.load(self.reference_file, self.input_names)
+            else:
+                reference = FidelityReference.load(self.reference_file)
         except FidelityError as error:
-            raise ExecutionError(f"model {self.spec.name}: {error}") from error
-        chosen_by_default = self.settings.variant == "auto"
+            raise ExecutionError(f"model {self.name}: {error}") from error
+        chosen_by_default = self.chosen_by_default
         check = self._measure(reference, chosen_by_default)
         if check.passed:
-            log.info("model %s: fidelity check passed: %s", self.spec.name, check.describe())
+            log.info("model %s: fidelity check passed: %s", self.name, check.describe())
             return check
         if not chosen_by_default or self.variant == "fp32":
-            raise ExecutionError(f"model {self.spec.name}: fidelity check failed: {check.describe()}")
+            raise ExecutionError(f"model {self.name}: fidelity check failed: {check.describe()}")
         log.warning(
             "model %s: FIDELITY CHECK FAILED, serving fp32 instead: %s. --variant %s serves it anyway if it meets"
             " its own bar.",
-            self.spec.name,
+            self.name,
             check.describe(),
             self.variant,
         )
@@ -339,7 +365,7 @@ class ModelRuntime:
         self.session = self._create("fp32")
         check = self._measure(reference, chosen_by_default)
         if not check.passed:
-            raise ExecutionError(f"model {self.spec.name}: fidelity check failed: {check.describe()}")
+            raise ExecutionError(f"model {self.name}: fidelity check failed: {check.describe()}")
         return check
 
     def _measure(self, reference: FidelityReference, chosen_by_default: bool) -> FidelityCheck:
@@ -347,7 +373,7 @@ class ModelRuntime:
             embedding = self.run(reference.feed, (reference.output,))[reference.output]
         except Exception as error:
             raise ExecutionError(
-                f"model {self.spec.name}: the fidelity check could not run {self.variant} on {self.provider}: {error}"
+                f"model {self.name}: the fidelity check could not run {self.variant} on {self.provider}: {error}"
             ) from error
         return compare(
             reference,
@@ -419,13 +445,19 @@ class ModelRuntime:
 
 
 def create_instances(
-    spec: ModelSpec, settings: ExecutionSettings, count: int, *, image: bool = False
+    spec: ModelSpec,
+    settings: ExecutionSettings,
+    count: int,
+    *,
+    image: bool = False,
+    chosen_by_default: bool | None = None,
 ) -> list[ModelRuntime]:
     """A model's instances (count of them), all on the first one's device and variant (or an ExecutionError).
 
     The first instance makes every choice (device, fallback, variant, fidelity check); the others
     are pinned to it, so metrics and the served configuration describe every instance. `image`: the
-    image tower's instances (pass the text instances' pinned settings: the same device).
+    image tower's instances (pass the text instances' pinned settings: the same device and variant, and
+    `chosen_by_default`: whether that variant was the server's choice).
     """
-    first = ModelRuntime(spec, settings, image=image)
+    first = ModelRuntime(spec, settings, image=image, chosen_by_default=chosen_by_default)
     return [first, *(ModelRuntime(spec, first.pinned_settings(), image=image) for _ in range(count - 1))]

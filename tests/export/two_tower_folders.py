@@ -193,11 +193,12 @@ SOURCES = {
 
 def _export_all(folder: Path) -> None:
     """Every tiny folder (folder/source/<name>), each exported by the command line into folder/repository with its
-    default variants (int8 and fp16 withdrawn)."""
+    default variants (fp32, int8, fp16), int8's speed bar off: at these sizes int8 is not faster, and the tests
+    serve it."""
     for name, save in SOURCES.items():
         source = save(folder / "source" / name)
         command = ["--source", str(source), "--repository", str(folder / "repository"), "--name", name]
-        status = export_main([*command, "--threads", "1"])
+        status = export_main([*command, "--threads", "1", "--int8-min-speedup", "0"])
         assert status == 0, f"the export of {name} failed"
 
 
