@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from export.gate.references.library import LIBRARY_BATCH_SIZE, LONG_TEXT_LABEL
 from export.gate.references.loop import VariantCheck, VariantSession, unchecked
 from export.gate.served import served_feeds
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
@@ -42,7 +43,6 @@ MAX_ABS_DIFF = 1e-4
 """The largest difference from FlagEmbedding allowed in any value: embedding, term weight, token vector, score."""
 SCORED_PAIRS = 4
 """Query/passage pairs of gate sentences scored with colbert_score (plus the first sentence against the long text)."""
-LONG_TEXT_LABEL = "the gate sentences as one text"
 M3_MODULE = "FlagEmbedding.inference.embedder.encoder_only.m3"
 """Where BGEM3FlagModel is defined (FlagEmbedding exports it under that name; the class is M3Embedder)."""
 PARENT_PACKAGES = (
@@ -105,6 +105,7 @@ def m3_reference(checkpoint: Checkpoint, sentences: list[str]) -> M3Reference:
     labels = [f"input {i + 1}: {text[:40]!r}" for i, text in enumerate(sentences)] + [LONG_TEXT_LABEL]
     encoded = model.encode(
         texts,
+        batch_size=LIBRARY_BATCH_SIZE,
         max_length=checkpoint.max_seq_length,
         return_dense=True,
         return_sparse=True,

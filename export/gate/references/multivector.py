@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from export.gate.cases import SENTENCE_BATCH
-from export.gate.references.library import LONG_TEXT_LABEL, quiet_loading, required_figures
+from export.gate.references.library import LIBRARY_BATCH_SIZE, LONG_TEXT_LABEL, quiet_loading, required_figures
 from export.gate.references.loop import VariantCheck, VariantSession
 from protocol import model_config_pb2 as mc
 from service.core.fidelity import cosines
@@ -205,8 +205,12 @@ def multivector_check(
         )
     follow_pylate(encoder)
     expected = {
-        multivector.QUERY: encoder.encode_query(texts, convert_to_numpy=True, show_progress_bar=False),
-        multivector.DOCUMENT: encoder.encode_document(texts, convert_to_numpy=True, show_progress_bar=False),
+        multivector.QUERY: encoder.encode_query(
+            texts, batch_size=LIBRARY_BATCH_SIZE, convert_to_numpy=True, show_progress_bar=False
+        ),
+        multivector.DOCUMENT: encoder.encode_document(
+            texts, batch_size=LIBRARY_BATCH_SIZE, convert_to_numpy=True, show_progress_bar=False
+        ),
     }
     expected = {kind: [np.asarray(v, dtype=np.float32) for v in vectors] for kind, vectors in expected.items()}
     spec = served_spec(checkpoint, input_names)
