@@ -26,6 +26,7 @@ from PIL import Image
 from protocol import grpc_service_pb2 as pb
 from protocol import grpc_service_pb2_grpc as pb_grpc
 from service.core.repository import FIDELITY_FILE
+from service.core.towers import IMAGE_FIDELITY_FILE
 from service.pipeline.images import ImagePreprocessor
 from tests.conftest import TINY_MODEL
 from tests.export.two_tower_folders import PROJECTION, exported_two_towers
@@ -117,7 +118,8 @@ def test_a_stuck_image_batch_takes_the_model_and_the_server_out_until_it_returns
     shutil.copytree(exported_two_towers() / "repository" / "clip", folder)
     size = ImagePreprocessor.from_folder(folder).output_size.height
     slow_on_demand_image_model(folder / "1" / "image.onnx", size, PROJECTION, STUCK_TURNS)  # slow on a white image
-    (folder / FIDELITY_FILE).unlink(missing_ok=True)  # references of the real model
+    for references in (FIDELITY_FILE, IMAGE_FIDELITY_FILE):  # of the real model's towers
+        (folder / references).unlink(missing_ok=True)
     flags = ("--no-warmup", "--device", "cpu", "--max-batch-run-s", "1")
     with (
         start_server(repository, tmp_path / "server.log", *flags) as server,
