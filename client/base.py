@@ -209,8 +209,8 @@ class BaseClient:
     @Task
     def rerank(
         self,
-        query: str,
-        documents: Sequence[str],
+        query: str | ImageItem,
+        documents: Sequence[str | ImageItem],
         *,
         model: str | None = None,
         top_n: int | None = None,
@@ -220,9 +220,19 @@ class BaseClient:
     ) -> Steps[tasks.Ranking]:
         """The documents ranked for the query by a reranker (or a multi-vector model): best first, top_n of them.
 
+        A two-tower model (CLIP, SigLIP: `model_info(...).takes_images`) ranks by the cosine of its vectors, as the
+        server's /rerank does: the query and the documents each a text or an image (as `embed` takes them); a
+        refusal names the item by its place in [query, *documents] (`inputs[0]` is the query).
         instruction: a reranker with a pair template's instruction (Qwen3-Reranker's), in place of its default.
         """
         info = yield from self._described(model)
+        if info.takes_images:
+            if instruction is not None:
+                raise ValueError(f"model {info.name} ranks by cosine: an instruction is a reranker's")
+            placed = tasks.cosine_rerank_requests(info, query, documents, truncate, self.batch_size)
+            places = [request.places for request in placed]
+            responses = yield from _inferred([request.request for request in placed], places)
+            return tasks.cosine_ranking(tasks.placed_rows(responses, places, "embedding"), top_n)
         requests = tasks.rerank_requests(info, query, documents, truncate, self.batch_size, instruction=instruction)
         return tasks.ranking(info, (yield from _inferred(requests)), top_n, raw_scores)
 

@@ -59,6 +59,10 @@ def channel_options(target: str, max_message_bytes: int) -> list[tuple[str, obje
     ]
 
 
+IMAGE_INPUT = "image"
+"""The input a two-tower model takes encoded images in (BYTES, one image an element)."""
+
+
 def text_request(
     model: str,
     texts: Sequence[str],
@@ -83,7 +87,7 @@ def image_request(
     request_id: str = "",
 ) -> pb.ModelInferRequest:
     """A ModelInferRequest carrying encoded images (one a row) as the BYTES input `image` in raw form."""
-    return _bytes_request(model, {"image": images}, outputs, parameters, request_id)
+    return _bytes_request(model, {IMAGE_INPUT: images}, outputs, parameters, request_id)
 
 
 def _bytes_request(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from client.images import ImageItem, encoded_image, image_batches
-from client.protocol import Parameter, batches, image_request, output_values, text_request
+from client.protocol import IMAGE_INPUT, Parameter, batches, image_request, output_values, text_request
 from protocol import grpc_service_pb2 as pb
 
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary")
@@ -215,6 +215,8 @@ class ModelInfo:
     """Texts one request may carry (0: no limit)."""
     priority_levels: int = 1
     """Priorities a request may ask for: 1 (the highest) to this (the lowest: bulk work)."""
+    takes_images: bool = False
+    """Whether it has an image tower (CLIP, SigLIP): it embeds images, and reranks by the cosine of its vectors."""
 
     @property
     def embedding_types(self) -> tuple[str, ...]:
@@ -243,6 +245,7 @@ def model_info(metadata: pb.ModelMetadataResponse, config: pb.ModelConfigRespons
         max_sequence_length=int(length) if length else None,
         max_batch_size=config.config.max_batch_size,
         priority_levels=max(1, config.config.dynamic_batching.priority_levels),
+        takes_images=any(tensor.name == IMAGE_INPUT for tensor in metadata.inputs),
     )
 
 
@@ -254,7 +257,7 @@ class Ranking:
     """int64: the documents' positions in the list given, best first (top_n of them when asked)."""
     scores: np.ndarray
     """float32, in the same order: the reranker's probability (sigmoid of its logit), its raw logit when
-    raw_scores, or a multi-vector model's MaxSim score."""
+    raw_scores, a multi-vector model's MaxSim score, or a two-tower model's cosine of the vectors."""
 
 
 def rerank_requests(
@@ -272,6 +275,8 @@ def rerank_requests(
     """
     if isinstance(documents, str) or not documents:
         raise ValueError("give a non-empty list of documents")
+    if not isinstance(query, str) or not all(isinstance(document, str) for document in documents):
+        raise ValueError(f"model {info.name} reranks texts: images need a two-tower (text and image) embed model")
     if info.task == "classify" and len(info.labels) != 1:
         raise ValueError(f"model {info.name} has {len(info.labels)} labels, not a reranker: use classify")
     if info.task not in ("classify", "multivector") and "score" not in info.outputs:
@@ -295,6 +300,35 @@ def ranking(
         scores = _sigmoid(scores)
     order = np.argsort(-scores, kind="stable")[:top_n]
     return Ranking(order.astype(np.int64), scores[order].astype(np.float32))
+
+
+def cosine_rerank_requests(
+    info: ModelInfo,
+    query: str | ImageItem,
+    documents: Sequence[str | ImageItem],
+    truncate: bool | None,
+    batch_size: int,
+) -> list[PlacedRequest]:
+    """A two-tower model's requests for the vectors of the query and the documents (texts or images).
+
+    Placed as [query, *documents]: a refusal names the query inputs[0], document i inputs[i + 1].
+    """
+    if isinstance(documents, str) or not documents:
+        raise ValueError("give a non-empty list of documents")
+    items = [query, *documents]
+    return embed_requests(info.name, items, [embedding_output("float")], EmbedOptions(truncate=truncate), batch_size)
+
+
+def cosine_ranking(vectors: np.ndarray, top_n: int | None) -> Ranking:
+    """The documents (vectors[1:]) by the cosine of each one's vector with the query's (vectors[0]), in float64.
+
+    As the server's /rerank scores a two-tower model's query and documents: best first, ties in document order.
+    """
+    unit = vectors.astype(np.float64)
+    unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+    scores = (unit[1:] @ unit[0]).astype(np.float32)
+    order = np.argsort(-scores, kind="stable")[:top_n]
+    return Ranking(order.astype(np.int64), scores[order])
 
 
 @dataclass(frozen=True, eq=False)

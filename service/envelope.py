@@ -7,11 +7,11 @@ request's `RequestEnvelope`, which owns its life from there:
   stream's messages each get theirs, in the stream's caller's trace, from `message`), the front
   end's own first refusals made, its API key checked (its tenant, or Unauthenticated);
 - `decode`: the front end's reading of its wire format (a stage of its span);
-- `inference`: the request's tenant admitted, its reservation in the answer budget made, the
-  pipeline's one call (service.pipeline.api: `infer`, or `tokenize` and `decode`, which run no
-  model), the tenant charged its tokens, the answer encoded, and the request counted once its
-  answer is encoded (encoder_requests_total, Triton's statistics, the tenant's figures), from the
-  moment it was received;
+- `inference` (`inferences`: a request in parts, one a kind of input): the request's tenant admitted,
+  its reservation in the answer budget made, the pipeline's one call (service.pipeline.api: `infer`,
+  or `tokenize` and `decode`, which run no model), the tenant charged its tokens, the answer encoded,
+  and the request counted once its answer is encoded (encoder_requests_total, Triton's statistics,
+  the tenant's figures), from the moment it was received;
 - `end`, once, when the transport has taken the answer or never will (answered, failed, client
   gone, cancelled): the reservation released, and the span ended with the status the protocol's
   one table gives what the request ended with.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Generic, TypeVar, overload
 
@@ -103,43 +103,49 @@ def _encodes_inline(result: PipelineResult) -> bool:
     return result.encode_inline
 
 
-class _CountedInference(Generic[Result]):
-    """The async context manager `RequestEnvelope.inference` returns: runs the request on entry, counts it on exit."""
+class _CountedInferences:
+    """What `RequestEnvelope.inferences` returns: runs a request's parts on entry, counts the request once on exit.
 
-    __slots__ = ("_engine", "_envelope", "_request", "_tracked")
+    The parts of one request (a mixed request's texts and images: one pipeline call a kind) are one request to
+    the caller: its tenant admitted once, charged the tokens of every part, and the request counted once, with
+    the rows of every part and the time they spent queued and running.
+    """
 
-    def __init__(self, envelope: RequestEnvelope, pipeline: Pipeline, request: PipelineRequest) -> None:
+    __slots__ = ("_engine", "_envelope", "_requests", "_tracked")
+
+    def __init__(self, envelope: RequestEnvelope, pipeline: Pipeline, requests: tuple[PipelineRequest, ...]) -> None:
         self._engine = pipeline
         self._envelope = envelope
-        self._request = request
+        self._requests = requests
         tenant = envelope.tenant
-        model_metrics, statistics = pipeline.counters(request.model, request.version)
+        model_metrics, statistics = pipeline.counters(requests[0].model, requests[0].version)
         self._tracked = metrics.TrackedRequest(
             model_metrics, statistics, envelope.deadline, envelope.received, None if tenant is None else tenant.metrics
         )
 
-    async def __aenter__(self) -> Inference[Result]:
+    async def __aenter__(self) -> tuple[Inference, ...]:
         tracked = self._tracked.__enter__()
         tenant = self._envelope.tenant
         try:
             reservation = self._envelope._reserved()  # made with its first inference
             if tenant is not None:
                 tenant.admit()
-            result = await self._run(reservation)
-            if isinstance(result, InferenceResult):
-                tracked.inferred(result.rows, result.queue_s, result.compute_s)
-            else:
-                tracked.inferred(result.rows, 0.0, 0.0)  # the tokenizer's work alone: no queue, no model
+            results = [await self._run(request, reservation) for request in self._requests]
+            inferred = [result for result in results if isinstance(result, InferenceResult)]
+            # The tokenizer's work alone runs no queue and no model.
+            queue_s = sum(result.queue_s for result in inferred)
+            compute_s = sum(result.compute_s for result in inferred)
+            tracked.inferred(sum(result.rows for result in results), queue_s, compute_s)
             if tenant is not None:
-                tenant.charge(result.prompt_tokens)
+                tenant.charge(sum(result.prompt_tokens for result in results))
         except BaseException as error:
             tracked.__exit__(type(error), error, None)
             raise
-        return Inference(self._engine, result, reservation, self._envelope.trace)
+        return tuple(Inference(self._engine, result, reservation, self._envelope.trace) for result in results)
 
-    async def _run(self, reservation: Reservation) -> Result:
-        """The pipeline's one call for this request."""
-        request, envelope = self._request, self._envelope
+    async def _run(self, request: PipelineRequest, reservation: Reservation) -> PipelineResult:
+        """The pipeline's one call for one part of this request."""
+        envelope = self._envelope
         if isinstance(request, TokenizeRequest):
             return await self._engine.tokenize(request)
         if isinstance(request, DecodeRequest):
@@ -148,6 +154,22 @@ class _CountedInference(Generic[Result]):
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
         self._tracked.__exit__(kind, error, traceback)
+
+
+class _CountedInference(Generic[Result]):
+    """The async context manager `RequestEnvelope.inference` returns: a request of one part (`_CountedInferences`)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, envelope: RequestEnvelope, pipeline: Pipeline, request: PipelineRequest) -> None:
+        self._parts = _CountedInferences(envelope, pipeline, (request,))
+
+    async def __aenter__(self) -> Inference[Result]:
+        (inference,) = await self._parts.__aenter__()
+        return inference
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
+        await self._parts.__aexit__(kind, error, traceback)
 
 
 class RequestEnvelope:
@@ -236,6 +258,17 @@ class RequestEnvelope:
         if self.trace is not None:
             self.trace.describe(request.model, request.version)
         return _CountedInference(self, self._pipeline, request)
+
+    def inferences(self, requests: Sequence[InferenceRequest]) -> _CountedInferences:
+        """Run one request's parts in turn, as one request: `async with envelope.inferences(parts) as inferences:`.
+
+        The parts: a mixed request's texts and images, one inference a kind, all of one model; one `Inference` a
+        part comes back. As `inference`, but the tenant is admitted and charged once for them all, and the request
+        counted once.
+        """
+        if self.trace is not None:
+            self.trace.describe(requests[0].model, requests[0].version)
+        return _CountedInferences(self, self._pipeline, tuple(requests))
 
     def _reserved(self) -> Reservation:
         """Its answer's place in the budget, made for its first inference and released by `end`, the only two places.

@@ -49,8 +49,8 @@ def save_token_graph(path: Path, name: str, nodes: list[onnx.NodeProto]) -> None
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
 
 
-def slow_on_demand_model(path: Path, turns: int = TURNS) -> None:
-    """embedding[b] = sum of row b's ids (x32); a Loop whose trip count is `turns` when ids[0][0] == SLOW_ID."""
+def _loop_when(is_slow: str, turns: int) -> list[onnx.NodeProto]:
+    """Nodes making `carried` (float [1], 0): a Loop of `turns` empty turns when `is_slow` (bool [1, 1]), else none."""
     body = helper.make_graph(
         [
             helper.make_node("Identity", ["condition_in"], ["condition_out"]),
@@ -67,14 +67,8 @@ def slow_on_demand_model(path: Path, turns: int = TURNS) -> None:
             helper.make_tensor_value_info("carried_out", TensorProto.FLOAT, [1]),
         ],
     )
-    nodes = [
-        # Trip count: TURNS if the first id is SLOW_ID, else 0.
-        constant("first", [0]),
-        helper.make_node("Flatten", ["input_ids"], ["flat"], axis=0),
-        helper.make_node("Gather", ["flat", "first"], ["first_id"], axis=1),
-        constant("slow_id", [SLOW_ID]),
-        helper.make_node("Equal", ["first_id", "slow_id"], ["is_slow"]),
-        helper.make_node("Cast", ["is_slow"], ["is_slow_count"], to=TensorProto.INT64),
+    return [
+        helper.make_node("Cast", [is_slow], ["is_slow_count"], to=TensorProto.INT64),
         constant("turns", [turns]),
         helper.make_node("Mul", ["is_slow_count", "turns"], ["trip_vector"]),
         constant("scalar", []),
@@ -82,6 +76,19 @@ def slow_on_demand_model(path: Path, turns: int = TURNS) -> None:
         helper.make_node("Constant", [], ["keep_going"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
         constant("zero", [0], TensorProto.FLOAT),
         helper.make_node("Loop", ["trip", "keep_going", "zero"], ["carried"], body=body),
+    ]
+
+
+def slow_on_demand_model(path: Path, turns: int = TURNS) -> None:
+    """embedding[b] = sum of row b's ids (x32); a Loop whose trip count is `turns` when ids[0][0] == SLOW_ID."""
+    nodes = [
+        # Trip count: TURNS if the first id is SLOW_ID, else 0.
+        constant("first", [0]),
+        helper.make_node("Flatten", ["input_ids"], ["flat"], axis=0),
+        helper.make_node("Gather", ["flat", "first"], ["first_id"], axis=1),
+        constant("slow_id", [SLOW_ID]),
+        helper.make_node("Equal", ["first_id", "slow_id"], ["is_slow"]),
+        *_loop_when("is_slow", turns),
         constant("row_axes", [1]),
         helper.make_node("ReduceSum", ["ids", "row_axes"], ["row_sums"], keepdims=1),
         helper.make_node("Add", ["row_sums", "carried"], ["row_sums_kept"]),  # keeps the Loop in the graph
@@ -89,6 +96,31 @@ def slow_on_demand_model(path: Path, turns: int = TURNS) -> None:
         helper.make_node("Tile", ["row_sums_kept", "widths"], ["embedding"]),
     ]
     save_token_graph(path, "slow_on_demand", nodes)
+
+
+def slow_on_demand_image_model(path: Path, size: int, width: int, turns: int = TURNS) -> None:
+    """An image tower's graph (pixel_values [batch, 3, size, size] -> embedding [batch, width]): each row's first
+    `width` pixel values; a Loop whose trip count is `turns` when the batch's first pixel value is above 0 (a
+    white image, normalised), none for a black one.
+    """
+    nodes = [
+        constant("first", [0]),
+        helper.make_node("Flatten", ["pixel_values"], ["flat"], axis=0),
+        helper.make_node("Gather", ["flat", "first"], ["first_value"], axis=1),
+        constant("bright", [0], TensorProto.FLOAT),
+        helper.make_node("Greater", ["first_value", "bright"], ["is_slow"]),
+        *_loop_when("is_slow", turns),
+        helper.make_node("Flatten", ["pixel_values"], ["rows"], axis=1),
+        constant("starts", [0]),
+        constant("ends", [width]),
+        constant("axes", [1]),
+        helper.make_node("Slice", ["rows", "starts", "ends", "axes"], ["firsts"]),
+        helper.make_node("Add", ["firsts", "carried"], ["embedding"]),  # keeps the Loop in the graph
+    ]
+    inputs = [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, size, size])]
+    outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", width])]
+    graph = helper.make_graph(nodes, "slow_on_demand_image", inputs, outputs)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
 
 
 def token_request(model: str, ids: list[int]) -> pb.ModelInferRequest:

@@ -70,13 +70,17 @@ class ModelHost:
         return model.image_batcher
 
     def serving(self, name: str) -> bool:
-        """Whether that model is loaded and has an instance in service."""
+        """Whether that model is loaded and each of its batchers (its image tower's too) has an instance in service."""
         model = self._models.get(name)
-        return model is not None and model.batcher.serving
+        return model is not None and all(batcher.serving for batcher in model.batchers)
 
     def on_serving_change(self, name: str, listener: Callable[[bool], None]) -> None:
-        """Tell `listener(serving)` when the model loses, or gets back, its last working instance."""
-        self._models[name].batcher.on_serving_change = listener
+        """Tell `listener(serving(name))` when any of the model's batchers loses, or gets back, its last instance.
+
+        A stuck image batch takes the model out of service as a stuck text batch does.
+        """
+        for batcher in self._models[name].batchers:
+            batcher.on_serving_change = lambda _batcher_serving: listener(self.serving(name))
 
     def flush(self) -> None:
         """Queued rows of every model run from now on without waiting for fuller batches (a drain)."""

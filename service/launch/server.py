@@ -32,6 +32,7 @@ from service.frontends.grpc.transport import (
 from service.frontends.http.app import HttpApp
 from service.frontends.http.listener import HttpListener
 from service.ops import metrics
+from service.ops.message_limits import ReceiveLimits, takes_images
 from service.ops.security import ReloadingSslContext, ReloadingTls, TlsFiles, api_keys, tls_files
 from service.ops.settings import Settings
 from service.ops.statistics import TABLES, TritonMetricsCollector
@@ -96,6 +97,8 @@ class InferenceServer:
         self._link: EngineLink | None = None
         self._discovered: list[str] = []
         """The repository's model folders, found at bind()."""
+        self._receive = ReceiveLimits.of(settings, takes_images=False)
+        """The largest request each transport receives: decided at bind(), from the models the server serves."""
 
     async def start(self) -> None:
         """Bind the ports (health NOT_SERVING), then serve each model as it is ready: SERVING once all are."""
@@ -110,6 +113,7 @@ class InferenceServer:
         supervised = self.frontend is not None or self.hosted_by is not None
         reuse_port = supervised  # the supervisor holds the ports (SO_REUSEPORT) and lets its children bind them
         self._discovered = names = self.pipeline.discover()
+        self._receive = ReceiveLimits.of(settings, takes_images(settings))
         files = tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         self.tls = ReloadingTls(files) if files is not None else None
         # Each front end holds every tenant to its share of the limits (the kernel spreads connections among them).
@@ -183,12 +187,13 @@ class InferenceServer:
         if self.hosted_by is not None:
             self.grpc_app = GrpcAsgiApp(
                 interceptor,
-                settings.max_message_bytes,
+                self._receive.grpc_bytes,
                 max_send_bytes(settings),
                 stop_listening=self.hosted_by,
             )
             return self.grpc_app
-        self._server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings, reuse_port))
+        options = grpc_options(settings, self._receive.grpc_bytes, reuse_port)
+        self._server = grpc.aio.server(interceptors=[interceptor], options=options)
         return GenericHandlersOnly(self._server)
 
     async def _start_grpc_listener(self) -> None:
@@ -247,7 +252,7 @@ class InferenceServer:
         settings = self.settings
         app = HttpApp(
             self.envelope,
-            settings.max_message_bytes,
+            self._receive.http_bytes,
             settings.max_embedding_inputs,
             max(1, settings.max_concurrent_http_requests // max(1, settings.frontends)),
         )

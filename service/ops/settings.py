@@ -236,8 +236,8 @@ class Settings:
     max_message_bytes: int = field(
         default=2 * 1024 * 1024,
         metadata=_doc(
-            "largest request message accepted, bytes; larger ones are refused RESOURCE_EXHAUSTED by gRPC, and HTTP"
-            " bodies over it 413"
+            "largest request message, bytes (RESOURCE_EXHAUSTED past it, HTTP 413); where a model takes images, raised"
+            " to carry one image of --max-image-bytes (its bytes over gRPC, its base64 over HTTP, and 64 KiB more)"
         ),
     )
     max_response_bytes: int = field(
@@ -276,7 +276,7 @@ class Settings:
         default=20 * 1024 * 1024,
         metadata=_doc(
             "largest single encoded image of a request (input image), bytes; larger ones are refused INVALID_ARGUMENT"
-            " (HTTP 413) before any is decoded. A gRPC message or an HTTP body is bounded by --max-message-bytes first"
+            " (HTTP 413) before any is decoded; one of up to this size is never refused by --max-message-bytes"
         ),
     )
     max_image_pixels: int = field(

@@ -339,19 +339,19 @@ class Pipeline:
         return [model.info for _, model in sorted(self._models.items())]
 
     def on_serving_change(self, name: str, listener: Callable[[bool], None]) -> None:
-        """Tell `listener(serving)` when the model loses, or gets back, its last working instance."""
-        self._models[name].queue.on_serving_change = listener
+        """Tell `listener(serving)` when the model loses, or gets back, its last working instance (of any tower)."""
+        self._models[name].on_serving_change(listener)
 
     @property
     def ready(self) -> bool:
         """Every discovered model is loaded and has an instance in service, and the server is not draining."""
         loaded = bool(self._states) and all(state.state == "READY" for state in self._states.values())
-        return loaded and not self.draining and all(model.queue.serving for model in self._models.values())
+        return loaded and not self.draining and all(model.serving for model in self._models.values())
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """That model (and version, if given) is loaded and in service, and the server is not draining."""
         model = self._models.get(name)
-        return model is not None and version in ("", model.spec.version) and model.queue.serving and not self.draining
+        return model is not None and version in ("", model.spec.version) and model.serving and not self.draining
 
     def model(self, name: str, version: str = "") -> ModelInfo:
         """What a served model is (its signature, batching and instances); NOT_FOUND or UNAVAILABLE otherwise."""

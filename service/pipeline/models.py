@@ -233,6 +233,19 @@ class ServedModel:
             return (self.queue,)
         return (self.queue, self.image_queue)
 
+    @property
+    def serving(self) -> bool:
+        """Whether the model can run every kind of row now: each of its queues has an instance in service."""
+        return all(queue.serving for queue in self.queues)
+
+    def on_serving_change(self, listener: Callable[[bool], None]) -> None:
+        """Tell `listener(self.serving)` when any of its queues loses, or gets back, its last working instance.
+
+        A stuck image batch takes the model out of service as a stuck text batch does.
+        """
+        for queue in self.queues:
+            queue.on_serving_change = lambda _queue_serving: listener(self.serving)
+
     async def _preprocess(self, images: list[bytes], trace: tracing.RequestTrace | None) -> PixelRows:
         """The images decoded and preprocessed on a worker thread (errors name the image by its index)."""
         started = time.perf_counter()

@@ -2,9 +2,10 @@
 
 The SDK (blocking and asyncio) sends bytes, paths and PIL images, mixed with texts in one call, and its
 answers equal the library that made the folder (tests.export.two_tower_folders' `library_embeddings`); a bad
-item is refused naming its place in the call. The ingestion embeds a folder of images, image files in the order
-given, a Parquet column of paths, and a JSONL column of paths resumed after a SIGKILL of the client: each row
-equals its own image's reference vector, and every image is embedded once across both runs.
+item is refused naming its place in the call. Its rerank with a two-tower model takes an image query or image
+documents and ranks by the cosines of the library's vectors. The ingestion embeds a folder of images, image
+files in the order given, a Parquet column of paths, and a JSONL column of paths resumed after a SIGKILL of the
+client: each row equals its own image's reference vector, and every image is embedded once across both runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from PIL import Image
 from client import AsyncEmbeddingClient, EmbeddingClient, InvalidRequest, MessageTooLarge
 from client.__main__ import main
 from client.images import IMAGE_REQUEST_BYTES, encoded_image, image_batches
+from client.tasks import ModelInfo, rerank_requests
 from export.gate.image_cases import image_cases
 from service.core.fidelity import FIDELITY_MIN_COSINE, cosines
 from service.core.repository import read_model
@@ -134,10 +136,59 @@ def test_a_bad_image_is_refused_naming_its_place_in_the_call(server: RunningServ
 
 
 def test_an_image_past_the_servers_message_limit_is_not_retried(server: RunningServer) -> None:
+    # A server with an image tower receives an image of --max-image-bytes (20 MiB) in a message: past it, the
+    # message limit answers (service.ops.message_limits).
     with EmbeddingClient(server.target, model="clip") as client:
         with pytest.raises(MessageTooLarge, match="Received message larger than max"):
-            client.embed([bytes(3 * 1024 * 1024)])
+            client.embed([bytes(21 * 1024 * 1024)])
         assert client.retries == 0
+
+
+def _cosine_ranked(query: np.ndarray, documents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The documents' order, best first, and their cosines with the query (the library's vectors, in float64)."""
+    unit = documents.astype(np.float64) / np.linalg.norm(documents, axis=1, keepdims=True)
+    scores = unit @ (query.astype(np.float64) / np.linalg.norm(query))
+    order = np.argsort(-scores, kind="stable")
+    return order, scores[order]
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_the_sdk_reranks_with_an_image_query_or_image_documents_by_the_librarys_cosines(
+    server: RunningServer, exported: Path, tmp_path: Path, name: str
+) -> None:
+    images = gate_images(exported, name)[:4]
+    texts = [*TEXTS, "a red square", "x"]
+    expected_images, expected_texts = reference(exported, name, images, texts)
+    (tmp_path / "query.png").write_bytes(images[0])
+    documents = [images[1], tmp_path / "query.png", Image.open(io.BytesIO(images[2])), images[3]]
+    with EmbeddingClient(server.target, model=name, batch_size=2) as client:
+        assert client.model_info().takes_images
+        by_image = client.rerank(tmp_path / "query.png", texts, top_n=3)
+        order, scores = _cosine_ranked(expected_images[0], expected_texts)
+        np.testing.assert_array_equal(by_image.indices, order[:3])
+        np.testing.assert_allclose(by_image.scores, scores[:3], atol=SERVED_MAX_ABS_DIFF)
+        of_images = client.rerank(texts[0], documents)
+        order, scores = _cosine_ranked(expected_texts[0], expected_images[[1, 0, 2, 3]])
+        np.testing.assert_array_equal(of_images.indices, order)
+        np.testing.assert_allclose(of_images.scores, scores, atol=SERVED_MAX_ABS_DIFF)
+        with pytest.raises(InvalidRequest, match=r"inputs\[2\]: image 1 is not a PNG, JPEG, WebP or GIF image"):
+            client.rerank(texts[0], [images[1], b"these bytes are not an image"])
+
+
+def test_a_reranker_without_an_image_tower_refuses_images_before_sending() -> None:
+    reranker = ModelInfo("reranker", ("1",), "classify", {"logits": "FP32"}, None, labels=("relevant",))
+    with pytest.raises(ValueError, match="model reranker reranks texts: images need a two-tower"):
+        rerank_requests(reranker, "a query", ["a text", b"\x89PNG image bytes"], None, 8)
+
+
+async def test_the_asyncio_sdk_reranks_images_as_the_blocking_one(server: RunningServer, exported: Path) -> None:
+    images = gate_images(exported, "clip")[:3]
+    with EmbeddingClient(server.target, model="clip") as blocking:
+        expected = blocking.rerank(images[0], [*TEXTS, images[1], images[2]])
+    async with AsyncEmbeddingClient(server.target, model="clip") as client:
+        ranked = await client.rerank(images[0], [*TEXTS, images[1], images[2]])
+    np.testing.assert_array_equal(ranked.indices, expected.indices)
+    np.testing.assert_array_equal(ranked.scores, expected.scores)
 
 
 def test_an_item_neither_text_nor_image_is_refused_and_a_cmyk_image_goes_as_rgb() -> None:

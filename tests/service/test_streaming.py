@@ -241,7 +241,8 @@ def test_a_stream_past_its_connections_age_answers_every_accepted_request_then_e
 def test_a_connection_outlives_every_stream_begun_on_it(max_connection_age_s: float) -> None:
     # A stream may begin just before its connection's GOAWAY: the grace after it must cover the
     # stream's age and its answer window, with time left to send the last answers.
-    options = dict(grpc_options(Settings(max_connection_age_s=max_connection_age_s)))
+    settings = Settings(max_connection_age_s=max_connection_age_s)
+    options = dict(grpc_options(settings, settings.max_message_bytes))
     grace_s = options["grpc.max_connection_age_grace_ms"] / 1000
     assert grace_s >= max_connection_age_s * STREAM_AGE_SHARE + ANSWER_WINDOW_S + 5
 

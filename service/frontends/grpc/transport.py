@@ -55,7 +55,7 @@ def reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
-def grpc_options(settings: Settings, reuse_port: bool = False) -> list[tuple[str, int]]:
+def grpc_options(settings: Settings, max_receive_bytes: int, reuse_port: bool = False) -> list[tuple[str, int]]:
     """Channel arguments: every limit gRPC itself enforces, set on purpose.
 
     gRPC core keeps calls that arrived before a handler could take them in its own queue, and
@@ -63,10 +63,11 @@ def grpc_options(settings: Settings, reuse_port: bool = False) -> list[tuple[str
     random: a burst then gets CANCELLED, which clients do not retry. That queue is sized far above
     the model queue, so `--max-queue-size` is the bound that answers (RESOURCE_EXHAUSTED); streams
     per connection are capped so one client cannot fill it. `reuse_port`: several front-end
-    processes listen on the port, and the kernel spreads new connections among them.
+    processes listen on the port, and the kernel spreads new connections among them. `max_receive_bytes`:
+    the largest message received (service.ops.message_limits).
     """
     options = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.max_send_message_length", max_send_bytes(settings)),
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
         ("grpc.server.max_pending_requests", settings.max_pending_rpcs),

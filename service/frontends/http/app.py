@@ -320,7 +320,7 @@ class HttpApp:
             work.cancel()  # when this task itself is cancelled (a drain past its grace period)
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
-        """The whole body, refused (413) as soon as it is known to exceed --max-message-bytes."""
+        """The whole body, refused (413) as soon as it is known to exceed max_body_bytes (ops.message_limits)."""
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             self._too_large(int(declared))
@@ -340,7 +340,7 @@ class HttpApp:
     def _too_large(self, size: int) -> None:
         raise RequestTooLarge(
             f"the request body is {size} bytes or more, over the limit of {self.max_body_bytes} bytes"
-            " (--max-message-bytes)",
+            " (--max-message-bytes, raised to carry an image of --max-image-bytes where a model takes images)",
             "message_too_large",
         )
 

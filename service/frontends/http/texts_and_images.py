@@ -1,8 +1,9 @@
 """Texts and images in one HTTP request to a two-tower model: each kind's inference, the vectors in the items' order.
 
 An engine request carries texts or images, never both (service.pipeline.validation). A route whose request mixes
-them (Cohere's `inputs`, a rerank's image query among text documents, /similarity's image sentences) runs the texts'
-inference and the images' inside one envelope and reads each output back in the items' order. A refusal naming a
+them (OpenAI's and Cohere's `inputs`, a rerank's image query among text documents, /similarity's image sentences)
+runs the texts' inference and the images' as the parts of one request (the envelope's `inferences`: counted once,
+its tenant admitted and charged once) and reads each output back in the items' order. A refusal naming a
 text or an image by its place in its own inference is renamed by that item's place in the request.
 """
 
@@ -80,7 +81,7 @@ async def embedded(
     place: Callable[[int], str],
     max_inputs: int,
 ) -> AsyncIterator[ItemsEmbedded]:
-    """The items run as one inference per kind (`request_for` makes each), held until the answer is written.
+    """The items run as one request of one inference per kind (`request_for` makes each), held until answered.
 
     Texts alone run as one inference whose refusals stay as the engine words them. Where images are among the
     items, a refusal naming one of them is renamed `place(index)` (its place in the request), and the request's
@@ -97,12 +98,10 @@ async def embedded(
             "too_many_inputs",
         )
     kinds = [kind for kind in (str, bytes) if places[kind]]
+    parts = [request_for(items_tensor([items[index] for index in places[kind]])) for kind in kinds]
     async with AsyncExitStack() as stack:
-        runs = []
         try:
-            for kind in kinds:
-                request = request_for(items_tensor([items[index] for index in places[kind]]))
-                runs.append(await stack.enter_async_context(envelope.inference(request)))
+            runs = await stack.enter_async_context(envelope.inferences(parts))
         except ServiceError as error:
             raise _named_by_place(error, places, place) from error
         order = np.argsort(np.array([index for kind in kinds for index in places[kind]]), kind="stable")
