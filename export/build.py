@@ -402,6 +402,7 @@ def export_model(
     options = _gated_options(checkpoint, options)
     with tempfile.TemporaryDirectory(prefix="encoder-export-", dir=scratch) as workdir:
         stage("load checkpoint")
+        checkpoint = library_tokenizer.with_converted_tokenizer(checkpoint, Path(workdir))
         checkpoint = library_tokenizer.with_library_tokenizer(checkpoint, Path(workdir), options.sentences)
         build = _Build(checkpoint, options, Path(workdir), stage)
         # What needs PyTorch runs first, one model at a time: the libraries' models, then ours, which is let go

@@ -7,8 +7,9 @@ file. sentence-transformers, PyLate and FlagEmbedding all tokenise through trans
 repository ships that tokenizer (its `backend_tokenizer`, a `tokenizers` pipeline), and when it
 differs from the folder's file the export says so in one line: the first input that tokenises
 differently and both token sequences. A folder that ships no tokenizer.json (CLIP's vocab.json and
-merges.txt) is served the pipeline transformers builds from its vocabulary (`with_converted_tokenizer`),
-or refused where transformers tokenises it in Python alone (SigLIP's spiece.model).
+merges.txt, an older BERT's vocab.txt) is served the pipeline transformers builds from its vocabulary
+(`with_converted_tokenizer`, for text and two-tower models alike), or refused where transformers tokenises it in
+Python alone (SigLIP's spiece.model).
 """
 
 from __future__ import annotations

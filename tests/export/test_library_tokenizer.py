@@ -17,6 +17,7 @@ import pytest
 import torch
 from sentence_transformers import CrossEncoder
 from tokenizers import Tokenizer
+from transformers import AutoTokenizer
 
 from export.build import ExportOptions, export_model
 from export.checkpoints.checkpoint import load_checkpoint
@@ -132,3 +133,25 @@ def test_served_logits_equal_cross_encoders_on_these_texts(exported: tuple[Path,
     cross_encoder = CrossEncoder(str(source), device="cpu", local_files_only=True)
     expected = cross_encoder.predict(pairs, activation_fn=torch.nn.Identity(), show_progress_bar=False)
     assert abs(logits.reshape(-1) - expected.reshape(-1)).max() <= 1e-4
+
+
+def test_a_folder_with_a_vocabulary_and_no_tokenizer_json_is_served_the_librarys_pipeline(tmp_path: Path) -> None:
+    """A BERT folder with vocab.txt only (as older checkpoints ship it): transformers' pipeline is published."""
+    source = tiny_models.save_model("bert", tmp_path / "source")
+    vocabulary = json.loads((source / "tokenizer.json").read_text())["model"]["vocab"]
+    by_id = sorted(vocabulary, key=vocabulary.__getitem__)
+    (source / "vocab.txt").write_text("".join(f"{token}\n" for token in by_id))
+    (source / "tokenizer.json").unlink()
+    texts = tiny_models.training_sentences()[:8]
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("\n".join(texts) + "\n")
+    options = ExportOptions(variants=("fp32",), sentences=sentences)
+    report = export_model(load_checkpoint(source, name="vocabulary"), tmp_path / "repository", options)
+    published = tmp_path / "repository" / "vocabulary"
+    assert (published / "tokenizer.json").is_file()
+    served = TextTokenizer.of_model(read_model(published)).encode(texts)
+    library = AutoTokenizer.from_pretrained(str(source))
+    assert [ids[mask == 1].tolist() for ids, mask in zip(served.input_ids, served.attention_mask, strict=True)] == [
+        library(text)["input_ids"] for text in texts
+    ]
+    assert report["variants"]["fp32"]["reference_library"]["passed"]
