@@ -35,9 +35,9 @@ from PIL import Image
 from export.families.two_tower import TwoTowerConfig
 from export.gate.cases import row_label
 from export.gate.image_cases import ImageCase
+from export.gate.verdicts import device_defaults
 from export.layers.vision import TwoTowerModel
 from service.core.fidelity import FIDELITY_MIN_COSINE, VARIANT_MIN_COSINE, cosines
-from service.core.runtime import CUDA
 from service.pipeline.images import ImagePreprocessor
 from service.pipeline.tokenizer import TextTokenizer
 
@@ -257,32 +257,18 @@ def check_variant(
 def preferred_variants(
     fp16: dict[str, TowerFigures] | None, provider: str | None, withdrawn: str | None, cuda_problem: str | None
 ) -> dict[str, dict[str, object]]:
-    """The default per device under the fidelity rule, with what it rests on (export.gate.verdicts' rule, per tower).
+    """The default per device under the fidelity rule, as a text model's (export.gate.verdicts.device_defaults).
 
-    CPU: fp32 (int8 is only ever an explicit choice). CUDA: fp16 where both towers' fp16 graphs measured >= the
-    fidelity rule against the fp32 towers, else fp32; measured on the CPU only where CUDA cannot run here (said,
-    and the server checks fp16 again on CUDA at load). fp16: its towers' figures, None where it was not built;
-    withdrawn: why it was withdrawn, if it was.
+    fp16 meets the rule where both towers' fp16 graphs measured >= it against the fp32 towers. fp16: its towers'
+    figures, None where it was not built; withdrawn: why it was withdrawn, if it was.
     """
-    choices: dict[str, dict[str, object]] = {
-        "cpu": {"variant": "fp32", "basis": "fidelity rule: fp32 on the CPU; int8 only by explicit choice"}
-    }
     if fp16 is None or withdrawn is not None:
-        basis = f"fp16 not published: {withdrawn}" if withdrawn is not None else "fp16 not built"
-        choices["cuda"] = {"variant": "fp32", "basis": basis}
-        return choices
+        return device_defaults(None, f"fp16 not published: {withdrawn}" if withdrawn is not None else "")
     tower, measured = min(
         ((name, figures.figures["graph_vs_model"]["min_cosine"]) for name, figures in fp16.items()),
         key=lambda pair: pair[1],
     )
     meets = measured >= FIDELITY_MIN_COSINE
-    where = f"measured on {provider}"
-    if provider != CUDA:
-        where += f" only, not CUDA ({cuda_problem}); the server re-checks fp16 on CUDA at load"
-    figure = f"{measured:.6f} {'>=' if meets else '<'} {FIDELITY_MIN_COSINE} ({tower} tower)"
-    choices["cuda"] = {
-        "variant": "fp16" if meets else "fp32",
-        "basis": f"fp16 min cosine to the model {figure}, {where}",
-        "fp16_checked_on_cuda": provider == CUDA,
-    }
-    return choices
+    rule = f"{'>=' if meets else '<'} {FIDELITY_MIN_COSINE}"
+    figure = f"fp16 min cosine to the model {measured:.6f} {rule} ({tower} tower)"
+    return device_defaults((meets, figure, str(provider)), cuda_problem=cuda_problem)

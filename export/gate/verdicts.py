@@ -125,22 +125,30 @@ def fidelity_basis(gate: VariantGate, variant: str) -> tuple[bool, str]:
 def preferred_variants(
     gate: VariantGate, published: list[str], withdrawn: dict[str, str], cuda_problem: str | None
 ) -> dict[str, dict[str, object]]:
-    """The default per device under the fidelity rule, with what it rests on.
+    """The default per device under the fidelity rule, with what it rests on (device_defaults on the gate's fp16)."""
+    if "fp16" not in published:
+        return device_defaults(None, f"fp16 not published: {withdrawn['fp16']}" if "fp16" in withdrawn else "")
+    meets, figure = fidelity_basis(gate, "fp16")
+    return device_defaults((meets, figure, gate.results["fp16"].provider), cuda_problem=cuda_problem)
 
-    CPU: fp32 (int8 is only ever an explicit choice). CUDA: fp16 where its served embeddings
-    measured >= the fidelity rule, else fp32 (and fp32 where fp16 was not built or was withdrawn,
-    saying why). When fp16 could only be measured on the CPU, that is said, and the server checks it
-    again on CUDA at load.
+
+def device_defaults(
+    fp16: tuple[bool, str, str] | None, unpublished: str = "", cuda_problem: str | None = None
+) -> dict[str, dict[str, object]]:
+    """The fidelity rule's default per device, with what it rests on (a text model's, or both towers' together).
+
+    CPU: fp32 (int8 is only ever an explicit choice). CUDA: fp16 where it measured >= the fidelity rule, else
+    fp32. fp16: whether it meets the rule, the figure it rests on and the provider it was measured on; None where
+    it was not published (`unpublished` says why; "": not built). When fp16 could only be measured on the CPU,
+    that is said (`cuda_problem`), and the server checks it again on CUDA at load.
     """
     choices: dict[str, dict[str, object]] = {
         "cpu": {"variant": "fp32", "basis": "fidelity rule: fp32 on the CPU; int8 only by explicit choice"}
     }
-    if "fp16" not in published:
-        basis = f"fp16 not published: {withdrawn['fp16']}" if "fp16" in withdrawn else "fp16 not built"
-        choices["cuda"] = {"variant": "fp32", "basis": basis}
+    if fp16 is None:
+        choices["cuda"] = {"variant": "fp32", "basis": unpublished or "fp16 not built"}
         return choices
-    meets, figure = fidelity_basis(gate, "fp16")
-    provider = gate.results["fp16"].provider
+    meets, figure, provider = fp16
     where = f"measured on {provider}"
     if provider != CUDA:
         where += f" only, not CUDA ({cuda_problem}); the server re-checks fp16 on CUDA at load"
